@@ -1,0 +1,31 @@
+# The two commands of the README: `make demo` (set up, then run the embedded search demo)
+# and `make test` (set up, then run the test suite). Both create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+# Re-install only when the dependency files change. constraints.txt pins torch 2.14.1 /
+# torchvision 0.29.1 and the Ray / MLflow / Optuna / decord versions CI runs.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+# Unit tests only (no Ray session, no end-to-end search).
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+demo: install
+	$(PY) tune/search.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
