@@ -1,0 +1,200 @@
+"""What a trial costs beyond its training, on this machine: prints a table.
+
+Measures, with N repetitions each:
+  - `ray.init` of a local Ray (or the connection to `--address`);
+  - a plain Ray Tune function trial that does nothing (Tuner.fit total, and the time until the
+    first line of the trial function runs);
+  - a Tune trial that builds a Ray Train `TorchTrainer` with an empty training loop, as every
+    vidtune trial does: Tuner.fit total, start of the trial function, `trainer.fit()` to the first
+    line of the worker function (controller, worker actors, process group), last line of the
+    worker function to `fit()` returning (mostly Train's health-check poll), `fit()` total.
+
+Compare the last numbers with a trial's epoch time to see how much of a short search is overhead.
+
+    python bench/trial_overhead.py                       # 3 repetitions on a local 2-CPU Ray
+    python bench/trial_overhead.py --repeats 5 --train-workers 2 --num-cpus 4
+    python bench/trial_overhead.py --health-check-interval-s 2   # Ray's default poll, for comparison
+    python bench/trial_overhead.py --address auto        # on a running cluster (skips the init rows)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of each measurement (default 3)")
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (ignored with --address; default 2)")
+    p.add_argument("--train-workers", type=int, default=1, help="Ray Train workers in the TorchTrainer trial (default 1)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs each Train worker asks for (default 1)")
+    p.add_argument("--trial-cpus", type=float, default=0.25,
+                   help="CPU share of the Tune trial function itself, as vidtune gives it (default 0.25)")
+    p.add_argument("--health-check-interval-s", type=float, default=0.5,
+                   help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (vidtune sets 0.5; Ray's default is 2)")
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one (e.g. auto)")
+    p.add_argument("--storage", default=None, help="storage_path for the trials (default: a temporary folder)")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag, value, ok in (
+        ("--repeats", args.repeats, args.repeats >= 1),
+        ("--num-cpus", args.num_cpus, args.num_cpus >= 1),
+        ("--train-workers", args.train_workers, args.train_workers >= 1),
+        ("--cpus-per-worker", args.cpus_per_worker, args.cpus_per_worker > 0),
+        ("--trial-cpus", args.trial_cpus, args.trial_cpus > 0),
+        ("--health-check-interval-s", args.health_check_interval_s, args.health_check_interval_s > 0),
+    ):
+        if not ok:
+            raise SystemExit(f"{flag}: got {value}; it must be > 0 (--repeats, --num-cpus, --train-workers: integers >= 1)")
+    if args.address is None and args.train_workers * args.cpus_per_worker + args.trial_cpus > args.num_cpus:
+        raise SystemExit(
+            f"--train-workers {args.train_workers} x --cpus-per-worker {args.cpus_per_worker} + --trial-cpus "
+            f"{args.trial_cpus} needs more than --num-cpus {args.num_cpus}: the trial would wait forever; "
+            "raise --num-cpus or lower the others"
+        )
+
+
+def _noop_trial(config: dict) -> None:
+    from ray import tune
+
+    tune.report({"t_first_line": time.time()})
+
+
+def _empty_loop_per_worker(config: dict) -> None:
+    import ray.train
+
+    first = time.time()
+    # One report, as every real epoch makes; TuneReportCallback forwards rank 0's to Tune.
+    ray.train.report({"t_worker_first_line": first, "t_worker_last_line": time.time()})
+
+
+def _torch_trainer_trial(config: dict) -> None:
+    """The Tune trial function: one TorchTrainer named after the trial, as tune/search.py does."""
+    import ray.train
+    from ray import tune
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    first = time.time()
+    trainer = TorchTrainer(
+        _empty_loop_per_worker,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config["train_workers"], resources_per_worker={"CPU": config["cpus_per_worker"]}
+        ),
+        run_config=ray.train.RunConfig(
+            name=tune.get_context().get_trial_id(), storage_path=config["storage"], callbacks=[TuneReportCallback()]
+        ),
+    )
+    fit_start = time.time()
+    trainer.fit()
+    tune.report({"t_first_line": first, "t_fit_start": fit_start, "t_fit_end": time.time()})
+
+
+def _run_tuner(trainable, *, trial_cpus: float, storage: str, config: dict, name: str) -> tuple[float, dict]:
+    from ray import tune
+
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, {"cpu": trial_cpus}),
+        param_space=config,
+        tune_config=tune.TuneConfig(num_samples=1),
+        run_config=tune.RunConfig(name=name, storage_path=storage, verbose=0),
+    )
+    start = time.time()
+    grid = tuner.fit()
+    total = time.time() - start
+    result = grid[0]
+    if result.error:
+        raise SystemExit(f"the {name} trial failed: {result.error}")
+    # Every report of the trial, in order: the worker's (forwarded by TuneReportCallback), then
+    # the trial function's own last one.
+    merged: dict = {}
+    for row in result.metrics_dataframe.to_dict("records"):
+        merged.update({k: v for k, v in row.items() if k.startswith("t_") and v == v})
+    out = {"start_to_first_line_s": merged["t_first_line"] - start}
+    if "t_fit_start" in merged:
+        out["fit_to_worker_s"] = merged["t_worker_first_line"] - merged["t_fit_start"]
+        out["worker_end_to_fit_return_s"] = merged["t_fit_end"] - merged["t_worker_last_line"]
+        out["fit_total_s"] = merged["t_fit_end"] - merged["t_fit_start"]
+    return total, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_args(args)
+    # Read by Train's controller when it starts, so set before Ray does.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    import ray
+
+    from trainer.launch import init_ray
+
+    # (label, seconds per repetition), in print order.
+    rows: dict[str, list[float]] = {}
+    init_times = []
+    rounds = 1 if args.address else args.repeats
+    for i in range(rounds):
+        start = time.time()
+        init_ray(address=args.address, num_cpus=None if args.address else args.num_cpus,
+                 log_to_driver=False)
+        init_times.append(time.time() - start)
+        if i < rounds - 1:
+            ray.shutdown()
+    rows["ray.init (connect to --address)" if args.address else f"ray.init (local, {args.num_cpus} CPUs)"] = init_times
+
+    plain = "plain Tune function trial"
+    trainer = f"TorchTrainer trial, empty loop, {args.train_workers} worker(s)"
+    with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
+        storage = args.storage or tmp
+        config = {"train_workers": args.train_workers, "cpus_per_worker": args.cpus_per_worker, "storage": storage}
+        for i in range(args.repeats):
+            total, m = _run_tuner(_noop_trial, trial_cpus=args.trial_cpus, storage=storage, config={}, name=f"noop-{i}")
+            rows.setdefault(f"{plain}: Tuner.fit total", []).append(total)
+            rows.setdefault(f"{plain}: Tuner.fit -> trial function starts", []).append(m["start_to_first_line_s"])
+        for i in range(args.repeats):
+            total, m = _run_tuner(_torch_trainer_trial, trial_cpus=args.trial_cpus, storage=storage, config=config,
+                                  name=f"trainer-{i}")
+            rows.setdefault(f"{trainer}: Tuner.fit total", []).append(total)
+            rows.setdefault(f"{trainer}: Tuner.fit -> trial function starts", []).append(m["start_to_first_line_s"])
+            rows.setdefault(f"{trainer}: trainer.fit -> worker function starts", []).append(m["fit_to_worker_s"])
+            rows.setdefault(f"{trainer}: worker function ends -> fit returns", []).append(m["worker_end_to_fit_return_s"])
+            rows.setdefault(f"{trainer}: trainer.fit total", []).append(m["fit_total_s"])
+    ray.shutdown()
+    print(format_table(rows, args))
+    return 0
+
+
+def format_table(rows: dict[str, list[float]], args: argparse.Namespace) -> str:
+    """One line per step: mean / min / max seconds over the repetitions; trial rows grouped."""
+    lines = [
+        f"\nTrial overhead on this machine ({os.cpu_count()} cores; Train workers: {args.train_workers} x "
+        f"{args.cpus_per_worker} CPU; trial function: {args.trial_cpus} CPU; health check every "
+        f"{args.health_check_interval_s} s)\n",
+        f"{'step':<58} {'mean_s':>7} {'min_s':>7} {'max_s':>7} {'n':>3}",
+        "-" * 86,
+    ]
+    group = None
+    for label, values in rows.items():
+        head, _, step = label.partition(": ")
+        if step:
+            if head != group:
+                lines.append(head)
+                group = head
+            label = "  " + step
+        lines.append(f"{label:<58} {statistics.mean(values):>7.2f} {min(values):>7.2f} {max(values):>7.2f} "
+                     f"{len(values):>3}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,550 @@
+"""Probe every video of a dataset once, keep the ones that decode, cache the result.
+
+`build_index(cfg)` runs `layouts.discover`, probes each new or changed file in worker processes
+(each probe under `cfg.probe_timeout_s`: decord can hang or crash on a broken file and cannot be
+interrupted in-process, so a stuck worker is killed and replaced), leaves out files that cannot
+be used (listed with the reason), and caches the probe results keyed by path, size and mtime.
+
+Check a dataset before a long search:  python -m datasets.index ROOT
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from multiprocessing import connection, get_context
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run by path: make this project's `datasets` win over Hugging Face's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datasets.config import DataConfig
+from datasets.errors import DataError
+from datasets.layouts import LAYOUTS, OWN_FILE_PREFIX, discover
+from datasets.records import DroppedVideo, VideoInfo
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+CACHE_FILE = OWN_FILE_PREFIX + ".json"   # in the dataset folder, hidden from discovery
+_MAX_LISTED = 25                         # dropped files named in one error message
+_PROBE_KEYS = ("num_frames", "claimed_frames", "fps", "width", "height")
+_START_TIMEOUT_S = 120.0                 # a worker that has not started by then is broken
+
+
+# ---------------------------------------------------------------------------------------------
+# probing one file (runs in a worker process)
+
+def probe_video(path: str) -> dict[str, Any]:
+    """Open `path` with decord and find how many frames really decode.
+
+    Returns {"num_frames", "claimed_frames", "fps", "width", "height"} or {"error": reason}.
+    A container can claim more frames than decode (decord #373 loops forever seeking past the
+    real end), so frame 0 and the last claimed frame are decoded, and when the last one fails
+    a bisection finds the last index that decodes.
+    """
+    size = os.stat(path).st_size
+    if size == 0:
+        return {"error": "empty file (0 bytes)"}
+    import decord
+
+    def open_reader():
+        return decord.VideoReader(path, num_threads=1)
+
+    try:
+        reader = open_reader()
+        claimed = len(reader)
+        fps = float(reader.get_avg_fps())
+    except Exception as e:  # decord raises DECORDError, RuntimeError or AssertionError
+        return {"error": f"cannot be opened as a video ({_short(e)})"}
+
+    def decodes(i: int) -> tuple[bool, Any]:
+        nonlocal reader
+        # Two tries: decord reads packets ahead in a thread, so damage *after* frame i can make
+        # the read of frame i fail or not depending on timing; a fresh reader per try.
+        for _ in range(2):
+            try:
+                return True, reader.get_batch([i]).shape
+            except Exception:
+                reader = open_reader()  # a failed seek can leave the decoder in a bad state
+        return False, None
+
+    ok, shape = decodes(0)
+    if not ok:
+        return {"error": f"the first frame does not decode ({claimed} frames claimed)"}
+    last = claimed - 1
+    if last > 0 and not decodes(last)[0]:
+        good, bad = 0, last
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if decodes(mid)[0]:
+                good = mid
+            else:
+                bad = mid
+        last = good
+    _, height, width, _ = shape
+    return {"num_frames": last + 1, "claimed_frames": claimed,
+            "fps": fps if fps == fps and fps > 0 else 0.0, "width": int(width), "height": int(height)}
+
+
+def _short(e: BaseException) -> str:
+    """The useful last line of a decord error, without its C++ source location."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    if lines[-1].startswith("Error reading "):   # decord's whole message when FFmpeg rejects the file
+        return "not a video format FFmpeg recognises, or the file is damaged"
+    text = lines[-1].split("] ", 1)[-1]
+    text = text.split(": ", 1)[-1] if ".cc:" in text else text
+    return text[:160]
+
+
+# ---------------------------------------------------------------------------------------------
+# a process pool whose stuck tasks can be killed
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: connection.Connection
+    task: int | None = None
+    deadline: float = 0.0
+
+
+def _worker_main(conn: connection.Connection, fn: Callable) -> None:
+    # FFmpeg prints a line per damaged packet to fd 2; the index lists the reason instead.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        i, args = task
+        try:
+            out = ("ok", fn(*args))
+        except Exception as e:
+            out = ("error", f"{type(e).__name__}: {e}")
+        conn.send((i, out))
+
+
+def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int,
+             on_done: Callable[[int], None] | None = None) -> list[tuple[str, Any]]:
+    """Run `fn(*task)` for every task in `workers` spawned processes, each call under `timeout_s`.
+
+    Returns one outcome per task, in order: ("ok", result), ("error", message) for an exception,
+    ("timeout", None) when the call was killed after `timeout_s`, or ("crashed", exit code) when
+    the process died (a decoder segfault). Stuck or dead workers are replaced, so one bad file
+    never stops the others. `fn` must be importable (a module-level function).
+    """
+    ctx = get_context("spawn")   # fork would copy Ray's / torch's threads into the child
+    pending = deque(range(len(tasks)))
+    results: list[tuple[str, Any] | None] = [None] * len(tasks)
+    pool: list[_Worker] = []
+
+    def start() -> None:
+        # Workers start in parallel (~0.5 s each to spawn); the first message says it is ready.
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
+        proc.start()
+        child.close()
+        pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S))
+
+    def assign(w: _Worker) -> None:
+        w.task = pending.popleft() if pending else None
+        if w.task is not None:
+            w.conn.send((w.task, tasks[w.task]))
+            w.deadline = time.monotonic() + timeout_s
+
+    def retire(w: _Worker, outcome: tuple[str, Any]) -> None:
+        w.proc.kill()
+        w.proc.join()
+        w.conn.close()
+        pool.remove(w)
+        if w.task == -1:
+            raise RuntimeError(f"a probe worker process did not start ({outcome[0]}, exit code "
+                               f"{w.proc.exitcode})")
+        results[w.task] = outcome
+        if on_done:
+            on_done(w.task)
+        if pending:
+            start()
+
+    try:
+        for _ in range(min(workers, len(tasks))):
+            start()
+        while any(w.task is not None for w in pool):
+            busy = [w for w in pool if w.task is not None]
+            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = connection.wait([w.conn for w in busy], timeout=wait_s)
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        message = w.conn.recv()
+                    except (EOFError, OSError):
+                        w.proc.join(5)
+                        retire(w, ("crashed", w.proc.exitcode))
+                        continue
+                    if message != "ready":
+                        results[w.task] = message[1]
+                        if on_done:
+                            on_done(w.task)
+                    assign(w)
+                elif time.monotonic() >= w.deadline:
+                    log.warning("task %d exceeded %.1fs; killing its worker process", w.task, timeout_s)
+                    retire(w, ("timeout", None))
+    finally:
+        for w in pool:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in pool:
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join()
+            w.conn.close()
+    return results  # type: ignore[return-value]
+
+
+def _probe_files(paths: list[Path], *, timeout_s: float, workers: int,
+                 progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Probe result per path, with pool failures turned into {"error": reason}."""
+    done = [0]
+
+    def on_done(_: int) -> None:
+        done[0] += 1
+        if progress:
+            progress(done[0], len(paths))
+
+    outcomes = run_pool(probe_video, [(str(p),) for p in paths], timeout_s=timeout_s,
+                        workers=workers, on_done=on_done)
+    results = []
+    for kind, value in outcomes:
+        if kind == "ok":
+            results.append(value)
+        elif kind == "timeout":
+            results.append({"error": f"probe timed out after {timeout_s:g}s (the decoder hangs on this "
+                                     "file; re-encode it, or raise --probe-timeout-s)", "timeout_s": timeout_s})
+        elif kind == "crashed":
+            results.append({"error": f"the decoder crashed on this file (worker exit code {value})"})
+        else:
+            results.append({"error": f"probe failed: {value}"})
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache: {"version": 1, "entries": {key: {"size", "mtime_ns", "probe"}}}
+
+def cache_paths(cfg: DataConfig, root: Path) -> list[Path]:
+    """Where the index cache is read and written, in order of preference."""
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:16]
+    if cfg.cache_dir:
+        return [Path(cfg.cache_dir).expanduser() / f"index-{digest}.json"]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vidtune"
+    return [root / CACHE_FILE, home / f"index-{digest}.json"]
+
+
+def _cache_key(path: Path, root: Path) -> str:
+    # Relative keys let the cache travel with a dataset folder that is moved or mounted elsewhere.
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable index cache %s (%s)", path, e)
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_cache(candidates: list[Path], entries: dict[str, dict], root: Path) -> Path | None:
+    """Merge `entries` into the first writable cache file, atomically; None if none is writable."""
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Another process (a Ray worker) may have written since we read: keep its entries.
+            merged = {k: v for k, v in _read_cache(path).items() if (root / k).exists()}
+            merged.update(entries)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump({"version": CACHE_VERSION, "root": str(root), "entries": merged}, f)
+                os.replace(tmp, path)   # atomic: readers see the old or the new file, never half
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            return path
+        except OSError as e:
+            log.info("cannot write the index cache %s (%s)", path, e)
+    log.warning("index cache not written (tried %s)", ", ".join(map(str, candidates)))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the index
+
+@dataclass(frozen=True)
+class VideoIndex:
+    """The usable videos of a dataset, per split, and the ones left out with the reason."""
+
+    layout: str
+    class_names: dict[int, str]          # {1: violent class name, 0: the other}
+    train: list[VideoInfo]
+    val: list[VideoInfo]
+    dropped: list[DroppedVideo]
+    root: Path | None = None             # dataset folder; paths in the summary are relative to it
+    manifest: Path | None = None         # the CSV manifest (csv layout)
+    skipped: dict[str, int] = field(default_factory=dict)       # non-video files: reason -> count
+    overstated: list[tuple[Path, int, int]] = field(default_factory=list)  # (path, claimed, decoding)
+    probed: int = 0                      # files probed in this build
+    cached: int = 0                      # files whose probe came from the cache
+    cache_path: Path | None = None
+
+    def _rel(self, p: Path) -> str:
+        try:
+            return p.relative_to(self.root).as_posix() if self.root else str(p)
+        except ValueError:
+            return str(p)
+
+    def summary(self) -> str:
+        """A human-readable report: layout, counts per split and class, every dropped file."""
+        names = [self.class_names[1], self.class_names[0]]
+        where = f", manifest {self._rel(self.manifest)}" if self.manifest else ""
+        lines = [f"Dataset {self.root}  (layout {self.layout}{where})",
+                 f"Violent class (label 1): {names[0]}; other class (label 0): {names[1]}", ""]
+        width = max(8, *(len(n) + 2 for n in names))
+        lines.append("split".ljust(7) + "".join(n.rjust(width) for n in names) + "total".rjust(8))
+        for split, infos in (("train", self.train), ("val", self.val)):
+            counts = Counter(v.label for v in infos)
+            lines.append(split.ljust(7) + str(counts[1]).rjust(width) + str(counts[0]).rjust(width)
+                         + str(len(infos)).rjust(8))
+        usable = self.train + self.val
+        if usable:
+            frames = [v.num_frames for v in usable]
+            sizes = Counter(f"{v.width}x{v.height}" for v in usable).most_common(3)
+            fps = statistics.median(v.fps for v in usable)
+            lines.append(f"\nFrames per video min/median/max {min(frames)}/{int(statistics.median(frames))}/"
+                         f"{max(frames)}, median {fps:.3g} fps, sizes "
+                         + ", ".join(f"{s} ({n})" for s, n in sizes))
+        total = len(usable) + len(self.dropped)
+        if self.dropped:
+            lines.append(f"\nDropped {len(self.dropped)} of {_plural(total, 'video')} (left out; the rest are used):")
+            lines += [f"  {self._rel(d.path)}: {d.reason}" for d in self.dropped]
+        if self.overstated:
+            verb = "decodes" if len(self.overstated) == 1 else "decode"
+            lines.append(f"\n{_plural(len(self.overstated), 'video')} {verb} fewer frames than the container claims "
+                         "(the decodable count is used):")
+            lines += [f"  {self._rel(p)}: {n} of {claimed} frames" for p, claimed, n in self.overstated]
+        if self.skipped:
+            lines.append("\nSkipped (not used): " + ", ".join(
+                f"{n} " + (what if n == 1 else re.sub(r"\b(file|row)\b", r"\1s", what, count=1))
+                for what, n in sorted(self.skipped.items())))
+        where = f" ({self.cache_path})" if self.cache_path else " (cache off)"
+        lines.append(f"\nProbed {_plural(self.probed, 'video')}, {self.cached} from the cache{where}")
+        return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _check_options(cfg: DataConfig, workers: int | None) -> int:
+    if cfg.min_frames < 1:
+        raise DataError(f"min_frames (--min-frames) must be at least 1; got {cfg.min_frames}")
+    if not cfg.probe_timeout_s > 0:
+        raise DataError(f"probe_timeout_s (--probe-timeout-s) must be positive; got {cfg.probe_timeout_s}")
+    if workers is not None and workers < 1:
+        raise DataError(f"workers (--workers) must be at least 1; got {workers}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return workers or min(cores, 8)
+
+
+def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool = True,
+                progress: Callable[[int, int], None] | None = None) -> VideoIndex:
+    """Discover, probe (new or changed files only, `workers` processes) and check a dataset.
+
+    Unreadable files and files with fewer than `cfg.min_frames` decodable frames are left out
+    and listed in `.dropped`; a DataError is raised only when a split or class ends up empty
+    (naming the files dropped from it and why). `progress(done, total)` is called per probe.
+    """
+    n_workers = _check_options(cfg, workers)
+    disc = discover(cfg)
+    candidates = cache_paths(cfg, disc.root) if use_cache else []
+    cache: dict[str, dict] = {}
+    read_from = None
+    for path in candidates:
+        cache = _read_cache(path)
+        if cache:
+            read_from = path
+            break
+    probes: dict[Path, dict] = {}
+    stats: dict[Path, os.stat_result] = {}
+    todo: list[Path] = []
+    for item in disc.items:
+        try:
+            stats[item.path] = st = os.stat(item.path)
+        except OSError as e:
+            probes[item.path] = {"error": f"file not found ({e.strerror})"}
+            continue
+        hit = cache.get(_cache_key(item.path, disc.root))
+        if (_valid_entry(hit) and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns
+                and hit["probe"].get("timeout_s", cfg.probe_timeout_s) >= cfg.probe_timeout_s):
+            probes[item.path] = hit["probe"]
+        else:
+            todo.append(item.path)
+    cached = len(probes) - sum(p not in stats for p in probes)
+    if todo:
+        for path, result in zip(todo, _probe_files(todo, timeout_s=cfg.probe_timeout_s,
+                                                   workers=n_workers, progress=progress)):
+            probes[path] = result
+    cache_path = None
+    if candidates and (todo or not cache):
+        fresh = {_cache_key(p, disc.root): {"size": stats[p].st_size, "mtime_ns": stats[p].st_mtime_ns,
+                                            "probe": probes[p]} for p in stats}
+        cache_path = _write_cache(candidates, fresh, disc.root)
+    elif candidates:
+        cache_path = read_from
+    return _assemble(disc, probes, cfg, probed=len(todo), cached=cached, cache_path=cache_path)
+
+
+def _valid_entry(entry: Any) -> bool:
+    """A cache entry as written by this version (a hand-edited or foreign file is re-probed)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("probe"), dict):
+        return False
+    probe = entry["probe"]
+    return ("size" in entry and "mtime_ns" in entry
+            and (isinstance(probe.get("error"), str) or all(k in probe for k in _PROBE_KEYS)))
+
+
+def _assemble(disc, probes: dict[Path, dict], cfg: DataConfig, **counts) -> VideoIndex:
+    infos: list[VideoInfo] = []
+    dropped: list[DroppedVideo] = []
+    overstated = []
+    item_of = {}
+    for item in disc.items:
+        r = probes[item.path]
+        item_of[item.path] = item
+        if "error" in r:
+            dropped.append(DroppedVideo(item.path, r["error"]))
+        elif r["num_frames"] < cfg.min_frames:
+            dropped.append(DroppedVideo(item.path, f"only {r['num_frames']} frames decode, fewer than "
+                                                   f"min_frames={cfg.min_frames} (--min-frames)"))
+        else:
+            fps = r["fps"]
+            infos.append(VideoInfo(item.path, item.label, item.split, r["num_frames"], fps, r["width"],
+                                   r["height"], r["num_frames"] / fps if fps > 0 else 0.0))
+            if r["num_frames"] < r["claimed_frames"]:
+                overstated.append((item.path, r["claimed_frames"], r["num_frames"]))
+    index = VideoIndex(disc.layout, disc.class_names, [v for v in infos if v.split == "train"],
+                       [v for v in infos if v.split == "val"], dropped, disc.root, disc.manifest, disc.skipped,
+                       overstated, **counts)
+    _check_no_empty_cell(index, disc, item_of)
+    return index
+
+
+def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
+    """DataError when a (split, class) has no usable video, naming the files dropped from it."""
+    infos = index.train + index.val
+    dropped = index.dropped
+    for split in ("train", "val"):
+        for label, name in disc.class_names.items():
+            if any(v.split == split and v.label == label for v in infos):
+                continue
+            lost = [d for d in dropped if item_of[d.path].split == split and item_of[d.path].label == label]
+            if not lost:
+                raise DataError(f"no {name} videos in the {split} split of {disc.manifest or disc.root}: "
+                                f"add some (both classes are needed in train and val)")
+            listed = "\n".join(f"  {index._rel(d.path)}: {d.reason}" for d in lost[:_MAX_LISTED])
+            more = f"\n  ... and {len(lost) - _MAX_LISTED} more" if len(lost) > _MAX_LISTED else ""
+            hints = ["replace or re-encode these files"]
+            if any("min_frames" in d.reason for d in lost):
+                hints.append("lower --min-frames")
+            if any(d.reason.startswith("file not found") for d in lost):
+                hints.append("fix the paths (relative to the manifest's folder)")
+            raise DataError(f"no usable {name} videos left in the {split} split of {disc.manifest or disc.root}: "
+                            f"all {len(lost)} were dropped:\n{listed}{more}\n" + ", or ".join(hints))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DataConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m datasets.index",
+        description="Find and check the videos of a dataset before a long search: prints the layout, "
+                    "counts per split and class, and every file left out with the reason. Exits 1 "
+                    "(with the reason) when the data cannot be used.")
+    p.add_argument("root", help="dataset folder (RWF-2000 or class-folder layout) or a CSV manifest file")
+    p.add_argument("--layout", choices=LAYOUTS, default=d.layout,
+                   help="how the videos are organised; auto detects it from what is on disk")
+    p.add_argument("--positive-class", default=d.positive_class,
+                   help="name of the violent class (label 1); default: inferred from names like Fight, Violence")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of each class held out for validation when the layout gives no split")
+    p.add_argument("--split-seed", type=int, default=d.split_seed,
+                   help="seed of the stratified train/val split (same seed, same split)")
+    p.add_argument("--min-frames", type=int, default=d.min_frames,
+                   help="videos that decode fewer frames than this are left out")
+    p.add_argument("--probe-timeout-s", type=float, default=d.probe_timeout_s,
+                   help="seconds allowed to probe one file before its worker is killed")
+    p.add_argument("--workers", type=int, default=None,
+                   help="probe worker processes (default: the number of CPU cores, at most 8)")
+    p.add_argument("--cache-dir", default=d.cache_dir,
+                   help="folder for the index cache (default: ROOT/.vidtune-index.json if writable, "
+                        "else ~/.cache/vidtune)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="probe every file again and do not read or write the index cache")
+    return p
+
+
+def _progress_printer(stream) -> Callable[[int, int], None]:
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] > 2.0:   # a line every 2 s, not one per file
+            last[0] = now
+            print(f"probed {done}/{total} videos", file=stream, flush=True)
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = DataConfig(root=args.root, layout=args.layout, positive_class=args.positive_class,
+                     val_fraction=args.val_fraction, split_seed=args.split_seed,
+                     min_frames=args.min_frames, probe_timeout_s=args.probe_timeout_s,
+                     cache_dir=args.cache_dir)
+    try:
+        index = build_index(cfg, workers=args.workers, use_cache=not args.no_cache,
+                            progress=_progress_printer(sys.stderr))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(index.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

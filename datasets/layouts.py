@@ -1,0 +1,426 @@
+"""Find the videos of a dataset and their labels: RWF-2000, class folders or a CSV manifest.
+
+Nothing here opens a video; `datasets.index` probes what `discover` returns.
+
+Layouts (`DataConfig.layout`):
+- ``rwf2000``: ``ROOT/{train,val}/{Fight,NonFight}/*.avi`` (any two class folders; the split is given).
+- ``class_folders``: ``ROOT/Violence/*.mp4``, ``ROOT/NonViolence/*.mp4`` (any two class folders);
+  a stratified train/val split is made, deterministic for `split_seed`.
+- ``csv``: a manifest ``path,label[,split]`` with paths relative to the CSV's folder. ROOT is the
+  CSV file itself, or a folder holding ``manifest.csv`` or exactly one ``*.csv``.
+- ``auto``: ``train/`` + ``val/`` -> rwf2000; else a manifest CSV -> csv; else class_folders.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path, PureWindowsPath
+
+from datasets.config import DataConfig
+from datasets.errors import DataError
+from datasets.records import NON_VIOLENT, VIOLENT, VideoItem
+
+LAYOUTS = ("auto", "rwf2000", "class_folders", "csv")
+VIDEO_EXTENSIONS = frozenset({".avi", ".mp4", ".mkv", ".mov", ".webm"})
+TRAIN_DIR_NAMES = ("train",)
+VAL_DIR_NAMES = ("val", "valid", "validation")
+MANIFEST_NAME = "manifest.csv"
+# Files vidtune writes into a dataset folder itself; never counted as skipped.
+OWN_FILE_PREFIX = ".vidtune-index"
+
+# Matched against the class name lower-cased with everything but letters and digits removed,
+# so "Non_Fight", "no fight" and "NonFight" all read "nonfight" / "nofight".
+_POSITIVE_STEMS = ("fight", "violen", "assault", "aggress", "abuse", "attack", "brawl", "riot",
+                   "shoot", "robber", "vandal", "punch", "weapon", "anomal", "abnormal")
+_NEGATIVE_PREFIXES = ("non", "not", "no")
+_NEGATIVE_NAMES = frozenset({"normal", "normalvideos", "neutral", "peaceful", "peace", "calm",
+                             "safe", "benign", "negative", "nonviolent", "nonviolence"})
+_SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val",
+                  "validation": "val"}
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What `discover` found on disk, before any video is opened."""
+
+    layout: str                                  # rwf2000 | class_folders | csv
+    items: list[VideoItem]                       # sorted by path; label 1 = violent
+    class_names: dict[int, str]                  # e.g. {1: "Fight", 0: "NonFight"}
+    root: Path                                   # the dataset folder (the CSV's folder for csv)
+    manifest: Path | None = None                 # the CSV file (csv layout only)
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> number of files not used
+
+    def counts(self) -> dict[tuple[str, int], int]:
+        """Number of items per (split, label)."""
+        return dict(Counter((it.split, it.label) for it in self.items))
+
+
+def discover(cfg: DataConfig) -> Discovery:
+    """Find every video under `cfg.root` with its label and split.
+
+    Raises DataError (naming the path and what to do) for a missing or empty folder, an unknown
+    layout, a layout that does not match what is on disk, other than two classes, a class with
+    too few videos for a split, or a violent class that cannot be told apart.
+    """
+    if cfg.layout not in LAYOUTS:
+        raise DataError(f"unknown layout {cfg.layout!r} (--layout); choose one of {', '.join(LAYOUTS)}")
+    if not str(cfg.root):
+        raise DataError("no dataset given: pass the folder holding your videos (or a CSV manifest) as ROOT")
+    root = Path(cfg.root).expanduser().resolve()
+    if not root.exists():
+        raise DataError(f"dataset path {root} does not exist: pass the folder holding your videos "
+                        "(or a CSV manifest file)")
+    layout = cfg.layout
+    if root.is_file():
+        if root.suffix.lower() != ".csv":
+            raise DataError(f"{root} is a file but not a .csv manifest: pass the dataset folder, "
+                            "or a CSV with columns path,label[,split]")
+        if layout not in ("auto", "csv"):
+            raise DataError(f"{root} is a CSV file but --layout is {layout!r}: use --layout csv or auto")
+        return _discover_csv(root, cfg)
+    if not any(not p.name.startswith(".") for p in root.iterdir()):
+        raise DataError(f"dataset folder {root} is empty: put the videos in it, e.g. "
+                        f"{root}/Violence/*.mp4 and {root}/NonViolence/*.mp4 (see README: Using your own dataset)")
+    root = _unwrap(root)
+    if layout == "auto":
+        layout = _detect_layout(root)
+    if layout == "rwf2000":
+        return _discover_rwf2000(root, cfg)
+    if layout == "csv":
+        return _discover_csv(_find_manifest(root, required=True), cfg)
+    return _discover_class_folders(root, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout detection
+
+def _visible_dirs(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _is_video(p: Path) -> bool:
+    return p.suffix.lower() in VIDEO_EXTENSIONS and not p.name.startswith(".") and p.is_file()
+
+
+def _unwrap(root: Path) -> Path:
+    """Step into a lone wrapper folder, as Kaggle archives unpack (`Real Life Violence Dataset/`)."""
+    for _ in range(3):
+        entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+        dirs = [p for p in entries if p.is_dir()]
+        if len(dirs) != 1 or len(entries) != 1:
+            return root
+        (only,) = dirs
+        inner = [p for p in only.iterdir() if not p.name.startswith(".")]
+        # A lone class or split folder is a mistake to report, not a wrapper to step into.
+        if any(_is_video(p) for p in inner) or _split_name(only.name) is not None:
+            return root
+        root = only
+    return root
+
+
+def _split_name(name: str) -> str | None:
+    low = name.lower()
+    if low in TRAIN_DIR_NAMES:
+        return "train"
+    if low in VAL_DIR_NAMES:
+        return "val"
+    return None
+
+
+def _split_dirs(root: Path) -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    for d in _visible_dirs(root):
+        split = _split_name(d.name)
+        if split:
+            found.setdefault(split, []).append(d)
+    return found
+
+
+def _detect_layout(root: Path) -> str:
+    if _split_dirs(root):
+        return "rwf2000"
+    if _find_manifest(root, required=False) is not None:
+        return "csv"
+    return "class_folders"
+
+
+def _find_manifest(root: Path, *, required: bool) -> Path | None:
+    """The manifest of a folder: manifest.csv, else its only *.csv (auto: only one that has path,label)."""
+    csvs = sorted(p for p in root.iterdir()
+                  if p.is_file() and p.suffix.lower() == ".csv" and not p.name.startswith("."))
+    named = [p for p in csvs if p.name.lower() == MANIFEST_NAME]
+    if named:
+        return named[0]
+    if not required:
+        csvs = [p for p in csvs if {"path", "label"} <= set(_csv_header(p))]
+    if len(csvs) == 1:
+        return csvs[0]
+    if not required:
+        return None
+    if not csvs:
+        raise DataError(f"--layout csv: no CSV manifest in {root}; write {root / MANIFEST_NAME} with "
+                        "columns path,label[,split] or pass the CSV file itself as ROOT")
+    raise DataError(f"--layout csv: {root} holds several CSV files ({', '.join(p.name for p in csvs)}) "
+                    f"and no {MANIFEST_NAME}; pass the manifest file itself as ROOT")
+
+
+def _csv_header(path: Path) -> list[str]:
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            return [h.strip().lower() for h in next(csv.reader(f), [])]
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# scanning folders
+
+def _scan_videos(folder: Path, skipped: Counter) -> list[Path]:
+    """Every video file under `folder` (recursive, sorted); other files are counted in `skipped`."""
+    videos = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        hidden = sum(len(fs) for d in dirnames if d.startswith(".") for _, _, fs in os.walk(Path(dirpath) / d))
+        if hidden:
+            skipped["file in a hidden folder"] += hidden
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            p = Path(dirpath) / name
+            if name.startswith(OWN_FILE_PREFIX):
+                continue
+            if name.startswith("."):
+                skipped["hidden file"] += 1
+            elif p.suffix.lower() not in VIDEO_EXTENSIONS:
+                skipped[f"{p.suffix.lower()} file" if p.suffix else "file without extension"] += 1
+            elif not p.is_file():
+                skipped["non-regular file"] += 1
+            else:
+                videos.append(p)
+    return sorted(videos)
+
+
+def _count_loose_files(folder: Path, skipped: Counter, where: str) -> None:
+    for p in folder.iterdir():
+        if not p.is_file() or p.name.startswith(OWN_FILE_PREFIX):
+            continue
+        skipped["hidden file" if p.name.startswith(".") else f"file outside the class folders ({where})"] += 1
+
+
+def _discover_class_folders(root: Path, cfg: DataConfig) -> Discovery:
+    skipped: Counter = Counter()
+    found = {d.name: _scan_videos(d, skipped) for d in _visible_dirs(root)}
+    _count_loose_files(root, skipped, "in ROOT")
+    classes = _two_classes(found, root, "class_folders", f"{root}/<class>/*.mp4")
+    labels = resolve_positive(list(classes), cfg.positive_class, where=str(root))
+    pairs = [(p, labels[name]) for name, paths in classes.items() for p in paths]
+    items = stratified_split(pairs, val_fraction=cfg.val_fraction, seed=cfg.split_seed, root=root,
+                             class_names=_class_names(labels))
+    return Discovery("class_folders", items, _class_names(labels), root, None, dict(skipped))
+
+
+def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
+    splits = _split_dirs(root)
+    skipped: Counter = Counter()
+    _count_loose_files(root, skipped, "in ROOT")
+    tree = f"{root}/{{train,val}}/{{Fight,NonFight}}/*.avi"
+    for split in ("train", "val"):
+        dirs = splits.get(split, [])
+        if not dirs:
+            raise DataError(f"--layout rwf2000: {root} has no {split}/ folder; expected {tree} "
+                            "(or use --layout class_folders and let vidtune make the split)")
+        if len(dirs) > 1:
+            raise DataError(f"{root} has several {split} folders ({', '.join(d.name for d in dirs)}); keep one")
+    per_split: dict[str, dict[str, list[Path]]] = {}
+    for split in ("train", "val"):
+        sdir = splits[split][0]
+        per_split[split] = {d.name: _scan_videos(d, skipped) for d in _visible_dirs(sdir)}
+        _count_loose_files(sdir, skipped, f"in {sdir.name}/")
+        per_split[split] = _two_classes(per_split[split], sdir, "rwf2000", tree)
+    train_names, val_names = sorted(per_split["train"]), sorted(per_split["val"])
+    if [n.lower() for n in train_names] != [n.lower() for n in val_names]:
+        raise DataError(f"class folders differ between {splits['train'][0]} ({', '.join(train_names)}) and "
+                        f"{splits['val'][0]} ({', '.join(val_names)}): use the same two names in both")
+    labels = resolve_positive(train_names, cfg.positive_class, where=str(splits["train"][0]))
+    by_lower = {n.lower(): lab for n, lab in labels.items()}
+    items = [VideoItem(p, by_lower[name.lower()], split)
+             for split in ("train", "val") for name, paths in per_split[split].items() for p in paths]
+    items.sort(key=lambda it: str(it.path))
+    return Discovery("rwf2000", items, _class_names(labels), root, None, dict(skipped))
+
+
+def _two_classes(found: dict[str, list[Path]], where: Path, layout: str, tree: str) -> dict[str, list[Path]]:
+    """The two class folders of `found` (name -> videos), or a DataError saying what is wrong."""
+    with_videos = {n: v for n, v in found.items() if v}
+    listing = ", ".join(f"{n}/ ({len(v)} videos)" for n, v in sorted(found.items())) or "none"
+    if len(with_videos) == 2:
+        return with_videos
+    if not found:
+        loose = [p.name for p in where.iterdir() if _is_video(p)]
+        hint = (f"; the {len(loose)} videos directly in it need to be sorted into two class folders "
+                "(or listed in a CSV manifest)") if loose else ""
+        raise DataError(f"{where} has no class folders{hint}; expected {tree} ({layout} layout)")
+    if len(with_videos) < 2:
+        what = "no videos" if not with_videos else "videos of only one class"
+        raise DataError(f"{where} holds {what} (class folders: {listing}); a violence classifier needs "
+                        f"two classes with videos ({', '.join(sorted(VIDEO_EXTENSIONS))}), e.g. {tree}")
+    raise DataError(f"{where} has {len(with_videos)} class folders with videos ({listing}); vidtune "
+                    "trains a two-class (violent / not violent) model: keep two folders, or write a CSV "
+                    "manifest (path,label[,split]) that maps them to two labels")
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV manifest
+
+def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
+    rows = _read_manifest(manifest)
+    base = manifest.parent
+    seen: set[Path] = set()
+    entries: list[tuple[Path, str, str]] = []
+    skipped: Counter = Counter()
+    for line, raw_path, label, split in rows:
+        path = _manifest_path(base, raw_path)
+        if path in seen:
+            skipped["duplicate manifest row"] += 1
+            continue
+        seen.add(path)
+        entries.append((path, label, split))
+    names = sorted({label for _, label, _ in entries})
+    if len(names) != 2:
+        what = "one label" if len(names) == 1 else f"{len(names)} labels"
+        raise DataError(f"{manifest}: the label column holds {what} ({', '.join(names)}); vidtune needs "
+                        "exactly two (violent / not violent, as class names or 1/0)")
+    positive = cfg.positive_class
+    if positive is None and set(names) == {"0", "1"}:
+        positive = "1"
+    labels = resolve_positive(names, positive, where=str(manifest))
+    splits = {split for _, _, split in entries}
+    if splits == {""}:
+        items = stratified_split([(p, labels[lab]) for p, lab, _ in entries], val_fraction=cfg.val_fraction,
+                                 seed=cfg.split_seed, root=base, class_names=_class_names(labels))
+    else:
+        items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries), key=lambda it: str(it.path))
+    return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped))
+
+
+def _read_manifest(manifest: Path) -> list[tuple[int, str, str, str]]:
+    """Rows (line number, path, label, split or "") of a manifest, checked cell by cell."""
+    try:
+        with manifest.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = [h.strip().lower() for h in next(reader, [])]
+            missing = [c for c in ("path", "label") if c not in header]
+            if missing:
+                raise DataError(f"{manifest}: the header must name the columns path,label[,split]; found "
+                                f"{','.join(header) or 'an empty file'} (missing {', '.join(missing)})")
+            col = {name: header.index(name) for name in ("path", "label", "split") if name in header}
+            raw = [(reader.line_num, r) for r in reader if any(c.strip() for c in r)]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"cannot read the manifest {manifest}: {e}; save it as UTF-8 CSV") from e
+    if not raw:
+        raise DataError(f"{manifest} lists no videos: add one row per video (path,label[,split])")
+    rows = []
+    for line, r in raw:
+        cells = {name: (r[i].strip() if i < len(r) else "") for name, i in col.items()}
+        if not cells["path"] or not cells["label"]:
+            raise DataError(f"{manifest} line {line}: empty path or label; every row needs both")
+        split = cells.get("split", "")
+        if split:
+            if split.lower() not in _SPLIT_ALIASES:
+                raise DataError(f"{manifest} line {line}: split {split!r} must be train or val "
+                                "(or leave the column out to let vidtune make the split)")
+            split = _SPLIT_ALIASES[split.lower()]
+        rows.append((line, cells["path"], cells["label"], split))
+    blank = [line for line, _, _, split in rows if not split]
+    if "split" in col and blank and len(blank) < len(rows):
+        raise DataError(f"{manifest} line {blank[0]}: empty split; fill in train or val on every row, "
+                        "or on none to let vidtune make the split")
+    return rows
+
+
+def _manifest_path(base: Path, raw: str) -> Path:
+    p = Path(raw)
+    if "\\" in raw and os.sep == "/" and not (base / p).exists():
+        p = Path(*PureWindowsPath(raw).parts)   # a manifest written on Windows
+    return (p if p.is_absolute() else base / p).resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# labels and split
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def is_negative_name(name: str) -> bool:
+    """True for names of the non-violent class: NonFight, NonViolence, no_fight, normal, ..."""
+    n = _norm(name)
+    if n in _NEGATIVE_NAMES:
+        return True
+    return any(n.startswith(pre) and n[len(pre):].startswith(_POSITIVE_STEMS) for pre in _NEGATIVE_PREFIXES)
+
+
+def is_positive_name(name: str) -> bool:
+    """True for names of the violent class: Fight, fights, Violence, violent, assault, ..."""
+    return _norm(name).startswith(_POSITIVE_STEMS) and not is_negative_name(name)
+
+
+def resolve_positive(names: list[str], positive_class: str | None, *, where: str) -> dict[str, int]:
+    """Map the two class names to labels (1 = violent) from `positive_class` or from the names."""
+    if positive_class is not None:
+        hits = [n for n in names if n == positive_class] or \
+               [n for n in names if n.lower() == positive_class.lower()]
+        if len(hits) != 1:
+            raise DataError(f"--positive-class {positive_class!r} is not one of the classes found in "
+                            f"{where}: {', '.join(repr(n) for n in sorted(names))}")
+        positive = hits[0]
+    else:
+        pos = [n for n in names if is_positive_name(n)]
+        neg = [n for n in names if is_negative_name(n)]
+        if len(pos) == 1:
+            positive = pos[0]
+        elif not pos and len(neg) == 1:
+            positive = next(n for n in names if n != neg[0])
+        else:
+            raise DataError(f"cannot tell which class is violent among the classes found in {where}: "
+                            f"{', '.join(repr(n) for n in sorted(names))}; pass --positive-class NAME "
+                            "(DataConfig.positive_class) naming the violent one")
+    return {n: (VIOLENT if n == positive else NON_VIOLENT) for n in names}
+
+
+def _class_names(labels: dict[str, int]) -> dict[int, str]:
+    return {lab: name for name, lab in sorted(labels.items(), key=lambda kv: -kv[1])}
+
+
+def stratified_split(pairs: list[tuple[Path, int]], *, val_fraction: float, seed: int, root: Path,
+                     class_names: dict[int, str] | None = None) -> list[VideoItem]:
+    """Split (path, label) pairs into train/val with `val_fraction` of each class in val.
+
+    Deterministic for `seed`: each file is ranked by a hash of (seed, its path relative to
+    `root`), so the split does not depend on listing order or machine, and adding a file moves
+    at most a few others. Every class gets at least one video on each side.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction (--val-fraction) must be between 0 and 1 (exclusive); got {val_fraction}")
+    names = class_names or {}
+    items: list[VideoItem] = []
+    for label in sorted({lab for _, lab in pairs}):
+        paths = [p for p, lab in pairs if lab == label]
+        if len(paths) < 2:
+            raise DataError(f"class {names.get(label, label)!r} in {root} has only {len(paths)} video; "
+                            "at least 2 are needed (one for training, one for validation)")
+        ranked = sorted(paths, key=lambda p: _rank(seed, p, root))
+        n_val = min(max(1, round(len(paths) * val_fraction)), len(paths) - 1)
+        items += [VideoItem(p, label, "val") for p in ranked[:n_val]]
+        items += [VideoItem(p, label, "train") for p in ranked[n_val:]]
+    return sorted(items, key=lambda it: str(it.path))
+
+
+def _rank(seed: int, path: Path, root: Path) -> str:
+    try:
+        rel = path.relative_to(root).as_posix()
+    except ValueError:
+        rel = path.as_posix()
+    return hashlib.sha1(f"{seed}\0{rel}".encode()).hexdigest()

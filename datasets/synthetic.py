@@ -1,0 +1,392 @@
+"""Generate a small, learnable violence-like dataset of real encoded video files.
+
+Layout (RWF-2000): ``ROOT/{train,val}/{Fight,NonFight}/*.mp4|*.avi``. Every clip shows a static
+surveillance-style scene (gradient + texture background, sensor noise) with stick-like figures
+(body, head, two arms). The label is carried by *motion*, not by appearance:
+
+* ``Fight``: 2-4 figures pulled towards a common point, kicked by random impulses every frame
+  (fast, erratic, colliding), arms flailing.
+* ``NonFight``: 1-4 figures walking at a steady speed (some jog, some walk side by side, some
+  gesture slowly), arms swinging smoothly.
+
+Colours, backgrounds, sizes, brightness, noise and figure counts are drawn from the *same*
+distributions for both classes, so a single frame says little and a model has to look at how
+things move. Some fights are mild and some walks are brisk, so the task is not trivial.
+
+Files are H.264 ``.mp4`` (yuv420p, CRF 12 by default: near-lossless) and some ``.avi``
+(MPEG-4 part 2 or MJPEG), a few with spaces / non-ASCII in their names, as real data has.
+The same seed gives the same frames (each video draws from its own ``(seed, index)`` stream,
+so the result also does not depend on ``workers``).
+
+CLI: ``python -m datasets.synthetic OUT --videos 200 [--seed 0 --fps 15 --seconds 3 --size 112]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from datasets.errors import DataError
+
+CLASS_DIRS = {1: "Fight", 0: "NonFight"}   # label -> RWF-2000 folder name
+SPLITS = ("train", "val")
+METADATA_FILE = "synthetic.json"           # the generator's parameters, for reproducibility
+
+# Name patterns of the "odd" files (spaces, accents, non-Latin script, brackets), cycled.
+_ODD_NAMES = ("clip {i:03d} é", "caméra nº{i} (copie)", "監視 カメラ {i}", "Ünïcode clip {i}")
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Everything that decides the generated files (written to ROOT/synthetic.json)."""
+
+    videos: int = 200            # total clips, classes balanced (Fight gets the odd one)
+    seed: int = 0                # same seed -> same frames
+    fps: int = 15                # frames per second of the written files
+    seconds: float = 3.0         # clip length; frames = round(fps * seconds)
+    size: int = 112              # square frame side in pixels (even: yuv420p needs it)
+    val_fraction: float = 0.2    # share of each class written under val/
+    avi_every: int = 5           # every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = none
+    odd_name_every: int = 6      # every k-th clip gets a name with spaces / non-ASCII; 0 = none
+    crf: int = 12                # H.264 quality (0 = lossless luma, 12 = near-lossless, 23 = x264 default)
+
+    @property
+    def frames(self) -> int:
+        return int(round(self.fps * self.seconds))
+
+
+def _validate(spec: SynthSpec) -> None:
+    """Raise DataError naming the offending option (CLI flag spelling) and what to use instead."""
+    if spec.videos < 4:
+        raise DataError(f"--videos {spec.videos}: need at least 4 (one per class in train and val)")
+    if not 1 <= spec.fps <= 120:
+        raise DataError(f"--fps {spec.fps}: use a frame rate between 1 and 120")
+    if spec.seconds <= 0 or spec.frames < 4:
+        raise DataError(f"--seconds {spec.seconds} at --fps {spec.fps} gives {spec.frames} frames; "
+                        "need at least 4 frames per clip")
+    if spec.size < 32 or spec.size > 1024 or spec.size % 2:
+        raise DataError(f"--size {spec.size}: use an even frame side between 32 and 1024 pixels "
+                        "(H.264 with yuv420p needs even sides)")
+    if not 0.0 < spec.val_fraction < 1.0:
+        raise DataError(f"--val-fraction {spec.val_fraction}: use a value strictly between 0 and 1")
+    if spec.avi_every < 0 or spec.odd_name_every < 0:
+        raise DataError("--avi-every / --odd-name-every must be >= 0 (0 turns the feature off)")
+    if not 0 <= spec.crf <= 51:
+        raise DataError(f"--crf {spec.crf}: H.264 CRF must be between 0 and 51")
+
+
+# ----------------------------------------------------------------------------------- planning
+@dataclass(frozen=True)
+class _Job:
+    index: int       # global clip number: seeds the clip's random stream
+    label: int
+    path: Path
+    codec: str       # libx264 | mpeg4 | mjpeg
+
+
+def _plan(root: Path, spec: SynthSpec) -> list[_Job]:
+    """Decide every file's label, split, name and codec (deterministic, no randomness)."""
+    n_non = spec.videos // 2
+    counts = {1: spec.videos - n_non, 0: n_non}
+    jobs: list[_Job] = []
+    index = 0
+    for label, count in counts.items():
+        n_val = min(max(1, round(count * spec.val_fraction)), count - 1)
+        for k in range(count):
+            split = "val" if k >= count - n_val else "train"
+            stem = f"{CLASS_DIRS[label].lower()}_{k:04d}"
+            if spec.odd_name_every and k % spec.odd_name_every == 1:
+                stem = _ODD_NAMES[(k // spec.odd_name_every) % len(_ODD_NAMES)].format(i=k)
+            codec = "libx264"
+            if spec.avi_every and k % spec.avi_every == 2:
+                codec = "mpeg4" if (k // spec.avi_every) % 2 == 0 else "mjpeg"
+            ext = ".mp4" if codec == "libx264" else ".avi"
+            jobs.append(_Job(index, label, root / split / CLASS_DIRS[label] / (stem + ext), codec))
+            index += 1
+    return jobs
+
+
+# ---------------------------------------------------------------------------------- rendering
+def _background(rng: np.random.Generator, size: int) -> np.ndarray:
+    """A static scene: float32 H x W x 3 in [0, 255]. Same distribution for both classes."""
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
+    base = rng.uniform(40, 190, size=3)
+    angle = rng.uniform(0, 2 * math.pi)
+    ramp = (np.cos(angle) * xx + np.sin(angle) * yy)[..., None] * rng.uniform(-60, 60, size=3)
+    texture = np.zeros((size, size), np.float32)
+    for _ in range(3):     # a few soft stripes / tiles: walls, floor, shadows
+        fx, fy = rng.uniform(1, 6, size=2)
+        texture += np.sin(2 * math.pi * (fx * xx + fy * yy) + rng.uniform(0, 2 * math.pi))
+    bg = base + ramp + texture[..., None] * rng.uniform(3, 15)
+    if rng.random() < 0.5:  # a floor line, as in corridor / street cameras
+        horizon = int(size * rng.uniform(0.3, 0.6))
+        bg[horizon:] *= rng.uniform(0.7, 1.2)
+    return np.clip(bg, 0, 255).astype(np.float32)
+
+
+def _segment_alpha(px: np.ndarray, py: np.ndarray, a: np.ndarray, b: np.ndarray, r: float) -> np.ndarray:
+    """Anti-aliased coverage (H x W float32 in [0, 1]) of a thick segment a-b with radius r.
+
+    Soft edges keep the H.264 round trip close (hard edges ring after chroma subsampling).
+    """
+    d = b - a
+    t = np.clip(((px - a[0]) * d[0] + (py - a[1]) * d[1]) / max(float(d @ d), 1e-6), 0, 1)
+    dist = np.hypot(px - (a[0] + t * d[0]), py - (a[1] + t * d[1]))
+    return np.clip(r - dist + 0.5, 0, 1)
+
+
+@dataclass
+class _Figure:
+    """One stick-like person: position is the body centre, in pixels."""
+
+    pos: np.ndarray        # (2,) x, y
+    vel: np.ndarray        # (2,) px per frame
+    scale: float           # body height in pixels
+    color: np.ndarray      # (3,) RGB 0..255
+    arm: np.ndarray        # (2,) arm angles in radians (0 = hanging down)
+    arm_vel: np.ndarray    # (2,) radians per frame
+
+
+def _draw(frame: np.ndarray, fig: _Figure, px: np.ndarray, py: np.ndarray) -> None:
+    """Paint `fig` into `frame` (float32 H x W x 3) in place."""
+    h = fig.scale
+    x, y = fig.pos
+    # Work on the figure's bounding box only: ~5x less than the whole frame.
+    size_y, size_x = frame.shape[:2]
+    x0, x1 = max(int(x - 0.65 * h), 0), min(int(x + 0.65 * h) + 2, size_x)
+    y0, y1 = max(int(y - 0.75 * h), 0), min(int(y + 0.8 * h) + 2, size_y)
+    if x0 >= x1 or y0 >= y1:
+        return
+    frame, px, py = frame[y0:y1, x0:x1], px[y0:y1, x0:x1], py[y0:y1, x0:x1]
+    top, bottom = np.array([x, y - 0.35 * h]), np.array([x, y + 0.35 * h])
+    alpha = _segment_alpha(px, py, top, bottom, 0.14 * h)                      # body
+    head = np.array([x, y - 0.55 * h])
+    alpha = np.maximum(alpha, np.clip(0.13 * h - np.hypot(px - head[0], py - head[1]) + 0.5, 0, 1))
+    for side, ang in zip((-1, 1), fig.arm):                                    # arms from shoulders
+        shoulder = np.array([x + side * 0.08 * h, y - 0.28 * h])
+        hand = shoulder + 0.45 * h * np.array([side * math.sin(ang), math.cos(ang)])
+        alpha = np.maximum(alpha, _segment_alpha(px, py, shoulder, hand, 0.05 * h))
+    for side in (-1, 1):                                                       # legs
+        foot = bottom + np.array([side * 0.12 * h, 0.35 * h])
+        alpha = np.maximum(alpha, _segment_alpha(px, py, bottom, foot, 0.06 * h))
+    frame *= 1 - alpha[..., None]
+    frame += alpha[..., None] * fig.color
+
+
+def _figures(rng: np.random.Generator, n: int, size: int) -> list[_Figure]:
+    """Figures with class-independent look: colour, size and pose drawn the same for both classes."""
+    figs = []
+    for _ in range(n):
+        figs.append(_Figure(
+            pos=rng.uniform(0.2 * size, 0.8 * size, size=2),
+            vel=np.zeros(2),
+            scale=size * rng.uniform(0.25, 0.42),
+            color=rng.uniform(0, 255, size=3),
+            arm=rng.uniform(0.1, 2.0, size=2),
+            arm_vel=np.zeros(2),
+        ))
+    return figs
+
+
+def _fight_motion(rng, figs, frames, size, fps):
+    """Yield per-frame states: figures kicked by random impulses and pulled together (collisions)."""
+    per_frame = 15.0 / fps                       # keeps motion per second the same at any fps
+    intensity = rng.uniform(0.45, 1.0)           # mild scuffles to brawls: not every fight is obvious
+    centre = rng.uniform(0.35 * size, 0.65 * size, size=2)
+    drift = rng.normal(0, 0.3, size=2) * per_frame
+    kick = size * 0.05 * intensity * per_frame
+    for _ in range(frames):
+        centre = np.clip(centre + drift, 0.25 * size, 0.75 * size)
+        for f in figs:
+            pull = (centre - f.pos) * 0.15 * per_frame
+            f.vel = 0.6 * f.vel + pull + rng.normal(0, kick, size=2)
+            f.pos = np.clip(f.pos + f.vel, 0.1 * size, 0.9 * size)
+            f.arm_vel = rng.normal(0, 0.7 * intensity * per_frame, size=2)
+            f.arm = np.clip(f.arm + f.arm_vel, 0.0, 3.0)
+        yield figs
+
+
+def _walk_motion(rng, figs, frames, size, fps):
+    """Yield per-frame states: steady walking (some jog, some in a group, some gesture slowly)."""
+    per_frame = 15.0 / fps
+    style = rng.choice(["walk", "jog", "group", "gesture"], p=[0.45, 0.15, 0.2, 0.2])
+    speed = {"walk": (0.3, 1.2), "jog": (1.2, 2.2), "group": (0.3, 1.0), "gesture": (0.0, 0.4)}[style]
+    heading = rng.uniform(0, 2 * math.pi)
+    for i, f in enumerate(figs):
+        if style != "group":
+            heading = rng.uniform(0, 2 * math.pi)
+        elif i:   # side by side, close together: clustered figures are not a fight cue
+            f.pos = figs[0].pos + rng.normal(0, 0.12 * size, size=2)
+        f.vel = rng.uniform(*speed) * size / 112 * per_frame * np.array([math.cos(heading), 0.4 * math.sin(heading)])
+        f.arm_vel = np.array([rng.uniform(0.05, 0.2), rng.uniform(0, 2 * math.pi)])  # swing freq, phase
+    amp = 1.0 if style == "gesture" else 0.35   # slow wide gestures cover the same arm poses as fights
+    base = [f.arm.copy() for f in figs]
+    for t in range(frames):
+        for f, b in zip(figs, base):
+            f.pos = f.pos + f.vel
+            for axis in (0, 1):   # turn back at the edges instead of leaving the scene
+                if not 0.1 * size <= f.pos[axis] <= 0.9 * size:
+                    f.vel[axis] = -f.vel[axis]
+                    f.pos[axis] = np.clip(f.pos[axis], 0.1 * size, 0.9 * size)
+            phase = f.arm_vel[0] * per_frame * t + f.arm_vel[1]
+            f.arm = np.clip(b + amp * np.array([math.sin(phase), -math.sin(phase)]), 0.0, 3.0)
+            f.pos[1] += 0.15 * math.sin(2 * phase)   # walking bob
+        yield figs
+
+
+def render_clip(label: int, rng: np.random.Generator, *, frames: int, size: int, fps: int) -> np.ndarray:
+    """One clip as uint8 T x H x W x 3 (RGB). Label 1 = fight-like motion, 0 = walking."""
+    bg = _background(rng, size)
+    n = int(rng.integers(2, 5)) if label == 1 else int(rng.integers(1, 5))
+    figs = _figures(rng, n, size)
+    noise = rng.uniform(0.0, 6.0)                      # sensor noise sigma, same range for both classes
+    flicker = rng.uniform(0.0, 0.04)                   # global brightness flicker (lights, auto-exposure)
+    motion = _fight_motion if label == 1 else _walk_motion
+    py, px = np.mgrid[0:size, 0:size].astype(np.float32)
+    out = np.empty((frames, size, size, 3), np.uint8)
+    for t, state in enumerate(motion(rng, figs, frames, size, fps)):
+        frame = bg.copy()
+        for f in state:
+            _draw(frame, f, px, py)
+        frame *= 1 + rng.normal(0, flicker)
+        frame += rng.normal(0, noise, size=frame.shape).astype(np.float32)
+        out[t] = np.clip(frame, 0, 255).astype(np.uint8)
+    return out
+
+
+# ----------------------------------------------------------------------------------- encoding
+def write_video(path: Path, frames: np.ndarray, *, fps: int, codec: str = "libx264", crf: int = 12) -> None:
+    """Encode uint8 T x H x W x 3 RGB frames to `path` with PyAV.
+
+    codec: "libx264" (.mp4, yuv420p, `crf`), "mpeg4" (MPEG-4 part 2, fixed quantiser 2) or
+    "mjpeg" (quality 2); the last two go in an AVI container.
+    """
+    import av
+
+    fmt = "mp4" if codec == "libx264" else "avi"
+    with av.open(str(path), mode="w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        if codec == "libx264":
+            stream.pix_fmt = "yuv420p"
+            # threads=1: the work is many tiny files, parallelised across processes instead.
+            stream.options = {"crf": str(crf), "preset": "veryfast", "threads": "1"}
+        else:
+            stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+            stream.codec_context.qscale = True       # fixed quantiser: near-lossless, small files
+            stream.codec_context.global_quality = 2
+        for arr in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _make(job: _Job, spec: SynthSpec) -> None:
+    rng = np.random.default_rng([spec.seed, job.index])
+    clip = render_clip(job.label, rng, frames=spec.frames, size=spec.size, fps=spec.fps)
+    write_video(job.path, clip, fps=spec.fps, codec=job.codec, crf=spec.crf)
+
+
+def _prepare_root(root: Path, overwrite: bool) -> None:
+    """Refuse to mix with earlier files unless told; with overwrite, remove only our own folders."""
+    if root.exists() and not root.is_dir():
+        raise DataError(f"output {root} exists and is not a folder; choose another OUT path")
+    ours = [root / s / c for s in SPLITS for c in CLASS_DIRS.values()]
+    existing = [p for p in ours if p.exists() and any(p.iterdir())]
+    if existing and not overwrite:
+        raise DataError(f"output folder {root} already holds videos ({existing[0]}); "
+                        "pass --overwrite (overwrite=True) to replace them, or choose an empty folder")
+    for p in ours:
+        if p.exists():
+            shutil.rmtree(p)
+        p.mkdir(parents=True)
+
+
+def generate(out_dir: str | Path, *, videos: int = 200, seed: int = 0, fps: int = 15,
+             seconds: float = 3.0, size: int = 112, val_fraction: float = 0.2, avi_every: int = 5,
+             odd_name_every: int = 6, crf: int = 12, workers: int | None = None,
+             overwrite: bool = False) -> Path:
+    """Write the dataset under `out_dir` and return its root (the same path, as a Path).
+
+    See the module docstring for what the clips show; `SynthSpec` documents each option.
+    `workers` > 1 renders and encodes in that many processes (same files as with 1); None = one
+    per CPU core (at most 4) for more than 8 videos, else 1.
+    Raises DataError for unusable options or a non-empty output folder (without `overwrite`).
+    """
+    spec = SynthSpec(videos=videos, seed=seed, fps=fps, seconds=seconds, size=size,
+                     val_fraction=val_fraction, avi_every=avi_every,
+                     odd_name_every=odd_name_every, crf=crf)
+    _validate(spec)
+    if workers is None:
+        workers = min(os.cpu_count() or 1, 4) if videos > 8 else 1
+    if workers < 1:
+        raise DataError(f"--workers {workers}: use 1 or more processes")
+    root = Path(out_dir)
+    _prepare_root(root, overwrite)
+    jobs = _plan(root, spec)
+    if workers == 1:
+        for job in jobs:
+            _make(job, spec)
+    else:
+        # spawn, not fork: the caller may hold torch/Ray threads, which a forked child can deadlock on.
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+            list(pool.map(_make, jobs, [spec] * len(jobs), chunksize=4))
+    (root / METADATA_FILE).write_text(json.dumps({**asdict(spec), "frames": spec.frames}, indent=2) + "\n")
+    return root
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    d = SynthSpec()
+    p = argparse.ArgumentParser(
+        prog="python -m datasets.synthetic",
+        description="Write a small learnable violence-like dataset (RWF-2000 layout) of real video files.")
+    p.add_argument("out", metavar="OUT", help="output folder (created; becomes the dataset root)")
+    p.add_argument("--videos", type=int, default=d.videos, help="total clips, classes balanced (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same frames (default %(default)s)")
+    p.add_argument("--fps", type=int, default=d.fps, help="frames per second (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=d.seconds, help="clip length in seconds (default %(default)s)")
+    p.add_argument("--size", type=int, default=d.size, help="square frame side in pixels, even (default %(default)s)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="share of each class written to val/ (default %(default)s)")
+    p.add_argument("--avi-every", type=int, default=d.avi_every,
+                   help="every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = all .mp4 (default %(default)s)")
+    p.add_argument("--odd-name-every", type=int, default=d.odd_name_every,
+                   help="every k-th clip gets a name with spaces / non-ASCII; 0 = none (default %(default)s)")
+    p.add_argument("--crf", type=int, default=d.crf,
+                   help="H.264 quality, 0 (lossless) to 51; 12 is near-lossless (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes rendering/encoding in parallel (default: one per core, at most 4)")
+    p.add_argument("--overwrite", action="store_true", help="replace videos already in OUT")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        root = generate(args.out, videos=args.videos, seed=args.seed, fps=args.fps, seconds=args.seconds,
+                        size=args.size, val_fraction=args.val_fraction, avi_every=args.avi_every,
+                        odd_name_every=args.odd_name_every, crf=args.crf, workers=args.workers,
+                        overwrite=args.overwrite)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = {f"{s}/{c}": sum(1 for _ in (root / s / c).iterdir()) for s in SPLITS for c in CLASS_DIRS.values()}
+    print(f"wrote {sum(counts.values())} videos to {root}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The torch Dataset of video clips (decord, one reader per item) and its DataLoader.
+
+Data flow: `VideoInfo` records (from `datasets.index`) -> `VideoClipDataset[i]` decodes T frames
+resized at decode time -> `build_loader` batches them as uint8 B x T x H x W x C -> on the device,
+`datasets.transforms.ClipTransform` makes the float model input.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from multiprocessing.context import get_spawning_popen
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from datasets.errors import DataError
+from datasets.records import VideoInfo
+
+log = logging.getLogger(__name__)
+
+try:  # guarded: the module imports (and its errors explain) without decord installed
+    import decord
+except ImportError as _e:  # pragma: no cover - decord is a declared dependency
+    decord = None
+    _DECORD_IMPORT_ERROR: ImportError | None = _e
+else:
+    _DECORD_IMPORT_ERROR = None
+
+
+def read_frames(path: str | Path, indices: Sequence[int], *, height: int = -1, width: int = -1) -> np.ndarray:
+    """Decode frames `indices` of `path`: uint8 ndarray ``len(indices) x H x W x 3`` (RGB).
+
+    The one wrapper of decord. A fresh `decord.VideoReader(num_threads=1)` per call: a reader
+    shared across DataLoader worker processes deadlocks or leaks, and one decode thread per
+    worker is what scales (threads inside decord contend on a few cores). `height`/`width`
+    resize at decode time (-1 = the stored size), which is cheaper than resizing afterwards.
+    Raises DataError ``Failed to read video {path}: {reason}`` for any decord failure.
+    """
+    if decord is None:
+        raise DataError(f"Failed to read video {path}: decord is not importable ({_DECORD_IMPORT_ERROR}); "
+                        "install the project's dependencies (pip install -e .)")
+    if not Path(path).is_file():
+        raise DataError(f"Failed to read video {path}: file not found (moved or deleted after indexing?)")
+    try:
+        frames = _decode(path, indices, height, width)
+    except Exception as e:  # decord raises DECORDError, RuntimeError, IndexError, AssertionError
+        if height <= 0 and width <= 0:
+            raise DataError(f"Failed to read video {path}: {_reason(e)}") from e
+        # decord 0.6 cannot resize to some widths (16, 24, 48, 72 px from a 112 px source fail
+        # with "DECORDArrayCopyFromTo: The size must exactly match"): decode at the stored size
+        # and resize here instead. A file that is really broken fails this too.
+        try:
+            frames = _resize(_decode(path, indices, -1, -1), height, width)
+        except Exception:
+            raise DataError(f"Failed to read video {path}: {_reason(e)}") from e
+    expected = (len(indices), height if height > 0 else frames.shape[1], width if width > 0 else frames.shape[2], 3)
+    if frames.shape != expected or frames.dtype != np.uint8:
+        raise DataError(f"Failed to read video {path}: got frames {frames.shape} {frames.dtype}, expected {expected} uint8")
+    return frames
+
+
+def _decode(path: str | Path, indices: Sequence[int], height: int, width: int) -> np.ndarray:
+    reader = decord.VideoReader(str(path), width=width, height=height, num_threads=1)
+    batch = reader.get_batch([int(i) for i in indices])
+    return batch.asnumpy() if hasattr(batch, "asnumpy") else np.asarray(batch)  # whatever decord bridge is set
+
+
+def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 N x h x w x 3 -> uint8 N x height x width x 3 (bilinear, antialiased; -1 keeps a side)."""
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    size = (height if height > 0 else frames.shape[1], width if width > 0 else frames.shape[2])
+    x = torch.nn.functional.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
+    return x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _reason(e: Exception) -> str:
+    """decord's message without its C++ stack trace (the last non-empty line says what happened)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    if lines[-1].startswith("Error reading "):   # decord's whole message when FFmpeg rejects the file
+        return "not a video format FFmpeg recognises, or the file is damaged"
+    return lines[-1]
+
+
+def sample_indices(num_available: int, num_frames: int, stride: int, rng: np.random.Generator | None) -> np.ndarray:
+    """T = `num_frames` frame indices (int64, ascending) into a video of `num_available` frames.
+
+    Frames at `stride` apart; the window start is random (`rng` given: train jitter) or centred
+    (`rng` None: val, the same every epoch). A video too short for the stride gets the largest
+    stride that fits; one with fewer than T frames repeats frames (indices spread with linspace).
+    """
+    if num_available < 1:
+        raise ValueError(f"cannot sample from a video with {num_available} frames")
+    if num_available < num_frames:
+        return np.linspace(0, num_available - 1, num_frames).round().astype(np.int64)
+    if num_frames > 1:
+        stride = max(1, min(stride, (num_available - 1) // (num_frames - 1)))
+    span = (num_frames - 1) * stride + 1
+    slack = num_available - span
+    start = int(rng.integers(0, slack + 1)) if rng is not None else slack // 2
+    return start + stride * np.arange(num_frames, dtype=np.int64)
+
+
+class VideoClipDataset(Dataset):
+    """Clips of T frames from videos, decoded with decord at the model's resolution.
+
+    ``dataset[i] -> (clip, label)``: ``clip`` a ``torch.uint8`` tensor ``T x H x W x C`` (C = 3,
+    RGB, 0..255) with T = `num_frames`, H = `height`, W = `width`; ``label`` an ``int``
+    (1 = violent). Train: the window start jitters, drawn from a generator seeded by
+    ``(seed, epoch, i)`` - reproducible, different each epoch (`set_epoch`), independent of which
+    DataLoader worker reads the item. Val: the centred window, identical every epoch.
+
+    A read that fails (file removed, changed or damaged after indexing) does not stop training: a
+    warning names the file, the failure is counted, and the clip of another video of the same
+    class is returned instead (the next one in that class's list, so the choice is
+    deterministic). Only when every video of the class fails is a DataError raised, naming them.
+
+    Failure count across processes: reads happen in DataLoader worker processes, whose own
+    attributes the training process never sees. So the count lives in a
+    ``multiprocessing.Value`` created here, before workers start; forked or spawned workers
+    inherit it and add to the same shared integer. ``failures`` reads it: every failed read in
+    this process and its loader workers since the Dataset was made (the trainer reports it per
+    epoch as ``reader_failures``). The epoch set by ``set_epoch`` is shared the same way, so
+    persistent workers see it; call it before iterating the epoch.
+    """
+
+    def __init__(self, videos: Sequence[VideoInfo], *, num_frames: int, frame_stride: int,
+                 height: int, width: int, train: bool, seed: int = 0):
+        self.videos = list(videos)
+        if not self.videos:
+            raise DataError("VideoClipDataset got no videos; check the dataset folder and the index summary "
+                            "(python -m datasets.index ROOT)")
+        for name, value in (("num_frames", num_frames), ("frame_stride", frame_stride),
+                            ("height", height), ("width", width)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"VideoClipDataset {name}={value!r}: must be a positive integer")
+        bad = [v for v in self.videos if v.num_frames < 1]
+        if bad:
+            raise DataError(f"video {bad[0].path} has num_frames={bad[0].num_frames} in the index; "
+                            "rebuild the index (python -m datasets.index ROOT)")
+        self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
+        self.height, self.width = int(height), int(width)
+        self.train, self.seed = bool(train), int(seed)
+        self._by_label: dict[int, list[int]] = {}      # label -> item numbers, in order
+        self._rank: list[int] = []                      # item i is _by_label[label][_rank[i]]
+        for i, v in enumerate(self.videos):
+            members = self._by_label.setdefault(int(v.label), [])
+            self._rank.append(len(members))
+            members.append(i)
+        self._failures = multiprocessing.Value("q", 0)
+        self._epoch = multiprocessing.Value("q", 0, lock=False)
+
+    def __len__(self) -> int:
+        return len(self.videos)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's train jitter; seen by already running (persistent) loader workers."""
+        self._epoch.value = int(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
+
+    @property
+    def failures(self) -> int:
+        """Failed reads so far in this process and its DataLoader workers (shared counter)."""
+        return int(self._failures.value)
+
+    def clip_indices(self, i: int) -> np.ndarray:
+        """The frame indices item `i` reads this epoch (int64, length T)."""
+        rng = np.random.default_rng([self.seed, self.epoch, i]) if self.train else None
+        return sample_indices(self.videos[i].num_frames, self.num_frames, self.frame_stride, rng)
+
+    def read(self, i: int) -> torch.Tensor:
+        """Decode item `i`'s clip, raising DataError on failure (no replacement)."""
+        frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height, width=self.width)
+        return torch.from_numpy(frames)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        label = int(self.videos[i].label)
+        same_class = self._by_label[label]
+        start = self._rank[i]
+        errors: list[str] = []
+        for k in range(len(same_class)):   # i itself first, then the rest of its class in order
+            j = same_class[(start + k) % len(same_class)]
+            try:
+                clip = self.read(j)
+            except DataError as e:
+                with self._failures.get_lock():
+                    self._failures.value += 1
+                errors.append(str(e))
+                if len(errors) < len(same_class):
+                    nxt = self.videos[same_class[(start + k + 1) % len(same_class)]].path
+                    log.warning("%s; using %s (same class) instead", e, nxt)
+                continue
+            return clip, label
+        shown = "\n  ".join(errors[:10]) + (f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else "")
+        raise DataError(f"every video of class {label} failed to read ({len(errors)} files):\n  {shown}\n"
+                        "The files changed or were removed after indexing; rebuild the index "
+                        "(python -m datasets.index ROOT) and check the disk.")
+
+    def __getstate__(self) -> dict:
+        # Shared counters travel to DataLoader workers (inheritance at process start). Pickled in any
+        # other context (e.g. copied to another machine) they cannot be shared: start fresh ones.
+        state = self.__dict__.copy()
+        if get_spawning_popen() is None:
+            state["_failures"], state["_epoch"] = self._failures.value, self._epoch.value
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if not hasattr(state["_failures"], "get_lock"):
+            state["_failures"] = multiprocessing.Value("q", state["_failures"])
+            state["_epoch"] = multiprocessing.Value("q", state["_epoch"], lock=False)
+        self.__dict__.update(state)
+
+
+def build_loader(dataset: VideoClipDataset, *, batch_size: int, train: bool, num_workers: int,
+                 pin_memory: bool, seed: int = 0) -> DataLoader:
+    """Batches of ``(clips uint8 B x T x H x W x C, labels int64 B)``.
+
+    Train: shuffled (a generator seeded by `seed`, so the order is reproducible) and `drop_last`,
+    so every batch has the same shape (cudnn.benchmark re-tunes for each new shape). Val: in
+    order, every clip. Workers > 0 are persistent (decoding workers are not restarted each
+    epoch) and prefetch 2 batches each. `pin_memory`: True on CUDA (faster, async copies).
+    Shuffle and drop_last are the standard DataLoader arguments, so a DistributedSampler can
+    replace the sampler (`ray.train.torch.prepare_data_loader` does) and keep the behaviour.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: must be >= 1")
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers}: must be >= 0 (0 = decode in the training process)")
+    if train and len(dataset) < batch_size:
+        raise DataError(f"batch size {batch_size} is larger than the {len(dataset)} training videos, so "
+                        "drop_last would leave no batch; lower --batch-size or add videos")
+    extra = dict(persistent_workers=True, prefetch_factor=2) if num_workers > 0 else {}
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=train, drop_last=train, num_workers=num_workers,
+        pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra)

@@ -1,0 +1,90 @@
+"""trainer.predict: per-video and per-window violence probabilities from a checkpoint; a
+missing or damaged video is named, the others are still scored, the exit code says so."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer import predict
+from trainer.checkpointing import save_checkpoint
+from trainer.config import TrainConfig
+from trainer.models import build_model, get_spec
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory) -> Path:
+    """A checkpoint of an (untrained) tiny model, as trainer.train writes it."""
+    out = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(out, model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
+                    config=TrainConfig().to_dict(), spec=get_spec("tiny"), class_names={1: "Fight", 0: "NonFight"})
+    return out
+
+
+def _videos(root: Path, n: int) -> list[Path]:
+    return sorted((root / "val").rglob("*.mp4"))[:n]
+
+
+def test_window_starts_cover_the_whole_video():
+    assert predict.window_starts(45, 15, 15) == [0, 15, 30]
+    assert predict.window_starts(50, 15, 15) == [0, 15, 30, 35]  # the tail gets its own window
+    assert predict.window_starts(10, 15, 15) == [0]
+
+
+def test_clip_windows_short_and_long_videos():
+    long = predict.clip_windows(45, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    assert long.shape == (3, 8) and long[1, 0] == 15 and long.max() <= 44
+    short = predict.clip_windows(12, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    assert short.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9, 10, 11]]  # stride shrunk to fit
+    tiny = predict.clip_windows(4, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    assert tiny.shape == (1, 8) and tiny.max() == 3      # fewer frames than T: repeated
+
+
+def test_predict_prints_probabilities_and_names_a_missing_video(synthetic_root, checkpoint_dir, capsys):
+    videos = _videos(synthetic_root, 2)
+    missing = synthetic_root / "val" / "no such clip.mp4"
+    code = predict.main(["--checkpoint", str(checkpoint_dir), str(videos[0]), str(missing), str(videos[1])])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "no such clip.mp4" in err and "1 of 3" in err
+    for video in videos:
+        line = next(ln for ln in out.splitlines() if ln.startswith(str(video)))
+        probs = [float(x) for x in re.findall(r"(?:max|mean) ([0-9.]+)", line)]
+        assert len(probs) == 2 and all(0.0 <= p <= 1.0 for p in probs), line
+        assert "P(Fight)" in line
+    # 3 s clips, 1 s windows: every video is scored window by window with start times
+    windows = re.findall(r"^\s+([0-9.]+) s\s+([0-9.]+)$", out, flags=re.M)
+    assert len(windows) >= 4
+    assert all(0.0 <= float(p) <= 1.0 for _, p in windows)
+
+
+def test_predict_names_a_damaged_video_and_scores_the_rest(synthetic_root, checkpoint_dir, tmp_path, capsys):
+    damaged = tmp_path / "damaged.mp4"
+    damaged.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 2000)
+    good = _videos(synthetic_root, 1)[0]
+    code = predict.main(["--checkpoint", str(checkpoint_dir), "--window-stride", "10", str(damaged), str(good)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "damaged.mp4" in err
+    # 3 s video, 1 s clip, windows 10 s apart: the first window and one flush with the end
+    assert re.search(rf"^{re.escape(str(good))}: P\(Fight\) max [0-9.]+ mean [0-9.]+ over 2 windows$", out, flags=re.M), out
+
+
+def test_predict_bad_checkpoint_exits_2(tmp_path, synthetic_root, capsys):
+    code = predict.main(["--checkpoint", str(tmp_path / "nowhere"), str(_videos(synthetic_root, 1)[0])])
+    assert code == 2
+    assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_probabilities_match_the_model(synthetic_root, checkpoint_dir):
+    """The printed number is softmax(model(clip))[violent] of the decoded, normalised clip."""
+    p = predict.Predictor.from_checkpoint(checkpoint_dir, torch.device("cpu"), "fp32")
+    clips = torch.randint(0, 256, (2, 8, 64, 64, 3), dtype=torch.uint8)
+    expected = torch.softmax(p.model(p.transform(clips)), 1)[:, 1].detach().double().numpy()
+    np.testing.assert_allclose(p.probabilities(clips), expected, rtol=1e-5)

@@ -1,0 +1,108 @@
+"""trainer.train: bad input is refused before Ray starts (exit 2, the flag named); a real run
+prints one line per epoch and the best checkpoint, which trainer.predict then uses."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import train
+from trainer.config import TrainConfig
+from trainer.launch import ConfigError, validate_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(root, **changes) -> TrainConfig:
+    base = TrainConfig().with_overrides(data=TrainConfig().data.__class__(root=str(root)))
+    return base.with_overrides(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes, flag",
+    [
+        ({"model": "resnet9000"}, "--model"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"lr": 0.0}, "--lr"),
+        ({"lr": float("nan")}, "--lr"),
+        ({"epochs": 0}, "--epochs"),
+        ({"grad_accum_steps": 0}, "--grad-accum"),
+        ({"precision": "fp8"}, "--precision"),
+        ({"label_smoothing": 1.0}, "--label-smoothing"),
+        ({"weights": "/no/such/weights.pth"}, "--weights"),
+    ],
+)
+def test_validate_config_names_the_flag(tmp_path, changes, flag):
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(tmp_path, **changes))
+    assert e.value.flag == flag
+    assert str(e.value).startswith(flag)
+
+
+def test_validate_config_missing_data_folder(tmp_path):
+    with pytest.raises(ConfigError, match=r"--data: .*does not exist"):
+        validate_config(_cfg(tmp_path / "nowhere"))
+
+
+def test_validate_config_refuses_weights_of_another_architecture(tmp_path):
+    from torch import nn
+
+    other = tmp_path / "resnet.pth"
+    torch.save(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Linear(8, 2)).state_dict(), other)
+    with pytest.raises(ConfigError, match=r"--weights: .*resnet.pth.*'tiny'"):
+        validate_config(_cfg(tmp_path, weights=str(other)))
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match=r"--weights: .*junk.pth"):
+        validate_config(_cfg(tmp_path, weights=str(junk)))
+
+
+def test_validate_config_accepts_weights_of_the_same_model(tmp_path):
+    from trainer.models import build_model
+
+    good = tmp_path / "tiny.pth"
+    torch.save(build_model("tiny").state_dict(), good)
+    validate_config(_cfg(tmp_path, weights=str(good)))  # no error
+
+
+def test_cli_bad_input_exits_2_before_ray(tmp_path):
+    """Run as the user does (`python -m`, from the repository root): exit 2, the flag named,
+    and no Ray started (it would print Ray's banner and take seconds)."""
+    env = {**os.environ, "PYTHONPATH": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--data", str(tmp_path), "--batch-size", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "--batch-size" in proc.stderr and "got 0" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_cli_missing_data_exits_2(tmp_path, capsys):
+    assert train.main(["--data", str(tmp_path / "missing")]) == 2
+    assert "--data" in capsys.readouterr().err
+
+
+def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
+    assert train.main(["--data", str(synthetic_root), "--batch-size", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size" in err and "1000" in err
+
+
+def test_cli_flags_reach_the_config():
+    args = train.build_parser().parse_args(
+        ["--data", "d", "--size", "48", "--num-frames", "4", "--grad-accum", "2", "--precision", "bf16",
+         "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class", "Violence"])
+    cfg = train.config_from_args(args)
+    assert (cfg.data.height, cfg.data.width, cfg.data.num_frames) == (48, 48, 4)
+    assert cfg.grad_accum_steps == 2 and cfg.precision == "bf16" and cfg.channels_last
+    assert cfg.freeze_backbone_epochs == 1 and cfg.data.positive_class == "Violence"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_every_flag_has_help():
+    for action in train.build_parser()._actions:
+        assert action.help, action.option_strings

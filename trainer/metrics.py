@@ -1,0 +1,168 @@
+"""Classification metrics and throughput, all-reduced across Ray Train workers.
+
+Each worker produces local sums (`EpochStats` from `train_one_epoch`, `EvalOutputs` from
+`evaluate`); `reduce_epoch` combines them so every rank returns the same, global numbers
+(Ray's TuneReportCallback forwards rank 0's report only).
+
+Definitions (class 1 = violent = positive; predicted positive when P(violent) >= 0.5):
+- val_acc: share of clips classified right.
+- val_recall: TP / (TP + FN); 0.0 when the labels have no positive (sklearn's zero_division=0).
+- val_f1: 2 TP / (2 TP + FP + FN); 0.0 when there is no positive label nor prediction.
+- val_auc: ROC AUC by the Mann-Whitney rank statistic, tied scores counted half. NaN when the
+  labels hold one class only: AUC is undefined there, and 0.5 would look like a real (useless)
+  score. The data layer refuses a validation split without both classes, so only a degenerate
+  set reaches that case; Tune and MLflow store NaN as a value (no crash).
+- clips_per_s: training clips of all workers / slowest worker's training wall time (data wait
+  + steps; evaluation excluded). This is the speed a user waits for; `data_wait_frac` says how
+  much of it was the input pipeline: data_wait_s / (data_wait_s + step_time_s), all workers.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer import precision
+
+METRIC_KEYS = ("train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
+               "clips_per_s", "epoch_time_s", "data_wait_frac")
+
+
+@dataclass
+class EpochStats:
+    """Local (this worker's) sums over one training epoch."""
+
+    loss_sum: float = 0.0        # sum over clips of the per-clip training loss
+    clips: int = 0               # clips trained on
+    steps: int = 0               # optimizer steps taken
+    step_time_s: float = 0.0     # wall time not spent waiting for data (forward/backward/step)
+    data_wait_s: float = 0.0     # wall time blocked in next(loader)
+    epoch_time_s: float = 0.0    # wall time of the training epoch (excludes evaluation)
+
+
+@dataclass
+class EvalOutputs:
+    """Local validation outputs: `probs` float32 (N,) P(violent) in [0, 1] and `labels` int64
+    (N,) in {0, 1}, on the CPU; `loss_sum` sum over clips of the cross-entropy."""
+
+    probs: torch.Tensor
+    labels: torch.Tensor
+    loss_sum: float
+    count: int
+
+
+def _as_numpy(x, dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, dtype=dtype).reshape(-1)
+
+
+def roc_auc(probs, labels) -> float:
+    """ROC AUC = P(score of a random positive > a random negative), ties counted 1/2, via the
+    Mann-Whitney U statistic on average ranks. NaN when one class is absent."""
+    p, y = _as_numpy(probs, np.float64), _as_numpy(labels, np.int64)
+    n_pos = int((y == 1).sum())
+    n_neg = len(y) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inverse, counts = np.unique(p, return_inverse=True, return_counts=True)
+    # Average 1-based rank of each distinct score: tied scores share the mean of their ranks.
+    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0
+    rank_sum_pos = avg_rank[inverse][y == 1].sum()
+    u = rank_sum_pos - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def classification_metrics(probs, labels, threshold: float = 0.5) -> dict[str, float]:
+    """val_acc, val_f1, val_recall, val_auc of P(violent) `probs` (N,) against `labels` (N,)
+    in {0, 1}; see the module docstring for the edge cases."""
+    p, y = _as_numpy(probs, np.float64), _as_numpy(labels, np.int64)
+    if len(p) != len(y):
+        raise ValueError(f"probs and labels differ in length: {len(p)} vs {len(y)}")
+    if len(y) == 0:
+        raise ValueError("no validation clips: cannot compute metrics on an empty set")
+    if not np.isin(y, (0, 1)).all():
+        raise ValueError(f"labels must be 0 or 1, got values {sorted(set(y.tolist()))[:10]}")
+    pred = (p >= threshold).astype(np.int64)
+    tp = int(((pred == 1) & (y == 1)).sum())
+    fp = int(((pred == 1) & (y == 0)).sum())
+    fn = int(((pred == 0) & (y == 1)).sum())
+    f1_den = 2 * tp + fp + fn
+    return {
+        "val_acc": float((pred == y).mean()),
+        "val_f1": 2 * tp / f1_den if f1_den else 0.0,
+        "val_recall": tp / (tp + fn) if tp + fn else 0.0,
+        "val_auc": roc_auc(p, y),
+    }
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else float("nan")
+
+
+def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
+    """Global metrics of one epoch (keys: METRIC_KEYS) from this worker's local results.
+
+    When torch.distributed is initialised every rank must call this (it runs collectives) and
+    every rank gets the same dict; counts and losses are summed, times take the slowest
+    worker, and the validation probs/labels of all ranks are gathered before scoring.
+    """
+    sums = [stats.loss_sum, stats.clips, stats.data_wait_s, stats.step_time_s,
+            eval_out.loss_sum, eval_out.count]
+    epoch_time = stats.epoch_time_s
+    probs = eval_out.probs.detach().reshape(-1).to("cpu", torch.float64)
+    labels = eval_out.labels.detach().reshape(-1).to("cpu", torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        device = precision.collective_device()
+        summed = torch.tensor(sums, dtype=torch.float64, device=device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        slowest = torch.tensor([epoch_time], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        sums, epoch_time = summed.tolist(), slowest.item()
+        probs, labels = _gather_pairs(probs, labels, device)
+    loss_sum, clips, wait, step, val_loss_sum, val_count = sums
+    out = {
+        "train_loss": _ratio(loss_sum, clips),
+        "val_loss": _ratio(val_loss_sum, val_count),
+        **classification_metrics(probs, labels),
+        "clips_per_s": _ratio(clips, epoch_time) if clips else 0.0,
+        "epoch_time_s": float(epoch_time),
+        "data_wait_frac": _ratio(wait, wait + step),
+    }
+    return {k: float(out[k]) for k in METRIC_KEYS}
+
+
+def _gather_pairs(probs: torch.Tensor, labels: torch.Tensor,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' (probs, labels), concatenated in rank order. all_gather needs equal shapes,
+    so each rank pads to the longest length and the padding is cut off after."""
+    world = dist.get_world_size()
+    local = torch.stack([probs, labels]).to(device)                     # 2 x n, float64
+    n = torch.tensor([local.shape[1]], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s.item()) for s in sizes]
+    longest = max(sizes)
+    padded = torch.zeros(2, longest, dtype=torch.float64, device=device)
+    padded[:, : local.shape[1]] = local
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    joined = torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1).cpu()
+    return joined[0], joined[1].round().to(torch.int64)
+
+
+def peak_memory_mb(device: torch.device | str) -> float:
+    """Peak memory of this worker in MiB: CUDA peak allocated by tensors on a GPU (reset it with
+    precision.reset_peak_memory each epoch), else the process's peak resident set size
+    (since process start; it never goes down)."""
+    gpu = precision.peak_allocated_mb(device)
+    if gpu is not None:
+        return float(gpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+

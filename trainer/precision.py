@@ -1,0 +1,168 @@
+"""The one place that decides numeric precision and device backend flags.
+
+`choose_precision` runs once per worker; the loop then uses `policy.autocast()` and
+`policy.make_scaler()` with no precision branches: a disabled GradScaler is a no-op, and
+autocast is disabled for fp32. This is also the only module that names the CUDA device type;
+others ask it (`is_cuda`, `synchronize`, `peak_allocated_mb`, ...).
+
+Choices (`auto | fp32 | fp16 | bf16`):
+- auto: CUDA compute capability >= 8.0 (A100, H100, RTX 30xx+) -> bf16 autocast, no scaler;
+  older CUDA GPUs (T4, V100) -> fp16 autocast + GradScaler; CPU and other devices -> fp32
+  (bf16 autocast on a CPU is often slower; DESIGN.md measured 28 vs 32 clips/s for tiny).
+- bf16 forced on CUDA below 8.0 -> error (no native bf16 there; cuBLAS would emulate it slowly).
+- fp16 forced on the CPU -> honoured: CPU fp16 autocast and `GradScaler("cpu")` both exist in
+  torch >= 2.3 and are numerically correct, so a CPU run exercises the same scaler path as an
+  old GPU; it is slow on CPUs without native fp16 arithmetic, which is why auto never picks it.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_CUDA = "cuda"
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Mixed-precision decision for one device: autocast dtype (float32 = autocast off) and
+    whether fp16 gradients need loss scaling."""
+
+    requested: str              # what the user asked: auto | fp32 | fp16 | bf16
+    dtype: torch.dtype          # torch.float32 | torch.float16 | torch.bfloat16
+    use_scaler: bool            # True only for fp16
+    device_type: str            # "cpu", "cuda", ... (torch.device.type)
+
+    @property
+    def name(self) -> str:
+        """Resolved precision: fp32 | fp16 | bf16 (what `auto` became)."""
+        return {v: k for k, v in _DTYPES.items()}[self.dtype]
+
+    def autocast(self) -> torch.autocast:
+        """Context for forward + loss: casts eligible ops to `dtype`; disabled for fp32."""
+        enabled = self.dtype != torch.float32
+        # autocast rejects float32 as its dtype even when disabled on some devices: pass the
+        # device's default low-precision dtype then, it is never applied.
+        dtype = self.dtype if enabled else torch.get_autocast_dtype(self.device_type)
+        return torch.autocast(self.device_type, dtype=dtype, enabled=enabled)
+
+    def make_scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler for fp16, a disabled (pass-through) one otherwise."""
+        return torch.amp.GradScaler(self.device_type, enabled=self.use_scaler)
+
+
+def decide_precision(requested: str, device_type: str,
+                     capability: tuple[int, int] | None = None) -> tuple[torch.dtype, bool]:
+    """Pure decision: (autocast dtype, use_scaler) for `requested` on a device of type
+    `device_type` with CUDA compute `capability` (major, minor), None off CUDA."""
+    if requested not in PRECISIONS:
+        raise ValueError(f"unknown precision {requested!r}; use one of {', '.join(PRECISIONS)} (--precision)")
+    is_cuda = device_type == _CUDA
+    if is_cuda and capability is None:
+        raise ValueError("a CUDA device needs its compute capability to decide the precision")
+    has_bf16 = is_cuda and tuple(capability) >= BF16_MIN_CAPABILITY
+    if requested == "auto":
+        if not is_cuda:
+            return torch.float32, False
+        return (torch.bfloat16, False) if has_bf16 else (torch.float16, True)
+    if requested == "bf16" and is_cuda and not has_bf16:
+        major, minor = capability
+        raise ValueError(
+            f"--precision bf16 needs a GPU of compute capability >= 8.0 (Ampere or newer); this "
+            f"one is {major}.{minor}. Use --precision fp16 (with loss scaling) or auto")
+    if requested != "fp32" and not torch.amp.is_autocast_available(device_type):
+        raise ValueError(f"--precision {requested}: torch has no autocast for device type "
+                         f"{device_type!r}; use --precision fp32")
+    dtype = _DTYPES[requested]
+    return dtype, dtype == torch.float16
+
+
+def choose_precision(requested: str, device: torch.device | str) -> PrecisionPolicy:
+    """The precision policy for `requested` (auto | fp32 | fp16 | bf16) on `device`."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == _CUDA else None
+    dtype, use_scaler = decide_precision(requested, device.type, capability)
+    return PrecisionPolicy(requested, dtype, use_scaler, device.type)
+
+
+def configure_backends(device: torch.device | str, *, cudnn_benchmark: bool = True) -> None:
+    """Speed flags, set once per process. On CUDA: cuDNN autotuning (it re-tunes for every new
+    input shape, so keep shapes fixed) and TF32 for float32 matmuls/convolutions (10-bit
+    mantissa, ~same accuracy for training, several times faster on Ampere+). No-op elsewhere."""
+    if torch.device(device).type != _CUDA:
+        return
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    # torch 2.9+ API; mixing it with the legacy allow_tf32 flags is an error, so use only this.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device(_CUDA, torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def is_cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == _CUDA
+
+
+def supports_fused_optimizer(device: torch.device | str) -> bool:
+    """AdamW(fused=True) runs one kernel for all parameters on CUDA; use it there only."""
+    return is_cuda(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued GPU work (a CPU-GPU sync point: call once per timed interval, not per
+    step). No-op off CUDA."""
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device | str) -> None:
+    """Return cached blocks after an out-of-memory error, so the next try starts clean."""
+    gc.collect()
+    if is_cuda(device):
+        torch.cuda.empty_cache()
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    if is_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_allocated_mb(device: torch.device | str) -> float | None:
+    """Peak CUDA memory allocated by tensors since the last reset, in MiB; None off CUDA."""
+    if not is_cuda(device):
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def collective_device() -> torch.device:
+    """Where tensors for torch.distributed collectives must live: the current CUDA device for
+    NCCL, the CPU for gloo."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device(_CUDA, torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def backend_flags(device: torch.device | str, *, cudnn_benchmark: bool):
+    """Temporarily set `configure_backends` flags (benchmarks compare settings in one process)."""
+    if not is_cuda(device):
+        yield
+        return
+    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,
+             torch.backends.cudnn.conv.fp32_precision)
+    configure_backends(device, cudnn_benchmark=cudnn_benchmark)
+    try:
+        yield
+    finally:
+        (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,
+         torch.backends.cudnn.conv.fp32_precision) = saved

@@ -1,0 +1,311 @@
+"""The Ray Train per-worker function: builds data, model and optimiser, runs the epochs with
+`trainer.loop`, all-reduces the metrics and reports them (with a checkpoint from rank 0).
+
+It wires the pieces; the training step itself lives in `trainer.loop`, precision decisions in
+`trainer.precision`, metric reduction in `trainer.metrics`.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
+from trainer.config import TrainConfig
+
+METRIC_KEYS = (
+    "epoch", "train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
+    "clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb", "lr", "batch_size",
+    "oom", "reader_failures", "node_id",
+)
+
+
+class ShardSampler(Sampler[int]):
+    """Indices `rank, rank + world, ...` of a dataset, in order, without padding: every
+    validation video is scored exactly once across the workers (DistributedSampler would pad
+    with duplicates so that every rank gets the same count)."""
+
+    def __init__(self, length: int, rank: int, world: int):
+        self.indices = list(range(rank, length, world))
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def with_sampler(loader: DataLoader, sampler: Sampler) -> DataLoader:
+    """The same loader with another sampler. Unlike `ray.train.torch.prepare_data_loader`, keeps
+    `persistent_workers`, `prefetch_factor` and the multiprocessing context, which
+    `build_loader` sets so that decoding workers are not restarted every epoch."""
+    extra: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        extra = dict(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers,
+                     multiprocessing_context=loader.multiprocessing_context)
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+        pin_memory_device=loader.pin_memory_device, **extra,
+    )
+
+
+@dataclass
+class _Run:
+    """What one worker holds during training."""
+
+    cfg: TrainConfig
+    rank: int
+    world: int
+    device: torch.device
+    policy: Any
+    spec: Any
+    class_names: dict[int, str]
+    train_loader: DataLoader
+    val_loader: DataLoader
+    train_transform: torch.nn.Module
+    val_transform: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    node_id: str
+    failures_seen: int = 0              # this rank's failed video reads counted in earlier epochs
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point. `config` is `TrainConfig.to_dict()`.
+
+    Reports once per epoch (`METRIC_KEYS`, all-reduced so rank 0's dict covers every worker)
+    with a checkpoint from rank 0; resumes after the epoch of `ray.train.get_checkpoint()`.
+    Out of memory ends the run with one `oom=1` report and a normal return (see `_report_oom`).
+    """
+    run = _setup(TrainConfig.from_dict(config))
+    start_epoch = _maybe_resume(run)
+    for epoch in range(start_epoch, run.cfg.epochs + 1):
+        started = time.perf_counter()
+        outputs = _train_and_evaluate(run, epoch)
+        if _any_rank(outputs is None, run.device):
+            outputs = None  # drop this rank's results too: every rank reports the same OOM
+            _report_oom(run, epoch, time.perf_counter() - started)
+            return
+        metrics = _epoch_metrics(run, epoch, *outputs)
+        _report(run, epoch, metrics)
+
+
+def _setup(cfg: TrainConfig) -> _Run:
+    from datasets.index import build_index
+    from datasets.transforms import ClipTransform
+    from trainer.loop import make_optimizer, make_scheduler
+    from trainer.models import build_model, get_spec, prepare_input_transform, prepare_model_memory_format
+    from trainer.precision import choose_precision, configure_backends
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    _use_allocated_cpus()
+    device = ray.train.torch.get_device()
+    policy = choose_precision(cfg.precision, device)
+    configure_backends(device)
+    spec = get_spec(cfg.model)
+    index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
+    train_loader, val_loader = _loaders(cfg, spec, index, rank, world, device)
+
+    torch.manual_seed(cfg.seed)  # same initial head on every rank and for every worker count
+    model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last)
+    # Frozen-backbone epochs leave backbone parameters without gradients; DDP must then look
+    # for unused parameters (a graph walk per step), so it does only when freezing is asked for.
+    ddp_kwargs = {"find_unused_parameters": True} if cfg.freeze_backbone_epochs > 0 else None
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs)
+    if cfg.compile:
+        from trainer.models import maybe_compile
+
+        model = maybe_compile(model, True)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    # The loop steps the optimizer (and scheduler) after every group of grad_accum_steps
+    # batches and after a last, shorter group.
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum_steps)
+    scheduler = make_scheduler(optimizer, cfg.epochs * steps_per_epoch, cfg.warmup_frac)
+
+    def transform(train: bool) -> torch.nn.Module:
+        t = ClipTransform(spec.mean, spec.std, train=train).to(device)
+        return prepare_input_transform(t, cfg.channels_last)
+
+    return _Run(
+        cfg=cfg, rank=rank, world=world, device=device, policy=policy, spec=spec,
+        class_names=dict(index.class_names), train_loader=train_loader, val_loader=val_loader,
+        train_transform=transform(True), val_transform=transform(False), model=model,
+        optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(),
+        node_id=_rank0_node_id(device),
+    )
+
+
+def _use_allocated_cpus() -> None:
+    """Give torch as many threads as the CPUs Ray reserved for this worker (at least 1)."""
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+    torch.set_num_threads(max(1, int(cpus)))
+
+
+def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
+             device: torch.device) -> tuple[DataLoader, DataLoader]:
+    """Train loader (shuffled per epoch, sharded, same batch count on every rank so DDP steps
+    stay in lockstep) and val loader (sharded without duplicates)."""
+    from datasets.video import VideoClipDataset, build_loader
+
+    d = cfg.data
+    size = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
+                height=d.height or spec.height, width=d.width or spec.width)
+    train_set = VideoClipDataset(index.train, train=True, seed=cfg.seed, **size)
+    val_set = VideoClipDataset(index.val, train=False, seed=cfg.seed, **size)
+    common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
+    train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **common)
+    val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **common)
+    # A DistributedSampler even for one worker: its order depends only on (seed, epoch), so a
+    # resumed run sees the same batches as an uninterrupted one.
+    train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    if len(train_sampler) < cfg.batch_size:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} is larger than the {len(train_sampler)} training videos "
+            f"each of the {world} worker(s) gets; lower --batch-size or --workers")
+    return with_sampler(train_loader, train_sampler), with_sampler(val_loader, ShardSampler(len(val_set), rank, world))
+
+
+def _rank0_node_id(device: torch.device) -> str:
+    node_id = ray.get_runtime_context().get_node_id()
+    if dist.is_available() and dist.is_initialized():
+        box = [node_id]
+        from trainer.precision import collective_device
+
+        dist.broadcast_object_list(box, src=0, device=collective_device())
+        node_id = box[0]
+    return node_id
+
+
+def _maybe_resume(run: _Run) -> int:
+    """First epoch to run: 1, or the one after the checkpoint Ray hands back on a rerun."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 1
+    with checkpoint.as_directory() as directory:
+        state = load_checkpoint(directory)
+    return restore_training_state(state, model=run.model, optimizer=run.optimizer,
+                                  scaler=run.scaler, scheduler=run.scheduler)
+
+
+def _train_and_evaluate(run: _Run, epoch: int):
+    """(EpochStats, EvalOutputs) of one epoch, or None when this rank ran out of memory."""
+    from trainer.loop import evaluate, train_one_epoch
+    from trainer.models import set_backbone_trainable, unwrap
+    from trainer.precision import reset_peak_memory
+
+    cfg = run.cfg
+    run.train_loader.sampler.set_epoch(epoch)
+    for dataset in (run.train_loader.dataset, run.val_loader.dataset):
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+    # Augmentation draws from the global generator: seed it per (rank, epoch) so a resumed run
+    # continues exactly and ranks augment independently.
+    torch.manual_seed(cfg.seed + 7919 * run.rank + epoch)
+    reset_peak_memory(run.device)
+    if cfg.freeze_backbone_epochs > 0:
+        set_backbone_trainable(run.model, trainable=epoch > cfg.freeze_backbone_epochs)
+    try:
+        stats = train_one_epoch(
+            run.model, run.train_loader, transform=run.train_transform, optimizer=run.optimizer,
+            scheduler=run.scheduler, scaler=run.scaler, policy=run.policy, device=run.device,
+            grad_accum_steps=cfg.grad_accum_steps, clip_grad_norm=cfg.clip_grad_norm,
+            label_smoothing=cfg.label_smoothing)
+        # The plain model: DDP's forward may sync buffers (a collective) and ranks hold
+        # different numbers of validation batches.
+        eval_out = evaluate(unwrap(run.model), run.val_loader, transform=run.val_transform,
+                            policy=run.policy, device=run.device)
+    except torch.OutOfMemoryError:
+        return None  # handled outside the except block, so the traceback's tensors are freed
+    return stats, eval_out
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is True on any rank (a collective: all ranks must call it)."""
+    return bool(_all_reduce([float(flag)], dist.ReduceOp.MAX, device)[0])
+
+
+def _all_reduce(values: list[float], op: Any, device: torch.device) -> list[float]:
+    from trainer.precision import collective_device
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def _reader_failures(run: _Run) -> int:
+    """Failed video reads during this epoch, summed over the workers (and their loader processes)."""
+    total = sum(int(getattr(loader.dataset, "failures", 0)) for loader in (run.train_loader, run.val_loader))
+    local, run.failures_seen = total - run.failures_seen, total
+    return int(_all_reduce([float(local)], dist.ReduceOp.SUM, run.device)[0])
+
+
+def _current_lr(run: _Run) -> float:
+    return float(max(group["lr"] for group in run.optimizer.param_groups))
+
+
+def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any) -> dict[str, Any]:
+    from trainer.metrics import peak_memory_mb, reduce_epoch
+
+    metrics = reduce_epoch(stats, eval_out)
+    peak = _all_reduce([peak_memory_mb(run.device)], dist.ReduceOp.MAX, run.device)[0]
+    metrics.update(
+        epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0,
+        reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
+    )
+    return {key: metrics[key] for key in METRIC_KEYS}
+
+
+def _report(run: _Run, epoch: int, metrics: dict[str, Any]) -> None:
+    """All ranks report (it is a barrier); only rank 0 writes and passes a checkpoint."""
+    if run.rank != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="vidtune-ckpt-") as directory:
+        save_checkpoint(
+            directory, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
+            scheduler=run.scheduler, epoch=epoch, config=run.cfg.to_dict(), spec=run.spec,
+            class_names=run.class_names, metrics=metrics)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=f"epoch_{epoch:04d}")
+
+
+def _report_oom(run: _Run, epoch: int, elapsed_s: float) -> None:
+    """Out of memory is an answer for the search (this batch size does not fit), not a crash:
+    free what the run holds, report worst-case metrics once, no checkpoint, and let the caller
+    return normally so Ray does not retry.
+
+    Every rank agreed on the OOM first (`_any_rank`), so none waits in a collective for a rank
+    that stopped. Limitation: an OOM on one rank only, in the middle of a DDP backward, leaves
+    the others inside that step's gradient all-reduce; they fail at the collective instead.
+    """
+    from trainer.metrics import peak_memory_mb
+    from trainer.precision import free_memory
+
+    peak = peak_memory_mb(run.device)  # measured before the memory is released
+    run.optimizer.state.clear()
+    run.optimizer.zero_grad(set_to_none=True)
+    free_memory(run.device)
+    peak = _all_reduce([peak], dist.ReduceOp.MAX, run.device)[0]
+    metrics = {
+        "epoch": epoch, "train_loss": math.nan, "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
+        "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "epoch_time_s": float(elapsed_s),
+        "data_wait_frac": 0.0, "peak_mem_mb": float(peak), "lr": _current_lr(run),
+        "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
+        "node_id": run.node_id,
+    }
+    ray.train.report(metrics)

@@ -1,0 +1,188 @@
+"""The search itself, once Ray is up: check the cluster, size the trials, run (or resume) the
+Tuner with the MLflow writer and the resource releaser, then report."""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tune.options import SearchOptions, UsageError, gpus_per_trial, with_defaults_for_hardware
+from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver
+
+
+def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
+    """Right after connecting, before any trial: fill the hardware defaults, refuse trials the
+    cluster cannot hold, and decide how many run at once. Returns (options, concurrency, local_gpu)."""
+    import ray
+
+    res = ray.cluster_resources()
+    cpus, gpus = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
+    opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
+    gpt = gpus_per_trial(opts)
+    if gpt > gpus + 1e-9:
+        flag = "--gpus-per-trial" if opts.gpus_per_trial is not None else "--gpus-per-worker"
+        raise UsageError(flag, f"a trial asks for {gpt:g} GPU(s) ({opts.workers_per_trial} worker(s) x "
+                         f"{opts.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
+    cpu_per_trial = opts.workers_per_trial * opts.cpus_per_worker
+    if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
+        raise UsageError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
+                         f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
+    # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
+    local_gpu = opts.local or (opts.address is None and math.isclose(gpus, 1.0))
+    fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
+    if gpt > 0:
+        fit = min(fit, math.floor((gpus + 1e-9) / gpt))
+    concurrency = opts.max_concurrent_trials or max(1, min(fit, opts.num_samples))
+    return opts, concurrency, local_gpu
+
+
+def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
+    """--probe-batch-size: drop batch sizes above the largest that fits, measured on a GPU."""
+    import ray
+
+    if not opts.probe_batch_size:
+        return opts
+    if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
+        print("--probe-batch-size: no whole GPU in the cluster; batch sizes not capped")
+        return opts
+
+    @ray.remote(num_gpus=1)
+    def probe(model: str, precision: str, frames: Any, height: Any, width: Any, limit: int) -> int:
+        from trainer.batch_probe import find_max_batch_size
+
+        return find_max_batch_size(model, precision=precision, num_frames=frames, height=height,
+                                   width=width, limit=limit)
+
+    d = base.data
+    largest = ray.get(probe.remote(opts.model, opts.precision, d.num_frames, d.height, d.width,
+                                   max(opts.batch_sizes)))
+    kept = tuple(b for b in opts.batch_sizes if b <= largest)
+    print(f"--probe-batch-size: at most {largest} clips fit per GPU; searching batch sizes {kept}")
+    if not kept:
+        raise UsageError("--batch-sizes", f"none of {list(opts.batch_sizes)} fits in GPU memory (largest: {largest}); "
+                         "pass smaller sizes or lower --num-frames/--height/--width")
+    return replace(opts, batch_sizes=kept)
+
+
+def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
+    """Run the planned search to the end (or resume it); print and record the summary.
+    `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
+    from ray import tune
+
+    from tune import cleanup, space
+    from tune.tracking import MLflowTracker
+
+    opts, concurrency, local_gpu = check_cluster(plan.opts)
+    opts = probe_batch_sizes(opts, plan.base)
+    base = plan.base.with_overrides(batch_size=opts.batch_sizes[0])
+    resources = TrialResources(opts.workers_per_trial, opts.cpus_per_worker, opts.gpus_per_worker or 0.0)
+    objective = space.objective_for(opts.objective)
+    print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
+          f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.batch_sizes)}, "
+          f"lr {opts.lr_min:g}..{opts.lr_max:g}, objective {opts.objective}, "
+          f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
+
+    registry_name = f"vidtune-pg-registry-{plan.name}"
+    registry = cleanup.start_registry(registry_name)  # noqa: F841 (kept alive by this reference)
+    tracker = make_tracker(plan, opts)
+    driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
+                               registry_name=registry_name, trainer_factory=trainer_factory)
+    trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
+    param_space = space.param_space(opts)
+    if opts.resume:
+        tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
+                                   resume_errored=False, param_space=param_space)
+    else:
+        tuner = tune.Tuner(
+            trainable, param_space=param_space,
+            tune_config=tune.TuneConfig(
+                metric=objective.metric, mode=objective.mode, num_samples=opts.num_samples,
+                search_alg=space.build_searcher(opts, objective, study_name=plan.name),
+                scheduler=space.build_scheduler(opts), max_concurrent_trials=concurrency),
+            run_config=tune.RunConfig(
+                name=plan.name, storage_path=plan.storage, verbose=1,
+                failure_config=tune.FailureConfig(max_failures=0),   # OOM and errors are not retried
+                callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name)]),
+        )
+    results = None
+    try:
+        results = tuner.fit()
+    finally:
+        code = summarise(plan, opts, results, tracker)
+    return code
+
+
+def make_tracker(plan: Any, opts: SearchOptions):
+    from tune.tracking import MLflowTracker, git_commit
+    from tune.search import REPO_ROOT
+
+    searched = {"batch_sizes": ",".join(map(str, opts.batch_sizes)), "lr_min": opts.lr_min, "lr_max": opts.lr_max}
+    if opts.search_weight_decay:
+        searched.update(weight_decay_min=opts.weight_decay_min, weight_decay_max=opts.weight_decay_max)
+    commit = git_commit(REPO_ROOT)
+    tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search"}
+    if commit:
+        tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
+    gpus = (opts.gpus_per_worker or 0.0) * opts.workers_per_trial
+    return MLflowTracker(
+        tracking_uri=opts.mlflow_uri, experiment=opts.experiment, experiment_path=plan.experiment_path,
+        epochs=opts.epochs, parent_tags=tags,
+        parent_params={**searched, "dataset": plan.base.data.root, "model": opts.model, "weights": opts.weights,
+                       "objective": opts.objective, "epochs": opts.epochs, "num_samples": opts.num_samples,
+                       "seed": opts.seed, "workers_per_trial": opts.workers_per_trial, "gpus_per_trial": gpus,
+                       "precision": opts.precision},
+        child_params={"precision": opts.precision, "model": opts.model, "workers": opts.workers_per_trial,
+                      "gpus": gpus, "dataset": plan.base.data.root, "epochs": opts.epochs},
+    )
+
+
+def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int:
+    """Print the table / best / Pareto front / checkpoint / MLflow command; write the parent's
+    artifacts; end every MLflow run (KILLED when the search did not finish)."""
+    from tune import report
+
+    rows: list[report.TrialRow] = []
+    if results is not None:
+        trials = results._experiment_analysis.trials   # same order as the Results
+        for trial, result in zip(trials, results):
+            rows.append(report.row_from_result(result, trial_id=trial.trial_id, epochs=opts.epochs,
+                                               finished=trial.status in ("TERMINATED", "ERROR")))
+    interrupted = results is None or any(r.status == "UNFINISHED" for r in rows) or len(rows) < opts.num_samples
+    tracker.open_parent(refresh=True)
+    best = report.best_trial(rows, opts.objective)
+    if rows:
+        print("\ntrials:\n" + report.format_table(rows, show_wd=opts.search_weight_decay))
+    if best:
+        print(f"\nbest trial ({opts.objective}): {best.trial_id}  batch_size={best.batch_size}  lr={best.lr:.3g}"
+              f"{f'  weight_decay={best.weight_decay:.3g}' if best.weight_decay is not None else ''}  "
+              f"val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f}  clips/s={best.clips_per_s:.1f}")
+        print(f"best checkpoint: {best.checkpoint or 'none kept'}")
+    if opts.objective == "pareto" and rows:
+        front = report.pareto_front(rows)
+        print("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.search_weight_decay))
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = report.write_csv(rows, Path(tmp) / "trials.csv")
+        png = report.plot_scatter(rows, Path(tmp) / "accuracy_vs_speed.png", title=plan.name)
+        best_doc = None
+        if best:
+            best_doc = {**best.__dict__, "objective": opts.objective,
+                        "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr).to_dict()}
+        tracker.log_summary(table_csv=csv_path, plot_png=png, best=best_doc, best_checkpoint=best.checkpoint if best else None)
+    tracker.close(interrupted=interrupted)
+    print("\n" + mlflow_hint(opts.mlflow_uri))
+    if interrupted:
+        print(f"search interrupted; continue it with: python tune/search.py --resume --name {plan.name} "
+              f"--storage {plan.storage}")
+        return 130
+    return 0 if best else 1
+
+
+def mlflow_hint(uri: str) -> str:
+    from tune.tracking import sqlite_path
+
+    path = sqlite_path(uri)
+    if path is not None:
+        return f"compare the trials in MLflow:  mlflow ui --backend-store-uri sqlite:///{path}"
+    return f"compare the trials in MLflow: open {uri}"

@@ -1,0 +1,101 @@
+"""What the search explores and how: the parameter space, the Optuna TPE searcher, ASHA.
+
+The space is Tune's (`tune.choice` / `tune.loguniform`); Ray's `OptunaSearch` converts it to
+Optuna distributions. Single objective: metric/mode go to `TuneConfig` (the searcher and ASHA
+read them from there). Pareto: the searcher gets a metric list and mode list (Optuna's
+multi-objective TPE) and `TuneConfig` gets none, since Tune itself knows only one metric.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray.tune.search.optuna import OptunaSearch
+
+from tune.options import SearchOptions
+
+PARETO_METRICS = ("val_acc", "clips_per_s")   # both maximised
+TIME_ATTR = "epoch"                           # the worker reports a 1-based epoch every epoch
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What Tune / Optuna optimise. `metric` is None for pareto (Tune gets no metric then)."""
+
+    metric: str | None
+    mode: str | None
+    searcher_metric: str | list[str]
+    searcher_mode: str | list[str]
+
+    @property
+    def is_pareto(self) -> bool:
+        return self.metric is None
+
+
+def objective_for(name: str) -> Objective:
+    """`val_acc` / `val_f1` (maximised), or `pareto` (val_acc and clips_per_s, both maximised)."""
+    if name == "pareto":
+        return Objective(None, None, list(PARETO_METRICS), ["max"] * len(PARETO_METRICS))
+    return Objective(name, "max", name, "max")
+
+
+def param_space(opts: SearchOptions) -> dict[str, Any]:
+    """Tune search space: batch_size (categorical), lr (log-uniform), optionally weight_decay."""
+    from ray import tune
+
+    assert opts.batch_sizes, "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
+    space: dict[str, Any] = {
+        "batch_size": tune.choice(sorted(set(opts.batch_sizes))),
+        "lr": tune.loguniform(opts.lr_min, opts.lr_max) if opts.lr_min < opts.lr_max else opts.lr_min,
+    }
+    if opts.search_weight_decay:
+        lo, hi = opts.weight_decay_min, opts.weight_decay_max
+        space["weight_decay"] = tune.loguniform(lo, hi) if lo < hi else lo
+    return space
+
+
+def oom_constraint(trial: Any) -> list[float]:
+    """Optuna constraint: > 0 means infeasible. A trial that ran out of memory is infeasible, so
+    TPE learns to avoid its region (a plain FAIL would be ignored and the batch size retried)."""
+    return [1.0 if trial.user_attrs.get("oom") else -1.0]
+
+
+class VidtuneOptunaSearch(OptunaSearch):
+    """OptunaSearch that marks out-of-memory trials infeasible (user attr `oom`, read by
+    `oom_constraint`) before telling Optuna their worst-case values."""
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+        ot_trial = self._ot_trials.get(trial_id)
+        if ot_trial is not None and result and int(result.get("oom", 0) or 0) == 1:
+            ot_trial.set_user_attr("oom", 1)
+            ot_trial.set_user_attr("failure_reason", "out of memory")
+        super().on_trial_complete(trial_id, result=result, error=error)
+
+
+def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str):
+    """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given."""
+    import optuna
+
+    sampler = optuna.samplers.TPESampler(seed=opts.seed, constraints_func=oom_constraint,
+                                         n_startup_trials=min(10, max(2, opts.num_samples // 2)))
+    storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
+    kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
+    if objective.is_pareto:
+        kwargs.update(metric=objective.searcher_metric, mode=objective.searcher_mode)
+    return VidtuneOptunaSearch(**kwargs)
+
+
+def early_stopping_enabled(opts: SearchOptions) -> bool:
+    """ASHA runs when asked (default), with >= 3 epochs to compare on, and never in pareto mode
+    (ASHA ranks by a single metric)."""
+    return opts.early_stop and opts.epochs >= 3 and opts.objective != "pareto"
+
+
+def build_scheduler(opts: SearchOptions):
+    """ASHA on the per-epoch reports, or None (Tune's FIFO) when early stopping is off."""
+    if not early_stopping_enabled(opts):
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.epochs,
+                         grace_period=min(opts.grace_period, opts.epochs), reduction_factor=2)

@@ -1,0 +1,84 @@
+"""The trial driver: the small Tune function each trial runs. It turns the sampled
+hyperparameters into a `TrainConfig`, builds the trial's Ray Train `TorchTrainer` (named after
+the trial id) and calls `fit()`; the workers' per-epoch reports reach Tune through
+`TuneReportCallback`. The driver itself takes only a sliver of a CPU (`DRIVER_CPUS`), so on a
+2-core machine two trials' training workers get a whole core each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainer.config import TrainConfig
+
+DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
+SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
+
+
+@dataclass(frozen=True)
+class TrialResources:
+    """What one trial's Train run asks Ray for."""
+
+    workers: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.gpus_per_worker > 0
+
+    def per_worker(self) -> dict[str, float]:
+        res = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            res["GPU"] = self.gpus_per_worker
+        return res
+
+
+def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
+    """The base configuration with the sampled values (batch_size, lr, weight_decay) put in."""
+    unknown = set(sampled) - set(SAMPLED_KEYS)
+    if unknown:
+        raise ValueError(f"unexpected sampled parameter(s) {sorted(unknown)}; expected some of {SAMPLED_KEYS}")
+    changes = {k: v for k, v in sampled.items()}
+    if "batch_size" in changes:
+        changes["batch_size"] = int(changes["batch_size"])
+    for key in ("lr", "weight_decay"):
+        if key in changes:
+            changes[key] = float(changes[key])
+    return base.with_overrides(**changes)
+
+
+def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
+                      registry_name: str | None = None,
+                      trainer_factory: Callable[..., Any] | None = None) -> Callable[[dict], None]:
+    """The Tune function of one trial.
+
+    `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder per trial id).
+    `registry_name`: the `tune.cleanup` registry its placement group is recorded in (None: none).
+    `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
+    builds a `TorchTrainer` around a scripted worker loop (same signature).
+    """
+    base_dict = base.to_dict()
+
+    def trial_driver(config: dict) -> None:
+        from ray import tune
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        from tune.cleanup import PlacementGroupRecorder
+
+        factory = trainer_factory
+        if factory is None:
+            from trainer.launch import build_torch_trainer as factory
+        trial_id = tune.get_context().get_trial_id()
+        cfg = trial_config(TrainConfig.from_dict(base_dict), config)
+        callbacks: list[Any] = [TuneReportCallback()]
+        if registry_name:
+            callbacks.append(PlacementGroupRecorder(registry_name, trial_id))
+        trainer = factory(
+            cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
+            resources_per_worker=resources.per_worker(), name=trial_id,
+            storage_path=train_storage, callbacks=callbacks,
+        )
+        trainer.fit()
+
+    return trial_driver
