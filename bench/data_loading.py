@@ -124,7 +124,8 @@ def format_table(rows, *, root: str, n: int, sources: set, args: argparse.Namesp
     shown = ", ".join(f"{w}x{h}" for w, h in sorted(sources)[:3]) + (" ..." if len(sources) > 3 else "")
     lines = [
         f"\nClip loading on this machine ({os.cpu_count()} cores): {n} videos in {root} (stored {shown}), "
-        f"stride {args.frame_stride}, batch {args.batch_size}, {args.clips} clips per row\n",
+        f"stride {args.frame_stride}, batch {args.batch_size}, {args.clips} clips per row; "
+        f"load average {os.getloadavg()[0]:.1f} (numbers are only comparable on an idle machine)\n",
         f"{'size':>5} {'T':>3}  {'reader':<24} {'clips/s':>8} {'first_s':>8}",
         "-" * 53,
     ]

@@ -37,39 +37,54 @@ def _healthy(url: str) -> bool:
         return False
 
 
+class MlflowServer:
+    """An `mlflow server` subprocess on 127.0.0.1; `url` once `wait_healthy()` has returned."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.artifacts = root / "artifacts"
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        self._log = open(root / "server.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server",
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", str(self.artifacts),
+             "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1], "--workers", "1"],
+            cwd=root, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_healthy(self) -> str:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not _healthy(self.url):
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        return self.url
+
+    def log_tail(self) -> str:
+        return (self.root / "server.log").read_text()[-3000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+        self._log.close()
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """(url, artifacts folder) of an `mlflow server` on 127.0.0.1, stopped after the module."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    artifacts = root / "artifacts"
-    port = _free_port()
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(artifacts),
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
+    """A started server. Not waited for here: it boots while the other fixtures (dataset, Ray)
+    are made, and the test waits for /health (bounded) when it needs it."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not _healthy(url):
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}:\n{(root / 'server.log').read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after {SERVER_START_TIMEOUT_S} s:\n"
-                            f"{(root / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url, artifacts
+        yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
+        server.stop()
 
 
 def test_unreachable_tracking_server_fails_before_ray_starts(tmp_path, monkeypatch, capsys):
@@ -97,7 +112,7 @@ def test_search_records_runs_and_artifacts_through_the_server(mlflow_server, ray
 
     from tune.search import main
 
-    url, artifacts_dir = mlflow_server
+    url, artifacts_dir = mlflow_server.wait_healthy(), mlflow_server.artifacts
     code = main([
         "--data", str(synthetic_root), "--model", "tiny",
         "--num-samples", "1", "--epochs", "1", "--batch-sizes", "4", "--no-early-stop",

@@ -1,13 +1,14 @@
 """A search on a two-node Ray cluster (both nodes on this machine): trials land on both nodes and
 every result comes back to the driver's MLflow store.
 
-The cluster comes from `ray.cluster_utils.Cluster`; the search runs as a subprocess joined to it
-with `--address`, exactly as `ray job submit ... python tune/search.py --address auto` does on a
-real cluster (the pytest process may hold the session's local Ray, and a process can be
-connected to only one).
+The cluster comes from `ray.cluster_utils.Cluster`, made and shut down in a helper process; the
+search runs as a subprocess joined to it with `--address`, as `ray job submit ... python
+tune/search.py --address auto` does on a real cluster. The pytest process stays out of it: it
+may hold the session's local Ray (`ray_session`), and a process can be connected to only one.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,30 @@ CPUS_PER_WORKER = 0.6
 TRIALS = 2
 
 
+# Runs in its own process: making a `Cluster` points this process's Ray internals (internal KV)
+# at the new cluster, and its shutdown resets them, which would break the session's Ray that the
+# pytest process may hold (`ray_session`). Prints the address and node ids as one JSON line, then
+# keeps the cluster until its stdin closes.
+CLUSTER_PROCESS = """
+import json, sys
+from ray._common.utils import reset_ray_address
+from ray.cluster_utils import Cluster
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": %(cpus)d})
+# Cluster records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which any
+# plain ray.init() here would then join; the search is given the address instead.
+reset_ray_address()
+try:
+    cluster.add_node(num_cpus=%(cpus)d)
+    cluster.wait_for_nodes()
+    nodes = [n.node_id for n in cluster.list_all_nodes()]
+    print(json.dumps({"address": cluster.address, "node_ids": nodes}), flush=True)
+    sys.stdin.read()
+finally:
+    cluster.shutdown()
+""" % {"cpus": NODE_CPUS}
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The search must join the cluster given by --address, not one named in the environment.
@@ -35,33 +60,39 @@ def _child_env() -> dict[str, str]:
 
 
 @pytest.fixture
-def two_node_cluster():
-    from ray._common.utils import reset_ray_address
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS})
-    # Cluster records its address as "the latest cluster" (/tmp/ray/ray_current_cluster), which a
-    # plain ray.init() elsewhere on this machine would join; nothing here needs that record.
-    reset_ray_address()
+def two_node_cluster(tmp_path):
+    """(address, node ids) of a head + one worker node, each with NODE_CPUS CPUs."""
+    log_path = tmp_path / "cluster.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-c", CLUSTER_PROCESS], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env())
     try:
-        cluster.add_node(num_cpus=NODE_CPUS)
-        cluster.wait_for_nodes()
-        yield cluster
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"the two-node cluster did not start:\n{log_path.read_text()[-3000:]}")
+        info = json.loads(line)
+        yield info["address"], set(info["node_ids"])
     finally:
-        cluster.shutdown()
+        proc.stdin.close()          # the process shuts its cluster down
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        log.close()
 
 
 @pytest.mark.slow
 def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_node_cluster, synthetic_root, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    node_ids = {node.node_id for node in two_node_cluster.list_all_nodes()}
+    address, node_ids = two_node_cluster
     assert len(node_ids) == 2
     db = tmp_path / "mlruns.db"
     cmd = [
         sys.executable, "tune/search.py",
         "--data", str(synthetic_root), "--model", "tiny",
-        "--address", two_node_cluster.address,
+        "--address", address,
         "--num-samples", str(TRIALS), "--epochs", "1", "--batch-sizes", "4", "--no-early-stop",
         # The tiny model's own clip size, decoded in the training process (no loader processes).
         "--num-frames", "8", "--height", "64", "--width", "64", "--loader-workers", "0",

@@ -279,3 +279,15 @@ def test_dataset_pickles_outside_worker_start(train_infos):
     copy = pickle.loads(pickle.dumps(ds))
     assert copy.epoch == 4 and copy.failures == 0 and len(copy) == 2
     assert copy[0][0].shape == (4, 32, 32, 3)
+
+
+@pytest.mark.slow
+def test_data_loading_bench_prints_its_table(capsys):
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "data_loading.py"), run_name="bench")
+    assert bench["main"](["--smoke-test"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith("64")]
+    assert [r[2] for r in rows] == ["Dataset[i]", "DataLoader,", "DataLoader,"]
+    assert all(float(r[-2]) > 0 for r in rows)                   # clips/s measured

@@ -150,6 +150,7 @@ def build_torch_trainer(
     storage_path: str | None = None,
     callbacks: list | None = None,
     checkpoint_keep: int = 1,
+    train_loop=None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -158,6 +159,8 @@ def build_torch_trainer(
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
     No retries (`max_failures=0`): a failing trial is reported, not rerun; out of memory is not
     a failure (the worker reports `oom=1` and returns).
+    `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
+    (pass a wrapper of it to, e.g., register extra models in the worker process first).
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -185,7 +188,7 @@ def build_torch_trainer(
         num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker
     )
     return TorchTrainer(
-        train_loop_per_worker,
+        train_loop or train_loop_per_worker,
         train_loop_config=cfg.to_dict(),
         scaling_config=scaling,
         run_config=run_config,

@@ -49,6 +49,7 @@ class _Entry:
     spec: ModelSpec
     builder: Callable[..., nn.Module]           # builder(num_classes=...) -> nn.Module
     kinetics: Any | None                        # torchvision weights enum member, or None
+    fixed_size: bool                            # MViT: positional embeddings sized for the spec only
 
 
 def _build_tiny(num_classes: int = 2) -> nn.Module:
@@ -76,17 +77,17 @@ def _build_tiny(num_classes: int = 2) -> nn.Module:
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "tiny": _Entry(ModelSpec("tiny", 8, 64, 64, KINETICS_MEAN, KINETICS_STD), _build_tiny, None),
+    "tiny": _Entry(ModelSpec("tiny", 8, 64, 64, KINETICS_MEAN, KINETICS_STD), _build_tiny, None, True),
     "mvit_v2_s": _Entry(ModelSpec("mvit_v2_s", 16, 224, 224, KINETICS_MEAN, KINETICS_STD),
-                        tvv.mvit_v2_s, tvv.MViT_V2_S_Weights.KINETICS400_V1),
+                        tvv.mvit_v2_s, tvv.MViT_V2_S_Weights.KINETICS400_V1, True),
     "mvit_v1_b": _Entry(ModelSpec("mvit_v1_b", 16, 224, 224, KINETICS_MEAN, KINETICS_STD),
-                        tvv.mvit_v1_b, tvv.MViT_V1_B_Weights.KINETICS400_V1),
+                        tvv.mvit_v1_b, tvv.MViT_V1_B_Weights.KINETICS400_V1, True),
     "swin3d_t": _Entry(ModelSpec("swin3d_t", 16, 224, 224, SWIN_MEAN, SWIN_STD),
-                       tvv.swin3d_t, tvv.Swin3D_T_Weights.KINETICS400_V1),
+                       tvv.swin3d_t, tvv.Swin3D_T_Weights.KINETICS400_V1, False),
     "swin3d_s": _Entry(ModelSpec("swin3d_s", 16, 224, 224, SWIN_MEAN, SWIN_STD),
-                       tvv.swin3d_s, tvv.Swin3D_S_Weights.KINETICS400_V1),
+                       tvv.swin3d_s, tvv.Swin3D_S_Weights.KINETICS400_V1, False),
     "swin3d_b": _Entry(ModelSpec("swin3d_b", 16, 224, 224, SWIN_MEAN, SWIN_STD),
-                       tvv.swin3d_b, tvv.Swin3D_B_Weights.KINETICS400_V1),
+                       tvv.swin3d_b, tvv.Swin3D_B_Weights.KINETICS400_V1, False),
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -102,6 +103,19 @@ def _entry(name: str) -> _Entry:
 def get_spec(name: str) -> ModelSpec:
     """Input size and normalisation of model `name` (ValueError listing the known names)."""
     return _entry(name).spec
+
+
+def check_input_size(name: str, num_frames: int, height: int, width: int) -> None:
+    """ValueError when model `name` cannot take `num_frames x height x width` clips: the MViT
+    models (and tiny) have positional embeddings for exactly their spec's size; Swin3D pads
+    windows and takes any size."""
+    entry = _entry(name)
+    spec = entry.spec
+    if entry.fixed_size and (num_frames, height, width) != (spec.num_frames, spec.height, spec.width):
+        raise ValueError(
+            f"model {name!r} takes clips of exactly {spec.num_frames} frames x {spec.height} x "
+            f"{spec.width}, not {num_frames} x {height} x {width}; leave --num-frames/--height/--width "
+            f"unset (or set them to that size), or use a swin3d_* model for other sizes")
 
 
 def build_model(name: str, weights: str = "none", num_classes: int = 2) -> nn.Module:

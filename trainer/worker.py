@@ -227,9 +227,17 @@ def _train_and_evaluate(run: _Run, epoch: int):
         # different numbers of validation batches.
         eval_out = evaluate(unwrap(run.model), run.val_loader, transform=run.val_transform,
                             policy=run.policy, device=run.device)
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(e):
+            raise
         return None  # handled outside the except block, so the traceback's tensors are freed
     return stats, eval_out
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A GPU out-of-memory error, or the CPU allocator's (a plain RuntimeError in torch)."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:

@@ -68,7 +68,7 @@ class SearchOptions:
     address: str | None = None           # None = a local Ray; "auto" = the running cluster
     local: bool = False                  # force single-GPU local mode
     workers_per_trial: int = 1
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 0.9        # a core less the trial driver's 0.1 (tune/trial.py): N trials fit on N cores
     gpus_per_worker: float | None = None # None = 1 where the cluster has GPUs, else 0
     gpus_per_trial: float | None = None  # 0.5 packs two one-worker trials per GPU
     storage: str | None = None           # Tune/Train storage; None = ./vidtune-results
@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--address", metavar="ADDR", help="Ray cluster to join: auto or ray://host:10001 (default: start a local Ray)")
     g.add_argument("--local", action="store_true", help="single-machine mode: one trial at a time owns the GPU (auto with one GPU)")
     g.add_argument("--workers-per-trial", type=int, metavar="N", help=f"Ray Train workers per trial (default {d.workers_per_trial})")
-    g.add_argument("--cpus-per-worker", type=float, metavar="C", help=f"CPUs per training worker (default {d.cpus_per_worker})")
+    g.add_argument("--cpus-per-worker", type=float, metavar="C", help=f"CPUs reserved per training worker (default {d.cpus_per_worker}: a core less the "
+                   "trial driver's 0.1, so two one-worker trials fit on 2 cores; torch uses at least 1 thread)")
     g.add_argument("--gpus-per-worker", type=float, metavar="G", help="GPUs per training worker (default 1 if the cluster has GPUs, else 0)")
     g.add_argument("--gpus-per-trial", type=float, metavar="G", help="GPUs per trial, split over its workers; 0.5 packs two trials per GPU")
     g.add_argument("--storage", metavar="PATH", help="results and checkpoints: a local folder, NFS or s3:// (shared on a cluster) (default ./vidtune-results)")

@@ -15,7 +15,8 @@ from ray.tune.search.optuna import OptunaSearch
 from tune.options import SearchOptions
 
 PARETO_METRICS = ("val_acc", "clips_per_s")   # both maximised
-TIME_ATTR = "epoch"                           # the worker reports a 1-based epoch every epoch
+TIME_ATTR = "epoch"
+OOM_CONSTRAINT = "out_of_memory"            # Optuna constraint: > 0 = infeasible                           # the worker reports a 1-based epoch every epoch
 
 
 @dataclass(frozen=True)
@@ -54,21 +55,18 @@ def param_space(opts: SearchOptions) -> dict[str, Any]:
     return space
 
 
-def oom_constraint(trial: Any) -> list[float]:
-    """Optuna constraint: > 0 means infeasible. A trial that ran out of memory is infeasible, so
-    TPE learns to avoid its region (a plain FAIL would be ignored and the batch size retried)."""
-    return [1.0 if trial.user_attrs.get("oom") else -1.0]
-
-
 class VidtuneOptunaSearch(OptunaSearch):
-    """OptunaSearch that marks out-of-memory trials infeasible (user attr `oom`, read by
-    `oom_constraint`) before telling Optuna their worst-case values."""
+    """OptunaSearch that records out of memory as an infeasible trial: Optuna constraint
+    `out_of_memory` > 0 (feasible trials get 0), so TPE learns to avoid that region instead of
+    ignoring the trial as it would a FAIL and proposing the same batch size again."""
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         ot_trial = self._ot_trials.get(trial_id)
-        if ot_trial is not None and result and int(result.get("oom", 0) or 0) == 1:
-            ot_trial.set_user_attr("oom", 1)
-            ot_trial.set_user_attr("failure_reason", "out of memory")
+        if ot_trial is not None and result and trial_id not in self._completed_trials:
+            oom = int(result.get("oom", 0) or 0) == 1
+            ot_trial.set_constraint(OOM_CONSTRAINT, 1.0 if oom else 0.0)
+            if oom:
+                ot_trial.set_user_attr("failure_reason", "out of memory")
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
@@ -76,8 +74,8 @@ def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str
     """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given."""
     import optuna
 
-    sampler = optuna.samplers.TPESampler(seed=opts.seed, constraints_func=oom_constraint,
-                                         n_startup_trials=min(10, max(2, opts.num_samples // 2)))
+    # A few random trials first, then TPE (Optuna's default of 10 would make a short search random).
+    sampler = optuna.samplers.TPESampler(seed=opts.seed, n_startup_trials=min(10, max(2, opts.num_samples // 2)))
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
     if objective.is_pareto:

@@ -20,7 +20,7 @@ class TrialResources:
     """What one trial's Train run asks Ray for."""
 
     workers: int = 1
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = 0.9
     gpus_per_worker: float = 0.0
 
     @property

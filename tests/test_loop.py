@@ -1,0 +1,238 @@
+"""train_one_epoch / evaluate on small random problems; accumulation, clipping order, schedule."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from datasets.transforms import ClipTransform
+from trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
+from trainer.models import build_model, get_spec
+from trainer.precision import choose_precision
+
+MEAN, STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)
+FP32 = choose_precision("fp32", "cpu")
+
+
+class SmallNet(nn.Module):
+    """Conv patch embedding + mean pool + linear: deterministic (no dropout), fast."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Conv3d(3, 8, kernel_size=(1, 4, 4), stride=(1, 4, 4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # float B x 3 x T x H x W -> B x 2
+        return self.head(torch.relu(self.embed(x)).mean(dim=(2, 3, 4)))
+
+
+def _data(n: int, t: int = 4, size: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 n x t x size x size x 3 noise clips; label 1 clips have a bright red centre."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(n) % 2
+    clips = torch.randint(0, 120, (n, t, size, size, 3), dtype=torch.uint8, generator=g)
+    lo, hi = size // 4, 3 * size // 4
+    clips[labels == 1, :, lo:hi, lo:hi, 0] = 250
+    return clips, labels
+
+
+def _constant_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+
+def _epoch(model, loader, optimizer, **kw):
+    kw.setdefault("scheduler", _constant_lr(optimizer))
+    kw.setdefault("scaler", FP32.make_scaler())
+    return train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
+                           policy=FP32, device="cpu", **kw)
+
+
+def test_loop_learns_a_small_problem():
+    torch.manual_seed(0)
+    clips, labels = _data(32)
+    loader = DataLoader(TensorDataset(clips, labels), batch_size=4, shuffle=True, drop_last=True)
+    model = SmallNet()
+    optimizer = make_optimizer(model, lr=0.03, weight_decay=0.01, device="cpu")
+    scheduler = make_scheduler(optimizer, total_steps=4 * len(loader), warmup_frac=0.1)
+    losses = []
+    for _ in range(4):
+        stats = _epoch(model, loader, optimizer, scheduler=scheduler)
+        assert (stats.clips, stats.steps) == (32, 8)
+        losses.append(stats.loss_sum / stats.clips)
+    assert losses[-1] < 0.5 * losses[0], losses
+    out = evaluate(model, DataLoader(TensorDataset(*_data(16, seed=1)), batch_size=8),
+                   transform=ClipTransform(MEAN, STD, train=False), policy=FP32, device="cpu")
+    accuracy = ((out.probs >= 0.5).long() == out.labels).float().mean().item()
+    assert out.count == 16 and accuracy >= 0.9
+    assert out.loss_sum / out.count < losses[0]
+
+
+def test_tiny_model_epoch_and_eval_under_bf16():
+    torch.manual_seed(0)
+    spec = get_spec("tiny")
+    clips, labels = _data(4, t=spec.num_frames, size=spec.height)
+    loader = DataLoader(TensorDataset(clips, labels), batch_size=2)
+    model = build_model("tiny")
+    policy = choose_precision("bf16", "cpu")
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.05, device="cpu")
+    stats = train_one_epoch(model, loader, transform=ClipTransform(spec.mean, spec.std, train=True),
+                            optimizer=optimizer, scheduler=_constant_lr(optimizer), scaler=policy.make_scaler(),
+                            policy=policy, device="cpu", label_smoothing=0.1)
+    assert (stats.clips, stats.steps) == (4, 2) and math.isfinite(stats.loss_sum)
+    assert stats.epoch_time_s >= stats.step_time_s > 0
+    out = evaluate(model, loader, transform=ClipTransform(spec.mean, spec.std, train=False), policy=policy,
+                   device="cpu")
+    assert out.probs.shape == (4,) and out.probs.dtype == torch.float32
+    assert out.labels.dtype == torch.int64 and out.labels.tolist() == labels.tolist()
+    assert ((out.probs >= 0) & (out.probs <= 1)).all() and math.isfinite(out.loss_sum)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_grad_accumulation_matches_the_big_batch(clip):
+    """k=2 micro-batches of 4 step like one batch of 8, and a last lone micro-batch steps like
+    a batch of its own (its gradient is a mean, not half of one)."""
+    clips, labels = _data(12)
+    torch.manual_seed(0)
+    small, big = SmallNet(), SmallNet()
+    big.load_state_dict(small.state_dict())
+    micro = [(clips[i:i + 4], labels[i:i + 4]) for i in (0, 4, 8)]
+    merged = [(clips[:8], labels[:8]), (clips[8:], labels[8:])]
+    opt_small = torch.optim.SGD(small.parameters(), lr=0.5)
+    opt_big = torch.optim.SGD(big.parameters(), lr=0.5)
+    stats_small = _epoch(small, micro, opt_small, grad_accum_steps=2, clip_grad_norm=clip)
+    stats_big = _epoch(big, merged, opt_big, grad_accum_steps=1, clip_grad_norm=clip)
+    assert stats_small.steps == stats_big.steps == 2
+    assert stats_small.loss_sum == pytest.approx(stats_big.loss_sum, rel=1e-5)
+    for a, b in zip(small.parameters(), big.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _CountingDDP(nn.Module):
+    """Stands in for DistributedDataParallel: counts micro-batches run under no_sync()."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.unsynced = 0
+        self._in_no_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def forward(self, x):
+        self.unsynced += self._in_no_sync
+        return self.module(x)
+
+
+def test_no_sync_for_all_but_the_last_micro_batch_of_each_step():
+    clips, labels = _data(10)
+    batches = [(clips[i:i + 2], labels[i:i + 2]) for i in range(0, 10, 2)]   # 5 micro-batches
+    model = _CountingDDP(SmallNet())
+    stats = _epoch(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), grad_accum_steps=2)
+    assert stats.steps == 3               # 2 + 2 + a last lone one
+    assert model.unsynced == 2            # micro-batches 1 and 3; 2, 4 and the last one sync
+
+
+def test_clipping_sees_unscaled_gradients(monkeypatch):
+    clips, labels = _data(4)
+    torch.manual_seed(0)
+    model, reference = SmallNet(), SmallNet()
+    reference.load_state_dict(model.state_dict())
+    transform = ClipTransform(MEAN, STD, train=False)
+    nn.functional.cross_entropy(reference(transform(clips)), labels).backward()
+    true_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+
+    events = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=True)
+    real_unscale, real_clip = scaler.unscale_, torch.nn.utils.clip_grad_norm_
+
+    def unscale(optimizer):
+        events.append(("unscale", None))
+        return real_unscale(optimizer)
+
+    def clip(parameters, max_norm, *args, **kwargs):
+        parameters = list(parameters)
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in parameters])).item()
+        events.append(("clip", norm))
+        return real_clip(parameters, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(scaler, "unscale_", unscale)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    _epoch(model, [(clips, labels)], torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler,
+           clip_grad_norm=1e-3)
+    assert [name for name, _ in events] == ["unscale", "clip"]
+    assert events[1][1] == pytest.approx(true_norm, rel=1e-4)     # not 1024 x the true norm
+
+
+def test_data_wait_is_timed_apart_from_the_step():
+    clips, labels = _data(8)
+
+    def slow_loader():
+        for i in range(0, 8, 2):
+            time.sleep(0.05)
+            yield clips[i:i + 2], labels[i:i + 2]
+
+    model = SmallNet()
+    stats = _epoch(model, slow_loader(), torch.optim.SGD(model.parameters(), lr=0.1))
+    assert stats.data_wait_s >= 4 * 0.05
+    assert stats.step_time_s > 0
+    assert stats.step_time_s + stats.data_wait_s == pytest.approx(stats.epoch_time_s)
+
+
+def test_bad_grad_accum_steps():
+    model = SmallNet()
+    with pytest.raises(ValueError, match="grad_accum_steps must be >= 1, got 0"):
+        _epoch(model, [], torch.optim.SGD(model.parameters(), lr=0.1), grad_accum_steps=0)
+
+
+def test_scheduler_warmup_then_cosine():
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scheduler = make_scheduler(optimizer, total_steps=10, warmup_frac=0.2)
+    lrs = []
+    for _ in range(12):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(0.5) and lrs[1] == pytest.approx(1.0)      # 2 warmup steps
+    assert lrs[2] == pytest.approx(1.0)                                       # cosine starts at the peak
+    assert lrs[6] == pytest.approx(0.5)                                       # halfway through 8 decay steps
+    assert lrs[9] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lrs[10] == pytest.approx(0.0) and lrs[11] == pytest.approx(0.0)    # stays at the minimum
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_scheduler_min_lr_and_no_warmup():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = make_scheduler(optimizer, total_steps=4, warmup_frac=0.0, min_lr_ratio=0.1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("total, warmup, match", [(0, 0.1, "total_steps must be >= 1"),
+                                                  (10, 1.0, r"warmup_frac must be in \[0, 1\)")])
+def test_scheduler_bad_arguments(total, warmup, match):
+    with pytest.raises(ValueError, match=match):
+        make_scheduler(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), total, warmup)
+
+
+def test_optimizer_groups_skip_decay_for_biases_and_norms():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.05, device="cpu")
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.05 and [p.dim() for p in decay["params"]] == [2]
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+    assert not decay["fused"]                       # fused AdamW only on CUDA

@@ -1,0 +1,128 @@
+"""Precision policy per device, autocast/GradScaler behaviour on the CPU, backend flags."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import precision
+from trainer.precision import PrecisionPolicy, choose_precision, configure_backends, decide_precision
+
+
+@pytest.mark.parametrize("requested, device_type, capability, expected", [
+    ("auto", "cuda", (7, 5), (torch.float16, True)),      # T4: fp16 + loss scaling
+    ("auto", "cuda", (7, 0), (torch.float16, True)),      # V100
+    ("auto", "cuda", (8, 0), (torch.bfloat16, False)),    # A100: bf16, no scaler
+    ("auto", "cuda", (9, 0), (torch.bfloat16, False)),    # H100
+    ("auto", "cpu", None, (torch.float32, False)),
+    ("fp32", "cuda", (9, 0), (torch.float32, False)),
+    ("fp16", "cuda", (9, 0), (torch.float16, True)),
+    ("bf16", "cpu", None, (torch.bfloat16, False)),
+    ("fp16", "cpu", None, (torch.float16, True)),         # honoured: CPU fp16 autocast + GradScaler("cpu")
+])
+def test_decide_precision(requested, device_type, capability, expected):
+    assert decide_precision(requested, device_type, capability) == expected
+
+
+def test_bf16_on_old_gpu_is_refused():
+    with pytest.raises(ValueError, match=r"bf16 needs .* >= 8.0.*this one is 7.5.*--precision fp16"):
+        decide_precision("bf16", "cuda", (7, 5))
+
+
+def test_unknown_precision_names_the_flag():
+    with pytest.raises(ValueError, match=r"unknown precision 'half'.*auto, fp32, fp16, bf16.*--precision"):
+        choose_precision("half", "cpu")
+
+
+def test_choose_precision_reads_the_device_capability(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: asked.append(d) or (7, 5))
+    policy = choose_precision("auto", "cuda:1")
+    assert policy == PrecisionPolicy("auto", torch.float16, True, "cuda")
+    assert policy.name == "fp16" and asked == [torch.device("cuda:1")]
+
+
+def test_cpu_auto_is_fp32_with_autocast_off():
+    policy = choose_precision("auto", torch.device("cpu"))
+    assert (policy.name, policy.use_scaler, policy.device_type) == ("fp32", False, "cpu")
+    a = torch.randn(4, 4)
+    with policy.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+        assert (a @ a).dtype == torch.float32
+
+
+def test_bf16_autocast_trains_on_cpu():
+    torch.manual_seed(0)
+    policy = choose_precision("bf16", "cpu")
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 2))
+    x, y = torch.randn(8, 16), torch.randint(0, 2, (8,))
+    with policy.autocast():
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32   # CE autocasts to fp32
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_disabled_scaler_is_a_no_op():
+    policy = choose_precision("fp32", "cpu")
+    scaler = policy.make_scaler()
+    assert not scaler.is_enabled()
+    model = nn.Linear(3, 1)
+    loss = model(torch.ones(2, 3)).sum()
+    assert scaler.scale(loss) is loss
+    loss.backward()
+    grad = model.weight.grad.clone()
+    weight = model.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+    assert torch.equal(model.weight.grad, grad)
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.allclose(model.weight, weight - 0.1 * grad)
+
+
+def test_fp16_scaler_on_cpu_scales_and_unscales():
+    policy = choose_precision("fp16", "cpu")
+    scaler = policy.make_scaler()
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0 ** 16
+    model = nn.Linear(3, 1)
+    with policy.autocast():
+        # d loss / d out = 0.25, scaled 2**14 < fp16 max (the initial 2**16 alone would overflow)
+        loss = 0.25 * model(torch.full((1, 3), 0.5)).float().sum()
+    scaler.scale(loss).backward()
+    assert torch.allclose(model.weight.grad, torch.full((1, 3), 0.125 * 2 ** 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+    assert torch.allclose(model.weight.grad, torch.full((1, 3), 0.125))
+
+
+def test_configure_backends_sets_cuda_flags_only_for_cuda():
+    flags = lambda: (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,  # noqa: E731
+                     torch.backends.cudnn.conv.fp32_precision)
+    before = flags()
+    configure_backends("cpu")
+    assert flags() == before
+    with precision.backend_flags("cuda", cudnn_benchmark=True):
+        configure_backends(torch.device("cuda"))     # settable without a GPU: flags only
+        assert flags() == (True, "tf32", "tf32")
+    assert flags() == before
+
+
+def test_helpers_are_no_ops_on_cpu():
+    assert precision.peak_allocated_mb("cpu") is None
+    assert not precision.supports_fused_optimizer("cpu") and precision.supports_fused_optimizer("cuda:0")
+    precision.synchronize("cpu")
+    precision.reset_peak_memory("cpu")
+    assert precision.collective_device() == torch.device("cpu")
+
+
+def test_device_type_literal_only_in_precision_module():
+    """The runtime owns the device: our training-core modules ask precision.py instead."""
+    root = Path(__file__).resolve().parents[1] / "trainer"
+    for name in ("loop.py", "metrics.py", "models.py", "batch_probe.py"):
+        text = (root / name).read_text()
+        assert not re.search(r"""["']cuda""", text), f"trainer/{name} names the cuda device type"

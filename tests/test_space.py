@@ -1,0 +1,103 @@
+"""The search space, the seeded Optuna searcher (OOM = infeasible, pareto, stored study), ASHA."""
+from __future__ import annotations
+
+import optuna
+import pytest
+from ray.tune.search.sample import Categorical, Float, LogUniform
+
+from tune import space
+from tune.options import SearchOptions
+
+
+def _opts(**kw) -> SearchOptions:
+    return SearchOptions(**{"batch_sizes": (4, 8, 16), **kw})
+
+
+def test_param_space_batch_sizes_are_categorical_and_lr_log_uniform():
+    s = space.param_space(_opts(lr_min=1e-5, lr_max=1e-3))
+    assert set(s) == {"batch_size", "lr"}
+    assert isinstance(s["batch_size"], Categorical) and s["batch_size"].categories == [4, 8, 16]
+    assert isinstance(s["lr"], Float) and isinstance(s["lr"].get_sampler(), LogUniform)
+    assert (s["lr"].lower, s["lr"].upper) == (1e-5, 1e-3)
+
+
+def test_weight_decay_is_searched_only_when_asked():
+    s = space.param_space(_opts(search_weight_decay=True, weight_decay_min=1e-4, weight_decay_max=0.1))
+    assert (s["weight_decay"].lower, s["weight_decay"].upper) == (1e-4, 0.1)
+    assert "weight_decay" not in space.param_space(_opts())
+
+
+def _suggestions(seed: int, n: int = 4) -> list[dict]:
+    opts = _opts(seed=seed, num_samples=8)
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="t")
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    out = []
+    for i in range(n):
+        cfg = searcher.suggest(f"t{i}")
+        out.append(cfg)
+        searcher.on_trial_complete(f"t{i}", {"val_acc": cfg["lr"] * 100, "oom": 0, "training_iteration": 1})
+    return out
+
+
+def test_searcher_is_seeded():
+    a, b, c = _suggestions(0), _suggestions(0), _suggestions(1)
+    assert a == b
+    assert a != c
+    assert all(cfg["batch_size"] in (4, 8, 16) and 1e-4 <= cfg["lr"] <= 3e-3 for cfg in a)
+
+
+def test_out_of_memory_trial_is_infeasible_for_optuna():
+    opts = _opts()
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="t")
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    searcher.suggest("ok")
+    searcher.suggest("oom")
+    searcher.on_trial_complete("ok", {"val_acc": 0.8, "oom": 0})
+    searcher.on_trial_complete("oom", {"val_acc": 0.0, "oom": 1})
+    ok, oom = searcher._ot_study.trials
+    assert oom.user_attrs == {"failure_reason": "out of memory"}
+    # Optuna constraints: > 0 infeasible, <= 0 feasible (read by TPE).
+    assert oom.constraints == {space.OOM_CONSTRAINT: 1.0}
+    assert ok.constraints == {space.OOM_CONSTRAINT: 0.0}
+
+
+def test_pareto_searches_accuracy_and_throughput_together():
+    obj = space.objective_for("pareto")
+    assert obj.is_pareto and obj.metric is None and obj.mode is None
+    opts = _opts(objective="pareto")
+    searcher = space.build_searcher(opts, obj, study_name="p")
+    searcher.set_search_properties(None, None, space.param_space(opts))
+    searcher.suggest("a")
+    searcher.on_trial_complete("a", {"val_acc": 0.7, "clips_per_s": 30.0, "oom": 0})
+    study = searcher._ot_study
+    assert [d.name for d in study.directions] == ["MAXIMIZE", "MAXIMIZE"]
+    assert study.trials[0].values == [0.7, 30.0]
+
+
+def test_study_is_stored_for_optuna_dashboard(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    opts = _opts(optuna_storage=url)
+    searcher = space.build_searcher(opts, space.objective_for("val_f1"), study_name="my-search")
+    searcher.set_search_properties("val_f1", "max", space.param_space(opts))
+    searcher.suggest("a")
+    searcher.on_trial_complete("a", {"val_f1": 0.6, "oom": 0})
+    study = optuna.load_study(study_name="my-search", storage=url)
+    assert [t.value for t in study.trials] == [0.6]
+    assert study.trials[0].params["batch_size"] in (4, 8, 16)
+
+
+@pytest.mark.parametrize("kw, on", [
+    (dict(epochs=3), True),
+    (dict(epochs=2), False),                       # too few epochs to compare
+    (dict(epochs=5, early_stop=False), False),     # --no-early-stop
+    (dict(epochs=5, objective="pareto"), False),   # ASHA ranks one metric only
+])
+def test_asha_only_when_it_can_work(kw, on):
+    opts = _opts(**kw)
+    assert space.early_stopping_enabled(opts) is on
+    sched = space.build_scheduler(opts)
+    assert (sched is not None) is on
+    if on:
+        assert sched._max_t == opts.epochs and sched._time_attr == "epoch"
+        # grace period 1, reduction factor 2: a trial may be stopped after epoch 1 and 2 of 3
+        assert sorted(milestone for milestone, _ in sched._brackets[0]._rungs) == [1, 2]

@@ -1,0 +1,193 @@
+"""The MLflow writer with fake Tune trials: statuses, params, per-epoch metrics, resume without
+duplicates, summary artifacts; and the store checks that run before Ray starts."""
+from __future__ import annotations
+
+import http.server
+import math
+import threading
+from types import SimpleNamespace
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tune import tracking
+from tune.options import UsageError
+from tune.tracking import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG, MLflowTracker
+
+
+def _tracker(uri: str, experiment: str, path: str = "/results/search-1", epochs: int = 2) -> MLflowTracker:
+    return MLflowTracker(
+        tracking_uri=uri, experiment=experiment, experiment_path=path, epochs=epochs,
+        parent_params={"batch_sizes": "4,8", "lr_min": 1e-4, "lr_max": 1e-2, "dataset": "/data", "model": "tiny"},
+        parent_tags={"vidtune.objective": "val_acc"},
+        child_params={"precision": "fp32", "model": "tiny", "workers": 1, "gpus": 0.0, "dataset": "/data"},
+    )
+
+
+def _trial(trial_id: str, batch_size: int = 4, lr: float = 1e-3, last: dict | None = None, error_file=None):
+    return SimpleNamespace(trial_id=trial_id, config={"batch_size": batch_size, "lr": lr},
+                           last_result=last or {}, error_file=error_file)
+
+
+def _result(epoch: int, **kw) -> dict:
+    base = dict(epoch=epoch, train_loss=0.7, val_loss=0.6, val_acc=0.5 + 0.1 * epoch, val_f1=0.5, val_recall=0.5,
+                val_auc=0.6, clips_per_s=12.5, epoch_time_s=2.0, data_wait_frac=0.1, peak_mem_mb=900.0,
+                lr=1e-3, batch_size=4, oom=0, reader_failures=0, node_id="node-abc",
+                # Tune's own keys: not training metrics
+                training_iteration=epoch, time_this_iter_s=2.1, timestamp=1_700_000_000 + epoch,
+                trial_id="x", done=False, checkpoint_path="/ckpt", config={"lr": 1e-3})
+    base.update(kw)
+    return base
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory):
+    """One store for the module (creating an MLflow SQLite schema costs seconds); each test
+    writes to its own experiment."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
+
+
+def _runs(uri: str, experiment: str) -> dict[str, object]:
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name(experiment)
+    return {r.data.tags.get(TRIAL_ID_TAG, "parent"): r for r in c.search_runs([exp.experiment_id])}
+
+
+def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
+    t = _tracker(uri, "statuses")
+    t.setup()
+    done, stopped, oom, err = _trial("done"), _trial("stopped"), _trial("oom", batch_size=64), _trial("err")
+    for tr in (done, stopped, oom, err):
+        t.on_trial_start(0, [], tr)
+    for epoch in (1, 2):
+        t.on_trial_result(0, [], done, _result(epoch))
+    t.on_trial_result(0, [], stopped, _result(1))
+    oom_last = _result(1, oom=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, batch_size=64, peak_mem_mb=79000.0)
+    t.on_trial_result(0, [], oom, oom_last)
+    error_file = tmp_path / "error.txt"
+    error_file.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: decoder exploded\n")
+
+    done.last_result, stopped.last_result, oom.last_result = _result(2), _result(1), oom_last
+    err.error_file = str(error_file)
+    t.on_trial_complete(0, [], done)
+    t.on_trial_complete(0, [], stopped)
+    t.on_trial_complete(0, [], oom)
+    t.on_trial_error(0, [], err)
+    t.close(interrupted=False)
+
+    runs = _runs(uri, "statuses")
+    parent = runs["parent"]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["batch_sizes"] == "4,8" and parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == "/results/search-1"
+    statuses = {k: r.info.status for k, r in runs.items() if k != "parent"}
+    assert statuses == {"done": "FINISHED", "stopped": "KILLED", "oom": "FAILED", "err": "FAILED"}
+    for name in statuses:
+        assert runs[name].data.tags[PARENT_TAG] == parent.info.run_id
+    d = runs["done"].data
+    assert {k: d.params[k] for k in ("batch_size", "lr", "precision", "model", "workers", "gpus", "dataset")} == \
+        {"batch_size": "4", "lr": "0.001", "precision": "fp32", "model": "tiny", "workers": "1", "gpus": "0.0", "dataset": "/data"}
+    assert d.tags[NODE_ID_TAG] == "node-abc"
+    assert {"val_acc", "val_f1", "clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb", "val_auc",
+            "val_recall", "train_loss", "val_loss", "reader_failures", "oom"} <= set(d.metrics)
+    assert not {"training_iteration", "time_this_iter_s", "timestamp", "done", "checkpoint_path"} & set(d.metrics)
+    history = MlflowClient(uri).get_metric_history(runs["done"].info.run_id, "val_acc")
+    assert [(m.step, round(m.value, 3)) for m in history] == [(1, 0.6), (2, 0.7)]
+    assert "stopped early by ASHA after epoch 1 of 2" in runs["stopped"].data.tags[STOP_TAG]
+    assert "out of memory at batch size 64" in runs["oom"].data.tags[FAILURE_TAG]
+    assert "RuntimeError: decoder exploded" in runs["err"].data.tags[FAILURE_TAG]
+
+
+def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
+    t = _tracker(uri, "resume")
+    t.setup()
+    a, b = _trial("a"), _trial("b")
+    t.on_trial_start(0, [], a)
+    t.on_trial_result(0, [], a, _result(1))
+    a.last_result = _result(2)
+    t.on_trial_complete(0, [], a)
+    t.on_trial_start(0, [], b)
+    t.on_trial_result(0, [], b, _result(1))
+    t.close(interrupted=True)                          # Ctrl-C
+    runs = _runs(uri, "resume")
+    assert {k: r.info.status for k, r in runs.items()} == {"parent": "KILLED", "a": "FINISHED", "b": "KILLED"}
+
+    # --resume: a new writer (unpickled by Tune) finds the parent by experiment path, and b's run by trial id
+    import pickle
+
+    t2 = pickle.loads(pickle.dumps(_tracker(uri, "resume")))
+    t2.setup()
+    assert t2.parent_run_id == runs["parent"].info.run_id
+    t2.on_trial_start(0, [], b)
+    assert _runs(uri, "resume")["b"].info.status == "RUNNING"
+    t2.on_trial_result(0, [], b, _result(2))
+    b.last_result = _result(2)
+    t2.on_trial_complete(0, [], b)
+    t2.on_trial_start(0, [], _trial("c"))
+    t2.on_trial_complete(0, [], _trial("c", last=_result(2)))
+    t2.close(interrupted=False)
+    runs = _runs(uri, "resume")
+    assert sorted(runs) == ["a", "b", "c", "parent"]     # no duplicate child or parent
+    assert {k: r.info.status for k, r in runs.items()} == {"parent": "FINISHED", "a": "FINISHED", "b": "FINISHED", "c": "FINISHED"}
+    steps = [m.step for m in MlflowClient(uri).get_metric_history(runs["b"].info.run_id, "val_acc")]
+    assert steps == [1, 2]
+
+
+def test_summary_artifacts_on_the_parent(uri, tmp_path):
+    t = _tracker(uri, "summary")
+    t.setup()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.pt").write_bytes(b"weights")
+    (tmp_path / "trials.csv").write_text("trial_id,val_acc\na,0.7\n")
+    t.log_summary(table_csv=tmp_path / "trials.csv", best={"trial_id": "a", "val_acc": 0.7, "lr": 1e-3},
+                  best_checkpoint=str(tmp_path / "ckpt"))
+    t.close(interrupted=False)
+    c = MlflowClient(uri)
+    run_id = t.parent_run_id
+    names = {a.path for a in c.list_artifacts(run_id)}
+    assert {"trials.csv", "best_config.json", "best_checkpoint"} <= names
+    assert [a.path for a in c.list_artifacts(run_id, "best_checkpoint")] == ["best_checkpoint/model.pt"]
+    assert c.get_run(run_id).data.metrics["best_val_acc"] == 0.7
+
+
+def test_numeric_metrics_keep_trainer_values_only():
+    m = tracking.numeric_metrics(_result(3, oom=1, val_loss=math.nan))
+    assert m["epoch"] == 3.0 and m["oom"] == 1.0 and math.isnan(m["val_loss"])
+    assert "node_id" not in m and "training_iteration" not in m and "config" not in m
+
+
+# -- store checks (before Ray) ----------------------------------------------------------------
+
+def test_sqlite_store_folder_must_exist(tmp_path):
+    tracking.check_store_uri(f"sqlite:///{tmp_path / 'ok.db'}", "--mlflow-uri")
+    with pytest.raises(UsageError, match=r"--mlflow-uri: the folder .*missing.* does not exist"):
+        tracking.check_store_uri(f"sqlite:///{tmp_path / 'missing' / 'x.db'}", "--mlflow-uri")
+    with pytest.raises(UsageError, match="--mlflow-uri: .*refuses plain file stores"):
+        tracking.check_store_uri(str(tmp_path / "mlruns"), "--mlflow-uri")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, ok", [(200, True), (503, False)])
+def test_tracking_server_health_is_checked(status, ok):
+    handler = type("H", (_Health,), {"status": status})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_port}"
+        if ok:
+            tracking.check_store_uri(uri, "--mlflow-uri")
+        else:
+            with pytest.raises(UsageError, match="--mlflow-uri: .* answered 503 at /health"):
+                tracking.check_store_uri(uri, "--mlflow-uri")
+    finally:
+        server.shutdown()

@@ -1,0 +1,153 @@
+"""Find the largest batch size that fits in device memory for one training step.
+
+Doubles the batch size from `start` until a step runs out of memory (or `limit` is reached),
+then bisects between the last size that fitted and the first that did not, like Lightning's
+BatchSizeFinder ("binsearch") and accelerate's find_executable_batch_size. Each try runs a real
+forward + backward + AdamW step under the chosen precision on random uint8 clips converted on
+the device, so autocast, GradScaler and the optimizer state all count.
+
+The answer is the exact largest size for that step; real training also holds the DataLoader's
+pinned batches and allocator fragmentation, so leave some headroom (e.g. use ~90% of it).
+
+CLI: `python -m trainer.batch_probe --model mvit_v2_s --precision auto`
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+if __package__ in (None, ""):  # run by path: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer import precision as prec  # noqa: E402
+from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec  # noqa: E402
+
+TryBatch = Callable[[int], None]    # runs one step at that batch size; raises torch.OutOfMemoryError
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's OOM error, or the allocation failures cuDNN/cuBLAS report as RuntimeError."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "CUDNN_STATUS_ALLOC_FAILED" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: torch.device,
+                    num_frames: int, height: int, width: int) -> TryBatch:
+    """A `try_batch(b)` running one training step of `model_name` on b random clips."""
+    model = build_model(model_name).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=prec.supports_fused_optimizer(device) or None)
+    scaler = policy.make_scaler()
+    spec = get_spec(model_name)
+    mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1, 1)
+    std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1, 1)
+
+    def try_batch(batch_size: int) -> None:
+        try:
+            clips = torch.randint(0, 256, (batch_size, num_frames, height, width, 3), dtype=torch.uint8, device=device)
+            x = (clips.permute(0, 4, 1, 2, 3).float() / 255 - mean) / std
+            labels = torch.randint(0, 2, (batch_size,), device=device)
+            with policy.autocast():
+                loss = torch.nn.functional.cross_entropy(model(x), labels)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            prec.synchronize(device)   # sync point: an asynchronous OOM must surface here
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+
+    return try_batch
+
+
+def find_max_batch_size(model_name: str, *, precision: str = "auto", device: torch.device | str | None = None,
+                        num_frames: int | None = None, height: int | None = None, width: int | None = None,
+                        start: int = 2, limit: int = 256, try_batch: TryBatch | None = None) -> int:
+    """Largest batch size in [start, limit] whose training step fits in memory on `device`
+    (default: the first GPU, else the CPU, where the answer is normally `limit`).
+
+    `num_frames`/`height`/`width` default to the model's spec. `try_batch(b)` replaces the real
+    step (tests simulate a memory threshold with it). Raises ValueError when even `start` does
+    not fit.
+    """
+    if start < 1 or limit < start:
+        raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
+    device = torch.device(device) if device is not None else prec.default_device()
+    spec = get_spec(model_name)
+    size = (num_frames or spec.num_frames, height or spec.height, width or spec.width)
+    check_input_size(model_name, *size)
+    policy = prec.choose_precision(precision, device)
+    if try_batch is None:
+        prec.configure_backends(device)
+        try_batch = make_step_trial(model_name, policy=policy, device=device, num_frames=size[0],
+                                    height=size[1], width=size[2])
+
+    def fits(batch_size: int) -> bool:
+        ok = True
+        try:
+            try_batch(batch_size)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            ok = False
+        # Freed outside the except block: the traceback's frames hold the step's tensors.
+        prec.free_memory(device)
+        return ok
+
+    if not fits(start):
+        raise ValueError(
+            f"even batch size {start} runs out of memory for {model_name} at {size[0]}x{size[1]}x{size[2]} "
+            f"({policy.name}) on {device}; use smaller clips (--num-frames/--height/--width), "
+            f"a smaller model, or bf16/fp16 precision")
+    good, bad = start, None
+    while bad is None and good < limit:
+        candidate = min(good * 2, limit)
+        if fits(candidate):
+            good = candidate
+        else:
+            bad = candidate
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.batch_probe",
+                                description="Print the largest per-device batch size whose training step fits in memory.")
+    p.add_argument("--model", default="mvit_v2_s", choices=MODEL_NAMES, help="registry model name")
+    p.add_argument("--precision", default="auto", choices=prec.PRECISIONS,
+                   help="autocast precision of the probed step (auto: bf16/fp16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cuda:1 or cpu (default: first GPU, else CPU)")
+    p.add_argument("--num-frames", type=int, default=None, help="clip length T (default: the model's)")
+    p.add_argument("--height", type=int, default=None, help="frame height (default: the model's)")
+    p.add_argument("--width", type=int, default=None, help="frame width (default: the model's)")
+    p.add_argument("--start", type=int, default=2, help="first batch size tried")
+    p.add_argument("--limit", type=int, default=256, help="largest batch size tried")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        best = find_max_batch_size(args.model, precision=args.precision, device=args.device,
+                                   num_frames=args.num_frames, height=args.height, width=args.width,
+                                   start=args.start, limit=args.limit)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(best)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
