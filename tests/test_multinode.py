@@ -55,7 +55,10 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The search must join the cluster given by --address, not one named in the environment.
     env.pop("RAY_ADDRESS", None)
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    # Nor may the nodes' processes inherit the repository on their path: as on a real cluster,
+    # the workers must get it from init_ray's runtime_env (else `import datasets` finds Hugging
+    # Face's package, which is installed too).
+    env.pop("PYTHONPATH", None)
     return env
 
 
@@ -65,7 +68,7 @@ def two_node_cluster(tmp_path):
     log_path = tmp_path / "cluster.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-c", CLUSTER_PROCESS], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env())
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env(), cwd=tmp_path)
     try:
         line = proc.stdout.readline()
         if not line:

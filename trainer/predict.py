@@ -105,7 +105,7 @@ def score_video(p: Predictor, path: Path, window_stride_s: float, batch_size: in
     """[(window start in seconds, P(violent))] for every clip window of the video.
     Raises VideoReadError naming the file when it is missing or does not decode."""
     from datasets.errors import DataError
-    from datasets.index import probe_video
+    from datasets.probe import probe_video
     from datasets.video import read_frames
 
     if not path.is_file():

@@ -1,0 +1,193 @@
+"""Probe one video file, and run such probes in worker processes that can be killed.
+
+decord can hang or crash on a broken file and cannot be interrupted in-process, so every probe
+runs in a "spawn" worker process under a timeout; a stuck worker is killed and replaced, a crashed
+one is reported, and the other files go on. `datasets.index` drives this for a whole dataset.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing import connection, get_context
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 120.0                 # a worker that has not started by then is broken
+
+
+def probe_video(path: str) -> dict[str, Any]:
+    """Open `path` with decord and find how many frames really decode.
+
+    Returns {"num_frames", "claimed_frames", "fps", "width", "height"} or {"error": reason}.
+    A container can claim more frames than decode (decord #373 loops forever seeking past the
+    real end), so frame 0 and the last claimed frame are decoded, and when the last one fails
+    a bisection finds the last index that decodes.
+    """
+    size = os.stat(path).st_size
+    if size == 0:
+        return {"error": "empty file (0 bytes)"}
+    import decord
+
+    def open_reader():
+        return decord.VideoReader(path, num_threads=1)
+
+    try:
+        reader = open_reader()
+        claimed = len(reader)
+        fps = float(reader.get_avg_fps())
+    except Exception as e:  # decord raises DECORDError, RuntimeError or AssertionError
+        return {"error": f"cannot be opened as a video ({_short(e)})"}
+
+    def decodes(i: int) -> tuple[bool, Any]:
+        nonlocal reader
+        # Two tries: decord reads packets ahead in a thread, so damage *after* frame i can make
+        # the read of frame i fail or not depending on timing; a fresh reader per try.
+        for _ in range(2):
+            try:
+                return True, reader.get_batch([i]).shape
+            except Exception:
+                reader = open_reader()  # a failed seek can leave the decoder in a bad state
+        return False, None
+
+    ok, shape = decodes(0)
+    if not ok:
+        return {"error": f"the first frame does not decode ({claimed} frames claimed)"}
+    last = claimed - 1
+    if last > 0 and not decodes(last)[0]:
+        good, bad = 0, last
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if decodes(mid)[0]:
+                good = mid
+            else:
+                bad = mid
+        last = good
+    _, height, width, _ = shape
+    return {"num_frames": last + 1, "claimed_frames": claimed,
+            "fps": fps if fps == fps and fps > 0 else 0.0, "width": int(width), "height": int(height)}
+
+
+def _short(e: BaseException) -> str:
+    """The useful last line of a decord error, without its C++ source location."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    if lines[-1].startswith("Error reading "):   # decord's whole message when FFmpeg rejects the file
+        return "not a video format FFmpeg recognises, or the file is damaged"
+    text = lines[-1].split("] ", 1)[-1]
+    text = text.split(": ", 1)[-1] if ".cc:" in text else text
+    return text[:160]
+
+
+# ---------------------------------------------------------------------------------------------
+# a process pool whose stuck tasks can be killed
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: connection.Connection
+    task: int | None = None
+    deadline: float = 0.0
+
+
+def _worker_main(conn: connection.Connection, fn: Callable) -> None:
+    # FFmpeg prints a line per damaged packet to fd 2; the index lists the reason instead.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        i, args = task
+        try:
+            out = ("ok", fn(*args))
+        except Exception as e:
+            out = ("error", f"{type(e).__name__}: {e}")
+        conn.send((i, out))
+
+
+def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int,
+             on_done: Callable[[int], None] | None = None) -> list[tuple[str, Any]]:
+    """Run `fn(*task)` for every task in `workers` spawned processes, each call under `timeout_s`.
+
+    Returns one outcome per task, in order: ("ok", result), ("error", message) for an exception,
+    ("timeout", None) when the call was killed after `timeout_s`, or ("crashed", exit code) when
+    the process died (a decoder segfault). Stuck or dead workers are replaced, so one bad file
+    never stops the others. `fn` must be importable (a module-level function).
+    """
+    ctx = get_context("spawn")   # fork would copy Ray's / torch's threads into the child
+    pending = deque(range(len(tasks)))
+    results: list[tuple[str, Any] | None] = [None] * len(tasks)
+    pool: list[_Worker] = []
+
+    def start() -> None:
+        # Workers start in parallel (~0.5 s each to spawn); the first message says it is ready.
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
+        proc.start()
+        child.close()
+        pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S))
+
+    def assign(w: _Worker) -> None:
+        w.task = pending.popleft() if pending else None
+        if w.task is not None:
+            w.conn.send((w.task, tasks[w.task]))
+            w.deadline = time.monotonic() + timeout_s
+
+    def retire(w: _Worker, outcome: tuple[str, Any]) -> None:
+        w.proc.kill()
+        w.proc.join()
+        w.conn.close()
+        pool.remove(w)
+        if w.task == -1:
+            raise RuntimeError(f"a probe worker process did not start ({outcome[0]}, exit code "
+                               f"{w.proc.exitcode})")
+        results[w.task] = outcome
+        if on_done:
+            on_done(w.task)
+        if pending:
+            start()
+
+    try:
+        for _ in range(min(workers, len(tasks))):
+            start()
+        while any(w.task is not None for w in pool):
+            busy = [w for w in pool if w.task is not None]
+            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+            ready = connection.wait([w.conn for w in busy], timeout=wait_s)
+            for w in busy:
+                if w.conn in ready:
+                    try:
+                        message = w.conn.recv()
+                    except (EOFError, OSError):
+                        w.proc.join(5)
+                        retire(w, ("crashed", w.proc.exitcode))
+                        continue
+                    if message != "ready":
+                        results[w.task] = message[1]
+                        if on_done:
+                            on_done(w.task)
+                    assign(w)
+                elif time.monotonic() >= w.deadline:
+                    log.warning("task %d exceeded %.1fs; killing its worker process", w.task, timeout_s)
+                    retire(w, ("timeout", None))
+    finally:
+        for w in pool:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in pool:
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join()
+            w.conn.close()
+    return results  # type: ignore[return-value]
+
