@@ -72,24 +72,41 @@ def test_loop_learns_a_small_problem():
     assert out.loss_sum / out.count < losses[0]
 
 
-def test_tiny_model_epoch_and_eval_under_bf16():
+def test_tiny_model_epoch_and_eval_with_augmentation():
     torch.manual_seed(0)
     spec = get_spec("tiny")
     clips, labels = _data(4, t=spec.num_frames, size=spec.height)
     loader = DataLoader(TensorDataset(clips, labels), batch_size=2)
     model = build_model("tiny")
-    policy = choose_precision("bf16", "cpu")
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.05, device="cpu")
     stats = train_one_epoch(model, loader, transform=ClipTransform(spec.mean, spec.std, train=True),
-                            optimizer=optimizer, scheduler=_constant_lr(optimizer), scaler=policy.make_scaler(),
-                            policy=policy, device="cpu", label_smoothing=0.1)
+                            optimizer=optimizer, scheduler=_constant_lr(optimizer), scaler=FP32.make_scaler(),
+                            policy=FP32, device="cpu", label_smoothing=0.1)
     assert (stats.clips, stats.steps) == (4, 2) and math.isfinite(stats.loss_sum)
     assert stats.epoch_time_s >= stats.step_time_s > 0
-    out = evaluate(model, loader, transform=ClipTransform(spec.mean, spec.std, train=False), policy=policy,
+    out = evaluate(model, loader, transform=ClipTransform(spec.mean, spec.std, train=False), policy=FP32,
                    device="cpu")
-    assert out.probs.shape == (4,) and out.probs.dtype == torch.float32
-    assert out.labels.dtype == torch.int64 and out.labels.tolist() == labels.tolist()
+    assert out.probs.shape == (4,) and out.labels.tolist() == labels.tolist()
     assert ((out.probs >= 0) & (out.probs <= 1)).all() and math.isfinite(out.loss_sum)
+    assert not model.training                     # evaluate leaves eval mode; the next epoch resets it
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_low_precision_epoch_and_eval_on_cpu(name):
+    """The same loop under bf16 autocast, and fp16 with a real GradScaler("cpu")."""
+    torch.manual_seed(0)
+    policy = choose_precision(name, "cpu")
+    clips, labels = _data(8)
+    loader = DataLoader(TensorDataset(clips, labels), batch_size=4)
+    model = SmallNet()
+    optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, device="cpu")
+    stats = train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
+                            scheduler=_constant_lr(optimizer), scaler=policy.make_scaler(), policy=policy,
+                            device="cpu")
+    assert stats.steps == 2 and math.isfinite(stats.loss_sum)
+    out = evaluate(model, loader, transform=ClipTransform(MEAN, STD, train=False), policy=policy, device="cpu")
+    assert out.probs.dtype == torch.float32 and out.labels.dtype == torch.int64
+    assert out.count == 8 and math.isfinite(out.loss_sum)
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])

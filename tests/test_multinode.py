@@ -32,17 +32,32 @@ TRIALS = 2
 # pytest process may hold (`ray_session`). Prints the address and node ids as one JSON line, then
 # keeps the cluster until its stdin closes.
 CLUSTER_PROCESS = """
-import json, sys
+import json, os, socket, sys
 from ray._common.utils import reset_ray_address
+from ray._private.services import get_node_ip_address
 from ray.cluster_utils import Cluster
 
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": %(cpus)d})
-# Cluster records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which any
-# plain ray.init() here would then join; the search is given the address instead.
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+port = free_port()
+# Ray's own helpers inside the cluster (Train's placement-group cleaner) find their cluster by
+# RAY_ADDRESS or else the machine's "latest cluster" record; with other Rays on this machine (the
+# test session's) only RAY_ADDRESS is unambiguous, so every node process inherits it.
+os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
+# Its own dashboard port too: the default (8265) may belong to the session's Ray, and Train's
+# cleaner queries actor states through the dashboard.
+cluster = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": %(cpus)d, "gcs_server_port": port, "dashboard_port": free_port()})
+# Cluster also records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which
+# any plain ray.init() here would then join; the search is given the address instead.
 reset_ray_address()
 try:
     cluster.add_node(num_cpus=%(cpus)d)
     cluster.wait_for_nodes()
+    assert cluster.address == os.environ["RAY_ADDRESS"], (cluster.address, os.environ["RAY_ADDRESS"])
     nodes = [n.node_id for n in cluster.list_all_nodes()]
     print(json.dumps({"address": cluster.address, "node_ids": nodes}), flush=True)
     sys.stdin.read()

@@ -119,6 +119,7 @@ def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
     assert t2.parent_run_id == runs["parent"].info.run_id
     t2.on_trial_start(0, [], b)
     assert _runs(uri, "resume")["b"].info.status == "RUNNING"
+    t2.on_trial_result(0, [], b, _result(1))            # re-reported epoch: not logged twice
     t2.on_trial_result(0, [], b, _result(2))
     b.last_result = _result(2)
     t2.on_trial_complete(0, [], b)

@@ -113,3 +113,160 @@ def test_shard_sampler_covers_every_item_once():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))
     assert [len(s) for s in shards] == [4, 3, 3]
+
+
+def test_out_of_memory_is_recognised():
+    from trainer.worker import is_out_of_memory
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    try:
+        torch.empty(2**50, dtype=torch.uint8)  # a real CPU allocator failure (RuntimeError)
+    except RuntimeError as e:
+        assert is_out_of_memory(e)
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+# ---------------------------------------------------------------- on Ray (slow)
+
+def _small(root, **changes) -> TrainConfig:
+    """Tiny model, short clips, fp32: a Ray trial that trains in seconds on a CPU."""
+    from datasets.config import DataConfig
+
+    data = DataConfig(root=str(root), loader_workers=1)
+    return TrainConfig(data=data, **{"model": "tiny", "precision": "fp32", "lr": 1e-3, **changes})
+
+
+def _collecting_callback():
+    """A Train callback (runs in the controller actor) that forwards rank 0's reports to a
+    queue the test reads; the same path TuneReportCallback takes."""
+    import ray.train
+    from ray.util.queue import Queue
+
+    queue = Queue(actor_options={"num_cpus": 0})
+
+    class Collect(ray.train.UserCallback):
+        def __init__(self, q):
+            self.q = q
+
+        def after_report(self, run_context, metrics, checkpoint):
+            self.q.put((dict(metrics[0]), checkpoint.path if checkpoint else None))
+
+    def drain():
+        items = []
+        while not queue.empty():
+            items.append(queue.get())
+        queue.shutdown()
+        return items
+
+    return Collect(queue), drain
+
+
+@pytest.mark.slow
+def test_ray_workers_import_this_projects_datasets(ray_session):
+    """init_ray puts the repository first on the workers' PYTHONPATH: a Ray worker, whose cwd is
+    elsewhere, imports this project's `datasets`, not Hugging Face's (installed too)."""
+    @ray_session.remote(num_cpus=0)
+    def where():
+        import datasets
+
+        return datasets.__file__
+
+    assert Path(ray_session.get(where.remote())).resolve().parent == REPO_ROOT / "datasets"
+
+
+@pytest.mark.slow
+def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synthetic_root, tmp_path):
+    """A 1-epoch fit reports every metric key and a checkpoint; rerun under the same name with
+    epochs=2, the worker restores it and runs epoch 2 only."""
+    from trainer.launch import build_torch_trainer
+
+    callback, drain = _collecting_callback()
+    first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8), name="resume",
+                                storage_path=str(tmp_path), callbacks=[callback]).fit()
+    reports = drain()
+    assert [m["epoch"] for m, _ in reports] == [1]
+    metrics, ckpt_path = reports[0]
+    assert set(metrics) == set(METRIC_KEYS)
+    assert metrics["oom"] == 0 and metrics["batch_size"] == 8 and isinstance(metrics["node_id"], str)
+    assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0 and math.isfinite(metrics["train_loss"])
+    saved = load_checkpoint(first.checkpoint.path)
+    assert saved["epoch"] == 1 and Path(ckpt_path).name == "epoch_0001"
+
+    callback, drain = _collecting_callback()
+    second = build_torch_trainer(_small(synthetic_root, epochs=2, batch_size=8), name="resume",
+                                 storage_path=str(tmp_path), callbacks=[callback]).fit()
+    assert [m["epoch"] for m, _ in drain()] == [2]
+    resumed = load_checkpoint(second.checkpoint.path)
+    assert resumed["epoch"] == 2
+    # training continued from the saved optimizer state (AdamW's step count goes on)
+    steps_1 = saved["optimizer"]["state"][0]["step"].item()
+    assert resumed["optimizer"]["state"][0]["step"].item() == 2 * steps_1
+
+
+@pytest.mark.slow
+def test_two_worker_ddp_matches_one_worker(ray_session, synthetic_root, tmp_path):
+    """Same global batch (8 = 2 x 4), same data, same init: the 2-worker DDP run ends where the
+    1-worker run does, within augmentation noise; its metrics cover the whole val set."""
+    from trainer.launch import build_torch_trainer
+
+    results = {}
+    for workers, batch in ((1, 8), (2, 4)):
+        cfg = _small(synthetic_root, epochs=2, batch_size=batch, lr=3e-3, warmup_frac=0.0)
+        result = build_torch_trainer(cfg, num_workers=workers, name=f"ddp{workers}",
+                                     storage_path=str(tmp_path)).fit()
+        results[workers] = (result.metrics, load_checkpoint(result.checkpoint.path))
+    (m1, c1), (m2, c2) = results[1], results[2]
+    assert m1["epoch"] == m2["epoch"] == 2
+    assert abs(m1["train_loss"] - m2["train_loss"]) < 0.1, (m1, m2)
+    assert abs(m1["val_loss"] - m2["val_loss"]) < 0.1, (m1, m2)
+    assert abs(m1["val_acc"] - m2["val_acc"]) <= 0.3, (m1, m2)
+    # Both took the same number of optimizer steps (each DDP step = one global batch of 8).
+    assert c1["optimizer"]["state"][0]["step"] == c2["optimizer"]["state"][0]["step"]
+    # The weights moved far more from their (shared) init than they differ between the runs.
+    torch.manual_seed(0)
+    init = build_model("tiny").state_dict()
+    moved = sum((c1["model"][k] - init[k]).float().norm() ** 2 for k in init) ** 0.5
+    apart = sum((c1["model"][k] - c2["model"][k]).float().norm() ** 2 for k in init) ** 0.5
+    assert apart < 0.5 * moved, (float(apart), float(moved))
+
+
+@pytest.mark.slow
+def test_out_of_memory_reports_oom_and_returns(ray_session, synthetic_root, tmp_path):
+    """A model whose forward really runs out of memory (the CPU allocator refuses 1 PiB): the
+    trial reports oom=1 with worst-case metrics and no checkpoint, and fit() returns normally."""
+    from trainer.launch import build_torch_trainer
+    from trainer.worker import train_loop_per_worker
+
+    def loop_with_greedy_model(config):
+        # Runs in the Ray worker: register a model whose forward asks for 1 PiB.
+        from torch import nn
+
+        from trainer import models
+
+        class Greedy(nn.Module):
+            def __init__(self, num_classes=2):
+                super().__init__()
+                self.inner = models.build_model("tiny", num_classes=num_classes)
+                self.head = self.inner.head
+
+            def forward(self, x):
+                torch.empty(2**50, dtype=torch.uint8, device=x.device)
+                return self.inner(x)
+
+        tiny = models._REGISTRY["tiny"]
+        models._REGISTRY["greedy"] = models._Entry(tiny.spec, Greedy, None)
+        train_loop_per_worker(config)
+
+    callback, drain = _collecting_callback()
+    cfg = _small(synthetic_root, epochs=2, batch_size=4).with_overrides(model="greedy")
+    result = build_torch_trainer(cfg, name="oom", storage_path=str(tmp_path), callbacks=[callback],
+                                 train_loop=loop_with_greedy_model).fit()
+    reports = drain()
+    assert len(reports) == 1
+    metrics, checkpoint = reports[0]
+    assert checkpoint is None and result.checkpoint is None and result.error is None
+    assert set(metrics) == set(METRIC_KEYS)
+    assert metrics["oom"] == 1 and metrics["epoch"] == 1 and metrics["batch_size"] == 4
+    assert metrics["val_acc"] == metrics["val_auc"] == metrics["clips_per_s"] == 0.0
+    assert math.isnan(metrics["train_loss"]) and math.isnan(metrics["val_loss"])
+    assert metrics["peak_mem_mb"] > 0

@@ -96,8 +96,10 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
             if not is_out_of_memory(e):
                 raise
             ok = False
-        # Freed outside the except block: the traceback's frames hold the step's tensors.
-        prec.free_memory(device)
+        if not ok:
+            # Outside the except block: until it ends, the traceback's frames hold the step's
+            # tensors. A step that fitted freed its tensors on return (no gc.collect: ~0.3 s).
+            prec.free_memory(device)
         return ok
 
     if not fits(start):

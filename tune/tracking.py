@@ -121,6 +121,7 @@ class MLflowTracker(Callback):
         self.parent_run_id: str | None = None
         self.child_runs: dict[str, str] = {}     # trial id -> run id
         self._node_tagged: set[str] = set()
+        self._last_step: dict[str, int] = {}     # trial id -> last epoch logged
 
     # state ---------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -189,6 +190,9 @@ class MLflowTracker(Callback):
         run_id = self.child_runs.get(trial_id)
         if run_id:                          # resumed trial: same run, running again
             c.update_run(run_id, status="RUNNING")
+            # Epochs already logged are not logged twice (a resumed trial re-reports its last one).
+            steps = [m.step for m in c.get_metric_history(run_id, "epoch")]
+            self._last_step[trial_id] = max(steps, default=0)
             return run_id
         tags = {PARENT_TAG: parent, TRIAL_ID_TAG: trial_id, "mlflow.runName": trial_id}
         run = c.create_run(self.experiment_id, tags=tags, run_name=trial_id)
@@ -202,6 +206,9 @@ class MLflowTracker(Callback):
 
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
+        if step <= self._last_step.get(trial_id, 0):
+            return
+        self._last_step[trial_id] = step
         ts = int(float(result.get("timestamp") or time.time()) * 1000)
         metrics = [Metric(k, v, ts, step) for k, v in numeric_metrics(result).items()]
         if metrics:

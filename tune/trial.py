@@ -74,6 +74,13 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         callbacks: list[Any] = [TuneReportCallback()]
         if registry_name:
             callbacks.append(PlacementGroupRecorder(registry_name, trial_id))
+        run_path = f"{train_storage.rstrip('/')}/{trial_id}"
+        finished = finished_run_metrics(run_path, cfg.epochs)
+        if finished is not None:
+            # Resumed after the driver died between the last epoch and Tune recording it: Train
+            # would resume from the final checkpoint and report nothing, so report its metrics.
+            tune.report(finished)
+            return
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
             resources_per_worker=resources.per_worker(), name=trial_id,
@@ -82,3 +89,20 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         trainer.fit()
 
     return trial_driver
+
+
+def finished_run_metrics(run_path: str, epochs: int) -> dict | None:
+    """The last checkpointed metrics of an earlier Train run at `run_path` that already trained
+    all `epochs` (a trial resumed by `--resume`), with its checkpoint path; else None."""
+    from ray.train import Result
+
+    try:
+        previous = Result.from_path(run_path)
+    except Exception:       # no such run yet, or not a finished Train run folder
+        return None
+    metrics = dict(previous.metrics or {})
+    if int(metrics.get("epoch", 0) or 0) < epochs:
+        return None
+    if previous.checkpoint is not None:
+        metrics["checkpoint_path"] = previous.checkpoint.path
+    return metrics

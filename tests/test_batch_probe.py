@@ -1,0 +1,89 @@
+"""Batch-size probe: doubling then bisection against a simulated memory threshold."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer import batch_probe
+from trainer.batch_probe import find_max_batch_size, is_out_of_memory
+
+
+class FakeMemory:
+    """A try_batch that 'runs out of memory' above `threshold` with torch's real OOM error."""
+
+    def __init__(self, threshold: int):
+        self.threshold = threshold
+        self.tried: list[int] = []
+
+    def __call__(self, batch_size: int) -> None:
+        self.tried.append(batch_size)
+        if batch_size > self.threshold:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {batch_size} GiB")
+
+
+@pytest.mark.parametrize("threshold", [2, 3, 64, 255])
+def test_bisection_lands_exactly_on_the_threshold(threshold):
+    fake = FakeMemory(threshold)
+    assert find_max_batch_size("tiny", device="cpu", try_batch=fake) == threshold
+    assert len(fake.tried) == len(set(fake.tried)) <= 16          # no size tried twice
+
+
+def test_search_order_doubles_then_bisects():
+    fake = FakeMemory(37)
+    find_max_batch_size("tiny", device="cpu", try_batch=fake)
+    assert fake.tried == [2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+
+
+def test_stops_at_the_limit_when_everything_fits():
+    fake = FakeMemory(10_000)
+    assert find_max_batch_size("tiny", device="cpu", try_batch=fake, limit=100) == 100
+    assert fake.tried == [2, 4, 8, 16, 32, 64, 100]
+
+
+def test_memory_is_freed_after_each_out_of_memory(monkeypatch):
+    freed = []
+    monkeypatch.setattr(batch_probe.prec, "free_memory", lambda device: freed.append(device))
+    fake = FakeMemory(5)
+    find_max_batch_size("tiny", device="cpu", try_batch=fake)
+    assert fake.tried == [2, 4, 8, 6, 5]
+    assert freed == [torch.device("cpu")] * 2        # after 8 and 6 failed
+
+
+def test_cudnn_allocation_failure_counts_as_out_of_memory():
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert is_out_of_memory(torch.OutOfMemoryError("x"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_other_errors_are_not_swallowed():
+    def broken(batch_size: int) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_max_batch_size("tiny", device="cpu", try_batch=broken)
+
+
+def test_even_the_smallest_batch_does_not_fit():
+    with pytest.raises(ValueError, match=r"even batch size 2 runs out of memory for tiny at 8x64x64.*--num-frames"):
+        find_max_batch_size("tiny", device="cpu", try_batch=FakeMemory(1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(start=0), "need 1 <= start <= limit"),
+    (dict(start=8, limit=4), "start=8, limit=4"),
+    (dict(height=32), r"exactly 8 frames x 64 x 64"),
+    (dict(precision="half"), "unknown precision 'half'"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        find_max_batch_size("tiny", device="cpu", try_batch=FakeMemory(8), **kwargs)
+
+
+def test_real_training_step_on_cpu_reaches_the_limit(capsys):
+    """The default try: a real tiny forward/backward/AdamW step at batch 1 and 2 (CLI path)."""
+    assert batch_probe.main(["--model", "tiny", "--device", "cpu", "--start", "1", "--limit", "2"]) == 0
+    assert capsys.readouterr().out.strip() == "2"
+
+
+def test_cli_reports_bad_input():
+    assert batch_probe.main(["--model", "tiny", "--device", "cpu", "--height", "32"]) == 2
