@@ -157,3 +157,18 @@ def test_more_gpus_per_trial_than_the_cluster_has(ray_session, capsys, synthetic
 def test_usage_error_names_its_flag():
     e = UsageError("--lr-min", "bad")
     assert e.flag == "--lr-min" and str(e) == "--lr-min: bad"
+
+
+def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
+    """On the head of an autoscaling cluster, 0 GPUs at connect time is not an error when a
+    worker node type can bring GPUs (cluster.yaml leaves resources for AWS to detect)."""
+    from tune.runner import autoscaler_may_add_gpus
+
+    cfg = tmp_path / "ray_bootstrap_config.yaml"
+    assert not autoscaler_may_add_gpus(cfg)                      # not a cluster head
+    cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}, max_workers: 0}\n"
+                   "  gpu: {resources: {}, max_workers: 2}\n")
+    assert autoscaler_may_add_gpus(cfg)
+    cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}}\n"
+                   "  cpu: {resources: {CPU: 8, GPU: 0}, max_workers: 4}\n  gpu: {resources: {GPU: 1}, max_workers: 0}\n")
+    assert not autoscaler_may_add_gpus(cfg)

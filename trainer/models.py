@@ -11,7 +11,7 @@ import socket
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -142,6 +142,7 @@ def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
             f"model {name!r} has no pretrained weights; use --weights none, or pick one of "
             f"{', '.join(n for n in MODEL_NAMES if _REGISTRY[n].kinetics is not None)} for kinetics")
     url = entry.kinetics.url
+    # Process-wide for the few seconds of the download; urllib in torch.hub takes no timeout.
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
@@ -307,10 +308,6 @@ def maybe_compile(model: nn.Module, enabled: bool, **kwargs: Any) -> nn.Module:
     """`torch.compile(model)` when enabled. The first steps are slow while it compiles, and a new
     input shape recompiles: keep batch and clip shapes fixed (drop_last)."""
     return torch.compile(model, **kwargs) if enabled else model
-
-
-def iter_registry() -> Iterator[ModelSpec]:
-    return (e.spec for e in _REGISTRY.values())
 
 
 def has_kinetics_weights(name: str) -> bool:

@@ -21,6 +21,10 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
     cpus, gpus = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
     opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
     gpt = gpus_per_trial(opts)
+    if gpt > gpus + 1e-9 and opts.address is not None and autoscaler_may_add_gpus():
+        print(f"the Ray cluster has {gpus:g} GPU(s) now; a trial needs {gpt:g}: waiting for the autoscaler "
+              "to start GPU nodes (see its node types in the cluster config)")
+        gpus = max(gpus, gpt)
     if gpt > gpus + 1e-9:
         flag = "--gpus-per-trial" if opts.gpus_per_trial is not None else "--gpus-per-worker"
         raise UsageError(flag, f"a trial asks for {gpt:g} GPU(s) ({opts.workers_per_trial} worker(s) x "
@@ -36,6 +40,29 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
         fit = min(fit, math.floor((gpus + 1e-9) / gpt))
     concurrency = opts.max_concurrent_trials or max(1, min(fit, opts.num_samples))
     return opts, concurrency, local_gpu
+
+
+AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
+
+
+def autoscaler_may_add_gpus(config: Path = AUTOSCALER_CONFIG) -> bool:
+    """True when this is the head of an autoscaling cluster with a worker node type that can be
+    started and may have GPUs (declared, or left for the cloud provider to detect)."""
+    import yaml
+
+    path = config.expanduser()
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    head = doc.get("head_node_type")
+    for name, node in (doc.get("available_node_types") or {}).items():
+        if name == head or not node or int(node.get("max_workers", 0) or 0) < 1:
+            continue
+        resources = node.get("resources") or {}
+        if "GPU" not in resources or float(resources["GPU"]) > 0:
+            return True
+    return False
 
 
 def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
@@ -72,7 +99,6 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     from ray import tune
 
     from tune import cleanup, space
-    from tune.tracking import MLflowTracker
 
     opts, concurrency, local_gpu = check_cluster(plan.opts)
     opts = probe_batch_sizes(opts, plan.base)
