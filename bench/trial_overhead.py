@@ -14,7 +14,7 @@ Compare the last numbers with a trial's epoch time to see how much of a short se
     python bench/trial_overhead.py                       # 3 repetitions on a local 2-CPU Ray
     python bench/trial_overhead.py --repeats 5 --train-workers 2 --num-cpus 4
     python bench/trial_overhead.py --health-check-interval-s 2   # Ray's default poll, for comparison
-    python bench/trial_overhead.py --address auto        # on a running cluster (skips the init rows)
+    python bench/trial_overhead.py --address auto --storage s3://bucket/tmp   # on a running cluster
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(REPO_ROOT))
 
+from tune.trial import DRIVER_CPUS  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,12 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (ignored with --address; default 2)")
     p.add_argument("--train-workers", type=int, default=1, help="Ray Train workers in the TorchTrainer trial (default 1)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs each Train worker asks for (default 1)")
-    p.add_argument("--trial-cpus", type=float, default=0.25,
-                   help="CPU share of the Tune trial function itself, as vidtune gives it (default 0.25)")
+    p.add_argument("--trial-cpus", type=float, default=DRIVER_CPUS,
+                   help=f"CPU share of the Tune trial function itself (default {DRIVER_CPUS}, what vidtune gives it)")
     p.add_argument("--health-check-interval-s", type=float, default=0.5,
                    help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (vidtune sets 0.5; Ray's default is 2)")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one (e.g. auto)")
-    p.add_argument("--storage", default=None, help="storage_path for the trials (default: a temporary folder)")
+    p.add_argument("--storage", default=None, help="storage_path for the trials (default: a temporary folder; "
+                   "on a multi-node cluster pass shared storage, e.g. s3://bucket/prefix)")
     return p
 
 
@@ -56,7 +59,8 @@ def _check_args(args: argparse.Namespace) -> None:
         ("--health-check-interval-s", args.health_check_interval_s, args.health_check_interval_s > 0),
     ):
         if not ok:
-            raise SystemExit(f"{flag}: got {value}; it must be > 0 (--repeats, --num-cpus, --train-workers: integers >= 1)")
+            raise SystemExit(f"{flag}: got {value}; it must be a number > 0 (and a whole number for "
+                             "--repeats, --num-cpus and --train-workers)")
     if args.address is None and args.train_workers * args.cpus_per_worker + args.trial_cpus > args.num_cpus:
         raise SystemExit(
             f"--train-workers {args.train_workers} x --cpus-per-worker {args.cpus_per_worker} + --trial-cpus "

@@ -157,10 +157,10 @@ class _Figure:
     arm_vel: np.ndarray    # (2,) radians per frame
 
 
-def _draw(frame: np.ndarray, fig: _Figure, px: np.ndarray, py: np.ndarray) -> None:
-    """Paint `fig` into `frame` (float32 H x W x 3) in place."""
+def _draw(frame: np.ndarray, fig: _Figure, px: np.ndarray, py: np.ndarray, shift=(0, 0)) -> None:
+    """Paint `fig` into `frame` (float32 H x W x 3) in place; `shift` = camera offset in pixels."""
     h = fig.scale
-    x, y = fig.pos
+    x, y = fig.pos[0] - shift[0], fig.pos[1] - shift[1]
     # Work on the figure's bounding box only: ~5x less than the whole frame.
     size_y, size_x = frame.shape[:2]
     x0, x1 = max(int(x - 0.65 * h), 0), min(int(x + 0.65 * h) + 2, size_x)
@@ -175,10 +175,10 @@ def _draw(frame: np.ndarray, fig: _Figure, px: np.ndarray, py: np.ndarray) -> No
     for side, ang in zip((-1, 1), fig.arm):                                    # arms from shoulders
         shoulder = np.array([x + side * 0.08 * h, y - 0.28 * h])
         hand = shoulder + 0.45 * h * np.array([side * math.sin(ang), math.cos(ang)])
-        alpha = np.maximum(alpha, _segment_alpha(px, py, shoulder, hand, 0.05 * h))
+        alpha = np.maximum(alpha, _segment_alpha(px, py, shoulder, hand, 0.08 * h))
     for side in (-1, 1):                                                       # legs
         foot = bottom + np.array([side * 0.12 * h, 0.35 * h])
-        alpha = np.maximum(alpha, _segment_alpha(px, py, bottom, foot, 0.06 * h))
+        alpha = np.maximum(alpha, _segment_alpha(px, py, bottom, foot, 0.08 * h))
     frame *= 1 - alpha[..., None]
     frame += alpha[..., None] * fig.color
 
@@ -190,7 +190,7 @@ def _figures(rng: np.random.Generator, n: int, size: int) -> list[_Figure]:
         figs.append(_Figure(
             pos=rng.uniform(0.2 * size, 0.8 * size, size=2),
             vel=np.zeros(2),
-            scale=size * rng.uniform(0.25, 0.42),
+            scale=size * rng.uniform(0.3, 0.48),
             color=rng.uniform(0, 255, size=3),
             arm=rng.uniform(0.1, 2.0, size=2),
             arm_vel=np.zeros(2),
@@ -201,17 +201,17 @@ def _figures(rng: np.random.Generator, n: int, size: int) -> list[_Figure]:
 def _fight_motion(rng, figs, frames, size, fps):
     """Yield per-frame states: figures kicked by random impulses and pulled together (collisions)."""
     per_frame = 15.0 / fps                       # keeps motion per second the same at any fps
-    intensity = rng.uniform(0.45, 1.0)           # mild scuffles to brawls: not every fight is obvious
+    intensity = rng.uniform(0.6, 1.0)           # mild scuffles to brawls: not every fight is obvious
     centre = rng.uniform(0.35 * size, 0.65 * size, size=2)
     drift = rng.normal(0, 0.3, size=2) * per_frame
-    kick = size * 0.05 * intensity * per_frame
+    kick = size * 0.07 * intensity * per_frame
     for _ in range(frames):
         centre = np.clip(centre + drift, 0.25 * size, 0.75 * size)
         for f in figs:
             pull = (centre - f.pos) * 0.15 * per_frame
-            f.vel = 0.6 * f.vel + pull + rng.normal(0, kick, size=2)
+            f.vel = 0.7 * f.vel + pull + rng.normal(0, kick, size=2)
             f.pos = np.clip(f.pos + f.vel, 0.1 * size, 0.9 * size)
-            f.arm_vel = rng.normal(0, 0.7 * intensity * per_frame, size=2)
+            f.arm_vel = rng.normal(0, 0.9 * intensity * per_frame, size=2)
             f.arm = np.clip(f.arm + f.arm_vel, 0.0, 3.0)
         yield figs
 
@@ -246,18 +246,24 @@ def _walk_motion(rng, figs, frames, size, fps):
 
 def render_clip(label: int, rng: np.random.Generator, *, frames: int, size: int, fps: int) -> np.ndarray:
     """One clip as uint8 T x H x W x 3 (RGB). Label 1 = fight-like motion, 0 = walking."""
-    bg = _background(rng, size)
+    margin = max(2, size // 28)                        # room for camera shake
+    bg = _background(rng, size + 2 * margin)
     n = int(rng.integers(2, 5)) if label == 1 else int(rng.integers(1, 5))
     figs = _figures(rng, n, size)
-    noise = rng.uniform(0.0, 6.0)                      # sensor noise sigma, same range for both classes
+    noise = rng.uniform(0.0, 4.0)                      # sensor noise sigma, same range for both classes
     flicker = rng.uniform(0.0, 0.04)                   # global brightness flicker (lights, auto-exposure)
+    # Some cameras shake (wind, traffic): whole-frame motion in both classes, so "anything
+    # moves" is not the same as "a fight".
+    shake = rng.uniform(0.3, 1.0) * margin if rng.random() < 0.25 else 0.0
+    shake_f, shake_phase = rng.uniform(0.5, 2.0) / fps, rng.uniform(0, 2 * math.pi, size=2)
     motion = _fight_motion if label == 1 else _walk_motion
     py, px = np.mgrid[0:size, 0:size].astype(np.float32)
     out = np.empty((frames, size, size, 3), np.uint8)
     for t, state in enumerate(motion(rng, figs, frames, size, fps)):
-        frame = bg.copy()
+        dx, dy = np.round(shake * np.sin(2 * math.pi * shake_f * t * np.array([1.0, 1.3]) + shake_phase)).astype(int)
+        frame = bg[margin + dy:margin + dy + size, margin + dx:margin + dx + size].copy()
         for f in state:
-            _draw(frame, f, px, py)
+            _draw(frame, f, px, py, shift=(dx, dy))
         frame *= 1 + rng.normal(0, flicker)
         frame += rng.normal(0, noise, size=frame.shape).astype(np.float32)
         out[t] = np.clip(frame, 0, 255).astype(np.uint8)

@@ -143,3 +143,30 @@ def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_nod
     # The point of the test: rank 0 of the trials ran on both machines, and each tag names a real node.
     placed = {run.data.tags.get("vidtune.node_id") for run in children}
     assert placed == node_ids, f"trials ran on {placed}; cluster nodes {node_ids}"
+
+
+# bench/trial_overhead.py measures what each of these trials costs beyond training; its input
+# checks run before Ray starts, so they are cheap to test here.
+@pytest.mark.parametrize("argv, flag", [
+    (["--repeats", "0"], "--repeats"),
+    (["--cpus-per-worker", "0"], "--cpus-per-worker"),
+    (["--health-check-interval-s", "-1"], "--health-check-interval-s"),
+    # Asks more CPUs than the local Ray has: the trial would wait forever, so it is refused.
+    (["--num-cpus", "2", "--train-workers", "2", "--cpus-per-worker", "1"], "--num-cpus 2"),
+])
+def test_trial_overhead_bench_refuses_bad_flags_before_starting_ray(argv, flag, monkeypatch):
+    import importlib.util
+
+    import trainer.launch
+
+    spec = importlib.util.spec_from_file_location("trial_overhead", REPO_ROOT / "bench" / "trial_overhead.py")
+    trial_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trial_overhead)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the bench started Ray despite a bad flag")
+
+    monkeypatch.setattr(trainer.launch, "init_ray", no_ray)
+    with pytest.raises(SystemExit) as exc:
+        trial_overhead.main(argv)
+    assert flag in str(exc.value)

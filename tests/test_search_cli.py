@@ -172,3 +172,20 @@ def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}}\n"
                    "  cpu: {resources: {CPU: 8, GPU: 0}, max_workers: 4}\n  gpu: {resources: {GPU: 1}, max_workers: 0}\n")
     assert not autoscaler_may_add_gpus(cfg)
+
+
+def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, capsys):
+    from tune import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    mlflow = ["--mlflow-uri", f"sqlite:///{tmp_path}/m.db", "--storage", str(tmp_path / "res")]
+    assert search.main(["--dry-run", *mlflow]) == 0
+    out = capsys.readouterr().out
+    root = tmp_path / "cache" / "vidtune" / "demo-rwf"
+    assert f"demo: generated the synthetic dataset in {root}" in out
+    assert (root / demo.DONE_MARKER).exists() and not list(root.parent.glob("*.tmp-*"))
+    doc = json.loads(out.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
+    assert doc["demo"] is True and doc["train_config"]["data"]["root"] == str(root)
+    assert doc["train_config"]["model"] == "tiny"
+    assert search.main(["--dry-run", *mlflow]) == 0              # second run: reused, not regenerated
+    assert f"demo: using the synthetic dataset in {root}" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from datasets.config import DataConfig
 from trainer import train
 from trainer.config import TrainConfig
 from trainer.launch import ConfigError, validate_config
@@ -18,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(root, **changes) -> TrainConfig:
-    base = TrainConfig().with_overrides(data=TrainConfig().data.__class__(root=str(root)))
+    base = TrainConfig().with_overrides(data=DataConfig(root=str(root)))
     return base.with_overrides(**changes)
 
 
@@ -34,9 +35,12 @@ def _cfg(root, **changes) -> TrainConfig:
         ({"precision": "fp8"}, "--precision"),
         ({"label_smoothing": 1.0}, "--label-smoothing"),
         ({"weights": "/no/such/weights.pth"}, "--weights"),
+        ({"data": "SIZE"}, "--size"),
     ],
 )
 def test_validate_config_names_the_flag(tmp_path, changes, flag):
+    if changes.get("data") == "SIZE":  # tiny (an MViT) takes only its own 64 x 64 clips
+        changes = {"data": DataConfig(root=str(tmp_path), height=48, width=48)}
     with pytest.raises(ConfigError) as e:
         validate_config(_cfg(tmp_path, **changes))
     assert e.value.flag == flag
@@ -106,3 +110,31 @@ def test_cli_flags_reach_the_config():
 def test_every_flag_has_help():
     for action in train.build_parser()._actions:
         assert action.help, action.option_strings
+
+
+@pytest.mark.slow
+def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_session, synthetic_root, tmp_path, capsys):
+    """`python -m trainer.train` end to end (in-process, on the shared Ray): one line per epoch,
+    the best checkpoint's path at the end; trainer.predict scores 2 videos with it and names a
+    missing one."""
+    import re
+
+    from trainer import predict
+
+    code = train.main(["--data", str(synthetic_root), "--epochs", "1", "--batch-size", "8", "--precision", "fp32",
+                       "--loader-workers", "1", "--storage", str(tmp_path), "--name", "cli"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert re.search(r"^epoch 1/1  train_loss [0-9.]+  val_loss [0-9.]+  val_acc [0-9.]+ .* clips/s", out, flags=re.M), out
+    match = re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): (\S+)$", out, flags=re.M)
+    assert match, out
+    checkpoint = Path(match.group(1))
+    assert (checkpoint / "checkpoint.pt").is_file() and checkpoint.is_relative_to(tmp_path)
+
+    videos = sorted((synthetic_root / "val").rglob("*.mp4"))[:2]
+    missing = tmp_path / "gone.mp4"
+    code = predict.main(["--checkpoint", str(checkpoint), str(videos[0]), str(missing), str(videos[1])])
+    out, err = capsys.readouterr()
+    assert code == 1 and "gone.mp4" in err
+    scores = [float(x) for x in re.findall(r": P\(Fight\) max ([0-9.]+)", out)]
+    assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores), out

@@ -90,6 +90,7 @@ def validate_config(cfg: TrainConfig) -> None:
 
     if cfg.model not in MODEL_NAMES:
         raise ConfigError("--model", f"unknown model {cfg.model!r}; choose one of {', '.join(MODEL_NAMES)}")
+    _check_clip_size(cfg)
     if cfg.weights not in BUILTIN_WEIGHTS:
         _check_weights_file(cfg.model, Path(cfg.weights))
 
@@ -122,6 +123,17 @@ def _check_data(cfg: TrainConfig) -> None:
     root = Path(cfg.data.root).expanduser()
     if not root.exists():
         raise ConfigError("--data", f"{root} does not exist; pass the folder of videos (or a CSV manifest)")
+
+
+def _check_clip_size(cfg: TrainConfig) -> None:
+    from trainer.models import check_input_size, get_spec
+
+    spec, d = get_spec(cfg.model), cfg.data
+    num_frames, height, width = d.num_frames or spec.num_frames, d.height or spec.height, d.width or spec.width
+    try:
+        check_input_size(cfg.model, num_frames, height, width)
+    except ValueError as e:
+        raise ConfigError("--num-frames" if num_frames != spec.num_frames else "--size", str(e)) from None
 
 
 def _check_weights_file(model_name: str, path: Path) -> None:

@@ -111,7 +111,8 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
-    registry = cleanup.start_registry(registry_name)  # noqa: F841 (kept alive by this reference)
+    # The registry actor lives as long as this process holds its handle.
+    registry = cleanup.start_registry(registry_name)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, trainer_factory=trainer_factory)
@@ -137,6 +138,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
         results = tuner.fit()
     finally:
         code = summarise(plan, opts, results, tracker)
+        del registry
     return code
 
 

@@ -9,22 +9,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Run by path, sys.path[0] is tune/; this project's `datasets` must shadow Hugging Face's.
+# Run by path, sys.path[0] is tune/: replace it by the repository root, so this project's
+# `datasets` shadows Hugging Face's and tune/'s modules (report, options, ...) cannot shadow others.
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
 if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
-from typing import Any, Sequence  # noqa: E402
+from typing import Sequence  # noqa: E402
 
 from datasets.config import DataConfig  # noqa: E402
 from datasets.errors import DataError  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
-from tune.options import SearchOptions, UsageError, build_parser, gpus_per_trial, parse_options  # noqa: E402,F401
+from tune.options import SearchOptions, UsageError, build_parser, parse_options  # noqa: E402
+
+__all__ = ["build_parser", "main"]
 
 DEFAULT_STORAGE = "vidtune-results"
 
