@@ -69,6 +69,8 @@ def _validate(spec: SynthSpec) -> None:
     """Raise DataError naming the offending option (CLI flag spelling) and what to use instead."""
     if spec.videos < 4:
         raise DataError(f"--videos {spec.videos}: need at least 4 (one per class in train and val)")
+    if spec.seed < 0:
+        raise DataError(f"--seed {spec.seed}: use an integer >= 0")
     if not 1 <= spec.fps <= 120:
         raise DataError(f"--fps {spec.fps}: use a frame rate between 1 and 120")
     if spec.seconds <= 0 or spec.frames < 4:

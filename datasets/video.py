@@ -138,6 +138,8 @@ class VideoClipDataset(Dataset):
                             ("height", height), ("width", width)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"VideoClipDataset {name}={value!r}: must be a positive integer")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"VideoClipDataset seed={seed!r}: must be an integer >= 0")
         bad = [v for v in self.videos if v.num_frames < 1]
         if bad:
             raise DataError(f"video {bad[0].path} has num_frames={bad[0].num_frames} in the index; "
@@ -159,6 +161,8 @@ class VideoClipDataset(Dataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's train jitter; seen by already running (persistent) loader workers."""
+        if epoch < 0:
+            raise ValueError(f"set_epoch({epoch}): epochs are counted from 0 or 1, not negative")
         self._epoch.value = int(epoch)
 
     @property

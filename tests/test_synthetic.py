@@ -122,6 +122,7 @@ def test_non_empty_output_needs_overwrite(tmp_path):
 
 @pytest.mark.parametrize("kw,flag", [
     (dict(videos=3), "--videos 3"),
+    (dict(seed=-1), "--seed -1"),
     (dict(size=33), "--size 33"),
     (dict(size=16), "--size 16"),
     (dict(fps=0), "--fps 0"),

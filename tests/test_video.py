@@ -261,6 +261,10 @@ def test_bad_dataset_and_loader_arguments(train_infos):
         VideoClipDataset(train_infos, num_frames=0, frame_stride=1, height=32, width=32, train=True)
     with pytest.raises(ValueError, match="frame_stride=-1"):
         VideoClipDataset(train_infos, num_frames=4, frame_stride=-1, height=32, width=32, train=True)
+    with pytest.raises(ValueError, match="seed=-2"):
+        VideoClipDataset(train_infos, train=True, seed=-2, **SMALL)
+    with pytest.raises(ValueError, match="set_epoch"):
+        VideoClipDataset(train_infos, train=True, **SMALL).set_epoch(-1)
     broken = [VideoInfo(**{**train_infos[0].__dict__, "num_frames": 0})]
     with pytest.raises(DataError, match=re.escape(str(train_infos[0].path))):
         VideoClipDataset(broken, train=True, **SMALL)

@@ -24,9 +24,9 @@ def _training_objects(cfg: TrainConfig, seed: int = 0):
     torch.manual_seed(seed)
     model = build_model("tiny")
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, torch.device("cpu"))
-    scheduler = make_scheduler(optimizer, cfg.epochs * 3, cfg.warmup_frac)
+    scheduler = make_scheduler(optimizer, cfg.epochs * 2, cfg.warmup_frac)
     # An enabled scaler (as for fp16) so its state is not trivially empty.
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     return model, optimizer, scheduler, scaler
 
 
@@ -51,15 +51,15 @@ def _assert_same_state(a, b):
 
 
 def test_checkpoint_resume_continues_exactly(tmp_path):
-    """Stop after "epoch 1" (3 steps), restore into fresh objects, run "epoch 2": the result is
+    """Stop after "epoch 1" (2 steps), restore into fresh objects, run "epoch 2": the result is
     bit-identical to an uninterrupted run's state after epoch 2."""
     cfg = TrainConfig(epochs=2, lr=1e-3, warmup_frac=0.3)
     straight = _training_objects(cfg)
-    for s in range(6):
+    for s in range(4):
         _step(*straight, seed=s)
 
     first = _training_objects(cfg)
-    for s in range(3):
+    for s in range(2):
         _step(*first, seed=s)
     model, optimizer, scheduler, scaler = first
     save_checkpoint(tmp_path, model=model, optimizer=optimizer, scaler=scaler, scheduler=scheduler, epoch=1,
@@ -74,8 +74,8 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
                                    scheduler=resumed[2])
     assert start == 2
     assert resumed[3].get_scale() == scaler.get_scale()
-    assert resumed[2].last_epoch == scheduler.last_epoch == 3
-    for s in range(3, 6):
+    assert resumed[2].last_epoch == scheduler.last_epoch == 2
+    for s in range(2, 4):
         _step(*resumed, seed=s)
 
     _assert_same_state(resumed[0], straight[0])
