@@ -132,6 +132,20 @@ def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
     steps = [m.step for m in MlflowClient(uri).get_metric_history(runs["b"].info.run_id, "val_acc")]
     assert steps == [1, 2]
 
+    # A trial started just before the driver died but never saved by Tune: its slot was re-run as
+    # "c", so its run goes to the trash (KILLED, with the reason), leaving one run per trial.
+    t3 = _tracker(uri, "resume")
+    t3.setup()
+    t3.on_trial_start(0, [], _trial("lost"))
+    assert t3.retire_lost_runs({"a", "b", "c"}) == ["lost"]
+    assert sorted(_runs(uri, "resume")) == ["a", "b", "c", "parent"]
+    from mlflow.entities import ViewType
+
+    c = MlflowClient(uri)
+    trashed = c.search_runs([c.get_experiment_by_name("resume").experiment_id], run_view_type=ViewType.DELETED_ONLY)
+    assert [(r.data.tags[TRIAL_ID_TAG], r.info.status) for r in trashed] == [("lost", "KILLED")]
+    assert "lost when the search driver died" in trashed[0].data.tags[STOP_TAG]
+
 
 def test_summary_artifacts_on_the_parent(uri, tmp_path):
     t = _tracker(uri, "summary")

@@ -1,8 +1,7 @@
-"""The Ray Train worker: checkpoints resume exactly, the tiny model learns the synthetic data
-(and not shuffled labels), 2-worker DDP matches 1 worker, out of memory is a report, not a crash."""
+"""The Ray Train worker: checkpoints resume exactly (unit and through Ray), workers import this
+project's `datasets`, 2-worker DDP matches 1 worker, out of memory is a report, not a crash."""
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 

@@ -179,6 +179,10 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
                                                finished=trial.status in ("TERMINATED", "ERROR")))
     interrupted = results is None or any(r.status == "UNFINISHED" for r in rows) or len(rows) < opts.num_samples
     tracker.open_parent(refresh=True)
+    if results is not None:
+        lost = tracker.retire_lost_runs({t.trial_id for t in results._experiment_analysis.trials})
+        if lost:
+            print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the trash: {lost}")
     best = report.best_trial(rows, opts.objective)
     if rows:
         print("\ntrials:\n" + report.format_table(rows, show_wd=opts.search_weight_decay))
