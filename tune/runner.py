@@ -144,7 +144,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
 
 def make_tracker(plan: Any, opts: SearchOptions):
     from tune.tracking import MLflowTracker, git_commit
-    from tune.search import REPO_ROOT
+    from trainer.launch import REPO_ROOT
 
     searched = {"batch_sizes": ",".join(map(str, opts.batch_sizes)), "lr_min": opts.lr_min, "lr_max": opts.lr_max}
     if opts.search_weight_decay:
