@@ -25,9 +25,9 @@ from trainer.precision import choose_precision
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 6
+EPOCHS = 8
 BATCH_SIZE = 8
-LR = 1e-3
+LR = 5e-4
 
 
 @pytest.fixture(scope="module")
