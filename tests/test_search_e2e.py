@@ -3,6 +3,7 @@ own Ray), a driver killed mid-search and resumed, and ASHA stopping trials with 
 released at once."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -114,15 +115,20 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
 
 # -- ASHA: stopped trials release their resources ----------------------------------------------
 
-def scripted_worker(config: dict) -> None:
+def scripted_worker(config: dict, *, oom_marker: str) -> None:
     """A Train worker loop with scripted metrics: the later a trial starts, the worse it scores,
-    so ASHA (grace 1 epoch) surely stops the late ones. A trial with batch size 8 runs out of memory."""
+    so ASHA (grace 1 epoch) surely stops the late ones. The first trial to claim `oom_marker`
+    (an exclusive file create, so exactly one trial whatever the sampler picks) runs out of memory."""
     import ray.train
 
+    try:
+        with open(oom_marker, "x"):
+            oom = 1
+    except FileExistsError:
+        oom = 0
     started = time.time()
     for epoch in range(1, config["epochs"] + 1):
         time.sleep(0.5)
-        oom = int(config["batch_size"] == 8)
         ray.train.report({"epoch": epoch, "val_acc": 0.0 if oom else 1e9 / started, "val_f1": 0.5,
                           "clips_per_s": 0.0 if oom else 10.0, "epoch_time_s": 0.5, "oom": oom,
                           "batch_size": config["batch_size"], "node_id": ray.get_runtime_context().get_node_id()})
@@ -130,16 +136,19 @@ def scripted_worker(config: dict) -> None:
             return
 
 
-def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks):
-    """Same signature as trainer.launch.build_torch_trainer, around `scripted_worker`."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
+def scripted_trainer_factory(oom_marker: Path):
+    """A trainer factory with the signature of trainer.launch.build_torch_trainer, around `scripted_worker`."""
+    def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks):
+        import ray.train
+        from ray.train.torch import TorchTrainer
 
-    return TorchTrainer(scripted_worker, train_loop_config=cfg.to_dict(),
-                        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                                               resources_per_worker=resources_per_worker),
-                        run_config=ray.train.RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
-                                                       failure_config=ray.train.FailureConfig(max_failures=0)))
+        return TorchTrainer(functools.partial(scripted_worker, oom_marker=str(oom_marker)),
+                            train_loop_config=cfg.to_dict(),
+                            scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                                                   resources_per_worker=resources_per_worker),
+                            run_config=ray.train.RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
+                                                           failure_config=ray.train.FailureConfig(max_failures=0)))
+    return scripted_trainer
 
 
 @pytest.mark.slow
@@ -158,7 +167,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     plan = search.prepare(opts)
     pgs_before = set(placement_group_table())
     started = time.monotonic()
-    code = runner.run_search(plan, trainer_factory=scripted_trainer)
+    code = runner.run_search(plan, trainer_factory=scripted_trainer_factory(tmp_path / "oom-claimed"))
     wall = time.monotonic() - started
     print(f"ASHA search of 5 trials: {wall:.0f} s")
     assert code == 0
@@ -169,9 +178,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     killed = [r for r in children if r.info.status == "KILLED"]
     assert killed, statuses                                          # ASHA really stopped trials
     assert all("stopped early by ASHA" in r.data.tags[STOP_TAG] for r in killed)
-    for r in children:                                               # OOM: FAILED with reason, run once
-        if r.data.params["batch_size"] == "8":
-            assert r.info.status == "FAILED" and "out of memory" in r.data.tags[FAILURE_TAG]
+    failed = [r for r in children if r.info.status == "FAILED"]     # OOM: FAILED with reason, run once
+    assert len(failed) == 1 and "out of memory" in failed[0].data.tags[FAILURE_TAG], statuses
     # Every placement group this search created is gone: nothing left reserved for the next trial
     # or the next search (leaked groups used to make the search sit idle for 60 s per retry).
     new = {pg: info["state"] for pg, info in placement_group_table().items() if pg not in pgs_before}
