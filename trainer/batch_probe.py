@@ -24,18 +24,10 @@ if __package__ in (None, ""):  # run by path: make the repository root importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer import precision as prec  # noqa: E402
+from trainer.precision import is_out_of_memory  # noqa: E402  (also used by bench/gpu_precision.py)
 from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec  # noqa: E402
 
 TryBatch = Callable[[int], None]    # runs one step at that batch size; raises torch.OutOfMemoryError
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch's OOM error, or the allocation failures cuDNN/cuBLAS report as RuntimeError."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in text or "CUDNN_STATUS_ALLOC_FAILED" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
 def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: torch.device,

@@ -104,6 +104,16 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else float("nan")
 
 
+def all_reduce_floats(values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> list[float]:
+    """`values` combined over all workers with `op` (float64; a collective: every rank must
+    call it); returned unchanged when torch.distributed is not initialised (one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=precision.collective_device())
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
 def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
     """Global metrics of one epoch (keys: METRIC_KEYS) from this worker's local results.
 
@@ -116,14 +126,10 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
     epoch_time = stats.epoch_time_s
     probs = eval_out.probs.detach().reshape(-1).to("cpu", torch.float64)
     labels = eval_out.labels.detach().reshape(-1).to("cpu", torch.float64)
+    sums = all_reduce_floats(sums, dist.ReduceOp.SUM)
+    epoch_time = all_reduce_floats([epoch_time], dist.ReduceOp.MAX)[0]
     if dist.is_available() and dist.is_initialized():
-        device = precision.collective_device()
-        summed = torch.tensor(sums, dtype=torch.float64, device=device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-        slowest = torch.tensor([epoch_time], dtype=torch.float64, device=device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        sums, epoch_time = summed.tolist(), slowest.item()
-        probs, labels = _gather_pairs(probs, labels, device)
+        probs, labels = _gather_pairs(probs, labels, precision.collective_device())
     loss_sum, clips, wait, step, val_loss_sum, val_count = sums
     out = {
         "train_loss": _ratio(loss_sum, clips),

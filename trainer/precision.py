@@ -130,6 +130,17 @@ def free_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failure: torch's OutOfMemoryError, the ones cuDNN/cuBLAS report as a plain
+    RuntimeError, or the CPU allocator's (also a plain RuntimeError in torch)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "CUDNN_STATUS_ALLOC_FAILED" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
+        or "DefaultCPUAllocator: can't allocate memory" in text)
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     if is_cuda(device):
         torch.cuda.reset_peak_memory_stats(device)

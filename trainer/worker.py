@@ -20,12 +20,12 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
+from trainer.metrics import all_reduce_floats
+from trainer.precision import is_out_of_memory
 
-METRIC_KEYS = (
-    "epoch", "train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
-    "clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb", "lr", "batch_size",
-    "oom", "reader_failures", "node_id",
-)
+# What each epoch's report holds: reduce_epoch's metrics plus what the worker adds.
+METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "peak_mem_mb", "lr", "batch_size", "oom", "reader_failures", "node_id")
 
 
 class ShardSampler(Sampler[int]):
@@ -94,7 +94,7 @@ def train_loop_per_worker(config: dict) -> None:
     for epoch in range(start_epoch, run.cfg.epochs + 1):
         started = time.perf_counter()
         outputs = _train_and_evaluate(run, epoch)
-        if _any_rank(outputs is None, run.device):
+        if _any_rank(outputs is None):
             outputs = None  # drop this rank's results too: every rank reports the same OOM
             _report_oom(run, epoch, time.perf_counter() - started)
             return
@@ -234,32 +234,16 @@ def _train_and_evaluate(run: _Run, epoch: int):
     return stats, eval_out
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """A GPU out-of-memory error, or the CPU allocator's (a plain RuntimeError in torch)."""
-    return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
+def _any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is True on any rank (a collective: all ranks must call it)."""
-    return bool(_all_reduce([float(flag)], dist.ReduceOp.MAX, device)[0])
-
-
-def _all_reduce(values: list[float], op: Any, device: torch.device) -> list[float]:
-    from trainer.precision import collective_device
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=op)
-    return t.tolist()
+    return bool(all_reduce_floats([float(flag)], dist.ReduceOp.MAX)[0])
 
 
 def _reader_failures(run: _Run) -> int:
     """Failed video reads during this epoch, summed over the workers (and their loader processes)."""
     total = sum(int(getattr(loader.dataset, "failures", 0)) for loader in (run.train_loader, run.val_loader))
     local, run.failures_seen = total - run.failures_seen, total
-    return int(_all_reduce([float(local)], dist.ReduceOp.SUM, run.device)[0])
+    return int(all_reduce_floats([float(local)], dist.ReduceOp.SUM)[0])
 
 
 def _current_lr(run: _Run) -> float:
@@ -270,7 +254,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any) -> dict[str
     from trainer.metrics import peak_memory_mb, reduce_epoch
 
     metrics = reduce_epoch(stats, eval_out)
-    peak = _all_reduce([peak_memory_mb(run.device)], dist.ReduceOp.MAX, run.device)[0]
+    peak = all_reduce_floats([peak_memory_mb(run.device)], dist.ReduceOp.MAX)[0]
     metrics.update(
         epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0,
         reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
@@ -308,7 +292,7 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float) -> None:
     run.optimizer.state.clear()
     run.optimizer.zero_grad(set_to_none=True)
     free_memory(run.device)
-    peak = _all_reduce([peak], dist.ReduceOp.MAX, run.device)[0]
+    peak = all_reduce_floats([peak], dist.ReduceOp.MAX)[0]
     metrics = {
         "epoch": epoch, "train_loss": math.nan, "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
         "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "epoch_time_s": float(elapsed_s),
