@@ -313,13 +313,9 @@ def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # CLI
 
-def build_parser() -> argparse.ArgumentParser:
+def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
+    """The dataset's positional ROOT and layout flags, shared by the CLIs that index a dataset."""
     d = DataConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m datasets.index",
-        description="Find and check the videos of a dataset before a long search: prints the layout, "
-                    "counts per split and class, and every file left out with the reason. Exits 1 "
-                    "(with the reason) when the data cannot be used.")
     p.add_argument("root", help="dataset folder (RWF-2000 or class-folder layout) or a CSV manifest file")
     p.add_argument("--layout", choices=LAYOUTS, default=d.layout,
                    help="how the videos are organised; auto detects it from what is on disk")
@@ -333,6 +329,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="videos that decode fewer frames than this are left out")
     p.add_argument("--probe-timeout-s", type=float, default=d.probe_timeout_s,
                    help="seconds allowed to probe one file before its worker is killed")
+
+
+def dataset_config(args: argparse.Namespace, **more: Any) -> DataConfig:
+    """The DataConfig of the flags `add_dataset_arguments` added (plus `more` fields)."""
+    return DataConfig(root=args.root, layout=args.layout, positive_class=args.positive_class,
+                      val_fraction=args.val_fraction, split_seed=args.split_seed,
+                      min_frames=args.min_frames, probe_timeout_s=args.probe_timeout_s, **more)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = DataConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m datasets.index",
+        description="Find and check the videos of a dataset before a long search: prints the layout, "
+                    "counts per split and class, and every file left out with the reason. Exits 1 "
+                    "(with the reason) when the data cannot be used.")
+    add_dataset_arguments(p)
     p.add_argument("--workers", type=int, default=None,
                    help="probe worker processes (default: the number of CPU cores, at most 8)")
     p.add_argument("--cache-dir", default=d.cache_dir,
@@ -356,10 +369,7 @@ def _progress_printer(stream) -> Callable[[int, int], None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = DataConfig(root=args.root, layout=args.layout, positive_class=args.positive_class,
-                     val_fraction=args.val_fraction, split_seed=args.split_seed,
-                     min_frames=args.min_frames, probe_timeout_s=args.probe_timeout_s,
-                     cache_dir=args.cache_dir)
+    cfg = dataset_config(args, cache_dir=args.cache_dir)
     try:
         index = build_index(cfg, workers=args.workers, use_cache=not args.no_cache,
                             progress=_progress_printer(sys.stderr))

@@ -1,8 +1,10 @@
-"""The torch Dataset of video clips (decord, one reader per item) and its DataLoader.
+"""The torch Dataset of video clips (decord, one reader per item, or the frame cache) and its DataLoader.
 
 Data flow: `VideoInfo` records (from `datasets.index`) -> `VideoClipDataset[i]` decodes T frames
-resized at decode time -> `build_loader` batches them as uint8 B x T x H x W x C -> on the device,
-`datasets.transforms.ClipTransform` makes the float model input.
+resized at decode time (or reads them from `datasets.cache.FrameCache`) -> `build_loader` batches
+them as uint8 B x T x H x W x C -> `clips_to_device` -> on the device,
+`datasets.transforms.ClipTransform` makes the float model input. With a jpeg cache and
+``encoded=True``, items carry the frames' JPEG bytes and `clips_to_device` decodes them on the device.
 """
 from __future__ import annotations
 
@@ -10,16 +12,24 @@ import logging
 import multiprocessing
 from multiprocessing.context import get_spawning_popen
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
+from torchvision.io import decode_jpeg
 
 from datasets.errors import DataError
 from datasets.records import VideoInfo
 
+if TYPE_CHECKING:
+    from datasets.cache import FrameCache
+
 log = logging.getLogger(__name__)
+
+# A clip as an item carries it: decoded uint8 T x H x W x C, or T JPEG files (1-D uint8 tensors).
+Clip = Union[torch.Tensor, list]
+_COUNTERS = ("_failures", "_reads", "_cache_hits")    # shared with loader workers (see the class doc)
 
 try:  # guarded: the module imports (and its errors explain) without decord installed
     import decord
@@ -86,6 +96,15 @@ def _reason(e: Exception) -> str:
     return lines[-1]
 
 
+def decode_jpeg_frames(jpegs: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """JPEG files (1-D uint8 tensors on the CPU) -> uint8 N x H x W x 3 on `device`, decoded there
+    in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU)."""
+    if not jpegs:
+        raise ValueError("decode_jpeg_frames got no frames")
+    frames = decode_jpeg(list(jpegs), device=device)
+    return torch.stack(frames).permute(0, 2, 3, 1)
+
+
 def sample_indices(num_available: int, num_frames: int, stride: int, rng: np.random.Generator | None) -> np.ndarray:
     """T = `num_frames` frame indices (int64, ascending) into a video of `num_available` frames.
 
@@ -119,17 +138,25 @@ class VideoClipDataset(Dataset):
     class is returned instead (the next one in that class's list, so the choice is
     deterministic). Only when every video of the class fails is a DataError raised, naming them.
 
-    Failure count across processes: reads happen in DataLoader worker processes, whose own
-    attributes the training process never sees. So the count lives in a
-    ``multiprocessing.Value`` created here, before workers start; forked or spawned workers
-    inherit it and add to the same shared integer. ``failures`` reads it: every failed read in
-    this process and its loader workers since the Dataset was made (the trainer reports it per
-    epoch as ``reader_failures``). The epoch set by ``set_epoch`` is shared the same way, so
-    persistent workers see it; call it before iterating the epoch.
+    `cache`: read through a `datasets.cache.FrameCache` (the first read of a video decodes all its
+    frames into it, later reads take them from it). `encoded` (with a jpeg cache): an item read
+    from a cache entry carries ``clip`` as a list of T 1-D uint8 tensors, the frames' JPEG files,
+    for `collate_clips` / `clips_to_device` to decode on the training device; a miss still gives
+    a decoded tensor. The caller decides (worth it where the device decodes JPEG, i.e. a GPU).
+
+    Counts across processes: reads happen in DataLoader worker processes, whose own attributes
+    the training process never sees. So the counts live in ``multiprocessing.Value``s created
+    here, before workers start; forked or spawned workers inherit them and add to the same shared
+    integers. ``failures`` (failed reads; the trainer reports it per epoch as
+    ``reader_failures``), ``reads`` (clip reads) and ``cache_hits`` (reads served by the cache)
+    are cumulative over this process and its loader workers since the Dataset was made; per-epoch
+    figures are differences. The epoch set by ``set_epoch`` is shared the same way, so persistent
+    workers see it; call it before iterating the epoch.
     """
 
     def __init__(self, videos: Sequence[VideoInfo], *, num_frames: int, frame_stride: int,
-                 height: int, width: int, train: bool, seed: int = 0):
+                 height: int, width: int, train: bool, seed: int = 0,
+                 cache: FrameCache | None = None, encoded: bool = False):
         self.videos = list(videos)
         if not self.videos:
             raise DataError("VideoClipDataset got no videos; check the dataset folder and the index summary "
@@ -147,13 +174,15 @@ class VideoClipDataset(Dataset):
         self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
         self.height, self.width = int(height), int(width)
         self.train, self.seed = bool(train), int(seed)
+        self.cache, self.encoded = cache, bool(encoded)
         self._by_label: dict[int, list[int]] = {}      # label -> item numbers, in order
         self._rank: list[int] = []                      # item i is _by_label[label][_rank[i]]
         for i, v in enumerate(self.videos):
             members = self._by_label.setdefault(int(v.label), [])
             self._rank.append(len(members))
             members.append(i)
-        self._failures = multiprocessing.Value("q", 0)
+        for name in _COUNTERS:
+            setattr(self, name, multiprocessing.Value("q", 0))
         self._epoch = multiprocessing.Value("q", 0, lock=False)
 
     def __len__(self) -> int:
@@ -174,17 +203,40 @@ class VideoClipDataset(Dataset):
         """Failed reads so far in this process and its DataLoader workers (shared counter)."""
         return int(self._failures.value)
 
+    @property
+    def reads(self) -> int:
+        """Clip reads so far (failed ones included), this process and its loader workers."""
+        return int(self._reads.value)
+
+    @property
+    def cache_hits(self) -> int:
+        """Reads served from the frame cache so far, this process and its loader workers."""
+        return int(self._cache_hits.value)
+
+    @staticmethod
+    def _add(counter, n: int = 1) -> None:
+        with counter.get_lock():
+            counter.value += n
+
     def clip_indices(self, i: int) -> np.ndarray:
         """The frame indices item `i` reads this epoch (int64, length T)."""
         rng = np.random.default_rng([self.seed, self.epoch, i]) if self.train else None
         return sample_indices(self.videos[i].num_frames, self.num_frames, self.frame_stride, rng)
 
-    def read(self, i: int) -> torch.Tensor:
-        """Decode item `i`'s clip, raising DataError on failure (no replacement)."""
-        frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height, width=self.width)
-        return torch.from_numpy(frames)
+    def read(self, i: int) -> Clip:
+        """Item `i`'s clip (decoded tensor, or JPEG files, see the class doc), raising DataError
+        on failure (no replacement)."""
+        self._add(self._reads)
+        if self.cache is None:
+            frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height, width=self.width)
+        else:
+            frames, hit = self.cache.read(self.videos[i], self.clip_indices(i), height=self.height,
+                                          width=self.width, encoded=self.encoded)
+            if hit:
+                self._add(self._cache_hits)
+        return torch.from_numpy(frames) if isinstance(frames, np.ndarray) else frames
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[Clip, int]:
         label = int(self.videos[i].label)
         same_class = self._by_label[label]
         start = self._rank[i]
@@ -194,8 +246,7 @@ class VideoClipDataset(Dataset):
             try:
                 clip = self.read(j)
             except DataError as e:
-                with self._failures.get_lock():
-                    self._failures.value += 1
+                self._add(self._failures)
                 errors.append(str(e))
                 if len(errors) < len(same_class):
                     nxt = self.videos[same_class[(start + k + 1) % len(same_class)]].path
@@ -212,12 +263,14 @@ class VideoClipDataset(Dataset):
         # other context (e.g. copied to another machine) they cannot be shared: start fresh ones.
         state = self.__dict__.copy()
         if get_spawning_popen() is None:
-            state["_failures"], state["_epoch"] = self._failures.value, self._epoch.value
+            for name in (*_COUNTERS, "_epoch"):
+                state[name] = getattr(self, name).value
         return state
 
     def __setstate__(self, state: dict) -> None:
         if not hasattr(state["_failures"], "get_lock"):
-            state["_failures"] = multiprocessing.Value("q", state["_failures"])
+            for name in _COUNTERS:
+                state[name] = multiprocessing.Value("q", state.get(name, 0))
             state["_epoch"] = multiprocessing.Value("q", state["_epoch"], lock=False)
         self.__dict__.update(state)
 
@@ -243,4 +296,35 @@ def build_loader(dataset: VideoClipDataset, *, batch_size: int, train: bool, num
     extra = dict(persistent_workers=True, prefetch_factor=2) if num_workers > 0 else {}
     return DataLoader(
         dataset, batch_size=batch_size, shuffle=train, drop_last=train, num_workers=num_workers,
-        pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed), **extra)
+        pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed),
+        collate_fn=collate_clips if getattr(dataset, "encoded", False) else None, **extra)
+
+
+def collate_clips(batch: list[tuple[Clip, int]]) -> tuple[torch.Tensor | list[Clip], torch.Tensor]:
+    """DataLoader collate_fn of an ``encoded`` dataset: ``(clips, labels int64 B)`` where clips is
+    the usual stacked uint8 B x T x H x W x C tensor when every item is decoded, else the list of
+    the B items as they are (tensors and JPEG lists) for `clips_to_device`."""
+    clips = [clip for clip, _ in batch]
+    labels = torch.tensor([label for _, label in batch], dtype=torch.int64)
+    if all(isinstance(c, torch.Tensor) for c in clips):
+        return default_collate(clips), labels
+    return clips, labels
+
+
+def clips_to_device(clips: torch.Tensor | list[Clip], device: torch.device | str, *,
+                    non_blocking: bool = False) -> torch.Tensor:
+    """A batch as `build_loader` gives it -> uint8 B x T x H x W x C on `device`.
+
+    A tensor is copied (`non_blocking` with pinned memory overlaps the copy with compute). A
+    list (from `collate_clips`) has its JPEG frames decoded on `device` in one batched call -
+    on a GPU this takes the decoding off the loader's CPU cores - and decoded items copied.
+    """
+    if isinstance(clips, torch.Tensor):
+        return clips.to(device, non_blocking=non_blocking)
+    encoded = [clip for clip in clips if not isinstance(clip, torch.Tensor)]
+    decoded = iter(())
+    if encoded:   # one call for the whole batch: a GPU decoder is fast only on many images at once
+        frames = decode_jpeg_frames([frame for clip in encoded for frame in clip], device)
+        decoded = iter(frames.split([len(clip) for clip in encoded]))
+    return torch.stack([clip.to(device, non_blocking=non_blocking) if isinstance(clip, torch.Tensor)
+                        else next(decoded) for clip in clips])

@@ -119,3 +119,21 @@ def test_two_process_gloo_reduce_gives_every_rank_the_global_metrics(tmp_path):
     assert got[0]["epoch_time_s"] == 6.0                       # slowest worker
     assert got[0]["clips_per_s"] == pytest.approx(16 / 6.0)    # all clips / slowest wall time
     assert got[0]["data_wait_frac"] == pytest.approx(3.0 / 10.0)
+
+
+def test_steady_state_is_the_median_of_epochs_2_and_later():
+    from trainer.metrics import steady_state
+
+    # epoch 1 (worker start, autotuning, cache fill) is left out however slow it was
+    assert steady_state({1: 3.0, 2: 40.0, 3: 10.0, 4: 30.0}) == 30.0
+    assert steady_state([3.0, 40.0, 10.0, 30.0, 20.0]) == 25.0        # list in epoch order, even count
+    assert steady_state({1: 7.0}) == 7.0                                # only one epoch: that one
+    assert steady_state({1: 7.0, 2: float("nan"), 3: 9.0}) == 9.0       # epochs without a figure skipped
+    assert math.isnan(steady_state({}))
+
+
+def test_compute_speed_leaves_out_the_wait_for_data():
+    stats = EpochStats(loss_sum=8.0, clips=12, steps=3, step_time_s=2.0, data_wait_s=4.0, epoch_time_s=6.0)
+    m = reduce_epoch(stats, EvalOutputs(torch.tensor([0.9, 0.1]), torch.tensor([1, 0]), 0.4, 2))
+    assert m["clips_per_s"] == pytest.approx(2.0)            # 12 clips / 6 s end to end
+    assert m["compute_clips_per_s"] == pytest.approx(6.0)    # 12 clips / 2 s not waiting for data

@@ -3,6 +3,7 @@ a message naming the flag / key / file, no traceback), mostly in-process with --
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,9 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
     (["--num-samples", "0"], ["--num-samples:"]),
     (["--search-weight-decay", "--weight-decay-min", "0.5", "--weight-decay-max", "0.1"], ["--weight-decay-min/--weight-decay-max:"]),
     (["--gpus-per-worker", "1", "--gpus-per-trial", "0.5", "--workers-per-trial", "2"], ["--gpus-per-trial:", "disagrees"]),
+    (["--cache-max-gb", "-1"], ["--cache-max-gb:", ">= 0"]),
+    (["--cache-max-gb", "nan"], ["--cache-max-gb:"]),
+    (["--cache-dir", "/proc/self/status/cache"], ["--cache-dir:", "not a folder"]),
 ])
 def test_bad_options_fail_before_anything_runs(capsys, argv, needles):
     _fails(capsys, argv + ["--dry-run"], *needles)
@@ -143,6 +147,16 @@ def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_p
     assert doc["train_config"]["data"]["root"] == str(synthetic_root)
     assert doc["experiment"].startswith(str(tmp_path / "vidtune-results"))
     assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "vidtune-results").exists()
+    assert doc["clip_cache"]["enabled"] is True and doc["clip_cache"]["format"] == "jpeg"
+
+
+def test_unwritable_cache_dir_is_named(capsys, tmp_path, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    real_access = os.access
+    # CI runs as root, which writes anywhere: make this folder read-only to the check as it is to users
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    _fails(capsys, ["--cache-dir", str(locked / "cache"), "--dry-run"], "--cache-dir:", "not writable")
 
 
 @pytest.mark.slow

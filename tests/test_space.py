@@ -68,7 +68,7 @@ def test_pareto_searches_accuracy_and_throughput_together():
     searcher = space.build_searcher(opts, obj, study_name="p")
     searcher.set_search_properties(None, None, space.param_space(opts))
     searcher.suggest("a")
-    searcher.on_trial_complete("a", {"val_acc": 0.7, "clips_per_s": 30.0, "oom": 0})
+    searcher.on_trial_complete("a", {"val_acc": 0.7, "steady_clips_per_s": 30.0, "oom": 0})
     study = searcher._ot_study
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MAXIMIZE"]
     assert study.trials[0].values == [0.7, 30.0]

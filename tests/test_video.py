@@ -1,6 +1,7 @@
 """VideoClipDataset and build_loader: decoded frames, clip sampling, failures, batching."""
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import re
@@ -16,7 +17,8 @@ decord = pytest.importorskip("decord")
 from datasets.errors import DataError  # noqa: E402
 from datasets.records import VideoInfo  # noqa: E402
 from datasets.synthetic import write_video  # noqa: E402
-from datasets.video import VideoClipDataset, build_loader, read_frames, sample_indices  # noqa: E402
+from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips,  # noqa: E402
+                            read_frames, sample_indices)
 
 SMALL = dict(num_frames=4, frame_stride=2, height=32, width=32)
 
@@ -280,18 +282,38 @@ def test_bad_dataset_and_loader_arguments(train_infos):
 def test_dataset_pickles_outside_worker_start(train_infos):
     ds = VideoClipDataset(train_infos[:2], train=True, **SMALL)
     ds.set_epoch(4)
+    ds[1]
     copy = pickle.loads(pickle.dumps(ds))
     assert copy.epoch == 4 and copy.failures == 0 and len(copy) == 2
+    assert (copy.reads, copy.cache_hits) == (1, 0)               # the counts at pickling time
     assert copy[0][0].shape == (4, 32, 32, 3)
+    assert (copy.reads, ds.reads) == (2, 1)                      # fresh counters, not shared
+
+
+def test_reads_are_counted_without_a_cache_and_the_loader_collates_as_before(small_copy):
+    small_copy[1].path.unlink()
+    ds = VideoClipDataset(small_copy, train=False, **SMALL)
+    loader = build_loader(ds, batch_size=5, train=False, num_workers=0, pin_memory=False)
+    assert loader.collate_fn is not collate_clips                # only encoded datasets need it
+    clips, _ = next(iter(loader))
+    assert isinstance(clips, torch.Tensor) and clips.shape == (5, 4, 32, 32, 3)
+    assert (ds.reads, ds.cache_hits, ds.failures) == (6, 0, 1)  # the failed read and its replacement
+    assert torch.equal(clips_to_device(clips, "cpu"), clips)
 
 
 @pytest.mark.slow
-def test_data_loading_bench_prints_its_table(capsys):
+def test_data_loading_bench_prints_its_table(capsys, tmp_path):
     import runpy
 
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "data_loading.py"), run_name="bench")
-    assert bench["main"](["--smoke-test"]) == 0
+    report = tmp_path / "bench.json"
+    assert bench["main"](["--quick", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.strip().startswith("64")]
     assert [r[2] for r in rows] == ["Dataset[i]", "DataLoader,", "DataLoader,"]
     assert all(float(r[-2]) > 0 for r in rows)                   # clips/s measured
+    assert "jpeg warm" in out and "raw warm" in out and "KB/frame" in out
+    data = json.loads(report.read_text())
+    readers = {r["reader"] for r in data["rows"] if r["table"] == "cache"}
+    assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord"} <= readers
+    assert data["ratios"]["warm_cache_vs_decord"] > 0 and set(data["disk"]) == {"jpeg", "raw"}

@@ -163,6 +163,7 @@ def build_torch_trainer(
     callbacks: list | None = None,
     checkpoint_keep: int = 1,
     train_loop=None,
+    device_lease=None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -173,6 +174,8 @@ def build_torch_trainer(
     a failure (the worker reports `oom=1` and returns).
     `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
     (pass a wrapper of it to, e.g., register extra models in the worker process first).
+    `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
+    their devices before the first epoch and give them back after the last (`trainer.lease`).
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -199,9 +202,14 @@ def build_torch_trainer(
     scaling = ray.train.ScalingConfig(
         num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker
     )
+    from trainer.lease import LEASE_CONFIG_KEY
+
+    loop_config = cfg.to_dict()
+    if device_lease is not None:
+        loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     return TorchTrainer(
         train_loop or train_loop_per_worker,
-        train_loop_config=cfg.to_dict(),
+        train_loop_config=loop_config,
         scaling_config=scaling,
         run_config=run_config,
     )

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from datasets.video import clips_to_device
 from trainer import precision
 from trainer.metrics import EpochStats, EvalOutputs
 from trainer.precision import PrecisionPolicy
@@ -75,7 +76,8 @@ def _timed_batches(loader: Iterable, stats: EpochStats) -> Iterator[tuple[object
 
 def _to_device(batch, transform: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     clips, labels = batch
-    clips = clips.to(device, non_blocking=True)
+    # A tensor is copied; JPEG frames from an encoded loader (datasets.video.collate_clips) are decoded there.
+    clips = clips_to_device(clips, device, non_blocking=True)
     labels = torch.as_tensor(labels).to(device, non_blocking=True)
     return transform(clips), labels
 

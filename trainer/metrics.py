@@ -15,6 +15,12 @@ Definitions (class 1 = violent = positive; predicted positive when P(violent) >=
 - clips_per_s: training clips of all workers / slowest worker's training wall time (data wait
   + steps; evaluation excluded). This is the speed a user waits for; `data_wait_frac` says how
   much of it was the input pipeline: data_wait_s / (data_wait_s + step_time_s), all workers.
+- compute_clips_per_s: the same clips / the slowest worker's time not spent waiting for data
+  (forward, backward, optimizer step): the model's own speed, what a faster input pipeline
+  could reach at most.
+- Steady-state speed (`steady_state`): the median of an epoch metric over epochs 2 and later
+  (epoch 1 holds worker start, cudnn autotuning and the clip-cache fill), or epoch 1's value
+  when only one epoch ran. The search ranks and shows trials by it.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch.distributed as dist
 from trainer import precision
 
 METRIC_KEYS = ("train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
-               "clips_per_s", "epoch_time_s", "data_wait_frac")
+               "clips_per_s", "compute_clips_per_s", "epoch_time_s", "data_wait_frac")
 
 
 @dataclass
@@ -127,7 +133,7 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
     probs = eval_out.probs.detach().reshape(-1).to("cpu", torch.float64)
     labels = eval_out.labels.detach().reshape(-1).to("cpu", torch.float64)
     sums = all_reduce_floats(sums, dist.ReduceOp.SUM)
-    epoch_time = all_reduce_floats([epoch_time], dist.ReduceOp.MAX)[0]
+    epoch_time, slowest_step = all_reduce_floats([epoch_time, stats.step_time_s], dist.ReduceOp.MAX)
     if dist.is_available() and dist.is_initialized():
         probs, labels = _gather_pairs(probs, labels, precision.collective_device())
     loss_sum, clips, wait, step, val_loss_sum, val_count = sums
@@ -136,10 +142,24 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
         "val_loss": _ratio(val_loss_sum, val_count),
         **classification_metrics(probs, labels),
         "clips_per_s": _ratio(clips, epoch_time) if clips else 0.0,
+        "compute_clips_per_s": _ratio(clips, slowest_step) if clips else 0.0,
         "epoch_time_s": float(epoch_time),
         "data_wait_frac": _ratio(wait, wait + step),
     }
     return {k: float(out[k]) for k in METRIC_KEYS}
+
+
+def steady_state(values_by_epoch: dict[int, float] | list[float]) -> float:
+    """Median of a per-epoch value over epochs 2 and later; epoch 1's value when only epoch 1
+    ran; NaN when there is none. `values_by_epoch`: {epoch (1-based): value}, or a list in
+    epoch order starting at epoch 1. Non-finite values (an epoch without training) are skipped."""
+    if not isinstance(values_by_epoch, dict):
+        values_by_epoch = {i + 1: v for i, v in enumerate(values_by_epoch)}
+    finite = {int(e): float(v) for e, v in values_by_epoch.items() if v is not None and np.isfinite(float(v))}
+    later = [v for e, v in finite.items() if e >= 2]
+    if later:
+        return float(np.median(later))
+    return finite.get(1, float("nan"))
 
 
 def _gather_pairs(probs: torch.Tensor, labels: torch.Tensor,

@@ -20,12 +20,20 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
-from trainer.metrics import all_reduce_floats
+from trainer.metrics import all_reduce_floats, steady_state
 from trainer.precision import is_out_of_memory
 
 # What each epoch's report holds: reduce_epoch's metrics plus what the worker adds.
-METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "peak_mem_mb", "lr", "batch_size", "oom", "reader_failures", "node_id")
+# steady_clips_per_s: median clips_per_s of epochs 2.. so far (trainer.metrics.steady_state).
+# cache_hit_frac: clip reads served by the clip cache / all clip reads, this epoch.
+# concurrent_trainings: most trainings on this trial's devices at once during the epoch (lease).
+# device_wait_s: time this run waited for its device before its first epoch (0 after).
+# epoch_start_ts / epoch_end_ts: unix time the epoch's training started / its scoring ended.
+METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
+               "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
+               "epoch_start_ts", "epoch_end_ts", "node_id")
 
 
 class ShardSampler(Sampler[int]):
@@ -79,7 +87,10 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     node_id: str
+    slot: TrainingSlot
     failures_seen: int = 0              # this rank's failed video reads counted in earlier epochs
+    reads_seen: tuple[int, int] = (0, 0)   # this rank's (clip reads, cache hits) in earlier epochs
+    speed_by_epoch: dict[int, float] | None = None   # clips_per_s of each epoch trained, for steady_state
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -88,21 +99,36 @@ def train_loop_per_worker(config: dict) -> None:
     Reports once per epoch (`METRIC_KEYS`, all-reduced so rank 0's dict covers every worker)
     with a checkpoint from rank 0; resumes after the epoch of `ray.train.get_checkpoint()`.
     Out of memory ends the run with one `oom=1` report and a normal return (see `_report_oom`).
+
+    In a search (`config["device_lease"]` set) the run builds its data and model first, then
+    waits for its devices (`trainer.lease`), and gives them back as soon as its last epoch is
+    scored, before the final checkpoint and Train's teardown.
     """
-    run = _setup(TrainConfig.from_dict(config))
-    start_epoch = _maybe_resume(run)
-    for epoch in range(start_epoch, run.cfg.epochs + 1):
-        started = time.perf_counter()
-        outputs = _train_and_evaluate(run, epoch)
-        if _any_rank(outputs is None):
-            outputs = None  # drop this rank's results too: every rank reports the same OOM
-            _report_oom(run, epoch, time.perf_counter() - started)
-            return
-        metrics = _epoch_metrics(run, epoch, *outputs)
-        _report(run, epoch, metrics)
+    config = dict(config)
+    lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
+    run = _setup(TrainConfig.from_dict(config), TrainingSlot(lease))
+    try:
+        start_epoch = _maybe_resume(run)
+        run.slot.acquire(_all_device_keys(run))
+        _use_device_threads(run)
+        for epoch in range(start_epoch, run.cfg.epochs + 1):
+            started, started_ts = time.perf_counter(), time.time()
+            outputs = _train_and_evaluate(run, epoch)
+            window = _epoch_window(started_ts, time.time())
+            if _any_rank(outputs is None):
+                outputs = None  # drop this rank's results too: every rank reports the same OOM
+                run.slot.release()
+                _report_oom(run, epoch, time.perf_counter() - started, window)
+                return
+            if epoch == run.cfg.epochs:
+                run.slot.release()   # the next trial trains while this one checkpoints and ends
+            metrics = _epoch_metrics(run, epoch, *outputs, window=window, first=epoch == start_epoch)
+            _report(run, epoch, metrics)
+    finally:
+        run.slot.release()
 
 
-def _setup(cfg: TrainConfig) -> _Run:
+def _setup(cfg: TrainConfig, slot: TrainingSlot) -> _Run:
     from datasets.index import build_index
     from datasets.transforms import ClipTransform
     from trainer.loop import make_optimizer, make_scheduler
@@ -144,7 +170,7 @@ def _setup(cfg: TrainConfig) -> _Run:
         class_names=dict(index.class_names), train_loader=train_loader, val_loader=val_loader,
         train_transform=transform(True), val_transform=transform(False), model=model,
         optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(),
-        node_id=_rank0_node_id(device),
+        node_id=_rank0_node_id(device), slot=slot, speed_by_epoch={},
     )
 
 
@@ -154,17 +180,52 @@ def _use_allocated_cpus() -> None:
     torch.set_num_threads(max(1, int(cpus)))
 
 
+def _use_device_threads(run: _Run) -> None:
+    """Training on the CPU under the lease: the node's CPU is this trial's alone while it trains
+    (other trials there only start up or wait), so its workers on this node share all its cores
+    rather than the sliver Ray reserved for each (which lets the next trial start meanwhile)."""
+    if not run.slot.held or run.device.type != "cpu":
+        return
+    node = ray.get_runtime_context().get_node_id()
+    cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n.get("NodeID") == node), 1.0)
+    local_workers = max(1, ray.train.get_context().get_local_world_size())
+    torch.set_num_threads(max(1, int(cpus) // local_workers))
+
+
+def _all_device_keys(run: _Run) -> list[str]:
+    """The lease keys of every rank's device (a collective when distributed)."""
+    mine = device_key(run.device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    keys: list[Any] = [None] * run.world
+    dist.all_gather_object(keys, mine)
+    return sorted(set(keys))
+
+
+def _epoch_window(start_ts: float, end_ts: float) -> tuple[float, float]:
+    """The epoch's (earliest start, latest end) over all workers, unix seconds."""
+    start = -all_reduce_floats([-start_ts], dist.ReduceOp.MAX)[0]
+    end = all_reduce_floats([end_ts], dist.ReduceOp.MAX)[0]
+    return start, end
+
+
 def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
              device: torch.device) -> tuple[DataLoader, DataLoader]:
     """Train loader (shuffled per epoch, sharded, same batch count on every rank so DDP steps
     stay in lockstep) and val loader (sharded without duplicates)."""
+    from datasets.cache import FrameCache
     from datasets.video import VideoClipDataset, build_loader
+    from trainer.precision import is_cuda
 
     d = cfg.data
     size = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
                 height=d.height or spec.height, width=d.width or spec.width)
-    train_set = VideoClipDataset(index.train, train=True, seed=cfg.seed, **size)
-    val_set = VideoClipDataset(index.val, train=False, seed=cfg.seed, **size)
+    cache = FrameCache.from_config(d)
+    # JPEG frames are decoded on the GPU in batches (decode_jpeg(device=...)), not by the loader.
+    encoded = cache is not None and d.clip_cache_format == "jpeg" and is_cuda(device)
+    common_set = dict(seed=cfg.seed, cache=cache, encoded=encoded, **size)
+    train_set = VideoClipDataset(index.train, train=True, **common_set)
+    val_set = VideoClipDataset(index.val, train=False, **common_set)
     common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
     train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **common)
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **common)
@@ -196,6 +257,8 @@ def _maybe_resume(run: _Run) -> int:
         return 1
     with checkpoint.as_directory() as directory:
         state = load_checkpoint(directory)
+    history = (state.get("metrics") or {}).get("speed_by_epoch") or {}
+    run.speed_by_epoch = {int(e): float(v) for e, v in history.items()}
     return restore_training_state(state, model=run.model, optimizer=run.optimizer,
                                   scaler=run.scaler, scheduler=run.scheduler)
 
@@ -246,18 +309,43 @@ def _reader_failures(run: _Run) -> int:
     return int(all_reduce_floats([float(local)], dist.ReduceOp.SUM)[0])
 
 
+def _cache_hit_frac(run: _Run) -> float:
+    """Clip reads served by the clip cache / all clip reads during this epoch, all workers."""
+    datasets = [loader.dataset for loader in (run.train_loader, run.val_loader)]
+    reads = sum(int(getattr(d, "reads", 0)) for d in datasets)
+    hits = sum(int(getattr(d, "cache_hits", 0)) for d in datasets)
+    new_reads, new_hits = reads - run.reads_seen[0], hits - run.reads_seen[1]
+    run.reads_seen = (reads, hits)
+    new_reads, new_hits = all_reduce_floats([float(new_reads), float(new_hits)], dist.ReduceOp.SUM)
+    return new_hits / new_reads if new_reads > 0 else 0.0
+
+
+def _lease_metrics(run: _Run, window: tuple[float, float], first: bool) -> dict[str, float]:
+    """concurrent_trainings (from the lease's record; NaN without a lease), the wait for the
+    device (first epoch of this run only) and the epoch's window."""
+    concurrent = run.slot.concurrent(*window) if run.rank == 0 else 0.0
+    concurrent = all_reduce_floats([concurrent], dist.ReduceOp.SUM)[0]   # rank 0's value everywhere
+    wait = all_reduce_floats([run.slot.wait_s if first else 0.0], dist.ReduceOp.MAX)[0]
+    return {"concurrent_trainings": concurrent, "device_wait_s": wait,
+            "epoch_start_ts": window[0], "epoch_end_ts": window[1]}
+
+
 def _current_lr(run: _Run) -> float:
     return float(max(group["lr"] for group in run.optimizer.param_groups))
 
 
-def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any) -> dict[str, Any]:
+def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: tuple[float, float],
+                   first: bool) -> dict[str, Any]:
     from trainer.metrics import peak_memory_mb, reduce_epoch
 
     metrics = reduce_epoch(stats, eval_out)
     peak = all_reduce_floats([peak_memory_mb(run.device)], dist.ReduceOp.MAX)[0]
+    run.speed_by_epoch[epoch] = metrics["clips_per_s"]
     metrics.update(
         epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0,
         reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
+        steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
+        **_lease_metrics(run, window, first),
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -271,12 +359,12 @@ def _report(run: _Run, epoch: int, metrics: dict[str, Any]) -> None:
         save_checkpoint(
             directory, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
             scheduler=run.scheduler, epoch=epoch, config=run.cfg.to_dict(), spec=run.spec,
-            class_names=run.class_names, metrics=metrics)
+            class_names=run.class_names, metrics={**metrics, "speed_by_epoch": dict(run.speed_by_epoch)})
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=f"epoch_{epoch:04d}")
 
 
-def _report_oom(run: _Run, epoch: int, elapsed_s: float) -> None:
+def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, float]) -> None:
     """Out of memory is an answer for the search (this batch size does not fit), not a crash:
     free what the run holds, report worst-case metrics once, no checkpoint, and let the caller
     return normally so Ray does not retry.
@@ -295,9 +383,11 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float) -> None:
     peak = all_reduce_floats([peak], dist.ReduceOp.MAX)[0]
     metrics = {
         "epoch": epoch, "train_loss": math.nan, "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
-        "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "epoch_time_s": float(elapsed_s),
+        "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "compute_clips_per_s": 0.0,
+        "steady_clips_per_s": 0.0, "epoch_time_s": float(elapsed_s),
         "data_wait_frac": 0.0, "peak_mem_mb": float(peak), "lr": _current_lr(run),
         "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
+        "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
         "node_id": run.node_id,
     }
     ray.train.report(metrics)

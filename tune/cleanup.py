@@ -91,13 +91,20 @@ def remove_placement_groups(pg_hexes: list[str]) -> int:
 
 class ReleaseTrialResources(Callback):
     """Tune callback (search process): when a trial ends for any reason, remove the placement
-    groups its Train run left behind, so the next trial can start at once."""
+    groups its Train run left behind and give back its device lease (`trainer.lease`; a worker
+    killed while training never releases it itself), so the next trial can start at once."""
 
-    def __init__(self, registry_name: str):
+    def __init__(self, registry_name: str, lease_name: str | None = None):
         self.registry_name = registry_name
+        self.lease_name = lease_name
         self.removed = 0
 
     def _release(self, trial_id: str) -> None:
+        if self.lease_name:
+            try:
+                ray.get(ray.get_actor(self.lease_name).release.remote(trial_id), timeout=30)
+            except Exception as e:
+                log.warning("vidtune: could not release the device lease of trial %s: %s", trial_id, e)
         try:
             registry = ray.get_actor(self.registry_name)
             self.removed += remove_placement_groups(ray.get(registry.pop.remote(trial_id), timeout=30))

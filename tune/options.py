@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +42,10 @@ class SearchOptions:
     width: int | None = None
     frame_stride: int = 2
     loader_workers: int = 2              # DataLoader processes per training worker
+    cache: bool = True                   # decode each video once into the clip cache (datasets.cache)
+    cache_dir: str | None = None         # None = ~/.cache/vidtune/clips (node-local)
+    cache_max_gb: float = 50.0           # past it, the remaining videos are decoded every read
+    cache_format: str = "jpeg"           # jpeg | raw (see BENCHMARKS.md for the measurement)
     # training (see trainer.config.TrainConfig)
     model: str = "tiny"
     weights: str = "none"
@@ -134,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=int, metavar="PX", help="frame width after decoding (default: the model's)")
     g.add_argument("--frame-stride", type=int, metavar="K", help=f"take every K-th frame (default {d.frame_stride})")
     g.add_argument("--loader-workers", type=int, metavar="N", help=f"DataLoader processes per training worker (default {d.loader_workers})")
+
+    g.add_argument("--cache-dir", metavar="DIR", help="node-local folder of the decode-once clip cache "
+                   "(default ~/.cache/vidtune/clips; python -m datasets.cache fills it ahead)")
+    g.add_argument("--cache-max-gb", type=float, metavar="GB", help=f"clip cache disk budget; past it the rest "
+                   f"is decoded on every read (default {d.cache_max_gb:g})")
+    g.add_argument("--cache-format", choices=("jpeg", "raw"), help=f"how cached frames are stored: jpeg "
+                   f"(~12 KB a 224 px frame) or raw uint8 (150 KB, fastest) (default {d.cache_format})")
+    g.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the video "
+                   "files on every read (no clip cache)")
 
     g = p.add_argument_group("model and training")
     g.add_argument("--model", metavar="NAME", help=f"model: tiny (CPU), mvit_v2_s, mvit_v1_b, swin3d_t/s/b (default {d.model})")
@@ -312,9 +326,23 @@ def validate(o: SearchOptions) -> None:
                          f"{o.gpus_per_worker:g} x --workers-per-trial {o.workers_per_trial}; give only one of the two")
     need(o.max_concurrent_trials is None or o.max_concurrent_trials >= 1, "--max-concurrent-trials",
          o.max_concurrent_trials, "an integer >= 1")
+    need(math.isfinite(o.cache_max_gb) and o.cache_max_gb >= 0, "--cache-max-gb", o.cache_max_gb,
+         "a number of GB >= 0 (0 caches nothing; --no-cache turns the cache off)")
+    need(o.cache_format in ("jpeg", "raw"), "--cache-format", o.cache_format, "jpeg or raw")
+    if o.cache and o.cache_dir is not None:
+        _check_cache_dir(Path(o.cache_dir).expanduser())
     if o.data is not None and not Path(o.data).expanduser().exists():
         raise UsageError("--data", f"{o.data} does not exist; pass the folder of videos (or a CSV manifest), "
                          "or leave --data out to run the demo")
+
+
+def _check_cache_dir(folder: Path) -> None:
+    """The clip cache folder is usable: it is (or can be made) a writable folder."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise UsageError("--cache-dir", f"{existing or folder} is not a folder; pass a writable folder")
+    if not os.access(existing, os.W_OK):
+        raise UsageError("--cache-dir", f"{existing} is not writable; pass a writable folder or --no-cache")
 
 
 def with_defaults_for_hardware(o: SearchOptions, *, cluster_gpus: float) -> SearchOptions:

@@ -21,12 +21,14 @@ class TrialRow:
     weight_decay: float | None
     val_acc: float          # last reported (nan when none)
     val_f1: float
-    clips_per_s: float
-    epoch_time_s: float
+    clips_per_s: float      # steady state: median over epochs 2.. (epoch 1 alone when only it ran)
+    epoch_time_s: float     # steady state, like clips_per_s
     epochs: int             # epochs reported
     status: str             # one of STATUSES
     checkpoint: str | None  # best-val_acc checkpoint of the trial that still exists
     node_id: str | None = None
+    compute_clips_per_s: float = math.nan   # steady state of clips / time not waiting for data
+    concurrent_trainings: float = math.nan  # most trainings on its device at once, any epoch (1 = alone)
 
 
 def _f(x: Any) -> float:
@@ -51,16 +53,50 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool) 
         status = "STOPPED"
     else:
         status = "DONE"
+    speed = steady_speeds(result)
     return TrialRow(
         trial_id=trial_id,
         batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
         lr=_f(cfg.get("lr", m.get("lr"))),
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=_f(m.get("val_acc")), val_f1=_f(m.get("val_f1")),
-        clips_per_s=_f(m.get("clips_per_s")), epoch_time_s=_f(m.get("epoch_time_s")),
+        clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
         epochs=epoch, status=status, checkpoint=_best_checkpoint(result),
-        node_id=m.get("node_id"),
+        node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
+        concurrent_trainings=speed["concurrent_trainings"],
     )
+
+
+SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
+
+
+def steady_speeds(result: Any) -> dict[str, float]:
+    """A trial's steady-state speed (`trainer.metrics.steady_state` of each of SPEED_KEYS over
+    its reported epochs) and the most trainings that shared its device in any epoch.
+
+    Read from every epoch Tune recorded (`metrics_dataframe`, one row per report; a resumed
+    trial re-reports an epoch, the last report of an epoch wins), falling back to the last
+    result alone. An out-of-memory trial reports 0 clips/s: it has no speed (NaN)."""
+    from trainer.metrics import steady_state
+
+    m = dict(result.metrics or {})
+    if int(m.get("oom", 0) or 0) == 1:
+        return {**{k: math.nan for k in SPEED_KEYS}, "concurrent_trainings": _f(m.get("concurrent_trainings"))}
+    df = getattr(result, "metrics_dataframe", None)
+    by_epoch: dict[str, dict[int, float]] = {k: {} for k in (*SPEED_KEYS, "concurrent_trainings")}
+    if df is not None and "epoch" in getattr(df, "columns", ()):
+        for _, row in df.iterrows():
+            epoch = int(_f(row.get("epoch")) if math.isfinite(_f(row.get("epoch"))) else 0)
+            for key in by_epoch:
+                if epoch >= 1 and key in row:
+                    by_epoch[key][epoch] = _f(row[key])
+    last_epoch = int(_f(m.get("epoch")) if math.isfinite(_f(m.get("epoch"))) else 0)
+    for key in by_epoch:
+        if last_epoch >= 1 and key in m:
+            by_epoch[key].setdefault(last_epoch, _f(m[key]))
+    shared = [v for v in by_epoch["concurrent_trainings"].values() if math.isfinite(v)]
+    return {**{k: steady_state(by_epoch[k]) for k in SPEED_KEYS},
+            "concurrent_trainings": max(shared) if shared else math.nan}
 
 
 def _best_checkpoint(result: Any) -> str | None:
@@ -109,15 +145,19 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 
 
 def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
-    """Plain-text table: trial, batch size, lr, (weight decay), val_acc, val_f1, clips/s, epoch time, status."""
+    """Plain-text table: trial, batch size, lr, (weight decay), val_acc, val_f1, steady clips/s
+    (end to end, and compute only), steady epoch time, epochs, status. A `*` after clips/s marks
+    a trial that shared its device with another training (its speed is not its own)."""
     head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
-        ["val_acc", "val_f1", "clips/s", "epoch_s", "epochs", "status"]
+        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs", "status"]
     body = []
     for r in rows:
+        # "*": the trial shared its device with another training in some epoch (packed trials)
+        shared = "*" if math.isfinite(r.concurrent_trainings) and r.concurrent_trainings > 1 else ""
         body.append([r.trial_id, str(r.batch_size), f"{r.lr:.2e}"] +
                     ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
-                    [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1), _num(r.epoch_time_s, 1),
-                     str(r.epochs), r.status])
+                    [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1) + shared,
+                     _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs), r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])

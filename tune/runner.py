@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from tune.options import SearchOptions, UsageError, gpus_per_trial, with_defaults_for_hardware
+from trainer.lease import start_lease
 from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver
 
 
 def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
     """Right after connecting, before any trial: fill the hardware defaults, refuse trials the
-    cluster cannot hold, and decide how many run at once. Returns (options, concurrency, local_gpu)."""
+    cluster cannot hold, and decide how many run at once. Returns (options, concurrency, local_gpu).
+
+    Trials at once: at most two per training slot (a GPU share, or a node's CPU), one training
+    and one starting up behind it (see `tune.trial.TrialResources` and `trainer.lease`), within
+    what Ray's resources hold."""
     import ray
 
     res = ray.cluster_resources()
@@ -35,11 +40,20 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
     # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
     local_gpu = opts.local or (opts.address is None and math.isclose(gpus, 1.0))
+    resources = trial_resources(opts)
     fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
     if gpt > 0:
-        fit = min(fit, math.floor((gpus + 1e-9) / gpt))
-    concurrency = opts.max_concurrent_trials or max(1, min(fit, opts.num_samples))
+        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * opts.workers_per_trial)))
+        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / opts.workers_per_trial)
+    else:
+        slots = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    concurrency = opts.max_concurrent_trials or max(1, min(fit, 2 * max(1, slots), opts.num_samples))
     return opts, concurrency, local_gpu
+
+
+def trial_resources(opts: SearchOptions) -> TrialResources:
+    """What each trial asks Ray for (hardware defaults already filled in)."""
+    return TrialResources(opts.workers_per_trial, opts.cpus_per_worker, opts.gpus_per_worker or 0.0)
 
 
 AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
@@ -103,7 +117,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     opts, concurrency, local_gpu = check_cluster(plan.opts)
     opts = probe_batch_sizes(opts, plan.base)
     base = plan.base.with_overrides(batch_size=opts.batch_sizes[0])
-    resources = TrialResources(opts.workers_per_trial, opts.cpus_per_worker, opts.gpus_per_worker or 0.0)
+    resources = trial_resources(opts)
     objective = space.objective_for(opts.objective)
     print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
           f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.batch_sizes)}, "
@@ -111,11 +125,14 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
-    # The registry actor lives as long as this process holds its handle.
+    lease_name = f"vidtune-device-lease-{plan.name}"
+    # The registry and lease actors live as long as this process holds their handles.
     registry = cleanup.start_registry(registry_name)
+    lease = start_lease(lease_name, capacity=resources.trainings_per_gpu)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
-                               registry_name=registry_name, trainer_factory=trainer_factory)
+                               registry_name=registry_name, lease_name=lease_name,
+                               trainer_factory=trainer_factory)
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     param_space = space.param_space(opts)
     if opts.resume:
@@ -131,14 +148,14 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
             run_config=tune.RunConfig(
                 name=plan.name, storage_path=plan.storage, verbose=1,
                 failure_config=tune.FailureConfig(max_failures=0),   # OOM and errors are not retried
-                callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name)]),
+                callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name)]),
         )
     results = None
     try:
         results = tuner.fit()
     finally:
         code = summarise(plan, opts, results, tracker)
-        del registry
+        del registry, lease
     return code
 
 
@@ -189,7 +206,7 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
     if best:
         print(f"\nbest trial ({opts.objective}): {best.trial_id}  batch_size={best.batch_size}  lr={best.lr:.3g}"
               f"{f'  weight_decay={best.weight_decay:.3g}' if best.weight_decay is not None else ''}  "
-              f"val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f}  clips/s={best.clips_per_s:.1f}")
+              f"val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f}  clips/s={best.clips_per_s:.1f} (steady state)")
         print(f"best checkpoint: {best.checkpoint or 'none kept'}")
     if opts.objective == "pareto" and rows:
         front = report.pareto_front(rows)

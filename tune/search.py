@@ -21,7 +21,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, replace  # noqa: E402
-from typing import Sequence  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
 
 from datasets.config import DataConfig  # noqa: E402
 from datasets.errors import DataError  # noqa: E402
@@ -58,6 +58,7 @@ class Plan:
     storage: str              # Tune storage root (absolute path or URI)
     name: str                 # experiment name (folder under storage)
     demo: bool
+    index: Any = None         # the driver's datasets.index.VideoIndex (None in tests that skip it)
 
     @property
     def experiment_path(self) -> str:
@@ -98,14 +99,16 @@ def prepare(opts: SearchOptions) -> Plan:
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
     name = experiment_name(opts, storage)
-    index_data(base.data)
-    return Plan(opts=opts, base=base, storage=storage, name=name, demo=demo)
+    index = index_data(base.data)
+    return Plan(opts=opts, base=base, storage=storage, name=name, demo=demo, index=index)
 
 
 def base_config(o: SearchOptions) -> TrainConfig:
     data = DataConfig(root=str(Path(o.data).expanduser().resolve()) if o.data else "", layout=o.layout,
                       positive_class=o.positive_class, num_frames=o.num_frames, frame_stride=o.frame_stride,
-                      height=o.height, width=o.width, loader_workers=o.loader_workers)
+                      height=o.height, width=o.width, loader_workers=o.loader_workers,
+                      clip_cache=o.cache, clip_cache_dir=o.cache_dir, clip_cache_max_gb=o.cache_max_gb,
+                      clip_cache_format=o.cache_format)
     return TrainConfig(data=data, model=o.model, weights=o.weights, epochs=o.epochs, precision=o.precision,
                        weight_decay=o.weight_decay, seed=o.seed,
                        batch_size=(o.batch_sizes or (8,))[0], lr=math.sqrt(o.lr_min * o.lr_max))
@@ -135,13 +138,31 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
     return time.strftime("vidtune-%Y%m%d-%H%M%S")
 
 
-def index_data(data: DataConfig) -> None:
+def index_data(data: DataConfig) -> Any:
     """Probe every video on the driver: fails fast (DataError) with the dropped-file report, and
-    warms the index cache the trial workers read."""
+    warms the index cache the trial workers read. Returns the VideoIndex."""
     from datasets.index import build_index
 
     index = build_index(data)
     print(index.summary())
+    return index
+
+
+def fill_clip_cache(plan: Plan) -> None:
+    """Decode every indexed video once into this node's clip cache before the first trial, so
+    no trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read)."""
+    from datasets.cache import FrameCache, fill_cache
+    from trainer.models import get_spec
+
+    d = plan.base.data
+    cache = FrameCache.from_config(d)
+    if cache is None or plan.index is None:
+        return
+    spec = get_spec(plan.base.model)
+    height, width = d.height or spec.height, d.width or spec.width
+    videos = list(plan.index.train) + list(plan.index.val)
+    print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width} before the first trial")
+    print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
 
 
 def describe(plan: Plan) -> str:
@@ -160,6 +181,8 @@ def describe(plan: Plan) -> str:
                       "cpus_per_worker": o.cpus_per_worker, "gpus_per_worker": o.gpus_per_worker,
                       "gpus_per_trial": o.gpus_per_trial, "max_concurrent_trials": o.max_concurrent_trials},
         "mlflow": {"uri": o.mlflow_uri, "experiment": o.experiment},
+        "clip_cache": {"enabled": o.cache, "dir": o.cache_dir or "~/.cache/vidtune/clips",
+                        "max_gb": o.cache_max_gb, "format": o.cache_format},
         "train_config": plan.base.to_dict(),
     }
     return "resolved configuration:\n" + json.dumps(doc, indent=2, default=str)
@@ -172,6 +195,7 @@ def execute(plan: Plan) -> int:
     from trainer.launch import init_ray
     from tune.runner import run_search
 
+    fill_clip_cache(plan)     # before Ray starts, so the decoding has the machine to itself
     started = init_ray(address=plan.opts.address)
     try:
         return run_search(plan)

@@ -34,8 +34,9 @@ STOP_TAG = "vidtune.stop_reason"
 PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 3.0
 # Tune's bookkeeping keys and the checkpoint path are not training metrics.
+# The epoch's start/end are unix times, kept in Tune's results for timelines, not metrics to chart.
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
-                                        "should_checkpoint", "node_id"}
+                                        "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts"}
 
 
 # -- checks before anything starts ---------------------------------------------------------------
@@ -275,7 +276,7 @@ class MLflowTracker(Callback):
                 f = Path(tmp) / "best_config.json"
                 f.write_text(json.dumps(best, indent=2, sort_keys=True, default=str))
                 c.log_artifact(run_id, str(f))
-            for key in ("val_acc", "val_f1", "clips_per_s"):
+            for key in ("val_acc", "val_f1", "clips_per_s", "compute_clips_per_s"):
                 value = best.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     c.log_metric(run_id, f"best_{key}", float(value))

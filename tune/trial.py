@@ -17,20 +17,44 @@ SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
 
 @dataclass(frozen=True)
 class TrialResources:
-    """What one trial's Train run asks Ray for."""
+    """What one trial's Train run asks Ray for.
+
+    `gpus_per_worker` is the share of a GPU a worker trains on (1 = a whole GPU, 0.5 = two
+    trials packed on one). With `overlap`, a one-worker trial asks Ray for half of that share,
+    so that Ray can place the next trial on the same GPU while this one trains: the next one
+    starts up (driver, Train controller, worker, data, model: ~12 s) and then waits on the
+    device lease (`trainer.lease`), which keeps the trainings themselves one at a time per share.
+    Multi-worker trials ask for whole shares: two of one trial's workers on one GPU would break
+    its process group.
+    """
 
     workers: int = 1
     cpus_per_worker: float = 0.9
     gpus_per_worker: float = 0.0
+    overlap: bool = True
 
     @property
     def use_gpu(self) -> bool:
         return self.gpus_per_worker > 0
 
+    @property
+    def ray_gpus_per_worker(self) -> float:
+        """The GPU share asked of Ray per worker (half the training share when overlapping)."""
+        if self.overlap and self.workers == 1 and 0 < self.gpus_per_worker <= 1:
+            return self.gpus_per_worker / 2
+        return self.gpus_per_worker
+
+    @property
+    def trainings_per_gpu(self) -> int:
+        """How many trainings the lease lets share one GPU (2 with --gpus-per-trial 0.5)."""
+        if 0 < self.gpus_per_worker < 1:
+            return max(1, int(1 / self.gpus_per_worker + 1e-9))
+        return 1
+
     def per_worker(self) -> dict[str, float]:
         res = {"CPU": self.cpus_per_worker}
         if self.use_gpu:
-            res["GPU"] = self.gpus_per_worker
+            res["GPU"] = self.ray_gpus_per_worker
         return res
 
 
@@ -49,12 +73,14 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 
 
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
-                      registry_name: str | None = None,
+                      registry_name: str | None = None, lease_name: str | None = None,
                       trainer_factory: Callable[..., Any] | None = None) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder per trial id).
     `registry_name`: the `tune.cleanup` registry its placement group is recorded in (None: none).
+    `lease_name`: the search's `trainer.lease` actor; the trial's workers train only while they
+    hold their devices (None: no lease, trials may share a device).
     `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     """
@@ -64,6 +90,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
 
+        from trainer.lease import LeaseSettings
         from tune.cleanup import PlacementGroupRecorder
 
         factory = trainer_factory
@@ -81,10 +108,11 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             # would resume from the final checkpoint and report nothing, so report its metrics.
             tune.report(finished)
             return
+        lease = LeaseSettings(lease_name, trial_id) if lease_name else None
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
             resources_per_worker=resources.per_worker(), name=trial_id,
-            storage_path=train_storage, callbacks=callbacks,
+            storage_path=train_storage, callbacks=callbacks, device_lease=lease,
         )
         trainer.fit()
 

@@ -1,0 +1,372 @@
+"""A node-local cache of decoded frames: decode each video once, read its frames every epoch after.
+
+decord decodes ~25 clips/s per core from 240p files and ~5 from 720p ones, and every epoch of
+every trial used to decode every video again. Now the first read of a video decodes *all* its
+frames at the decode size (H x W) into an entry (jpeg or raw; files in `datasets.cache_layout`);
+later reads, in any epoch, trial or search on this node, take the frames from it. Every frame is
+kept because the train jitter starts its window anywhere: one entry serves every window, stride
+and clip length. The entry key holds the source's size and mtime, so a changed file is decoded
+again (the old entry stays until the cache is cleared; no eviction beyond the budget rule).
+
+Concurrency: an entry is written into ``ROOT/.tmp-*`` and renamed into place; readers only open
+published entries, so no process sees half an entry. No fsync: after a power loss a truncated
+entry reads as damaged, which is a miss (with a warning) and is written again.
+
+Budget (`max_gb`): before writing, the root is listed and an entry that would take the cache past
+the budget is not written: that video is decoded with decord on every read, as without a cache.
+Writers that check at the same moment can each overshoot the budget by the entry they write.
+
+Fill before a search:  python -m datasets.cache ROOT --model mvit_v2_s
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+if __package__ in (None, ""):  # run by path: make this project's `datasets` win over Hugging Face's
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from datasets.cache_layout import (FORMATS, META_FILE, discard, entry_key, folder_bytes, load_meta, publish,
+                                   read_jpeg, read_raw, update_sizes, write_entry)
+from datasets.config import DataConfig
+from datasets.errors import DataError
+from datasets.index import add_dataset_arguments, build_index, dataset_config
+from datasets.probe import run_pool
+from datasets.records import VideoInfo
+from datasets.video import decode_jpeg_frames, read_frames
+
+log = logging.getLogger(__name__)
+
+# The default format is DataConfig.clip_cache_format; why: see MEASURED below. TODO(bench)
+_READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)  # what a damaged entry raises
+
+
+def default_root() -> Path:
+    """$XDG_CACHE_HOME/vidtune/clips, else ~/.cache/vidtune/clips."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "vidtune" / "clips"
+
+
+class FrameCache:
+    """Decoded frames of whole videos, stored once per (file version, decode size, format).
+
+    Picklable: a DataLoader worker gets its own copy (its own view of the usage and of entries
+    found over budget); entries themselves are shared through the file system.
+    """
+
+    def __init__(self, root: str | Path, *, format: str = DataConfig.clip_cache_format,
+                 max_gb: float = DataConfig.clip_cache_max_gb):
+        if format not in FORMATS:
+            raise DataError(f"clip cache format {format!r} (--cache-format): use one of {', '.join(FORMATS)}")
+        if not max_gb > 0:
+            raise DataError(f"clip cache budget {max_gb} GB (--cache-max-gb): must be positive "
+                            "(turn the cache off with --no-cache)")
+        self.root = Path(root).expanduser()
+        self.format = format
+        self.max_bytes = int(max_gb * 1e9)
+        self._sizes: dict[str, int] = {}    # published entry -> bytes on disk, as last listed
+        self._meta: dict[str, dict] = {}     # meta.json of entries read: published entries never change
+        self._uncached: set[str] = set()     # entries over budget (or unwritable) in this process
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig) -> FrameCache | None:
+        """The cache `cfg` asks for, or None when `cfg.clip_cache` is False. Touches no file."""
+        if not cfg.clip_cache:
+            return None
+        root = cfg.clip_cache_dir or default_root()
+        return cls(root, format=cfg.clip_cache_format, max_gb=cfg.clip_cache_max_gb)
+
+    def __repr__(self) -> str:
+        return f"FrameCache({str(self.root)!r}, format={self.format!r}, max_gb={self.max_bytes / 1e9:g})"
+
+    def entry_path(self, info: VideoInfo, *, height: int, width: int) -> Path:
+        """Where the entry of `info`'s current file version lives (published or not)."""
+        return self.root / entry_key(info.path, self.format, height, width)
+
+    # ------------------------------------------------------------------------------- reading
+    def read(self, info: VideoInfo, indices: Sequence[int], *, height: int, width: int,
+             encoded: bool = False) -> tuple[np.ndarray | list[torch.Tensor], bool]:
+        """Frames `indices` of `info.path` at `height` x `width`, and whether the cache had them.
+
+        Returns ``(frames, hit)``: frames a uint8 ndarray ``T x H x W x 3`` (RGB), or, when
+        `encoded` and the entry is jpeg, a list of T 1-D uint8 tensors (each frame's JPEG bytes;
+        `datasets.video.clips_to_device` decodes them). A miss decodes the whole video, writes
+        its entry (unless over budget) and returns decoded frames as the entry holds them.
+        Raises DataError ``Failed to read video {path}: ...`` when the video cannot be decoded.
+        """
+        indices = [int(i) for i in indices]
+        key = entry_key(info.path, self.format, height, width)
+        if key in self._uncached:
+            return read_frames(info.path, indices, height=height, width=width), False
+        frames = self._read_entry(key, indices, encoded)
+        if frames is not None:
+            return frames, True
+        _, _, _, frames = self._fill(info, key, height, width, indices)
+        return frames, False
+
+    def _read_entry(self, key: str, indices: list[int], encoded: bool):
+        """The frames from a published entry; None when there is none (or it was damaged)."""
+        entry = self.root / key
+        try:
+            meta = self._meta.get(key) or load_meta(entry, self.format)
+            if meta is None:
+                return None
+            self._meta[key] = meta
+            n = meta["num_frames"]
+            if not indices:
+                return np.empty((0, meta["height"], meta["width"], 3), np.uint8)
+            if not 0 <= min(indices) <= max(indices) < n:
+                raise ValueError(f"frames {min(indices)}..{max(indices)} asked, the entry holds {n}")
+            if self.format == "raw":
+                return read_raw(entry, meta, indices)
+            jpegs = read_jpeg(entry, meta, indices)
+            return jpegs if encoded else decode_jpeg_frames(jpegs, "cpu").numpy()
+        except FileNotFoundError:
+            if not (entry / META_FILE).exists():   # removed meanwhile (cache cleared, rewritten)
+                self._meta.pop(key, None)
+                return None
+            return self._damaged(entry, "frames file missing")
+        except _READ_ERRORS as e:
+            return self._damaged(entry, f"{type(e).__name__}: {e}")
+
+    def _damaged(self, entry: Path, reason: str) -> None:
+        log.warning("clip cache entry %s is unreadable (%s); decoding the video again", entry, reason)
+        self._meta.pop(entry.name, None)
+        discard(entry, self.root)
+        return None
+
+    # ------------------------------------------------------------------------------- writing
+    def fill(self, info: VideoInfo, *, height: int, width: int) -> bool:
+        """Make sure `info`'s entry exists (decoding and writing it if needed); True when it does.
+
+        False when it would take the cache past its budget (or cannot be written). Raises
+        DataError when the video cannot be decoded."""
+        return self.fill_status(info, height=height, width=width)[0] in ("written", "cached")
+
+    def fill_status(self, info: VideoInfo, *, height: int, width: int) -> tuple[str, int, int]:
+        """`fill` with the details: (outcome, bytes written, frames written); outcome is one of
+        written | cached | over_budget | unwritable."""
+        key = entry_key(info.path, self.format, height, width)
+        if key not in self._uncached and self._read_entry(key, [], False) is not None:
+            return "cached", 0, 0
+        outcome, size, frames, _ = self._fill(info, key, height, width, [])
+        return outcome, size, frames
+
+    def _fill(self, info: VideoInfo, key: str, height: int, width: int, want: list[int]):
+        """Decode `info` into a new entry. Returns (outcome, bytes, frames written, frames `want`)."""
+        path, n = info.path, int(info.num_frames)
+        # raw: the entry's exact size; jpeg: unknown before encoding, so only a full cache stops it.
+        estimate = n * height * width * 3 if self.format == "raw" else 1
+        if key in self._uncached or self.usage_bytes() + estimate > self.max_bytes:
+            self._uncached.add(key)
+            return "over_budget", 0, 0, read_frames(path, want, height=height, width=width)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
+        except OSError as e:
+            return self._unwritable(key, e) + (read_frames(path, want, height=height, width=width),)
+        try:
+            picked = write_entry(tmp, info, height, width, self.format, want)
+            size = folder_bytes(tmp)
+            if self.usage_bytes() + size > self.max_bytes:
+                self._uncached.add(key)
+                return "over_budget", 0, 0, picked
+            if publish(tmp, self.root / key):
+                outcome = "written"
+                self._sizes[key] = size
+            else:
+                outcome, size, n = "cached", 0, 0    # another process published it first: keep theirs
+        except DataError:
+            raise
+        except OSError as e:    # disk full, permissions: train on without caching this video
+            return self._unwritable(key, e) + (read_frames(path, want, height=height, width=width),)
+        finally:
+            if tmp.exists():
+                discard(tmp, self.root)
+        # Read back through the entry, so a clip is the same whether it was a hit or a miss.
+        stored = self._read_entry(key, want, False) if want else None
+        return outcome, size, n, picked if stored is None else stored
+
+    def _unwritable(self, key: str, e: OSError) -> tuple[str, int, int]:
+        if not self._uncached:
+            log.warning("clip cache %s cannot be written (%s); decoding without it", self.root, e)
+        self._uncached.add(key)
+        return "unwritable", 0, 0
+
+    def usage_bytes(self) -> int:
+        """Bytes of the published entries under the root (listed now; sizes read once per entry)."""
+        update_sizes(self.root, self._sizes)
+        return sum(self._sizes.values())
+
+
+
+
+# ----------------------------------------------------------------------------- filling ahead
+@dataclass
+class FillReport:
+    """What `fill_cache` did: counts per outcome, the failures with their reasons, bytes written."""
+
+    written: int = 0                   # entries decoded and written now
+    cached: int = 0                    # entries that were already there
+    over_budget: int = 0               # not written: the cache would pass --cache-max-gb (or is unwritable)
+    failed: list[tuple[Path, str]] = field(default_factory=list)   # (video, reason): will be replaced in training
+    bytes_written: int = 0
+    frames_written: int = 0
+    seconds: float = 0.0
+
+    def summary(self, cache: FrameCache) -> str:
+        """A few human-readable lines: outcome counts, disk cost per video and frame, usage."""
+        lines = [f"Clip cache {cache.root} ({cache.format}): wrote {self.written} entries "
+                 f"({self.bytes_written / 1e9:.3f} GB) in {self.seconds:.1f} s; {self.cached} already cached"
+                 + (f"; {self.over_budget} not written (over the {cache.max_bytes / 1e9:g} GB budget, "
+                    "these are decoded on every read)" if self.over_budget else "")]
+        if self.written:
+            lines.append(f"Disk per video {self.bytes_written / self.written / 1e6:.2f} MB, per frame "
+                         f"{self.bytes_written / self.frames_written / 1e3:.1f} KB")
+        if self.failed:
+            lines.append(f"{len(self.failed)} videos failed to decode (training replaces them by another "
+                         "video of the same class):")
+            lines += [f"  {p}: {reason}" for p, reason in self.failed]
+        lines.append(f"Cache usage {cache.usage_bytes() / 1e9:.3f} of {cache.max_bytes / 1e9:g} GB")
+        return "\n".join(lines)
+
+
+_WORKER_CACHES: dict[tuple, FrameCache] = {}   # per pool process: keeps its usage view between tasks
+
+
+def _fill_task(root: str, fmt: str, max_bytes: int, info: VideoInfo, height: int, width: int) -> tuple[str, int, int]:
+    cache = _WORKER_CACHES.get((root, fmt, max_bytes))
+    if cache is None:
+        cache = _WORKER_CACHES[(root, fmt, max_bytes)] = FrameCache(root, format=fmt, max_gb=max_bytes / 1e9)
+    return cache.fill_status(info, height=height, width=width)
+
+
+def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: FrameCache,
+               workers: int | None = None, progress: Callable[[int, int], None] | None = None,
+               timeout_s: float = 600.0) -> FillReport:
+    """Decode every video of `videos` into `cache` at `height` x `width`, in `workers` processes
+    (default: one per core, at most 8; each decodes with one thread). A video whose decode takes
+    over `timeout_s` has its worker killed and is reported as failed. `progress(done, total)`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = workers or min(cores, 8)
+    t0 = time.perf_counter()
+    done = [0]
+
+    def on_done(_: int) -> None:
+        done[0] += 1
+        if progress:
+            progress(done[0], len(videos))
+
+    tasks = [(str(cache.root), cache.format, cache.max_bytes, v, height, width) for v in videos]
+    outcomes = run_pool(_fill_task, tasks, timeout_s=timeout_s, workers=workers, on_done=on_done)
+    report = FillReport()
+    for video, (kind, value) in zip(videos, outcomes):
+        if kind == "ok":
+            outcome, size, frames = value
+            key = "over_budget" if outcome == "unwritable" else outcome
+            setattr(report, key, getattr(report, key) + 1)
+            report.bytes_written += size
+            report.frames_written += frames
+        elif kind == "timeout":
+            report.failed.append((video.path, f"decoding took longer than {timeout_s:g} s; its worker was killed"))
+        elif kind == "crashed":
+            report.failed.append((video.path, f"the decoder crashed (worker exit code {value})"))
+        else:
+            report.failed.append((video.path, str(value).removeprefix("DataError: ")))
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# ----------------------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    d = DataConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m datasets.cache",
+        description="Decode every video of a dataset once into the clip cache, before a search, so that no "
+                    "trial pays for decoding. Give the model (its input size) or the decode size.")
+    add_dataset_arguments(p)
+    p.add_argument("--model", default=None, help="decode at this model's input size (trainer.models names)")
+    p.add_argument("--height", type=int, default=None, help="decode height in pixels (with --width; not with --model)")
+    p.add_argument("--width", type=int, default=None, help="decode width in pixels (with --height)")
+    p.add_argument("--cache-dir", default=d.clip_cache_dir,
+                   help="clip cache folder (default: $XDG_CACHE_HOME/vidtune/clips, else ~/.cache/vidtune/clips)")
+    p.add_argument("--cache-max-gb", type=float, default=d.clip_cache_max_gb,
+                   help="disk budget of the clip cache in GB; entries past it are not written (default %(default)s)")
+    p.add_argument("--format", choices=FORMATS, default=d.clip_cache_format,
+                   help="jpeg: ~14x smaller, decoded on the GPU in training; raw: fastest on the CPU (default %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes probing and decoding in parallel (default: one per core, at most 8)")
+    return p
+
+
+def _decode_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int]:
+    """(height, width) from --model or --height/--width; usage errors (exit 2) name the flag."""
+    if args.model is not None:
+        if args.height is not None or args.width is not None:
+            p.error("--model sets the decode size: give either --model or --height/--width, not both")
+        from trainer.models import get_spec   # lazy: the data layer does not import trainer
+        try:
+            spec = get_spec(args.model)
+        except ValueError as e:
+            p.error(f"--model {args.model}: {e}")
+        return spec.height, spec.width
+    if args.height is None or args.width is None:
+        p.error("give the decode size: --model NAME, or both --height H and --width W")
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value < 1:
+            p.error(f"{flag} {value}: must be a positive number of pixels")
+    return args.height, args.width
+
+
+def _progress(stream) -> Callable[[int, int], None]:
+    """A bar redrawn in place on a terminal; otherwise a plain line every 2 s."""
+    tty, last = stream.isatty(), [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if tty:
+            bar = "#" * (30 * done // max(total, 1))
+            print(f"\rcaching [{bar:<30}] {done}/{total} videos", end="\n" if done == total else "",
+                  file=stream, flush=True)
+        elif done == total or now - last[0] > 2.0:
+            last[0] = now
+            print(f"cached {done}/{total} videos", file=stream, flush=True)
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    height, width = _decode_size(p, args)
+    if args.workers is not None and args.workers < 1:
+        p.error(f"--workers {args.workers}: must be at least 1")
+    if not args.cache_max_gb > 0:
+        p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive")
+    cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
+                         clip_cache_format=args.format)
+    cache = FrameCache.from_config(cfg)
+    try:
+        index = build_index(cfg, workers=args.workers)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    videos = index.train + index.val
+    print(f"Decoding {len(videos)} videos of {index.root} at {height} x {width}", file=sys.stderr)
+    report = fill_cache(videos, height=height, width=width, cache=cache, workers=args.workers,
+                        progress=_progress(sys.stderr))
+    print(report.summary(cache))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The device lease: at most `capacity` trainings at a time on one device (a GPU, or a node's CPU).
+
+Why: a trial's speed figure (clips/s) means something only when the trial had its device to
+itself. Measured on 2 cores: one trial's clips/s went from 26.5 to 39.6 the moment the other
+trial ended. And why not simply let Ray's resource accounting keep trials apart: Ray would then
+also keep the *next* trial from starting (its driver, Train controller and worker group take
+~12 s) until the current one has finished. With the lease, Ray may place the next trial while
+the current one trains; the next trial builds its data and model, then waits here for the
+device, and that wait is outside its epoch times. The finished trial releases the lease as soon
+as its last epoch is scored, so its checkpoint and teardown overlap the next one's training.
+
+One named actor per search (`start_lease`, owned by the search process, so it dies with it).
+Trials are the owners; a device is a key `"<node id>/gpu:<physical id>"` or `"<node id>/cpu"`.
+A trial asks for all the keys of its workers in one `acquire` (so two multi-worker trials can
+never each hold half of what the other needs), granted first come, first served. The actor keeps
+every holding interval, so each epoch can report how many trainings shared its device
+(`concurrent_trainings`) from what was granted, not from what was intended.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class DeviceLease:
+    """The lease actor. `capacity`: trainings at once per key; keys ending in `/cpu` use
+    `cpu_capacity` (the CPU of a node is one device)."""
+
+    def __init__(self, capacity: int = 1, cpu_capacity: int = 1) -> None:
+        self.capacity, self.cpu_capacity = int(capacity), int(cpu_capacity)
+        self.holders: dict[str, set[str]] = {}                 # key -> owners holding it now
+        self.held: dict[str, tuple[str, ...]] = {}             # owner -> keys it holds
+        self.queue: list[tuple[str, tuple[str, ...]]] = []     # waiting (owner, keys), arrival order
+        self.cancelled: set[str] = set()                       # released while waiting: never granted
+        self.intervals: list[tuple[str, tuple[str, ...], float, float | None]] = []  # owner, keys, start, end
+        self._changed: asyncio.Condition | None = None
+
+    def _cap(self, key: str) -> int:
+        return self.cpu_capacity if key.endswith("/cpu") else self.capacity
+
+    def _grantable(self, owner: str, keys: tuple[str, ...]) -> bool:
+        if any(len(self.holders.get(k, ())) >= self._cap(k) for k in keys):
+            return False
+        for waiting, wkeys in self.queue:       # first come, first served on shared devices
+            if waiting == owner:
+                return True
+            if set(wkeys) & set(keys):
+                return False
+        return True
+
+    async def acquire(self, owner: str, keys: Sequence[str]) -> float | None:
+        """Wait until every key has room, then hold them all. Returns the grant time (unix s), or
+        None when the owner was released while it waited (its trial was stopped).
+        An owner that already holds keys gets them again at once (a restarted worker group)."""
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        keys = tuple(sorted(set(keys)))
+        if owner in self.held:
+            return time.time()
+        if any(o == owner for o, _ in self.queue):
+            # Another worker of the same trial asked first (every rank asks for all the trial's
+            # devices, so no rank has to sit in a collective while the device is busy).
+            async with self._changed:
+                await self._changed.wait_for(lambda: owner in self.held or
+                                             not any(o == owner for o, _ in self.queue))
+            return time.time() if owner in self.held else None
+        self.cancelled.discard(owner)
+        self.queue.append((owner, keys))
+        async with self._changed:
+            try:
+                await self._changed.wait_for(lambda: owner in self.cancelled or self._grantable(owner, keys))
+            finally:
+                self.queue = [(o, k) for o, k in self.queue if o != owner]
+            if owner in self.cancelled:
+                self.cancelled.discard(owner)
+                self._changed.notify_all()
+                return None
+            now = time.time()
+            for k in keys:
+                self.holders.setdefault(k, set()).add(owner)
+            self.held[owner] = keys
+            self.intervals.append((owner, keys, now, None))
+            self._changed.notify_all()
+            return now
+
+    async def release(self, owner: str) -> bool:
+        """Give back what `owner` holds (a no-op when it holds nothing). True when it held any."""
+        keys = self.held.pop(owner, None)
+        if any(o == owner for o, _ in self.queue):    # a trial stopped while waiting: never grant it
+            self.cancelled.add(owner)
+            self.queue = [(o, k) for o, k in self.queue if o != owner]
+        if keys is None:
+            if self._changed is not None:
+                async with self._changed:
+                    self._changed.notify_all()
+            return False
+        now = time.time()
+        for k in keys:
+            self.holders.get(k, set()).discard(owner)
+        self.intervals = [(o, k, s, now if o == owner and e is None else e) for o, k, s, e in self.intervals]
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+        return True
+
+    def concurrent(self, owner: str, since: float, until: float) -> int:
+        """Most trainings holding any of `owner`'s devices at one moment within [since, until],
+        `owner` included (1 = it had its devices to itself; 0 = it held none then)."""
+        mine = {k for o, keys, _, _ in self.intervals if o == owner for k in keys}
+        events: list[tuple[float, int]] = []
+        for o, keys, start, end in self.intervals:
+            if not mine & set(keys):
+                continue
+            lo, hi = max(start, since), min(end if end is not None else until, until)
+            if lo < hi:
+                events += [(lo, 1), (hi, -1)]
+        most = now = 0
+        for _, step in sorted(events, key=lambda e: (e[0], e[1])):   # an end before a start at a tie
+            now += step
+            most = max(most, now)
+        return most
+
+    def snapshot(self) -> dict[str, Any]:
+        """Who holds what and who waits (for tests and debugging)."""
+        return {"holders": {k: sorted(v) for k, v in self.holders.items() if v},
+                "waiting": [o for o, _ in self.queue], "intervals": list(self.intervals)}
+
+
+def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1):
+    """Create the search's lease actor (owned by the caller: it ends with the search process)."""
+    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity)
+
+
+def device_key(device: Any) -> str:
+    """This worker's device as a lease key: its node and, on a GPU, the GPU's physical id
+    (two trials with a fractional GPU each on one machine see the same id)."""
+    ctx = ray.get_runtime_context()
+    node = ctx.get_node_id()
+    if getattr(device, "type", str(device)) == "cpu":
+        return f"{node}/cpu"
+    gpu_ids = ctx.get_accelerator_ids().get("GPU") or []
+    index = getattr(device, "index", None) or 0
+    physical = gpu_ids[index] if index < len(gpu_ids) else str(index)
+    return f"{node}/gpu:{physical}"
+
+
+@dataclass
+class LeaseSettings:
+    """What a trial's workers need to find the lease: the actor's name and the owner (trial id)."""
+
+    name: str
+    owner: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "owner": self.owner}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, str] | None) -> "LeaseSettings | None":
+        return cls(**d) if d else None
+
+
+class TrainingSlot:
+    """A worker's side of the lease. Every rank of a trial asks for the devices of all its ranks
+    (the caller gathers them first); the first request queues, the others wait for its grant.
+    Without settings (a standalone training run) it holds nothing and knows
+    nothing about other processes: `concurrent` is then NaN, not a guess."""
+
+    def __init__(self, settings: LeaseSettings | None):
+        self.settings = settings
+        self._actor = ray.get_actor(settings.name) if settings else None
+        self.held = False
+        self.wait_s = 0.0           # time spent waiting for the devices
+
+    def acquire(self, keys: Sequence[str]) -> None:
+        if self._actor is None or self.held:
+            return
+        asked = time.time()
+        granted = ray.get(self._actor.acquire.remote(self.settings.owner, list(keys)))
+        if granted is None:
+            raise RuntimeError(f"trial {self.settings.owner} was ended by the search while it waited for its device")
+        self.wait_s, self.held = max(0.0, granted - asked), True
+
+    def release(self) -> None:
+        if self._actor is not None and self.held:
+            self.held = False
+            try:
+                ray.get(self._actor.release.remote(self.settings.owner), timeout=30)
+            except Exception:   # the search ends the lease for this trial too (tune.cleanup)
+                pass
+
+    def concurrent(self, since: float, until: float) -> float:
+        if self._actor is None:
+            return float("nan")
+        return float(ray.get(self._actor.concurrent.remote(self.settings.owner, since, until), timeout=30))
