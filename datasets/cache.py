@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,18 +35,26 @@ if __package__ in (None, ""):  # run by path: make this project's `datasets` win
 import numpy as np
 import torch
 
+from datasets.cache_fill import FillReport, fill_cache  # noqa: F401  (public here: FillReport)
 from datasets.cache_layout import (FORMATS, META_FILE, discard, entry_key, folder_bytes, load_meta, publish,
                                    read_jpeg, read_raw, update_sizes, write_entry)
 from datasets.config import DataConfig
 from datasets.errors import DataError
 from datasets.index import add_dataset_arguments, build_index, dataset_config
-from datasets.probe import run_pool
 from datasets.records import VideoInfo
 from datasets.video import decode_jpeg_frames, read_frames
 
 log = logging.getLogger(__name__)
 
-# The default format is DataConfig.clip_cache_format; why: see MEASURED below. TODO(bench)
+# Default format: jpeg (DataConfig.clip_cache_format), from bench/data_loading.py on a 2-core machine
+# (one thread, the same 16-frame clips at 224 x 224, stride 2; medians of interleaved rounds):
+#   240p source: decord 36 clips/s, warm jpeg 363 (10x), warm raw 1,408 (39x)
+#   720p source: decord 4.2 clips/s, warm jpeg 425 (100x), warm raw 1,665 (400x)
+#   disk per 224 px frame: jpeg 7.4 KB (synthetic; ~12 KB on real footage), raw 150 KB (20x more)
+# jpeg because (1) on a GPU the loader ships the JPEG bytes (VideoClipDataset(encoded=True)), 9,400
+# clips/s per core, 260x decord, and the device decodes them; (2) a budget holds 12-20x more videos
+# (RWF-2000 at 224 px: ~4 GB vs 45 GB) and they stay in the page cache. On a CPU-only node jpeg is
+# ~10x decord and raw ~35x: there --cache-format raw is faster, if the disk allows.
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)  # what a damaged entry raises
 
 
@@ -68,9 +75,8 @@ class FrameCache:
                  max_gb: float = DataConfig.clip_cache_max_gb):
         if format not in FORMATS:
             raise DataError(f"clip cache format {format!r} (--cache-format): use one of {', '.join(FORMATS)}")
-        if not max_gb > 0:
-            raise DataError(f"clip cache budget {max_gb} GB (--cache-max-gb): must be positive "
-                            "(turn the cache off with --no-cache)")
+        if not max_gb >= 0:   # 0 writes nothing (every read decodes); --no-cache skips the cache entirely
+            raise DataError(f"clip cache budget {max_gb} GB (--cache-max-gb): must be a number >= 0")
         self.root = Path(root).expanduser()
         self.format = format
         self.max_bytes = int(max_gb * 1e9)
@@ -153,28 +159,41 @@ class FrameCache:
         DataError when the video cannot be decoded."""
         return self.fill_status(info, height=height, width=width)[0] in ("written", "cached")
 
+    def has(self, info: VideoInfo, *, height: int, width: int) -> bool:
+        """Whether a readable entry of `info`'s current file version is published (no decoding;
+        DataError when the file cannot be stat'ed)."""
+        key = entry_key(info.path, self.format, height, width)
+        self._meta.pop(key, None)        # look on disk, not at what this process saw earlier
+        return self._read_entry(key, [], False) is not None
+
     def fill_status(self, info: VideoInfo, *, height: int, width: int) -> tuple[str, int, int]:
         """`fill` with the details: (outcome, bytes written, frames written); outcome is one of
         written | cached | over_budget | unwritable."""
         key = entry_key(info.path, self.format, height, width)
-        if key not in self._uncached and self._read_entry(key, [], False) is not None:
+        if key not in self._uncached and self.has(info, height=height, width=width):
             return "cached", 0, 0
         outcome, size, frames, _ = self._fill(info, key, height, width, [])
         return outcome, size, frames
 
     def _fill(self, info: VideoInfo, key: str, height: int, width: int, want: list[int]):
         """Decode `info` into a new entry. Returns (outcome, bytes, frames written, frames `want`)."""
-        path, n = info.path, int(info.num_frames)
+        n = int(info.num_frames)
+
+        def decoded() -> np.ndarray:   # the clip straight from the video, as without a cache
+            if not want:
+                return np.empty((0, height, width, 3), np.uint8)
+            return read_frames(info.path, want, height=height, width=width)
+
         # raw: the entry's exact size; jpeg: unknown before encoding, so only a full cache stops it.
         estimate = n * height * width * 3 if self.format == "raw" else 1
         if key in self._uncached or self.usage_bytes() + estimate > self.max_bytes:
             self._uncached.add(key)
-            return "over_budget", 0, 0, read_frames(path, want, height=height, width=width)
+            return "over_budget", 0, 0, decoded()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
         except OSError as e:
-            return self._unwritable(key, e) + (read_frames(path, want, height=height, width=width),)
+            return self._unwritable(key, e) + (decoded(),)
         try:
             picked = write_entry(tmp, info, height, width, self.format, want)
             size = folder_bytes(tmp)
@@ -189,7 +208,7 @@ class FrameCache:
         except DataError:
             raise
         except OSError as e:    # disk full, permissions: train on without caching this video
-            return self._unwritable(key, e) + (read_frames(path, want, height=height, width=width),)
+            return self._unwritable(key, e) + (decoded(),)
         finally:
             if tmp.exists():
                 discard(tmp, self.root)
@@ -209,84 +228,6 @@ class FrameCache:
         return sum(self._sizes.values())
 
 
-
-
-# ----------------------------------------------------------------------------- filling ahead
-@dataclass
-class FillReport:
-    """What `fill_cache` did: counts per outcome, the failures with their reasons, bytes written."""
-
-    written: int = 0                   # entries decoded and written now
-    cached: int = 0                    # entries that were already there
-    over_budget: int = 0               # not written: the cache would pass --cache-max-gb (or is unwritable)
-    failed: list[tuple[Path, str]] = field(default_factory=list)   # (video, reason): will be replaced in training
-    bytes_written: int = 0
-    frames_written: int = 0
-    seconds: float = 0.0
-
-    def summary(self, cache: FrameCache) -> str:
-        """A few human-readable lines: outcome counts, disk cost per video and frame, usage."""
-        lines = [f"Clip cache {cache.root} ({cache.format}): wrote {self.written} entries "
-                 f"({self.bytes_written / 1e9:.3f} GB) in {self.seconds:.1f} s; {self.cached} already cached"
-                 + (f"; {self.over_budget} not written (over the {cache.max_bytes / 1e9:g} GB budget, "
-                    "these are decoded on every read)" if self.over_budget else "")]
-        if self.written:
-            lines.append(f"Disk per video {self.bytes_written / self.written / 1e6:.2f} MB, per frame "
-                         f"{self.bytes_written / self.frames_written / 1e3:.1f} KB")
-        if self.failed:
-            lines.append(f"{len(self.failed)} videos failed to decode (training replaces them by another "
-                         "video of the same class):")
-            lines += [f"  {p}: {reason}" for p, reason in self.failed]
-        lines.append(f"Cache usage {cache.usage_bytes() / 1e9:.3f} of {cache.max_bytes / 1e9:g} GB")
-        return "\n".join(lines)
-
-
-_WORKER_CACHES: dict[tuple, FrameCache] = {}   # per pool process: keeps its usage view between tasks
-
-
-def _fill_task(root: str, fmt: str, max_bytes: int, info: VideoInfo, height: int, width: int) -> tuple[str, int, int]:
-    cache = _WORKER_CACHES.get((root, fmt, max_bytes))
-    if cache is None:
-        cache = _WORKER_CACHES[(root, fmt, max_bytes)] = FrameCache(root, format=fmt, max_gb=max_bytes / 1e9)
-    return cache.fill_status(info, height=height, width=width)
-
-
-def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: FrameCache,
-               workers: int | None = None, progress: Callable[[int, int], None] | None = None,
-               timeout_s: float = 600.0) -> FillReport:
-    """Decode every video of `videos` into `cache` at `height` x `width`, in `workers` processes
-    (default: one per core, at most 8; each decodes with one thread). A video whose decode takes
-    over `timeout_s` has its worker killed and is reported as failed. `progress(done, total)`."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = workers or min(cores, 8)
-    t0 = time.perf_counter()
-    done = [0]
-
-    def on_done(_: int) -> None:
-        done[0] += 1
-        if progress:
-            progress(done[0], len(videos))
-
-    tasks = [(str(cache.root), cache.format, cache.max_bytes, v, height, width) for v in videos]
-    outcomes = run_pool(_fill_task, tasks, timeout_s=timeout_s, workers=workers, on_done=on_done)
-    report = FillReport()
-    for video, (kind, value) in zip(videos, outcomes):
-        if kind == "ok":
-            outcome, size, frames = value
-            key = "over_budget" if outcome == "unwritable" else outcome
-            setattr(report, key, getattr(report, key) + 1)
-            report.bytes_written += size
-            report.frames_written += frames
-        elif kind == "timeout":
-            report.failed.append((video.path, f"decoding took longer than {timeout_s:g} s; its worker was killed"))
-        elif kind == "crashed":
-            report.failed.append((video.path, f"the decoder crashed (worker exit code {value})"))
-        else:
-            report.failed.append((video.path, str(value).removeprefix("DataError: ")))
-    report.seconds = time.perf_counter() - t0
-    return report
-
-
 # ----------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     d = DataConfig()
@@ -303,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-max-gb", type=float, default=d.clip_cache_max_gb,
                    help="disk budget of the clip cache in GB; entries past it are not written (default %(default)s)")
     p.add_argument("--format", choices=FORMATS, default=d.clip_cache_format,
-                   help="jpeg: ~14x smaller, decoded on the GPU in training; raw: fastest on the CPU (default %(default)s)")
+                   help="jpeg: 12-20x smaller, decoded on the GPU in training; raw: fastest on a CPU (default %(default)s)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes probing and decoding in parallel (default: one per core, at most 8)")
     return p
@@ -336,11 +277,11 @@ def _progress(stream) -> Callable[[int, int], None]:
         now = time.monotonic()
         if tty:
             bar = "#" * (30 * done // max(total, 1))
-            print(f"\rcaching [{bar:<30}] {done}/{total} videos", end="\n" if done == total else "",
+            print(f"\rcache [{bar:<30}] {done}/{total} videos", end="\n" if done == total else "",
                   file=stream, flush=True)
         elif done == total or now - last[0] > 2.0:
             last[0] = now
-            print(f"cached {done}/{total} videos", file=stream, flush=True)
+            print(f"cache: {done}/{total} videos done", file=stream, flush=True)
     return show
 
 
@@ -351,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers {args.workers}: must be at least 1")
     if not args.cache_max_gb > 0:
-        p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive")
+        p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive (it is the room for the decoded frames)")
     cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
                          clip_cache_format=args.format)
     cache = FrameCache.from_config(cfg)

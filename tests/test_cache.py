@@ -118,9 +118,10 @@ def test_concurrent_writers_never_expose_half_an_entry(videos, tmp_path):
     expected = [reference.read(v, range(v.num_frames), **SIZE)[0] for v in videos]
     ctx = multiprocessing.get_context("fork")
     barrier, stop, results, seen = ctx.Barrier(3), ctx.Event(), ctx.Queue(), ctx.Queue()
-    # Three writers fill the same five entries at once (in different orders), a fourth reads.
+    # Three writers fill the same five entries at once (two in the same order, so that they race
+    # to publish every entry), a fourth process reads whatever is published.
     writers = [ctx.Process(target=_writer, args=(root, videos[k:] + videos[:k], barrier, results))
-               for k in (0, 2, 4)]
+               for k in (0, 0, 2)]
     reader = ctx.Process(target=_reader, args=(root, videos, expected, stop, seen))
     reader.start()
     for p in writers:
@@ -150,10 +151,19 @@ def test_the_budget_holds_and_reads_past_it_are_correct_misses(videos, tmp_path)
         frames, hit = cache.read(v, [1, 2], **SIZE)
         assert hit == (cache.entry_path(v, **SIZE).exists())
         assert np.array_equal(frames, read_frames(v.path, [1, 2], **SIZE))
-    assert not cache.fill(videos[-1], **SIZE)
+    assert not cache.fill(videos[-1], **SIZE) and cache.fill(videos[0], **SIZE)
+    assert cache.fill_status(videos[-1], **SIZE) == ("over_budget", 0, 0)
     # Another process sees the same usage and writes nothing more.
     assert not FrameCache(cache.root, format="raw", max_gb=cache.max_bytes / 1e9).fill(videos[-1], **SIZE)
     assert len(entries(cache.root)) == 2
+
+
+def test_a_zero_budget_writes_nothing(videos, tmp_path):
+    cache = FrameCache(tmp_path / "cache", format="jpeg", max_gb=0)
+    for _ in range(2):
+        frames, hit = cache.read(videos[0], [2, 3], **SIZE)
+        assert not hit and np.array_equal(frames, read_frames(videos[0].path, [2, 3], **SIZE))
+    assert not cache.fill(videos[1], **SIZE) and entries(cache.root) == []
 
 
 @pytest.mark.parametrize("fmt,damage", [("raw", "truncate"), ("jpeg", "truncate"), ("jpeg", "meta")])
@@ -232,7 +242,8 @@ def test_from_config_and_default_folder(tmp_path, monkeypatch):
                                               clip_cache_max_gb=0.5))
     assert (cache.root, cache.format, cache.max_bytes) == (tmp_path / "c", "raw", 500_000_000)
     assert not (tmp_path / "c").exists()                  # made on the first write only
-    for bad, flag in ((dict(clip_cache_format="png"), "--cache-format"), (dict(clip_cache_max_gb=0), "--cache-max-gb")):
+    for bad, flag in ((dict(clip_cache_format="png"), "--cache-format"), (dict(clip_cache_max_gb=-1), "--cache-max-gb"),
+                      (dict(clip_cache_max_gb=float("nan")), "--cache-max-gb")):
         with pytest.raises(ValueError, match=flag):
             FrameCache.from_config(DataConfig(**bad))
 

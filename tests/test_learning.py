@@ -37,13 +37,23 @@ def learning_index(tmp_path_factory):
     return build_index(DataConfig(root=str(root)))
 
 
-def _fit(train_videos, val_videos, *, seed: int = 0) -> list[float]:
+@pytest.fixture(scope="module")
+def clip_cache(tmp_path_factory):
+    """The clip cache as a search uses it (jpeg, the default): the first epoch decodes each
+    video once, later epochs read the stored frames, so this also checks that training on
+    cached (lossy) frames still learns."""
+    from datasets.cache import FrameCache
+
+    return FrameCache(tmp_path_factory.mktemp("clip-cache"))
+
+
+def _fit(train_videos, val_videos, *, cache=None, seed: int = 0) -> list[float]:
     """Train `tiny` for EPOCHS on the given videos; validation accuracy after each epoch."""
     torch.manual_seed(seed)
     spec = get_spec("tiny")
     device = torch.device("cpu")
     policy = choose_precision("auto", device)
-    clip = dict(num_frames=spec.num_frames, frame_stride=2, height=spec.height, width=spec.width)
+    clip = dict(num_frames=spec.num_frames, frame_stride=2, height=spec.height, width=spec.width, cache=cache)
     train_ds = VideoClipDataset(train_videos, train=True, seed=seed, **clip)
     val_ds = VideoClipDataset(val_videos, train=False, seed=seed, **clip)
     train_loader = build_loader(train_ds, batch_size=BATCH_SIZE, train=True, num_workers=1,
@@ -66,19 +76,19 @@ def _fit(train_videos, val_videos, *, seed: int = 0) -> list[float]:
     return accuracies
 
 
-def test_tiny_learns_synthetic_violence(learning_index):
+def test_tiny_learns_synthetic_violence(learning_index, clip_cache):
     assert len(learning_index.val) == 40 and len(learning_index.train) == 160
-    accuracies = _fit(learning_index.train, learning_index.val)
+    accuracies = _fit(learning_index.train, learning_index.val, cache=clip_cache)
     print("val_acc per epoch, true labels:", accuracies)
     assert accuracies[-1] >= 0.8, accuracies          # chance is 0.5 (balanced val set)
     assert max(accuracies) > accuracies[0] or accuracies[0] >= 0.8, accuracies
 
 
-def test_tiny_does_not_learn_shuffled_labels(learning_index):
+def test_tiny_does_not_learn_shuffled_labels(learning_index, clip_cache):
     labels = [v.label for v in learning_index.train]
     random.Random(0).shuffle(labels)
     shuffled = [dataclasses.replace(v, label=y) for v, y in zip(learning_index.train, labels)]
     assert sum(labels) == sum(v.label for v in learning_index.train)   # still balanced
-    accuracies = _fit(shuffled, learning_index.val)
+    accuracies = _fit(shuffled, learning_index.val, cache=clip_cache)
     print("val_acc per epoch, shuffled train labels:", accuracies)
     assert 0.3 <= accuracies[-1] <= 0.7, accuracies
