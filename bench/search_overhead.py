@@ -1,0 +1,594 @@
+"""What Ray Tune + Train + MLflow cost around the same trainings: prints a side-by-side table.
+
+The same N trainings run twice on this machine, one after the other:
+  - search: `python tune/search.py` as a subprocess (Tune + Optuna + Train + MLflow into a
+    temporary sqlite store and --storage), --no-early-stop, one batch size, --num-samples N;
+  - plain: one Python process (also a subprocess, so both pay Python start and imports) running
+    the project's own loop (`trainer.loop.train_one_epoch` / `evaluate`, data, model, optimiser
+    and a checkpoint per epoch built as `trainer/worker.py` builds them) for the same trials
+    (batch size and the learning rates the search drew), one after another.
+Both read a generated dataset (or --data) and start with an empty frame cache of their own (or
+both decode with decord: --no-cache). The table splits each wall time into training epochs
+(`epoch_time_s`), evaluation, the time between epochs (metrics, checkpoint, report), trial start
+to first epoch, last epoch to trial end, and what comes before the first and after the last
+trial (for the search: Python and imports, data index, Ray start); `ratio` = search / plain wall.
+The search's trial spans come from its MLflow child runs (opened and closed when Tune starts and
+ends a trial), its epochs from each result's epoch_start_ts / epoch_end_ts (estimated from the
+report times where the code reports none); the plain side times itself the same way.
+
+    python bench/search_overhead.py --quick                 # 2 short trials: checks it runs (~1 min)
+    python bench/search_overhead.py --trial-seconds 10      # 4 trials of ~10 s each (target ratio <= 1.5)
+    python bench/search_overhead.py --trial-seconds 60 --json overhead-60.json   # (target <= 1.10)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path[:1]:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench.common import format_table, has_module, max_overlap, union_length, write_json  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes for one plain training of the tiny model (8 x 64 x 64) on 2 CPU cores."""
+
+    videos: int            # generated videos, 80 % train (the synthetic generator's default split)
+    size: int              # stored frame size in px: decoding cost follows it
+    epochs: int
+    batch_size: int
+    trials: int            # default --trials
+    target_ratio: float | None
+
+
+# Sized on 2 cores (tiny, batch 8, 2 loader processes, 2 torch threads, warm frame cache): "10" is
+# the demo's data and epochs (160 videos x 6), measured at 10.1-11.1 s per plain training; a train
+# clip then costs ~12 ms, so "60" (480 videos x 13 epochs) trains ~60 s. Other load on the cores
+# slows 2 threads far more than it slows 1 (OpenMP spin-waits): up to 3x seen. Re-measure with
+# --plain-only.
+PRESETS = {
+    "quick": Preset(videos=24, size=112, epochs=1, batch_size=4, trials=2, target_ratio=None),
+    "10": Preset(videos=160, size=112, epochs=6, batch_size=8, trials=4, target_ratio=1.5),
+    "60": Preset(videos=480, size=112, epochs=13, batch_size=8, trials=4, target_ratio=1.10),
+}
+EXPERIMENT = "search-overhead"      # the MLflow experiment and the Tune experiment name
+TRIAL_ID_TAG = "vidtune.trial_id"   # the child-run tag tune/tracking.py writes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trial-seconds", choices=("10", "60"), default="10",
+                   help="preset: dataset size and epochs for ~10 s or ~60 s per plain training (default 10)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny preset (2 trials x 1 epoch, 24 videos) to check the script runs")
+    p.add_argument("--trials", type=int, default=None, help="trainings on each side (default: the preset's, 4)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs per training (default: the preset's)")
+    p.add_argument("--data", default=None, help="dataset to use instead of generating one (any layout the search reads)")
+    p.add_argument("--model", default="tiny", help="model (default tiny; the presets are sized for it)")
+    p.add_argument("--loader-workers", type=int, default=2,
+                   help="DataLoader processes per training (default 2, the search's)")
+    p.add_argument("--seed", type=int, default=0, help="--seed of the search (sampler and training; default 0)")
+    p.add_argument("--no-cache", action="store_true", help="both sides decode every clip with decord (search: --no-cache)")
+    p.add_argument("--max-concurrent-trials", type=int, default=None,
+                   help="passed to the search (default: the search decides)")
+    p.add_argument("--plain-threads", type=int, default=None,
+                   help="torch threads of the plain run (default: what the search gives a trial's worker)")
+    p.add_argument("--plain-only", action="store_true", help="run only the plain side (to size a preset)")
+    p.add_argument("--timeout-s", type=float, default=900, help="give up on the search after this long (default 900)")
+    p.add_argument("--verbose", action="store_true", help="echo the search's console output to stderr")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the rows and ratio as JSON")
+    p.add_argument("--plain-spec", help=argparse.SUPPRESS)   # internal: run the plain side (subprocess)
+    return p
+
+
+# -- the plain side ------------------------------------------------------------------------------
+
+def plain_process(spec_path: str) -> int:
+    """The plain side, in its own process: the trials of `spec_path` one after another; writes
+    their timeline next to it (`<spec>.out.json`)."""
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+
+    from datasets.index import build_index
+    from trainer import precision as prec
+    from tune.options import parse_options
+    from tune.search import base_config
+    from tune.trial import trial_config
+
+    torch.set_num_threads(spec["threads"])
+    base = base_config(parse_options(spec["argv"]))
+    index = build_index(base.data)
+    print(index.summary(), flush=True)      # the same console markers as the search's
+    device = prec.default_device()
+    cache = _frame_cache(base.data, base.model, index)
+    trials = []
+    for trial in spec["trials"]:
+        sampled = {k: trial[k] for k in ("batch_size", "lr", "weight_decay") if k in trial}
+        row = _plain_trial(trial_config(base, sampled), index, device, cache, spec["checkpoints"])
+        trials.append({"trial_id": f"plain:{trial['trial_id']}", **row})
+    out = {"trials": trials, "cache": cache is not None, "threads": torch.get_num_threads(), "device": str(device)}
+    Path(spec_path + ".out.json").write_text(json.dumps(out))
+    return 0
+
+
+def _frame_cache(data, model: str, index):
+    """`datasets.cache.FrameCache.from_config(data)` where that module exists (None: no cache),
+    filled before the first trial as tune/search.py fills it (`fill_cache`, when it exists)."""
+    if not has_module("datasets.cache"):
+        return None
+    import datasets.cache as frame_cache
+    from trainer.models import get_spec
+
+    cache = frame_cache.FrameCache.from_config(data)
+    if cache is not None and hasattr(frame_cache, "fill_cache"):
+        spec = get_spec(model)
+        height, width = data.height or spec.height, data.width or spec.width
+        videos = list(index.train) + list(index.val)
+        print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width}", flush=True)
+        print(frame_cache.fill_cache(videos, height=height, width=width, cache=cache).summary(cache), flush=True)
+    return cache
+
+
+def _plain_loaders(cfg, spec, index, device, cache):
+    """Train / val loaders as trainer/worker.py builds them (one worker: no sampler to swap)."""
+    import inspect
+
+    from datasets.video import VideoClipDataset, build_loader
+    from trainer.precision import is_cuda
+
+    d = cfg.data
+    kw = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
+              height=d.height or spec.height, width=d.width or spec.width, seed=cfg.seed)
+    accepted = inspect.signature(VideoClipDataset).parameters
+    if "cache" in accepted:
+        kw["cache"] = cache
+    if "encoded" in accepted:   # JPEG frames decoded on the GPU, as the worker does
+        kw["encoded"] = cache is not None and getattr(d, "clip_cache_format", "") == "jpeg" and is_cuda(device)
+    common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
+    return tuple(build_loader(VideoClipDataset(videos, train=train, **kw), batch_size=cfg.batch_size, train=train, **common)
+                 for videos, train in ((index.train, True), (index.val, False)))
+
+
+def _plain_trial(cfg, index, device, cache, checkpoints: str) -> dict:
+    import gc
+
+    import torch
+
+    from datasets.transforms import ClipTransform
+    from trainer.loop import make_optimizer, make_scheduler
+    from trainer.models import build_model, get_spec, prepare_input_transform, prepare_model_memory_format
+    from trainer.precision import choose_precision, configure_backends
+
+    start = time.time()
+    spec = get_spec(cfg.model)
+    policy = choose_precision(cfg.precision, device)
+    configure_backends(device)
+    loaders = _plain_loaders(cfg, spec, index, device, cache)
+    torch.manual_seed(cfg.seed)
+    model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last).to(device)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    steps = math.ceil(len(loaders[0]) / cfg.grad_accum_steps)
+    run = dict(cfg=cfg, spec=spec, class_names=dict(index.class_names), policy=policy, device=device, model=model,
+               optimizer=optimizer,
+               scheduler=make_scheduler(optimizer, cfg.epochs * steps, cfg.warmup_frac),
+               scaler=policy.make_scaler(), loaders=loaders, checkpoints=checkpoints,
+               transforms=[prepare_input_transform(ClipTransform(spec.mean, spec.std, train=t).to(device),
+                                                   cfg.channels_last) for t in (True, False)])
+    epochs = [_plain_epoch(run, epoch) for epoch in range(1, cfg.epochs + 1)]
+    reads = sum(getattr(ld.dataset, "reads", 0) for ld in loaders)
+    hits = sum(getattr(ld.dataset, "cache_hits", 0) for ld in loaders)
+    run.clear()
+    del loaders                 # stops the persistent loader processes: part of the trial's end
+    gc.collect()
+    return {"batch_size": cfg.batch_size, "lr": cfg.lr, "start": start,
+            "end": time.time(), "epochs": epochs, "cache_hit_frac": hits / reads if reads else None}
+
+
+def _plain_epoch(run: dict, epoch: int) -> dict:
+    import torch
+
+    from trainer.checkpointing import save_checkpoint
+    from trainer.loop import evaluate, train_one_epoch
+    from trainer.metrics import reduce_epoch
+
+    cfg, (train_loader, val_loader), (train_tf, val_tf) = run["cfg"], run["loaders"], run["transforms"]
+    for loader in (train_loader, val_loader):
+        loader.dataset.set_epoch(epoch)
+    torch.manual_seed(cfg.seed + epoch)
+    start = time.time()
+    stats = train_one_epoch(run["model"], train_loader, transform=train_tf, optimizer=run["optimizer"],
+                            scheduler=run["scheduler"], scaler=run["scaler"], policy=run["policy"],
+                            device=run["device"], grad_accum_steps=cfg.grad_accum_steps,
+                            clip_grad_norm=cfg.clip_grad_norm, label_smoothing=cfg.label_smoothing)
+    eval_out = evaluate(run["model"], val_loader, transform=val_tf, policy=run["policy"], device=run["device"])
+    end = time.time()
+    metrics = reduce_epoch(stats, eval_out)
+    with tempfile.TemporaryDirectory(dir=run["checkpoints"]) as directory:
+        save_checkpoint(directory, model=run["model"], optimizer=run["optimizer"], scaler=run["scaler"],
+                        scheduler=run["scheduler"], epoch=epoch, config=cfg.to_dict(), spec=run["spec"],
+                        class_names=run["class_names"], metrics=metrics)
+    return {"epoch": epoch, "start": start, "train_s": stats.epoch_time_s, "end": end, "exact": True,
+            "checkpoint_s": time.time() - end, "clips_per_s": metrics["clips_per_s"], "val_acc": metrics["val_acc"]}
+
+
+# -- running a side ------------------------------------------------------------------------------
+
+def run_logged(cmd: list[str], *, env: dict, cwd: Path, timeout_s: float, verbose: bool,
+               log_path: Path) -> dict:
+    """Run `cmd`, time-stamping each output line as it arrives (unbuffered child). Returns
+    {launch, exit, returncode, lines: [(unix s, text)]}. Past `timeout_s` it is interrupted
+    (SIGINT: the search closes its runs and Ray), then killed 30 s later."""
+    import signal
+    import threading
+
+    env = {**env, "PYTHONUNBUFFERED": "1"}
+    lines: list[tuple[float, str]] = []
+    launch = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    timers = [threading.Timer(timeout_s, proc.send_signal, [signal.SIGINT]), threading.Timer(timeout_s + 30, proc.kill)]
+    for timer in timers:
+        timer.start()
+    with open(log_path, "w") as log:
+        for line in proc.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+            log.write(f"{lines[-1][0]:.3f} {line}")
+            if verbose:
+                print(line, end="", file=sys.stderr, flush=True)
+    returncode = proc.wait()
+    done = time.time()
+    for timer in timers:
+        timer.cancel()
+    return {"launch": launch, "exit": done, "returncode": returncode, "lines": lines, "log": str(log_path)}
+
+
+def search_argv(args: argparse.Namespace, data: str, tmp: Path, epochs: int, trials: int, batch: int,
+                cache_flags: list[str]) -> list[str]:
+    argv = ["--data", data, "--model", args.model, "--epochs", str(epochs), "--batch-sizes", str(batch),
+            "--num-samples", str(trials), "--seed", str(args.seed), "--no-early-stop",
+            "--loader-workers", str(args.loader_workers), "--storage", str(tmp / "results"), "--name", EXPERIMENT,
+            "--mlflow-uri", f"sqlite:///{tmp / 'mlruns.db'}", "--experiment", EXPERIMENT, *cache_flags]
+    if args.max_concurrent_trials:
+        argv += ["--max-concurrent-trials", str(args.max_concurrent_trials)]
+    return argv
+
+
+def cache_setup(no_cache: bool, tmp: Path) -> tuple[list[str], list[str], str]:
+    """(the search's cache flags, the plain side's, what the table says about the frame cache)."""
+    from tune.options import build_parser as search_parser
+
+    text = search_parser().format_help()
+    has_dir, has_off = "--cache-dir" in text, "--no-cache" in text
+    if not has_module("datasets.cache"):
+        return [], [], "off in both: this code has no frame cache (datasets/cache.py); both decode with decord"
+    if no_cache:
+        flags = ["--no-cache"] if has_off else []
+        note = "" if has_off else " (WARNING: the search has no --no-cache flag; it may still use its cache)"
+        return flags, flags, "off in both (--no-cache): every clip decoded with decord" + note
+    if has_dir:
+        return (["--cache-dir", str(tmp / "frames-search")], ["--cache-dir", str(tmp / "frames-plain")],
+                "on in both: each side starts with an empty cache folder of its own (--cache-dir)")
+    return [], [], "on in both (DataConfig defaults), each side with an empty $XDG_CACHE_HOME of its own"
+
+
+def search_trial_threads() -> int:
+    """Torch threads a search trial trains with on the CPU: with the device lease
+    (trainer/lease.py: one training at a time per node CPU) all the node's cores, else the whole
+    CPUs Ray reserved for the worker (trainer/worker.py: int(--cpus-per-worker), at least 1)."""
+    from tune.options import SearchOptions
+
+    if has_module("trainer.lease"):
+        return os.cpu_count() or 1
+    return max(1, int(SearchOptions().cpus_per_worker))
+
+
+# -- reading the search's results ----------------------------------------------------------------
+
+def read_search_trials(experiment: Path) -> list[dict]:
+    """Each trial folder's params.json and result.json lines (one per epoch)."""
+    trials = []
+    for folder in sorted(p for p in experiment.iterdir() if (p / "params.json").is_file()):
+        lines = (folder / "result.json").read_text().splitlines() if (folder / "result.json").is_file() else []
+        results = [json.loads(line) for line in lines if line.strip()]
+        trial_id = results[0]["trial_id"] if results else folder.name.split("_")[2]
+        trials.append({"trial_id": trial_id, "params": json.loads((folder / "params.json").read_text()),
+                       "results": [r for r in results if "epoch_time_s" in r]})
+    return trials
+
+
+def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
+    """trial id -> (start, end) unix s of its MLflow child run (opened / closed by the search's
+    driver when Tune starts / ends the trial; millisecond resolution)."""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        runs = client.search_runs([exp.experiment_id], max_results=10000) if exp else []
+    except Exception as e:  # an unreadable store: fall back to Tune's own timestamps
+        print(f"warning: MLflow store {uri} not readable ({e}); using Tune's timestamps (1 s resolution)",
+              file=sys.stderr)
+        return {}
+    return {r.data.tags[TRIAL_ID_TAG]: (r.info.start_time / 1000, r.info.end_time / 1000 if r.info.end_time else None)
+            for r in runs if TRIAL_ID_TAG in r.data.tags}
+
+
+def search_timeline(trials: list[dict], spans: dict, est: dict[str, float]) -> list[dict]:
+    """The search's trials in the plain side's timeline format. Epoch positions come from the
+    reported epoch_start_ts / epoch_end_ts where present; otherwise from the report time
+    (trial start + time_total_s) less the plain side's mean checkpoint and evaluation times."""
+    out = []
+    for t in trials:
+        res = t["results"]
+        span = spans.get(t["trial_id"])
+        start = span[0] if span else (res[0]["timestamp"] - res[0]["time_total_s"] if res else None)
+        if start is None:
+            continue
+        epochs = []
+        for r in res:
+            train = float(r["epoch_time_s"])
+            if r.get("epoch_start_ts") and r.get("epoch_end_ts"):
+                epochs.append({"epoch": r["epoch"], "start": r["epoch_start_ts"], "train_s": train,
+                               "end": r["epoch_end_ts"], "exact": True})
+                continue
+            end = start + float(r["time_total_s"]) - est["checkpoint_s"]
+            epochs.append({"epoch": r["epoch"], "start": end - est["eval_s"] - train, "train_s": train, "end": end,
+                           "exact": False})
+        end = span[1] if span and span[1] else (res[-1]["timestamp"] if res else start)
+        values = lambda key: [float(r[key]) for r in res if r.get(key) is not None]  # noqa: E731
+        out.append({"trial_id": t["trial_id"], "batch_size": t["params"].get("batch_size"),
+                    "lr": t["params"].get("lr"), "start": start, "end": end, "epochs": epochs,
+                    "device_wait_s": sum(values("device_wait_s")) if values("device_wait_s") else None,
+                    "cache_hit_frac": statistics.mean(values("cache_hit_frac")) if values("cache_hit_frac") else None,
+                    "concurrent": max(values("concurrent_trainings"), default=None)})
+    return sorted(out, key=lambda t: t["start"])
+
+
+# (stage, text of its console line): both sides print the index summary and the cache fill report.
+CONSOLE_MARKERS = (("data_indexed", "Probed "), ("cache_filled", "Cache usage "),
+                   ("ray_up", "Started a local Ray instance"), ("ray_up", "Connected to Ray cluster"))
+
+
+def stage_times(side: dict) -> dict[str, float]:
+    """Seconds from one console stage to the next, launch to the first trial's start
+    ("launch -> data indexed": Python start, imports, option checks, the data index)."""
+    first = min(t["start"] for t in side["trials"])
+    marks = console_markers(side["lines"])
+    points = [("launch", side["launch"])] + [(n, marks[n]) for n, _ in CONSOLE_MARKERS if n in marks and marks[n] < first]
+    points = sorted(dict.fromkeys(points), key=lambda p: p[1]) + [("first trial starts", first)]
+    return {f"{a} -> {b}".replace("_", " "): tb - ta for (a, ta), (b, tb) in zip(points, points[1:])}
+
+
+def console_markers(lines: list[tuple[float, str]]) -> dict[str, float]:
+    """Unix time of the first console line of each stage (data indexed, Ray up, search planned)."""
+    found: dict[str, float] = {}
+    for ts, text in lines:
+        for name, needle in CONSOLE_MARKERS:
+            if name not in found and needle in text:
+                found[name] = ts
+    return found
+
+
+# -- where the time goes -------------------------------------------------------------------------
+
+def side_summary(launch: float, exit_: float, trials: list[dict]) -> dict[str, float]:
+    """Seconds of one side: wall, its parts around the trials, and sums over the trials' epochs."""
+    spans = [(t["start"], t["end"]) for t in trials]
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    epochs = [e for t in trials for e in t["epochs"]]
+    ran = [t for t in trials if t["epochs"]]
+    mean = lambda xs: statistics.mean(xs) if xs else math.nan  # noqa: E731
+    return {
+        "wall_s": exit_ - launch,
+        "before_first_trial_s": first - launch,
+        "trials_running_s": union_length(spans),
+        "between_trials_s": (last - first) - union_length(spans),
+        "after_last_trial_s": exit_ - last,
+        "training_s": sum(e["train_s"] for e in epochs),
+        "evaluation_s": sum(e["end"] - e["start"] - e["train_s"] for e in epochs),
+        "between_epochs_s": 0.0 + sum(b["start"] - a["end"] for t in ran for a, b in zip(t["epochs"], t["epochs"][1:])),
+        "trial_start_to_first_epoch_s": mean([t["epochs"][0]["start"] - t["start"] for t in ran]),
+        "last_epoch_to_trial_end_s": mean([t["end"] - t["epochs"][-1]["end"] for t in ran]),
+        "no_training_s": (exit_ - launch) - union_length((e["start"], e["start"] + e["train_s"]) for e in epochs),
+        "trials_at_once": max_overlap(spans),
+        "trainings_at_once": max_overlap((e["start"], e["start"] + e["train_s"]) for e in epochs),
+    }
+
+
+ROWS = (  # (key, label) of the side-by-side table, in print order
+    ("wall_s", "wall time"),
+    ("before_first_trial_s", "  before the first trial starts"),
+    ("trials_running_s", "  trials running (any)"),
+    ("between_trials_s", "  between trials (none running)"),
+    ("after_last_trial_s", "  after the last trial ends"),
+    ("training_s", "training epochs: sum of epoch_time_s"),
+    ("evaluation_s", "evaluation: sum"),
+    ("between_epochs_s", "between epochs (metrics, checkpoint, report): sum"),
+    ("trial_start_to_first_epoch_s", "trial start -> first epoch, mean"),
+    ("last_epoch_to_trial_end_s", "last epoch scored -> trial end, mean"),
+    ("no_training_s", "wall time with no training epoch running"),
+)
+
+
+def report(plain: dict, search: dict | None, *, header: list[str], target: float | None) -> tuple[str, list[dict]]:
+    """The printed tables and the JSON rows."""
+    p = side_summary(plain["launch"], plain["exit"], plain["trials"])
+    s = side_summary(search["launch"], search["exit"], search["trials"]) if search else {}
+    estimated = search is not None and any(not e["exact"] for t in search["trials"] for e in t["epochs"])
+    rows = [{"name": key, "plain_s": p[key], "search_s": s.get(key)} for key, _ in ROWS]
+    table = [(label + (" (est.)" if estimated and key == "evaluation_s" else ""), p[key], s.get(key),
+              s[key] - p[key] if s else None) for key, label in ROWS]
+    stages = {"plain": stage_times(plain), "search": stage_times(search) if search else {}}
+    for stage in dict.fromkeys([*stages["plain"], *stages["search"]]):
+        a, b = stages["plain"].get(stage), stages["search"].get(stage)
+        rows.append({"name": f"before_first_trial:{stage}", "plain_s": a, "search_s": b})
+        table.append((f"    {stage}", a, b, b - a if a is not None and b is not None else None))
+    if search:
+        waits = [t["device_wait_s"] for t in search["trials"] if t["device_wait_s"] is not None]
+        if waits:
+            rows.append({"name": "device_wait_s", "plain_s": None, "search_s": sum(waits)})
+            table.append(("search: waiting for the device (lease), sum", None, sum(waits), None))
+    lines = [*header, "", format_table(("seconds", "plain", "search", "search-plain"), table)]
+    if search:
+        ratio = s["wall_s"] / p["wall_s"]
+        verdict = "" if target is None else f" (target <= {target:g}: {'met' if ratio <= target else 'NOT met'})"
+        lines += ["", f"ratio search / plain wall time: {ratio:.2f}{verdict}"]
+        if estimated:
+            lines.append("(est.): the search reported no epoch_start_ts / epoch_end_ts; its epochs are placed from "
+                         "the report times less the plain side's mean evaluation and checkpoint times")
+    lines += ["", "per trial:", trial_table(plain, search)]
+    return "\n".join(lines), rows
+
+
+def trial_table(plain: dict, search: dict | None) -> str:
+    rows = []
+    for side in (plain, search) if search else (plain,):
+        for t in side["trials"]:
+            ep = t["epochs"]
+            rows.append((t["trial_id"], t["batch_size"], f"{t['lr']:.2e}", len(ep), sum(e["train_s"] for e in ep),
+                         sum(e["end"] - e["start"] - e["train_s"] for e in ep),
+                         ep[0]["start"] - t["start"] if ep else None, t.get("device_wait_s"),
+                         t["end"] - ep[-1]["end"] if ep else None, t["end"] - t["start"],
+                         t.get("cache_hit_frac"), t.get("concurrent")))
+    return format_table(("trial", "batch", "lr", "epochs", "train_s", "eval_s", "start_s", "wait_s", "end_s",
+                         "total_s", "cache_hit", "concurrent"), rows, digits=2)
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def _check_args(args: argparse.Namespace, trials: int, epochs: int) -> None:
+    for flag, value in (("--trials", trials), ("--epochs", epochs), ("--timeout-s", args.timeout_s)):
+        if value < 1:
+            raise SystemExit(f"{flag} {value}: must be >= 1")
+    if args.loader_workers < 0:
+        raise SystemExit(f"--loader-workers {args.loader_workers}: must be >= 0")
+    if args.data is not None and not Path(args.data).exists():
+        raise SystemExit(f"--data {args.data}: no such file or folder")
+
+
+def prepare_data(args: argparse.Namespace, preset: Preset, tmp: Path) -> tuple[str, str]:
+    """(dataset root, one-line description); generated unless --data. Indexed once here, so
+    both sides read the same index cache."""
+    from datasets.config import DataConfig
+    from datasets.index import build_index
+    from datasets.synthetic import generate
+
+    root = args.data or str(generate(tmp / "data", videos=preset.videos, size=preset.size, seed=0))
+    index = build_index(DataConfig(root=root))
+    made = "" if args.data else f"generated, {preset.size} px, 3 s at 15 fps"
+    return root, f"{root}: {len(index.train)} train / {len(index.val)} val videos {made}".rstrip()
+
+
+def run_plain(argv: list[str], trials: list[dict], threads: int, tmp: Path, args: argparse.Namespace) -> dict:
+    spec_path = tmp / "plain-spec.json"
+    (tmp / "checkpoints").mkdir(exist_ok=True)
+    spec_path.write_text(json.dumps({"argv": argv, "trials": trials, "threads": threads,
+                                     "checkpoints": str(tmp / "checkpoints")}))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-plain")}
+    run = run_logged([sys.executable, str(Path(__file__).resolve()), "--plain-spec", str(spec_path)], env=env,
+                     cwd=tmp, timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "plain.log")
+    if run["returncode"] != 0:
+        tail = "\n".join(text for _, text in run["lines"][-30:])
+        raise SystemExit(f"the plain run failed (exit {run['returncode']}):\n{tail}")
+    return {**run, **json.loads(Path(str(spec_path) + ".out.json").read_text())}
+
+
+def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-search")}
+    run = run_logged([sys.executable, str(REPO_ROOT / "tune" / "search.py"), *argv], env=env, cwd=tmp,
+                     timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "search.log")
+    experiment = tmp / "results" / EXPERIMENT
+    trials = read_search_trials(experiment) if experiment.is_dir() else []
+    if run["returncode"] != 0 or not any(t["results"] for t in trials):
+        tail = "\n".join(text for _, text in run["lines"][-40:])
+        raise SystemExit(f"the search failed (exit {run['returncode']}, {len(trials)} trial folders):\n{tail}")
+    return {**run, "raw_trials": trials, "spans": mlflow_spans(f"sqlite:///{tmp / 'mlruns.db'}")}
+
+
+def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int, tmp: Path) -> dict:
+    """Data, then the search, then the plain run of the trials the search drew; their timelines."""
+    data, data_line = prepare_data(args, preset, tmp)
+    search_cache, plain_cache, cache_line = cache_setup(args.no_cache, tmp)
+    argv = {side: search_argv(args, data, tmp, epochs, trials, preset.batch_size, flags)
+            for side, flags in (("search", search_cache), ("plain", plain_cache))}
+    load, search = [os.getloadavg()[0]], None
+    if args.plain_only:
+        lrs = [1e-4 * 30 ** (i / max(1, trials - 1)) for i in range(trials)]
+        chosen = [{"trial_id": f"t{i}", "batch_size": preset.batch_size, "lr": lr} for i, lr in enumerate(lrs)]
+    else:
+        print(f"search: {trials} trial(s) x {epochs} epoch(s) through tune/search.py ...", file=sys.stderr, flush=True)
+        search = run_search(argv["search"], tmp, args)
+        load.append(os.getloadavg()[0])
+        chosen = [{"trial_id": t["trial_id"], **t["params"]} for t in search["raw_trials"] if t["results"]]
+    print(f"plain: the same {len(chosen)} training(s) in one process ...", file=sys.stderr, flush=True)
+    plain = run_plain(argv["plain"], chosen, args.plain_threads or search_trial_threads(), tmp, args)
+    load.append(os.getloadavg()[0])
+    if search:
+        p_epochs = [e for t in plain["trials"] for e in t["epochs"]]
+        est = {"eval_s": statistics.mean(e["end"] - e["start"] - e["train_s"] for e in p_epochs),
+               "checkpoint_s": statistics.mean(e["checkpoint_s"] for e in p_epochs)}
+        search["trials"] = search_timeline(search["raw_trials"], search["spans"], est)
+        search["overlap"] = side_summary(search["launch"], search["exit"], search["trials"])
+    command = "python tune/search.py " + " ".join(argv["search"]).replace(str(tmp), "TMP")
+    return {"plain": plain, "search": search, "data": data_line, "cache": cache_line, "load": load,
+            "command": command, "trials": len(chosen)}
+
+
+def header_lines(run: dict, args: argparse.Namespace, name: str, preset: Preset, epochs: int) -> list[str]:
+    plain, search, load = run["plain"], run["search"], run["load"]
+    lines = [
+        f"\nSearch overhead, preset {name}: {run['trials']} trainings x {epochs} epoch(s), {args.model}, batch "
+        f"{preset.batch_size}, {args.loader_workers} loader process(es), seed {args.seed}",
+        f"data: {run['data']}",
+        f"plain: one process, trainings one after another, {plain['threads']} torch thread(s), {plain['device']}",
+        f"search: {run['command']}",
+        f"frame cache: {run['cache']}",
+        f"machine: {os.cpu_count()} cores; load average (1 min) before / after search / after plain: "
+        + " / ".join(f"{x:.1f}" for x in load),
+    ]
+    if search:
+        lines.insert(4, f"  at most {search['overlap']['trials_at_once']} trial(s) and "
+                        f"{search['overlap']['trainings_at_once']} training epoch(s) at once")
+    if max(load) > 0.5 * (os.cpu_count() or 1):
+        lines.append("WARNING: other processes loaded the CPU during the run; both sides are slowed, unevenly")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plain_spec:
+        return plain_process(args.plain_spec)
+    name = "quick" if args.quick else args.trial_seconds
+    preset = PRESETS[name]
+    trials, epochs = args.trials or preset.trials, args.epochs or preset.epochs
+    _check_args(args, trials, epochs)
+    with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
+        run = run_sides(args, preset, trials, epochs, Path(tmp))
+    plain, search = run["plain"], run["search"]
+    text, rows = report(plain, search, header=header_lines(run, args, name, preset, epochs), target=preset.target_ratio)
+    print(text)
+    if args.json:
+        write_json(args.json, {
+            "ratio": rows[0]["search_s"] / rows[0]["plain_s"] if search else None,
+            "target_ratio": preset.target_ratio, "preset": name, "trials": run["trials"], "epochs": epochs,
+            "model": args.model, "batch_size": preset.batch_size, "frame_cache": run["cache"],
+            "plain_threads": plain["threads"], "load_avg": run["load"], "search_command": run["command"],
+            "trials_at_once": search["overlap"]["trials_at_once"] if search else None,
+            "trainings_at_once": search["overlap"]["trainings_at_once"] if search else None,
+            "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
