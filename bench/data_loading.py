@@ -11,8 +11,9 @@ Clip cache table (`datasets.cache`): on a 240p and a 720p corpus (or --root), on
 clips (--cache-size, --cache-frames, stride --frame-stride) read by decord directly, through a
 cold cache (decode the whole video + write the entry + read) and a warm one, for each format; then
 DataLoader throughput with 0, 1, 2 workers, warm cache vs decord; and the disk cost per format.
-`--json FILE` writes every row, the ratios (`warm_cache_vs_decord`: the default format's warm
-cache vs decord on the first corpus; the goal is >= 10) and the disk bytes per video and frame.
+`--json FILE` writes every row, the ratios (`warm_cache_vs_decord`: the warm cache in the format
+a search on this machine stores (auto: raw on a CPU, jpeg with a GPU) vs decord on the first
+corpus; the goal is >= 10) and the disk bytes per video and frame.
 
     python bench/data_loading.py                                  # synthetic data in a temp folder
     python bench/data_loading.py --root /data/RWF-2000 --sizes 112 224 --frames 16
@@ -202,7 +203,12 @@ def cache_table(args: argparse.Namespace, tmp: str) -> dict:
     the table, returns {"rows", "ratios", "disk", "settings"}."""
     from datasets.config import DataConfig
 
-    default = DataConfig().clip_cache_format
+    import torch
+
+    from datasets.cache import resolve_format
+
+    # The format a search on this machine would store (auto: jpeg when training on a GPU, else raw).
+    default = resolve_format(DataConfig().clip_cache_format, on_gpu=torch.cuda.is_available())
     rows, loader_rows, disk, ratios = [], [], {}, {"default_format": default, "per_format": {}}
     for k, (corpus, videos) in enumerate(_corpora(args, tmp)):
         readers, caches, corpus_rows = _measure_corpus(args, tmp, corpus, videos)

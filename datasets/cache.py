@@ -46,16 +46,30 @@ from datasets.video import decode_jpeg_frames, read_frames
 
 log = logging.getLogger(__name__)
 
-# Default format: jpeg (DataConfig.clip_cache_format), from bench/data_loading.py on a 2-core machine
-# (one thread, the same 16-frame clips at 224 x 224, stride 2; medians of interleaved rounds):
-#   240p source: decord 36 clips/s, warm jpeg 363 (10x), warm raw 1,408 (39x)
-#   720p source: decord 4.2 clips/s, warm jpeg 425 (100x), warm raw 1,665 (400x)
+# The format, measured by bench/data_loading.py on a 2-core machine (one thread, the same
+# 16-frame clips at 224 x 224, stride 2; BENCHMARKS.md has the table):
+#   240p source: decord 43 clips/s, warm jpeg 412 (9.5x), warm raw 1,462 (34x)
+#   720p source: decord 4.2 clips/s, warm jpeg 438 (104x), warm raw 1,686 (400x)
+#   jpeg, bytes only (the GPU decodes them): 9,600 clips/s per core (222x decord at 240p)
 #   disk per 224 px frame: jpeg 7.4 KB (synthetic; ~12 KB on real footage), raw 150 KB (20x more)
-# jpeg because (1) on a GPU the loader ships the JPEG bytes (VideoClipDataset(encoded=True)), 9,400
-# clips/s per core, 260x decord, and the device decodes them; (2) a budget holds 12-20x more videos
-# (RWF-2000 at 224 px: ~4 GB vs 45 GB) and they stay in the page cache. On a CPU-only node jpeg is
-# ~10x decord and raw ~35x: there --cache-format raw is faster, if the disk allows.
+# So `auto` picks jpeg when training runs on GPUs: the loader ships JPEG bytes
+# (VideoClipDataset(encoded=True)) and the device decodes them, and a budget holds 12-20x more
+# videos (RWF-2000 at 224 px: ~4 GB vs 45 GB). On the CPU, where the loader must decode, it
+# picks raw: 3.5x faster than jpeg to read, and CPU training uses small frames (64 px: 12 KB).
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)  # what a damaged entry raises
+
+
+FORMAT_CHOICES = ("auto", *FORMATS)
+
+
+def resolve_format(fmt: str, *, on_gpu: bool) -> str:
+    """The stored format for `fmt` (auto | jpeg | raw): auto is jpeg when training on a GPU
+    (decoded there), else raw (the fastest read on a CPU); see the measurement above."""
+    if fmt == "auto":
+        return "jpeg" if on_gpu else "raw"
+    if fmt not in FORMATS:
+        raise DataError(f"clip cache format {fmt!r} (--cache-format): use one of {', '.join(FORMAT_CHOICES)}")
+    return fmt
 
 
 def default_root() -> Path:
@@ -71,7 +85,7 @@ class FrameCache:
     found over budget); entries themselves are shared through the file system.
     """
 
-    def __init__(self, root: str | Path, *, format: str = DataConfig.clip_cache_format,
+    def __init__(self, root: str | Path, *, format: str = "jpeg",
                  max_gb: float = DataConfig.clip_cache_max_gb):
         if format not in FORMATS:
             raise DataError(f"clip cache format {format!r} (--cache-format): use one of {', '.join(FORMATS)}")
@@ -85,12 +99,14 @@ class FrameCache:
         self._uncached: set[str] = set()     # entries over budget (or unwritable) in this process
 
     @classmethod
-    def from_config(cls, cfg: DataConfig) -> FrameCache | None:
-        """The cache `cfg` asks for, or None when `cfg.clip_cache` is False. Touches no file."""
+    def from_config(cls, cfg: DataConfig, *, on_gpu: bool = False) -> FrameCache | None:
+        """The cache `cfg` asks for, or None when `cfg.clip_cache` is False. Touches no file.
+        `on_gpu`: training runs on a GPU (resolves the `auto` format)."""
         if not cfg.clip_cache:
             return None
         root = cfg.clip_cache_dir or default_root()
-        return cls(root, format=cfg.clip_cache_format, max_gb=cfg.clip_cache_max_gb)
+        fmt = resolve_format(cfg.clip_cache_format, on_gpu=on_gpu)
+        return cls(root, format=fmt, max_gb=cfg.clip_cache_max_gb)
 
     def __repr__(self) -> str:
         return f"FrameCache({str(self.root)!r}, format={self.format!r}, max_gb={self.max_bytes / 1e9:g})"
@@ -243,8 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clip cache folder (default: $XDG_CACHE_HOME/vidtune/clips, else ~/.cache/vidtune/clips)")
     p.add_argument("--cache-max-gb", type=float, default=d.clip_cache_max_gb,
                    help="disk budget of the clip cache in GB; entries past it are not written (default %(default)s)")
-    p.add_argument("--format", choices=FORMATS, default=d.clip_cache_format,
-                   help="jpeg: 12-20x smaller, decoded on the GPU in training; raw: fastest on a CPU (default %(default)s)")
+    p.add_argument("--format", choices=FORMAT_CHOICES, default=d.clip_cache_format,
+                   help="jpeg: 12-20x smaller, decoded on the GPU in training; raw: fastest on a CPU; "
+                   "auto: jpeg when this machine has a GPU, else raw, as the search picks (default %(default)s)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes probing and decoding in parallel (default: one per core, at most 8)")
     return p
@@ -285,6 +302,12 @@ def _progress(stream) -> Callable[[int, int], None]:
     return show
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -295,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive (it is the room for the decoded frames)")
     cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
                          clip_cache_format=args.format)
-    cache = FrameCache.from_config(cfg)
+    cache = FrameCache.from_config(cfg, on_gpu=_has_gpu())
     try:
         index = build_index(cfg, workers=args.workers)
     except DataError as e:

@@ -29,7 +29,7 @@ class DataConfig:
     clip_cache: bool = True             # decode each video once into a node-local frame cache (datasets.cache)
     clip_cache_dir: str | None = None   # its folder; None = $XDG_CACHE_HOME/vidtune/clips, else ~/.cache/vidtune/clips
     clip_cache_max_gb: float = 50.0     # disk budget; RWF-2000 (300k frames) at 224 px takes ~4 GB as jpeg, 45 GB raw
-    clip_cache_format: str = "jpeg"     # jpeg | raw: jpeg is 12-20x smaller, decoded on the GPU (measured: datasets/cache.py)
+    clip_cache_format: str = "auto"     # auto | jpeg | raw; auto: jpeg when training on GPUs, else raw (datasets/cache.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,17 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import decord
 import numpy as np
 import pytest
 import torch
 
-decord = pytest.importorskip("decord")
-
-from datasets.cache import FrameCache, default_root, fill_cache, main  # noqa: E402
-from datasets.cache_layout import FRAMES_FILE, META_FILE  # noqa: E402
-from datasets.config import DataConfig  # noqa: E402
-from datasets.records import VideoInfo  # noqa: E402
-from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips,  # noqa: E402
+from datasets.cache import FrameCache, default_root, fill_cache, main
+from datasets.cache_layout import FRAMES_FILE, META_FILE
+from datasets.config import DataConfig
+from datasets.errors import DataError
+from datasets.records import VideoInfo
+from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips,
                             read_frames)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -299,3 +299,16 @@ def test_cli_fills_the_cache_then_finds_it_filled(synthetic_root, tmp_path):
     assert "8/8" in first.stderr                              # progress (plain lines: not a terminal)
     second = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0 and "wrote 0 entries" in second.stdout and "8 already cached" in second.stdout
+
+
+def test_auto_format_is_jpeg_on_gpus_and_raw_on_the_cpu(tmp_path):
+    from datasets.cache import resolve_format
+
+    cfg = DataConfig(root=str(tmp_path), clip_cache_dir=str(tmp_path / "c"))
+    assert cfg.clip_cache_format == "auto"
+    assert FrameCache.from_config(cfg, on_gpu=True).format == "jpeg"     # the GPU decodes the JPEG bytes
+    assert FrameCache.from_config(cfg, on_gpu=False).format == "raw"     # the loader would decode: raw is 3.5x faster
+    assert resolve_format("jpeg", on_gpu=False) == "jpeg"                # an explicit choice stays
+    with pytest.raises(DataError, match="--cache-format"):
+        resolve_format("png", on_gpu=False)
+    assert FrameCache.from_config(DataConfig(clip_cache=False)) is None

@@ -220,9 +220,9 @@ def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
     d = cfg.data
     size = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
                 height=d.height or spec.height, width=d.width or spec.width)
-    cache = FrameCache.from_config(d)
+    cache = FrameCache.from_config(d, on_gpu=is_cuda(device))
     # JPEG frames are decoded on the GPU in batches (decode_jpeg(device=...)), not by the loader.
-    encoded = cache is not None and d.clip_cache_format == "jpeg" and is_cuda(device)
+    encoded = cache is not None and cache.format == "jpeg" and is_cuda(device)
     common_set = dict(seed=cfg.seed, cache=cache, encoded=encoded, **size)
     train_set = VideoClipDataset(index.train, train=True, **common_set)
     val_set = VideoClipDataset(index.val, train=False, **common_set)

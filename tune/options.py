@@ -45,7 +45,7 @@ class SearchOptions:
     cache: bool = True                   # decode each video once into the clip cache (datasets.cache)
     cache_dir: str | None = None         # None = ~/.cache/vidtune/clips (node-local)
     cache_max_gb: float = 50.0           # past it, the remaining videos are decoded every read
-    cache_format: str = "jpeg"           # jpeg | raw (see BENCHMARKS.md for the measurement)
+    cache_format: str = "auto"           # auto (jpeg when trials train on GPUs, else raw) | jpeg | raw
     # training (see trainer.config.TrainConfig)
     model: str = "tiny"
     weights: str = "none"
@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default ~/.cache/vidtune/clips; python -m datasets.cache fills it ahead)")
     g.add_argument("--cache-max-gb", type=float, metavar="GB", help=f"clip cache disk budget; past it the rest "
                    f"is decoded on every read (default {d.cache_max_gb:g})")
-    g.add_argument("--cache-format", choices=("jpeg", "raw"), help=f"how cached frames are stored: jpeg "
-                   f"(~12 KB a 224 px frame) or raw uint8 (150 KB, fastest) (default {d.cache_format})")
+    g.add_argument("--cache-format", choices=("auto", "jpeg", "raw"), help=f"how cached frames are stored: jpeg "
+                   f"(~12 KB a 224 px frame, decoded on the GPU), raw uint8 (150 KB, fastest on a CPU), or auto: "
+                   f"jpeg when trials train on GPUs, else raw (default {d.cache_format})")
     g.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the video "
                    "files on every read (no clip cache)")
 
@@ -328,7 +329,7 @@ def validate(o: SearchOptions) -> None:
          o.max_concurrent_trials, "an integer >= 1")
     need(math.isfinite(o.cache_max_gb) and o.cache_max_gb >= 0, "--cache-max-gb", o.cache_max_gb,
          "a number of GB >= 0 (0 caches nothing; --no-cache turns the cache off)")
-    need(o.cache_format in ("jpeg", "raw"), "--cache-format", o.cache_format, "jpeg or raw")
+    need(o.cache_format in ("auto", "jpeg", "raw"), "--cache-format", o.cache_format, "auto, jpeg or raw")
     if o.cache and o.cache_dir is not None:
         _check_cache_dir(Path(o.cache_dir).expanduser())
     if o.data is not None and not Path(o.data).expanduser().exists():

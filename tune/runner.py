@@ -107,6 +107,31 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
     return replace(opts, batch_sizes=kept)
 
 
+def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool) -> Any:
+    """Decode every indexed video once into this node's clip cache before the first trial, so no
+    trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read).
+    Returns `base` with the cache format resolved (auto: jpeg when trials train on GPUs, else
+    raw), so every worker reads the entries filled here."""
+    from dataclasses import replace as replace_field
+
+    from datasets.cache import FrameCache, fill_cache
+    from trainer.models import get_spec
+
+    d = base.data
+    cache = FrameCache.from_config(d, on_gpu=on_gpu)
+    if cache is None:
+        return base
+    base = base.with_overrides(data=replace_field(d, clip_cache_format=cache.format))
+    if index is None:
+        return base
+    spec = get_spec(base.model)
+    height, width = d.height or spec.height, d.width or spec.width
+    videos = list(index.train) + list(index.val)
+    print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width} before the first trial")
+    print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
+    return base
+
+
 def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     """Run the planned search to the end (or resume it); print and record the summary.
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
@@ -116,8 +141,9 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
 
     opts, concurrency, local_gpu = check_cluster(plan.opts)
     opts = probe_batch_sizes(opts, plan.base)
-    base = plan.base.with_overrides(batch_size=opts.batch_sizes[0])
     resources = trial_resources(opts)
+    base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu)
+    base = base.with_overrides(batch_size=opts.batch_sizes[0])
     objective = space.objective_for(opts.objective)
     print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
           f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.batch_sizes)}, "

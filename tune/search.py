@@ -148,23 +148,6 @@ def index_data(data: DataConfig) -> Any:
     return index
 
 
-def fill_clip_cache(plan: Plan) -> None:
-    """Decode every indexed video once into this node's clip cache before the first trial, so
-    no trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read)."""
-    from datasets.cache import FrameCache, fill_cache
-    from trainer.models import get_spec
-
-    d = plan.base.data
-    cache = FrameCache.from_config(d)
-    if cache is None or plan.index is None:
-        return
-    spec = get_spec(plan.base.model)
-    height, width = d.height or spec.height, d.width or spec.width
-    videos = list(plan.index.train) + list(plan.index.val)
-    print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width} before the first trial")
-    print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
-
-
 def describe(plan: Plan) -> str:
     from tune.space import early_stopping_enabled
 
@@ -182,7 +165,9 @@ def describe(plan: Plan) -> str:
                       "gpus_per_trial": o.gpus_per_trial, "max_concurrent_trials": o.max_concurrent_trials},
         "mlflow": {"uri": o.mlflow_uri, "experiment": o.experiment},
         "clip_cache": {"enabled": o.cache, "dir": o.cache_dir or "~/.cache/vidtune/clips",
-                        "max_gb": o.cache_max_gb, "format": o.cache_format},
+                        "max_gb": o.cache_max_gb,
+                        "format": o.cache_format + (" (jpeg when trials train on GPUs, else raw)"
+                                                    if o.cache_format == "auto" else "")},
         "train_config": plan.base.to_dict(),
     }
     return "resolved configuration:\n" + json.dumps(doc, indent=2, default=str)
@@ -195,7 +180,6 @@ def execute(plan: Plan) -> int:
     from trainer.launch import init_ray
     from tune.runner import run_search
 
-    fill_clip_cache(plan)     # before Ray starts, so the decoding has the machine to itself
     started = init_ray(address=plan.opts.address)
     try:
         return run_search(plan)
