@@ -47,8 +47,10 @@ def _runs(uri: str, experiment: str = "vidtune") -> tuple[object, list]:
 def test_search_end_to_end(synthetic_root, tmp_path):
     """3 trials x 2 epochs, run by path from a fresh folder; the MLflow store holds the parent,
     3 children with params and per-epoch metrics, the right statuses and the summary artifacts."""
+    # Two trials at a time on the CPU (the default there is one per machine): the second starts
+    # beside the first and must wait for the device lease before it trains.
     out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--num-samples", "3", "--cache-dir",
-                                   str(tmp_path / "clip-cache"), *SMALL],
+                                   str(tmp_path / "clip-cache"), "--max-concurrent-trials", "2", *SMALL],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     db = tmp_path / "mlruns.db"

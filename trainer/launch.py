@@ -19,8 +19,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
 
-OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
-
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 BUILTIN_WEIGHTS = ("none", "kinetics")
 
@@ -41,12 +39,7 @@ def worker_env_vars() -> dict[str, str]:
     """
     existing = os.environ.get("PYTHONPATH", "")
     parts = [str(REPO_ROOT)] + [p for p in existing.split(os.pathsep) if p and p != str(REPO_ROOT)]
-    # OpenMP threads that find no work spin before sleeping. When a training on all of a node's
-    # cores shares them with anything (the next trial starting up behind it, a loader process),
-    # the spinning threads steal the cores the others need: a tiny-model step on 2 cores took
-    # 2.4-4.9 s with 2 spinning threads vs 0.34-0.38 s with passive ones. Users may override it.
-    return {"PYTHONPATH": os.pathsep.join(parts),
-            OMP_WAIT_POLICY_ENV: os.environ.get(OMP_WAIT_POLICY_ENV, "PASSIVE")}
+    return {"PYTHONPATH": os.pathsep.join(parts)}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any) -> bool:

@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-early-stop", dest="early_stop", action="store_false", help="never stop trials early "
                    "(ASHA is on by default when --epochs >= 3, off with pareto)")
     g.add_argument("--grace-period", type=int, metavar="E", help=f"epochs each trial runs before ASHA may stop it (default {d.grace_period})")
-    g.add_argument("--max-concurrent-trials", type=int, metavar="N", help="trials at once (default: as many as the resources allow)")
+    g.add_argument("--max-concurrent-trials", type=int, metavar="N", help="trials at once (default: 2 per GPU, one training and one starting behind it; "
+                   "1 per CPU-only machine; within what the resources allow)")
     g.add_argument("--seed", type=int, metavar="N", help=f"seed of the Optuna TPE sampler and of training (default {d.seed})")
     g.add_argument("--optuna-storage", metavar="URL", help="store the Optuna study (e.g. sqlite:///optuna.db) to open it with optuna-dashboard")
     g.add_argument("--study-name", metavar="NAME", help="Optuna study name (default: the experiment name)")

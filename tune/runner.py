@@ -17,9 +17,11 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
     """Right after connecting, before any trial: fill the hardware defaults, refuse trials the
     cluster cannot hold, and decide how many run at once. Returns (options, concurrency, local_gpu).
 
-    Trials at once: at most two per training slot (a GPU share, or a node's CPU), one training
-    and one starting up behind it (see `tune.trial.TrialResources` and `trainer.lease`), within
-    what Ray's resources hold."""
+    Trials at once, within what Ray's resources hold: on GPUs two per training slot (a GPU
+    share), one training and one starting up behind it (see `tune.trial.TrialResources` and
+    `trainer.lease`); on CPU-only nodes one per node. There the starting trial would compete for
+    the cores the training uses all of: measured on 2 cores (BENCHMARKS.md), trainings that
+    overlapped a start took up to 2x longer and the search as a whole gained nothing."""
     import ray
 
     res = ray.cluster_resources()
@@ -45,9 +47,11 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
     if gpt > 0:
         fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * opts.workers_per_trial)))
         slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / opts.workers_per_trial)
+        per_slot = 2 if resources.ray_gpus_per_worker < resources.gpus_per_worker else 1
     else:
         slots = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
-    concurrency = opts.max_concurrent_trials or max(1, min(fit, 2 * max(1, slots), opts.num_samples))
+        per_slot = 1
+    concurrency = opts.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
     return opts, concurrency, local_gpu
 
 
