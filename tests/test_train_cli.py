@@ -36,11 +36,17 @@ def _cfg(root, **changes) -> TrainConfig:
         ({"label_smoothing": 1.0}, "--label-smoothing"),
         ({"weights": "/no/such/weights.pth"}, "--weights"),
         ({"data": "SIZE"}, "--size"),
+        ({"data": "CACHE_GB"}, "--cache-max-gb"),
+        ({"data": "CACHE_FORMAT"}, "--cache-format"),
     ],
 )
 def test_validate_config_names_the_flag(tmp_path, changes, flag):
     if changes.get("data") == "SIZE":  # tiny (an MViT) takes only its own 64 x 64 clips
         changes = {"data": DataConfig(root=str(tmp_path), height=48, width=48)}
+    elif changes.get("data") == "CACHE_GB":
+        changes = {"data": DataConfig(root=str(tmp_path), clip_cache_max_gb=-1.0)}
+    elif changes.get("data") == "CACHE_FORMAT":
+        changes = {"data": DataConfig(root=str(tmp_path), clip_cache_format="png")}
     with pytest.raises(ConfigError) as e:
         validate_config(_cfg(tmp_path, **changes))
     assert e.value.flag == flag
@@ -99,11 +105,14 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
 def test_cli_flags_reach_the_config():
     args = train.build_parser().parse_args(
         ["--data", "d", "--size", "48", "--num-frames", "4", "--grad-accum", "2", "--precision", "bf16",
-         "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class", "Violence"])
+         "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class", "Violence",
+         "--cache-dir", "/tmp/c", "--cache-format", "raw"])
     cfg = train.config_from_args(args)
     assert (cfg.data.height, cfg.data.width, cfg.data.num_frames) == (48, 48, 4)
     assert cfg.grad_accum_steps == 2 and cfg.precision == "bf16" and cfg.channels_last
     assert cfg.freeze_backbone_epochs == 1 and cfg.data.positive_class == "Violence"
+    assert (cfg.data.clip_cache, cfg.data.clip_cache_dir, cfg.data.clip_cache_format) == (True, "/tmp/c", "raw")
+    assert train.config_from_args(train.build_parser().parse_args(["--data", "d", "--no-cache"])).data.clip_cache is False
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 

@@ -115,6 +115,9 @@ def _check_numbers(cfg: TrainConfig) -> None:
     need(d.frame_stride >= 1, "--frame-stride", d.frame_stride, "an integer >= 1")
     need(d.loader_workers >= 0, "--loader-workers", d.loader_workers, "an integer >= 0")
     need(0 < d.val_fraction < 1, "--val-fraction", d.val_fraction, "in (0, 1)")
+    need(math.isfinite(d.clip_cache_max_gb) and d.clip_cache_max_gb >= 0, "--cache-max-gb", d.clip_cache_max_gb,
+         "a number of GB >= 0 (--no-cache turns the clip cache off)")
+    need(d.clip_cache_format in ("auto", "jpeg", "raw"), "--cache-format", d.clip_cache_format, "auto, jpeg or raw")
 
 
 def _check_data(cfg: TrainConfig) -> None:

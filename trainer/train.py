@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=None, help="clip height = width in pixels (default: the model's)")
     p.add_argument("--loader-workers", type=int, default=DataConfig.loader_workers,
                    help="DataLoader decoding processes per training worker")
+    p.add_argument("--cache-dir", default=None, help="node-local clip cache folder: each video is decoded once "
+                   "(default ~/.cache/vidtune/clips; shared with searches)")
+    p.add_argument("--cache-max-gb", type=float, default=DataConfig.clip_cache_max_gb,
+                   help="clip cache disk budget; past it the rest is decoded on every read")
+    p.add_argument("--cache-format", choices=("auto", "jpeg", "raw"), default=DataConfig.clip_cache_format,
+                   help="auto (jpeg on a GPU, raw on the CPU) | jpeg | raw")
+    p.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the videos on every read")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (init, shuffling, augmentation)")
     p.add_argument("--workers", type=int, default=1, help="Ray Train workers (data-parallel replicas)")
     p.add_argument("--gpus-per-worker", type=float, default=None,
@@ -69,7 +76,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     data = DataConfig(root=args.data, layout=args.layout, positive_class=args.positive_class,
                       val_fraction=args.val_fraction, num_frames=args.num_frames,
                       frame_stride=args.frame_stride, height=args.size, width=args.size,
-                      loader_workers=args.loader_workers)
+                      loader_workers=args.loader_workers, clip_cache=args.cache, clip_cache_dir=args.cache_dir,
+                      clip_cache_max_gb=args.cache_max_gb, clip_cache_format=args.cache_format)
     return TrainConfig(
         data=data, model=args.model, weights=args.weights, epochs=args.epochs, batch_size=args.batch_size,
         lr=args.lr, weight_decay=args.weight_decay, warmup_frac=args.warmup_frac,
