@@ -112,56 +112,49 @@ def plain_process(spec_path: str) -> int:
     index = build_index(base.data)
     print(index.summary(), flush=True)      # the same console markers as the search's
     device = prec.default_device()
-    cache = _frame_cache(base.data, base.model, index)
+    base = _frame_cache(base, index, device)
+    cached = has_module("datasets.cache") and bool(getattr(base.data, "clip_cache", False))
     trials = []
     for trial in spec["trials"]:
         sampled = {k: trial[k] for k in ("batch_size", "lr", "weight_decay") if k in trial}
-        row = _plain_trial(trial_config(base, sampled), index, device, cache, spec["checkpoints"])
+        row = _plain_trial(trial_config(base, sampled), index, device, spec["checkpoints"])
         trials.append({"trial_id": f"plain:{trial['trial_id']}", **row})
-    out = {"trials": trials, "cache": cache is not None, "threads": torch.get_num_threads(), "device": str(device)}
+    out = {"trials": trials, "cache": cached, "threads": torch.get_num_threads(), "device": str(device)}
     Path(spec_path + ".out.json").write_text(json.dumps(out))
     return 0
 
 
-def _frame_cache(data, model: str, index):
-    """`datasets.cache.FrameCache.from_config(data)` where that module exists (None: no cache),
-    filled before the first trial as tune/search.py fills it (`fill_cache`, when it exists)."""
+def _frame_cache(base, index, device):
+    """Fill the clip cache before the first trial as the search does (`tune.runner.fill_clip_cache`,
+    the `auto` format resolved for `device`); returns `base` with the resolved format. A checkout
+    without the cache returns `base` unchanged (its datasets decode every read)."""
     if not has_module("datasets.cache"):
-        return None
-    import datasets.cache as frame_cache
-    from trainer.models import get_spec
-
-    cache = frame_cache.FrameCache.from_config(data)
-    if cache is not None and hasattr(frame_cache, "fill_cache"):
-        spec = get_spec(model)
-        height, width = data.height or spec.height, data.width or spec.width
-        videos = list(index.train) + list(index.val)
-        print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width}", flush=True)
-        print(frame_cache.fill_cache(videos, height=height, width=width, cache=cache).summary(cache), flush=True)
-    return cache
-
-
-def _plain_loaders(cfg, spec, index, device, cache):
-    """Train / val loaders as trainer/worker.py builds them (one worker: no sampler to swap)."""
-    import inspect
-
-    from datasets.video import VideoClipDataset, build_loader
+        return base
     from trainer.precision import is_cuda
+    from tune.runner import fill_clip_cache
+
+    return fill_clip_cache(base, index, on_gpu=is_cuda(device))
+
+
+def _plain_loaders(cfg, spec, index, device):
+    """Train / val loaders of the data a trial reads (`trainer.worker.clip_datasets`; one worker,
+    so no sampler to swap). An older checkout without it decodes every read with decord."""
+    import trainer.worker as worker
+    from datasets.video import VideoClipDataset, build_loader
 
     d = cfg.data
-    kw = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
-              height=d.height or spec.height, width=d.width or spec.width, seed=cfg.seed)
-    accepted = inspect.signature(VideoClipDataset).parameters
-    if "cache" in accepted:
-        kw["cache"] = cache
-    if "encoded" in accepted:   # JPEG frames decoded on the GPU, as the worker does
-        kw["encoded"] = cache is not None and getattr(d, "clip_cache_format", "") == "jpeg" and is_cuda(device)
+    if hasattr(worker, "clip_datasets"):
+        datasets = worker.clip_datasets(cfg, spec, index, device)
+    else:
+        kw = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
+                  height=d.height or spec.height, width=d.width or spec.width, seed=cfg.seed)
+        datasets = tuple(VideoClipDataset(videos, train=train, **kw)
+                         for videos, train in ((index.train, True), (index.val, False)))
     common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
-    return tuple(build_loader(VideoClipDataset(videos, train=train, **kw), batch_size=cfg.batch_size, train=train, **common)
-                 for videos, train in ((index.train, True), (index.val, False)))
+    return tuple(build_loader(ds, batch_size=cfg.batch_size, train=ds.train, **common) for ds in datasets)
 
 
-def _plain_trial(cfg, index, device, cache, checkpoints: str) -> dict:
+def _plain_trial(cfg, index, device, checkpoints: str) -> dict:
     import gc
 
     import torch
@@ -175,7 +168,7 @@ def _plain_trial(cfg, index, device, cache, checkpoints: str) -> dict:
     spec = get_spec(cfg.model)
     policy = choose_precision(cfg.precision, device)
     configure_backends(device)
-    loaders = _plain_loaders(cfg, spec, index, device, cache)
+    loaders = _plain_loaders(cfg, spec, index, device)
     torch.manual_seed(cfg.seed)
     model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last).to(device)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)

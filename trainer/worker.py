@@ -109,7 +109,8 @@ def train_loop_per_worker(config: dict) -> None:
     run = _setup(TrainConfig.from_dict(config), TrainingSlot(lease))
     try:
         start_epoch = _maybe_resume(run)
-        run.slot.acquire(_all_device_keys(run))
+        if run.slot.settings is not None:   # the same on every rank: the key gather is a collective
+            run.slot.acquire(_all_device_keys(run))
         _use_device_threads(run)
         for epoch in range(start_epoch, run.cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
@@ -209,12 +210,12 @@ def _epoch_window(start_ts: float, end_ts: float) -> tuple[float, float]:
     return start, end
 
 
-def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
-             device: torch.device) -> tuple[DataLoader, DataLoader]:
-    """Train loader (shuffled per epoch, sharded, same batch count on every rank so DDP steps
-    stay in lockstep) and val loader (sharded without duplicates)."""
+def clip_datasets(cfg: TrainConfig, spec: Any, index: Any, device: torch.device) -> tuple[Any, Any]:
+    """The (train, val) `VideoClipDataset`s of a run: the model's clip size unless overridden,
+    read through the clip cache `cfg.data` asks for (its `auto` format resolved for `device`).
+    Also used by bench/search_overhead.py, so its plain runs read the data as trials do."""
     from datasets.cache import FrameCache
-    from datasets.video import VideoClipDataset, build_loader
+    from datasets.video import VideoClipDataset
     from trainer.precision import is_cuda
 
     d = cfg.data
@@ -223,9 +224,19 @@ def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
     cache = FrameCache.from_config(d, on_gpu=is_cuda(device))
     # JPEG frames are decoded on the GPU in batches (decode_jpeg(device=...)), not by the loader.
     encoded = cache is not None and cache.format == "jpeg" and is_cuda(device)
-    common_set = dict(seed=cfg.seed, cache=cache, encoded=encoded, **size)
-    train_set = VideoClipDataset(index.train, train=True, **common_set)
-    val_set = VideoClipDataset(index.val, train=False, **common_set)
+    common = dict(seed=cfg.seed, cache=cache, encoded=encoded, **size)
+    return (VideoClipDataset(index.train, train=True, **common),
+            VideoClipDataset(index.val, train=False, **common))
+
+
+def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
+             device: torch.device) -> tuple[DataLoader, DataLoader]:
+    """Train loader (shuffled per epoch, sharded, same batch count on every rank so DDP steps
+    stay in lockstep) and val loader (sharded without duplicates)."""
+    from datasets.video import build_loader
+
+    d = cfg.data
+    train_set, val_set = clip_datasets(cfg, spec, index, device)
     common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
     train_loader = build_loader(train_set, batch_size=cfg.batch_size, train=True, **common)
     val_loader = build_loader(val_set, batch_size=cfg.batch_size, train=False, **common)
