@@ -38,7 +38,7 @@ import torch
 from datasets.cache_fill import FillReport, fill_cache  # noqa: F401  (public here: FillReport)
 from datasets.cache_layout import (FORMATS, META_FILE, discard, entry_key, folder_bytes, load_meta, publish,
                                    read_jpeg, read_raw, update_sizes, write_entry)
-from datasets.config import DataConfig
+from datasets.config import CLIP_CACHE_FORMATS, DataConfig
 from datasets.errors import DataError
 from datasets.index import add_dataset_arguments, build_index, dataset_config
 from datasets.records import VideoInfo
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)  # what a damaged entry raises
 
 
-FORMAT_CHOICES = ("auto", *FORMATS)
+FORMAT_CHOICES = CLIP_CACHE_FORMATS   # "auto" and the stored FORMATS
 
 
 def resolve_format(fmt: str, *, on_gpu: bool) -> str:

@@ -5,6 +5,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
+# The clip cache's stored formats (datasets.cache) and `auto`, which picks one for the device.
+CLIP_CACHE_FORMATS = ("auto", "jpeg", "raw")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where the videos are and how clips are cut from them.

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from datasets.config import CLIP_CACHE_FORMATS
 from trainer.config import TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +118,8 @@ def _check_numbers(cfg: TrainConfig) -> None:
     need(0 < d.val_fraction < 1, "--val-fraction", d.val_fraction, "in (0, 1)")
     need(math.isfinite(d.clip_cache_max_gb) and d.clip_cache_max_gb >= 0, "--cache-max-gb", d.clip_cache_max_gb,
          "a number of GB >= 0 (--no-cache turns the clip cache off)")
-    need(d.clip_cache_format in ("auto", "jpeg", "raw"), "--cache-format", d.clip_cache_format, "auto, jpeg or raw")
+    need(d.clip_cache_format in CLIP_CACHE_FORMATS, "--cache-format", d.clip_cache_format,
+         f"one of {', '.join(CLIP_CACHE_FORMATS)}")
 
 
 def _check_data(cfg: TrainConfig) -> None:

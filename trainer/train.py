@@ -21,7 +21,7 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run by path: this project's `datasets` must shadow Hugging Face's
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datasets.config import DataConfig  # noqa: E402
+from datasets.config import CLIP_CACHE_FORMATS, DataConfig  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default ~/.cache/vidtune/clips; shared with searches)")
     p.add_argument("--cache-max-gb", type=float, default=DataConfig.clip_cache_max_gb,
                    help="clip cache disk budget; past it the rest is decoded on every read")
-    p.add_argument("--cache-format", choices=("auto", "jpeg", "raw"), default=DataConfig.clip_cache_format,
+    p.add_argument("--cache-format", choices=CLIP_CACHE_FORMATS, default=DataConfig.clip_cache_format,
                    help="auto (jpeg on a GPU, raw on the CPU) | jpeg | raw")
     p.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the videos on every read")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (init, shuffling, augmentation)")

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from datasets.config import CLIP_CACHE_FORMATS
+
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
@@ -144,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default ~/.cache/vidtune/clips; python -m datasets.cache fills it ahead)")
     g.add_argument("--cache-max-gb", type=float, metavar="GB", help=f"clip cache disk budget; past it the rest "
                    f"is decoded on every read (default {d.cache_max_gb:g})")
-    g.add_argument("--cache-format", choices=("auto", "jpeg", "raw"), help=f"how cached frames are stored: jpeg "
+    g.add_argument("--cache-format", choices=CLIP_CACHE_FORMATS, help=f"how cached frames are stored: jpeg "
                    f"(~12 KB a 224 px frame, decoded on the GPU), raw uint8 (150 KB, fastest on a CPU), or auto: "
                    f"jpeg when trials train on GPUs, else raw (default {d.cache_format})")
     g.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the video "
@@ -330,7 +332,7 @@ def validate(o: SearchOptions) -> None:
          o.max_concurrent_trials, "an integer >= 1")
     need(math.isfinite(o.cache_max_gb) and o.cache_max_gb >= 0, "--cache-max-gb", o.cache_max_gb,
          "a number of GB >= 0 (0 caches nothing; --no-cache turns the cache off)")
-    need(o.cache_format in ("auto", "jpeg", "raw"), "--cache-format", o.cache_format, "auto, jpeg or raw")
+    need(o.cache_format in CLIP_CACHE_FORMATS, "--cache-format", o.cache_format, f"one of {', '.join(CLIP_CACHE_FORMATS)}")
     if o.cache and o.cache_dir is not None:
         _check_cache_dir(Path(o.cache_dir).expanduser())
     if o.data is not None and not Path(o.data).expanduser().exists():
