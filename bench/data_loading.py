@@ -15,9 +15,9 @@ DataLoader throughput with 0, 1, 2 workers, warm cache vs decord; and the disk c
 a search on this machine stores (auto: raw on a CPU, jpeg with a GPU) vs decord on the first
 corpus; the goal is >= 10) and the disk bytes per video and frame.
 
-    python bench/data_loading.py                                  # synthetic data in a temp folder
-    python bench/data_loading.py --root /data/RWF-2000 --sizes 112 224 --frames 16
-    python bench/data_loading.py --quick                          # a few seconds, to check it runs
+    python -m bench.data_loading                                  # synthetic data in a temp folder
+    python -m bench.data_loading --root /data/RWF-2000 --sizes 112 224 --frames 16
+    python -m bench.data_loading --quick                          # a few seconds, to check it runs
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,9 +16,9 @@ achieved TFLOP/s and MFU: one forward's FLOPs (counted once with FlopCounterMode
 fp32 runs with TF32 on (as `configure_backends` sets it for training): its MFU is against the
 TF32 peak. Rows run most interesting first; past --max-seconds the rest are skipped and listed.
 
-    python bench/gpu_precision.py --json gpu.json          # H200: mvit_v2_s 16x224x224, batch 8, 16 (< 5 min)
-    python bench/gpu_precision.py --model swin3d_t --batch-sizes 16 32 --channels-last
-    python bench/gpu_precision.py --cpu-smoke              # no GPU: the same rows, tiny model, 2 timed steps
+    python -m bench.gpu_precision --json gpu.json          # H200: mvit_v2_s 16x224x224, batch 8, 16 (< 5 min)
+    python -m bench.gpu_precision --model swin3d_t --batch-sizes 16 32 --channels-last
+    python -m bench.gpu_precision --cpu-smoke              # no GPU: the same rows, tiny model, 2 timed steps
 """
 from __future__ import annotations
 
@@ -37,18 +37,16 @@ from typing import Any, Iterator
 
 STARTED = time.perf_counter()      # --max-seconds counts from here: torch's import is part of the run
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(REPO_ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import format_table, has_module, write_json  # noqa: E402
-from datasets.transforms import ClipTransform  # noqa: E402
-from trainer import precision as prec  # noqa: E402
-from trainer.loop import make_optimizer, train_one_epoch  # noqa: E402
-from trainer.models import (MODEL_NAMES, build_model, get_spec, prepare_input_transform,  # noqa: E402
+from bench.common import format_table, has_module, write_json
+from datasets.transforms import ClipTransform
+from trainer import precision as prec
+from trainer.loop import make_optimizer, train_one_epoch
+from trainer.models import (MODEL_NAMES, build_model, get_spec, prepare_input_transform,
                             prepare_model_memory_format)
-from trainer.precision import is_out_of_memory  # noqa: E402
+from trainer.precision import is_out_of_memory
 
 # Peak dense (no sparsity) tensor-core TFLOP/s from NVIDIA's datasheets, per autocast precision;
 # "tf32" is what fp32 rows use (TF32 on), "fp32" the plain CUDA-core rate. Matched as a substring

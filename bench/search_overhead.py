@@ -16,9 +16,9 @@ The search's trial spans come from its MLflow child runs (opened and closed when
 ends a trial), its epochs from each result's epoch_start_ts / epoch_end_ts (estimated from the
 report times where the code reports none); the plain side times itself the same way.
 
-    python bench/search_overhead.py --quick                 # 2 short trials: checks it runs (~1 min)
-    python bench/search_overhead.py --trial-seconds 10      # 4 trials of ~10 s each (target ratio <= 1.5)
-    python bench/search_overhead.py --trial-seconds 60 --json overhead-60.json   # (target <= 1.10)
+    python -m bench.search_overhead --quick                 # 2 short trials: checks it runs (~1 min)
+    python -m bench.search_overhead --trial-seconds 10      # 4 trials of ~10 s each (target ratio <= 1.5)
+    python -m bench.search_overhead --trial-seconds 60 --json overhead-60.json   # (target <= 1.10)
 """
 from __future__ import annotations
 
@@ -35,10 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(REPO_ROOT))
 
-from bench.common import format_table, has_module, max_overlap, union_length, write_json  # noqa: E402
+from bench.common import format_table, has_module, max_overlap, union_length, write_json
 
 
 @dataclass(frozen=True)
@@ -283,7 +281,7 @@ def search_trial_threads() -> int:
 
     if has_module("trainer.lease"):
         return os.cpu_count() or 1
-    return max(1, int(SearchOptions().cpus_per_worker))
+    return max(1, int(SearchOptions().resources.cpus_per_worker))
 
 
 # -- reading the search's results ----------------------------------------------------------------
@@ -488,8 +486,10 @@ def run_plain(argv: list[str], trials: list[dict], threads: int, tmp: Path, args
     (tmp / "checkpoints").mkdir(exist_ok=True)
     spec_path.write_text(json.dumps({"argv": argv, "trials": trials, "threads": threads,
                                      "checkpoints": str(tmp / "checkpoints")}))
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-plain")}
-    run = run_logged([sys.executable, str(Path(__file__).resolve()), "--plain-spec", str(spec_path)], env=env,
+    # cwd is tmp: the repository reaches `python -m bench.search_overhead` through PYTHONPATH
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-plain"),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    run = run_logged([sys.executable, "-m", "bench.search_overhead", "--plain-spec", str(spec_path)], env=env,
                      cwd=tmp, timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "plain.log")
     if run["returncode"] != 0:
         tail = "\n".join(text for _, text in run["lines"][-30:])

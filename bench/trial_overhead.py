@@ -11,10 +11,10 @@ Measures, with N repetitions each:
 
 Compare the last numbers with a trial's epoch time to see how much of a short search is overhead.
 
-    python bench/trial_overhead.py                       # 3 repetitions on a local 2-CPU Ray
-    python bench/trial_overhead.py --repeats 5 --train-workers 2 --num-cpus 4
-    python bench/trial_overhead.py --health-check-interval-s 2   # Ray's default poll, for comparison
-    python bench/trial_overhead.py --address auto --storage s3://bucket/tmp   # on a running cluster
+    python -m bench.trial_overhead                       # 3 repetitions on a local 2-CPU Ray
+    python -m bench.trial_overhead --repeats 5 --train-workers 2 --num-cpus 4
+    python -m bench.trial_overhead --health-check-interval-s 2   # Ray's default poll, for comparison
+    python -m bench.trial_overhead --address auto --storage s3://bucket/tmp   # on a running cluster
 """
 from __future__ import annotations
 
@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(REPO_ROOT))
 
-from tune.trial import DRIVER_CPUS  # noqa: E402
+from tune.trial import DRIVER_CPUS
 
 
 def build_parser() -> argparse.ArgumentParser:

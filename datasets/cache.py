@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-if __package__ in (None, ""):  # run by path: make this project's `datasets` win over Hugging Face's
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
@@ -40,6 +38,7 @@ from datasets.cache_layout import (FORMATS, META_FILE, discard, entry_key, folde
                                    read_jpeg, read_raw, update_sizes, write_entry)
 from datasets.config import CLIP_CACHE_FORMATS, DataConfig
 from datasets.errors import DataError
+from datasets.flags import ConfigError
 from datasets.index import add_dataset_arguments, build_index, dataset_config
 from datasets.records import VideoInfo
 from datasets.video import decode_jpeg_frames, read_frames
@@ -316,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers {args.workers}: must be at least 1")
     if not args.cache_max_gb > 0:
         p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive (it is the room for the decoded frames)")
-    cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
-                         clip_cache_format=args.format)
+    try:
+        cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
+                             clip_cache_format=args.format)
+    except ConfigError as e:
+        p.error(str(e))
     cache = FrameCache.from_config(cfg, on_gpu=_has_gpu())
     try:
         index = build_index(cfg, workers=args.workers)

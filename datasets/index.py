@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run by path: make this project's `datasets` win over Hugging Face's
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datasets.config import DataConfig
 from datasets.errors import DataError
-from datasets.layouts import LAYOUTS, OWN_FILE_PREFIX, discover
+from datasets.flags import ConfigError, add_flags, check_bounds, flag_specs
+from datasets.layouts import OWN_FILE_PREFIX, discover
 from datasets.probe import probe_video, run_pool  # noqa: F401  (probe_video re-exported)
 from datasets.records import DroppedVideo, VideoInfo
 
@@ -313,29 +312,24 @@ def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # CLI
 
+# The DataConfig fields the indexing CLIs expose (declared once in datasets.config).
+INDEX_FIELDS = ("layout", "positive_class", "val_fraction", "split_seed", "min_frames", "probe_timeout_s")
+
+
 def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
-    """The dataset's positional ROOT and layout flags, shared by the CLIs that index a dataset."""
-    d = DataConfig()
+    """The dataset's positional ROOT and layout flags, shared by the CLIs that index a dataset
+    (the flags generated from `DataConfig`'s declarations, as in the search and trainer.train)."""
     p.add_argument("root", help="dataset folder (RWF-2000 or class-folder layout) or a CSV manifest file")
-    p.add_argument("--layout", choices=LAYOUTS, default=d.layout,
-                   help="how the videos are organised; auto detects it from what is on disk")
-    p.add_argument("--positive-class", default=d.positive_class,
-                   help="name of the violent class (label 1); default: inferred from names like Fight, Violence")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="share of each class held out for validation when the layout gives no split")
-    p.add_argument("--split-seed", type=int, default=d.split_seed,
-                   help="seed of the stratified train/val split (same seed, same split)")
-    p.add_argument("--min-frames", type=int, default=d.min_frames,
-                   help="videos that decode fewer frames than this are left out")
-    p.add_argument("--probe-timeout-s", type=float, default=d.probe_timeout_s,
-                   help="seconds allowed to probe one file before its worker is killed")
+    specs = [s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS]
+    add_flags(p, specs, group_of=lambda s: "dataset", suppress=False)
 
 
 def dataset_config(args: argparse.Namespace, **more: Any) -> DataConfig:
-    """The DataConfig of the flags `add_dataset_arguments` added (plus `more` fields)."""
-    return DataConfig(root=args.root, layout=args.layout, positive_class=args.positive_class,
-                      val_fraction=args.val_fraction, split_seed=args.split_seed,
-                      min_frames=args.min_frames, probe_timeout_s=args.probe_timeout_s, **more)
+    """The DataConfig of the flags `add_dataset_arguments` added (plus `more` fields); bounds are
+    checked (ConfigError naming the flag)."""
+    cfg = DataConfig(root=args.root, **{name: getattr(args, name) for name in INDEX_FIELDS}, **more)
+    check_bounds(cfg, [s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS])
+    return cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,7 +363,11 @@ def _progress_printer(stream) -> Callable[[int, int], None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = dataset_config(args, cache_dir=args.cache_dir)
+    try:
+        cfg = dataset_config(args, cache_dir=args.cache_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         index = build_index(cfg, workers=args.workers, use_cache=not args.no_cache,
                             progress=_progress_printer(sys.stderr))

@@ -20,11 +20,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
 
-from datasets.config import DataConfig
+from datasets.config import LAYOUT_CHOICES, DataConfig
 from datasets.errors import DataError
 from datasets.records import NON_VIOLENT, VIOLENT, VideoItem
 
-LAYOUTS = ("auto", "rwf2000", "class_folders", "csv")
+LAYOUTS = LAYOUT_CHOICES
 VIDEO_EXTENSIONS = frozenset({".avi", ".mp4", ".mkv", ".mov", ".webm"})
 TRAIN_DIR_NAMES = ("train",)
 VAL_DIR_NAMES = ("val", "valid", "validation")

@@ -294,6 +294,9 @@ def write_video(path: Path, frames: np.ndarray, *, fps: int, codec: str = "libx2
             stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
             stream.codec_context.qscale = True       # fixed quantiser: near-lossless, small files
             stream.codec_context.global_quality = 2
+            # One encoder thread here too: with FFmpeg's default (as many as the cores) the same
+            # frames came out differently under load, and a seed must give the same files.
+            stream.codec_context.thread_count = 1
         for arr in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
                 container.mux(packet)

@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-# This project's `datasets` must shadow Hugging Face's, as it does when run from the repository root.
-if str(REPO_ROOT) not in sys.path[:1]:
-    sys.path.insert(0, str(REPO_ROOT))
+REPO_ROOT = Path(__file__).resolve().parents[1]   # first on sys.path: pyproject's pytest `pythonpath`
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -35,3 +31,18 @@ def ray_session():
     init_ray(num_cpus=2)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run where torch sees a CUDA device (`pytest -m gpu` on a GPU machine)
+    and are skipped, saying why, everywhere else."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device; torch.cuda.is_available() is False here")
+    for item in gpu_items:
+        item.add_marker(skip)

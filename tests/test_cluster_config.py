@@ -29,6 +29,7 @@ def raw_config() -> dict:
 @pytest.fixture(scope="module")
 def prepared(raw_config) -> dict:
     """The config as `ray up` sees it after merging the AWS defaults (no cloud calls)."""
+    # Private: Ray has no public offline prepare/validate (its sdk's bootstrap_config calls AWS).
     from ray.autoscaler._private.util import prepare_config
 
     return prepare_config(copy.deepcopy(raw_config))
@@ -62,6 +63,7 @@ def _mlflow_server_args(commands: list[str]) -> list[str]:
 
 
 def test_cluster_yaml_passes_rays_own_schema(prepared):
+    # Private: the schema check `ray up` runs; Ray has no public offline equivalent.
     from ray.autoscaler._private.util import validate_config
 
     validate_config(prepared)
@@ -71,7 +73,7 @@ def test_cluster_yaml_passes_rays_own_schema(prepared):
 def test_schema_check_really_rejects_a_broken_config(raw_config):
     """Guards the test above: the same route fails on a misspelt node-type field."""
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from ray.autoscaler._private.util import prepare_config, validate_config  # private: as above
 
     broken = copy.deepcopy(raw_config)
     broken["available_node_types"]["gpu_spot"]["min_worker"] = 1

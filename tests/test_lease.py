@@ -1,12 +1,162 @@
 """The device lease (trainer.lease): one training at a time per device, first come first served,
-all of a trial's devices at once, and an honest count of trainings that shared a device."""
+all of a trial's devices at once, and an honest count of trainings that shared a device.
+
+The bookkeeping (`LeaseBook`) is tested in-process on a fake clock: every grant and release
+time is chosen by the test, and "still waiting" is checked after the event loop has run every
+task as far as it can (no sleeps, no wall-clock time). Two slow tests drive the real Ray actor.
+"""
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 
 import pytest
 
-pytestmark = pytest.mark.slow   # needs the shared Ray session
+from trainer.lease import LeaseBook
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _settle() -> None:
+    """Let every task run until it blocks on the lease (event-loop turns, not time)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def _book(capacity: int = 1, now: float = 10.0) -> tuple[LeaseBook, FakeClock]:
+    clock = FakeClock(now)
+    return LeaseBook(capacity=capacity, clock=clock), clock
+
+
+def test_second_training_waits_until_the_first_releases():
+    async def scenario():
+        book, clock = _book()
+        assert await book.acquire("a", ["n1/cpu"]) == 10.0
+        clock.now = 12.0
+        second = asyncio.create_task(book.acquire("b", ["n1/cpu"]))
+        await _settle()
+        assert not second.done()                                   # the device is busy
+        assert book.snapshot()["waiting"] == ["b"] and book.snapshot()["holders"] == {"n1/cpu": ["a"]}
+        clock.now = 20.0
+        assert await book.release("a") is True
+        await _settle()
+        assert second.done() and second.result() == 20.0           # granted when a released, not when asked
+        clock.now = 30.0
+        assert await book.release("b") is True
+        assert await book.release("b") is False                    # holds nothing any more
+        assert book.snapshot()["intervals"] == [("a", ("n1/cpu",), 10.0, 20.0), ("b", ("n1/cpu",), 20.0, 30.0)]
+        # each had the device to itself: never two trainings at once
+        assert book.concurrent("a", 0.0, 100.0) == 1 and book.concurrent("b", 0.0, 100.0) == 1
+        assert book.concurrent("a", 30.0, 40.0) == 0               # nobody held the device then
+        assert book.concurrent("a", 19.0, 21.0) == 1               # a's end and b's start do not overlap
+
+    asyncio.run(scenario())
+
+
+def test_other_devices_do_not_wait_and_a_trial_takes_all_its_devices_at_once():
+    async def scenario():
+        book, clock = _book()
+        await book.acquire("a", ["n1/gpu:0"])
+        other = asyncio.create_task(book.acquire("b", ["n1/gpu:1"]))    # another GPU: at once
+        both = asyncio.create_task(book.acquire("c", ["n1/gpu:0", "n1/gpu:1"]))   # waits for a and b
+        await _settle()
+        assert other.done() and not both.done()
+        await book.release("a")
+        await _settle()
+        assert not both.done()                                        # holds neither while waiting
+        assert book.snapshot()["holders"] == {"n1/gpu:1": ["b"]}
+        clock.now = 15.0
+        await book.release("b")
+        await _settle()
+        assert both.result() == 15.0
+        assert book.snapshot()["holders"] == {"n1/gpu:0": ["c"], "n1/gpu:1": ["c"]}
+
+    asyncio.run(scenario())
+
+
+def test_first_come_first_served():
+    async def scenario():
+        book, _ = _book()
+        await book.acquire("a", ["n1/cpu"])
+        b = asyncio.create_task(book.acquire("b", ["n1/cpu"]))
+        await _settle()
+        c = asyncio.create_task(book.acquire("c", ["n1/cpu"]))
+        elsewhere = asyncio.create_task(book.acquire("d", ["n2/cpu"]))   # another node: not behind b and c
+        await _settle()
+        assert book.snapshot()["waiting"] == ["b", "c"] and elsewhere.done()
+        await book.release("a")
+        await _settle()
+        assert b.done() and not c.done()
+        await book.release("b")
+        await _settle()
+        assert c.done()
+
+    asyncio.run(scenario())
+
+
+def test_every_worker_of_a_trial_gets_the_grant_of_its_first_request():
+    async def scenario():
+        book, clock = _book()
+        await book.acquire("a", ["n1/gpu:0"])
+        rank0 = asyncio.create_task(book.acquire("t", ["n1/gpu:0", "n1/gpu:1"]))
+        rank1 = asyncio.create_task(book.acquire("t", ["n1/gpu:0", "n1/gpu:1"]))
+        await _settle()
+        assert not rank0.done() and not rank1.done() and book.snapshot()["waiting"] == ["t"]
+        clock.now = 25.0
+        await book.release("a")
+        await _settle()
+        assert rank0.result() == rank1.result() == 25.0
+        assert book.snapshot()["holders"] == {"n1/gpu:0": ["t"], "n1/gpu:1": ["t"]}
+        assert len(book.snapshot()["intervals"]) == 2                 # one holding for the trial, not per rank
+        clock.now = 26.0
+        assert await book.acquire("t", ["n1/gpu:0"]) == 26.0          # a restarted worker group: at once
+
+    asyncio.run(scenario())
+
+
+def test_packed_trials_are_counted_as_sharing():
+    async def scenario():
+        book, clock = _book(capacity=2)
+        assert await book.acquire("a", ["n1/gpu:0"]) == 10.0
+        clock.now = 12.0
+        assert await book.acquire("b", ["n1/gpu:0"]) == 12.0            # capacity 2: no wait
+        await book.acquire("other", ["n1/gpu:1"])                       # another device: not sharing
+        clock.now = 15.0
+        await book.release("b")
+        assert book.concurrent("a", 10.0, 14.0) == 2
+        assert book.concurrent("a", 10.0, 11.0) == 1                    # before b came
+        assert book.concurrent("a", 15.0, 30.0) == 1                    # alone again (b ended at 15)
+        assert book.concurrent("b", 0.0, 30.0) == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_trial_stopped_while_waiting_leaves_the_queue():
+    async def scenario():
+        book, _ = _book()
+        await book.acquire("a", ["n1/cpu"])
+        stopped = asyncio.create_task(book.acquire("stopped", ["n1/cpu"]))
+        waiting = asyncio.create_task(book.acquire("next", ["n1/cpu"]))
+        await _settle()
+        assert await book.release("stopped") is False        # held nothing, but leaves the queue
+        await _settle()
+        assert stopped.done() and stopped.result() is None    # and is never granted
+        assert book.snapshot()["waiting"] == ["next"]
+        await book.release("a")
+        await _settle()
+        assert waiting.done() and book.snapshot()["holders"] == {"n1/cpu": ["next"]}
+
+    asyncio.run(scenario())
+
+
+# --- the Ray actor --------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -18,99 +168,39 @@ def lease(ray_session, request):
     ray_session.kill(handle)
 
 
-def _granted(ref, timeout: float = 0.5) -> bool:
+def _wait_until_waiting(lease, owners: list[str], timeout_s: float = 30.0) -> None:
+    """Until the actor's queue is `owners` (calls to an async actor may start out of order)."""
     import ray
 
-    ready, _ = ray.wait([ref], timeout=timeout)
-    return bool(ready)
+    deadline = time.monotonic() + timeout_s
+    while (waiting := ray.get(lease.snapshot.remote())["waiting"]) != owners:
+        assert time.monotonic() < deadline, f"queue is {waiting}, expected {owners}"
 
 
-def test_second_training_waits_until_the_first_releases(lease):
+@pytest.mark.slow
+def test_the_actor_queues_grants_and_counts(lease):
     import ray
 
     t0 = ray.get(lease.acquire.remote("a", ["n1/cpu"]))
     second = lease.acquire.remote("b", ["n1/cpu"])
-    assert not _granted(second)                          # the device is busy
-    assert ray.get(lease.snapshot.remote())["waiting"] == ["b"]
-    time.sleep(0.2)
+    _wait_until_waiting(lease, ["b"])
+    assert ray.get(lease.snapshot.remote())["holders"] == {"n1/cpu": ["a"]}    # b waits, holds nothing
     assert ray.get(lease.release.remote("a")) is True
-    t1 = ray.get(second, timeout=10)
-    assert t1 > t0
-    # each had the device to itself: never two trainings at once
-    assert ray.get(lease.concurrent.remote("a", t0 - 1, time.time())) == 1
-    assert ray.get(lease.concurrent.remote("b", t0 - 1, time.time())) == 1
+    t1 = ray.get(second, timeout=30)
+    assert t1 >= t0
+    assert ray.get(lease.snapshot.remote())["holders"] == {"n1/cpu": ["b"]}
     ray.get(lease.release.remote("b"))
+    assert ray.get(lease.concurrent.remote("a", 0.0, math.inf)) == 1
+    assert ray.get(lease.concurrent.remote("b", 0.0, math.inf)) == 1
 
 
-def test_other_devices_do_not_wait_and_a_trial_takes_all_its_devices_at_once(lease):
-    import ray
-
-    ray.get(lease.acquire.remote("a", ["n1/gpu:0"]))
-    assert _granted(lease.acquire.remote("b", ["n1/gpu:1"]))          # another GPU: at once
-    both = lease.acquire.remote("c", ["n1/gpu:0", "n1/gpu:1"])       # needs both: waits for a and b
-    ray.get(lease.release.remote("a"))
-    assert not _granted(both)                                        # holds neither while waiting
-    assert "n1/gpu:0" not in ray.get(lease.snapshot.remote())["holders"]
-    ray.get(lease.release.remote("b"))
-    ray.get(both, timeout=10)
-    assert ray.get(lease.snapshot.remote())["holders"] == {"n1/gpu:0": ["c"], "n1/gpu:1": ["c"]}
-
-
-def test_first_come_first_served(lease):
-    import ray
-
-    ray.get(lease.acquire.remote("a", ["n1/cpu"]))
-    b = lease.acquire.remote("b", ["n1/cpu"])
-    time.sleep(0.3)
-    c = lease.acquire.remote("c", ["n1/cpu"])
-    time.sleep(0.3)
-    ray.get(lease.release.remote("a"))
-    ray.get(b, timeout=10)
-    assert not _granted(c)
-    ray.get(lease.release.remote("b"))
-    ray.get(c, timeout=10)
-
-
-def test_every_worker_of_a_trial_gets_the_grant_of_its_first_request(lease):
-    import ray
-
-    ray.get(lease.acquire.remote("a", ["n1/gpu:0"]))
-    rank0 = lease.acquire.remote("t", ["n1/gpu:0", "n1/gpu:1"])
-    rank1 = lease.acquire.remote("t", ["n1/gpu:0", "n1/gpu:1"])
-    assert not _granted(rank1)
-    ray.get(lease.release.remote("a"))
-    ray.get([rank0, rank1], timeout=10)
-    assert ray.get(lease.snapshot.remote())["holders"]["n1/gpu:1"] == ["t"]
-
-
-def test_packed_trials_are_counted_as_sharing(ray_session):
-    import ray
-
-    from trainer.lease import start_lease
-
-    packed = start_lease("test-lease-packed", capacity=2)
-    try:
-        t0 = ray.get(packed.acquire.remote("a", ["n1/gpu:0"]))
-        ray.get(packed.acquire.remote("b", ["n1/gpu:0"]), timeout=10)   # capacity 2: no wait
-        time.sleep(0.1)
-        assert ray.get(packed.concurrent.remote("a", t0, time.time())) == 2
-        ray.get(packed.release.remote("b"))
-        mid = time.time()
-        time.sleep(0.1)
-        assert ray.get(packed.concurrent.remote("a", mid, time.time())) == 1   # alone again
-    finally:
-        ray.kill(packed)
-
-
-def test_a_trial_stopped_while_waiting_leaves_the_queue(lease):
+@pytest.mark.slow
+def test_the_actor_cancels_a_stopped_waiter(lease):
     import ray
 
     ray.get(lease.acquire.remote("a", ["n1/cpu"]))
     stopped = lease.acquire.remote("stopped", ["n1/cpu"])
-    waiting = lease.acquire.remote("next", ["n1/cpu"])
-    time.sleep(0.3)
-    assert ray.get(lease.release.remote("stopped")) is False       # held nothing, but leaves the queue
-    assert ray.get(stopped, timeout=10) is None                     # and is never granted
-    ray.get(lease.release.remote("a"))
-    ray.get(waiting, timeout=10)
-    assert ray.get(lease.snapshot.remote())["holders"] == {"n1/cpu": ["next"]}
+    _wait_until_waiting(lease, ["stopped"])
+    assert ray.get(lease.release.remote("stopped")) is False
+    assert ray.get(stopped, timeout=30) is None
+    assert ray.get(lease.snapshot.remote())["waiting"] == []

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import pytest
 import torch
@@ -52,24 +51,47 @@ def _epoch(model, loader, optimizer, **kw):
                            policy=FP32, device="cpu", **kw)
 
 
-def test_loop_learns_a_small_problem():
+def _learn(device, policy) -> tuple[list[float], float, object]:
+    """4 epochs of SmallNet on the red-centre problem on `device` under `policy`: the mean train
+    loss of each epoch, the accuracy on 16 new clips, and their EvalOutputs."""
     torch.manual_seed(0)
     clips, labels = _data(32)
     loader = DataLoader(TensorDataset(clips, labels), batch_size=4, shuffle=True, drop_last=True)
-    model = SmallNet()
-    optimizer = make_optimizer(model, lr=0.03, weight_decay=0.01, device="cpu")
+    model = SmallNet().to(device)
+    optimizer = make_optimizer(model, lr=0.03, weight_decay=0.01, device=device)
     scheduler = make_scheduler(optimizer, total_steps=4 * len(loader), warmup_frac=0.1)
+    transform = ClipTransform(MEAN, STD, train=False).to(device)
     losses = []
     for _ in range(4):
-        stats = _epoch(model, loader, optimizer, scheduler=scheduler)
+        stats = train_one_epoch(model, loader, transform=transform, optimizer=optimizer, scheduler=scheduler,
+                                scaler=policy.make_scaler(), policy=policy, device=device)
         assert (stats.clips, stats.steps) == (32, 8)
         losses.append(stats.loss_sum / stats.clips)
-    assert losses[-1] < 0.5 * losses[0], losses
-    out = evaluate(model, DataLoader(TensorDataset(*_data(16, seed=1)), batch_size=8),
-                   transform=ClipTransform(MEAN, STD, train=False), policy=FP32, device="cpu")
+    out = evaluate(model, DataLoader(TensorDataset(*_data(16, seed=1)), batch_size=8), transform=transform,
+                   policy=policy, device=device)
     accuracy = ((out.probs >= 0.5).long() == out.labels).float().mean().item()
+    return losses, accuracy, out
+
+
+def test_loop_learns_a_small_problem():
+    losses, accuracy, out = _learn("cpu", FP32)
+    assert losses[-1] < 0.5 * losses[0], losses
     assert out.count == 16 and accuracy >= 0.9
     assert out.loss_sum / out.count < losses[0]
+
+
+@pytest.mark.gpu
+def test_loop_learns_a_small_problem_on_the_gpu_under_the_auto_policy():
+    """The same problem on CUDA: autocast (bf16, or fp16 with a live GradScaler on older GPUs),
+    fused AdamW, on-device transform; the outputs come back to the CPU as float32 / int64."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    policy = choose_precision("auto", device)
+    assert policy.dtype != torch.float32 and make_optimizer(SmallNet().to(device), lr=0.1, weight_decay=0.0,
+                                                            device=device).param_groups[0]["fused"]
+    losses, accuracy, out = _learn(device, policy)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.5 * losses[0], losses
+    assert out.count == 16 and accuracy >= 0.9
+    assert out.probs.device.type == "cpu" and out.probs.dtype == torch.float32 and out.labels.dtype == torch.int64
 
 
 def test_tiny_model_epoch_and_eval_with_augmentation():
@@ -191,19 +213,48 @@ def test_clipping_sees_unscaled_gradients(monkeypatch):
     assert events[1][1] == pytest.approx(true_norm, rel=1e-4)     # not 1024 x the true norm
 
 
-def test_data_wait_is_timed_apart_from_the_step():
+class _FakeClock:
+    """Stands in for trainer.loop's `time`: perf_counter() moves only when the test says so."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _ClockedNet(SmallNet):
+    """Each forward pass takes `step_s` on the fake clock: the step's share of the epoch."""
+
+    def __init__(self, clock: _FakeClock, step_s: float):
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+
+    def forward(self, x):
+        self.clock.now += self.step_s
+        return super().forward(x)
+
+
+def test_data_wait_is_timed_apart_from_the_step(monkeypatch):
+    """4 batches, each 0.5 s in next(loader) and 0.125 s in the step: the wait is the loader's
+    time alone (read-ahead included, compute excluded), and the epoch is the sum of both."""
+    import trainer.loop
+
     clips, labels = _data(8)
+    clock = _FakeClock()
+    monkeypatch.setattr(trainer.loop, "time", clock)
 
     def slow_loader():
         for i in range(0, 8, 2):
-            time.sleep(0.05)
+            clock.now += 0.5
             yield clips[i:i + 2], labels[i:i + 2]
 
-    model = SmallNet()
+    model = _ClockedNet(clock, step_s=0.125)
     stats = _epoch(model, slow_loader(), torch.optim.SGD(model.parameters(), lr=0.1))
-    assert stats.data_wait_s >= 4 * 0.05
-    assert stats.step_time_s > 0
-    assert stats.step_time_s + stats.data_wait_s == pytest.approx(stats.epoch_time_s)
+    assert stats.steps == 4
+    assert stats.data_wait_s == 4 * 0.5
+    assert stats.epoch_time_s == 4 * 0.5 + 4 * 0.125
+    assert stats.step_time_s == 4 * 0.125
 
 
 def test_bad_grad_accum_steps():

@@ -5,6 +5,8 @@ import itertools
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,8 +78,40 @@ def test_reduce_epoch_single_process():
     assert m["val_acc"] == 0.5 and m["val_auc"] == 0.75
 
 
-def test_peak_memory_on_cpu_is_process_rss():
-    assert 10 < peak_memory_mb("cpu") < 64 * 1024
+def _proc_status_mib(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (the kernel writes kB), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux only)")
+def test_peak_memory_on_cpu_is_the_process_peak_rss_in_mib():
+    before = peak_memory_mb("cpu")
+    assert before >= _proc_status_mib("VmHWM") - 1          # at least the kernel's high-water mark
+    # Grow the resident set to `extra` MiB past the old peak with a written (so resident) block.
+    extra = 96
+    size_mib = before - _proc_status_mib("VmRSS") + extra
+    block = torch.ones(int(size_mib * 2**20) // 8, dtype=torch.float64)
+    grown = peak_memory_mb("cpu")
+    del block
+    assert grown - before == pytest.approx(extra, abs=12)    # MiB, not KiB or bytes
+    assert _proc_status_mib("VmRSS") < grown - extra / 2     # the block went back to the OS ...
+    assert peak_memory_mb("cpu") >= grown                    # ... but a peak never goes down
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_the_gpu_is_the_tensor_peak_not_the_process():
+    from trainer import precision
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    precision.synchronize(device)
+    precision.reset_peak_memory(device)
+    base = torch.cuda.memory_allocated(device) / 2**20
+    block = torch.ones(16 * 2**20, dtype=torch.uint8, device=device)     # 16 MiB
+    assert peak_memory_mb(device) == pytest.approx(base + 16, abs=0.5)
+    del block
 
 
 # --- two workers: a real gloo process group ------------------------------------------------

@@ -33,9 +33,10 @@ TRIALS = 2
 # keeps the cluster until its stdin closes.
 CLUSTER_PROCESS = """
 import json, os, socket, sys
+# Private, but Ray has no public way to forget the "latest cluster" record (Cluster.shutdown uses it too).
 from ray._common.utils import reset_ray_address
-from ray._private.services import get_node_ip_address
 from ray.cluster_utils import Cluster
+from ray.util import get_node_ip_address
 
 def free_port():
     with socket.socket() as s:

@@ -126,3 +126,33 @@ def test_device_type_literal_only_in_precision_module():
     for name in ("loop.py", "metrics.py", "models.py", "batch_probe.py"):
         text = (root / name).read_text()
         assert not re.search(r"""["']cuda""", text), f"trainer/{name} names the cuda device type"
+
+
+@pytest.mark.gpu
+def test_auto_policy_on_the_real_gpu_casts_and_scales_as_decided():
+    device = torch.device("cuda", torch.cuda.current_device())
+    policy = choose_precision("auto", device)
+    low = torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    assert (policy.dtype, policy.use_scaler, policy.device_type) == (low, low == torch.float16, "cuda")
+    a = torch.randn(16, 16, device=device)
+    with policy.autocast():
+        assert (a @ a).dtype == low                       # autocast really applies on this device
+    assert (a @ a).dtype == torch.float32
+    assert policy.make_scaler().is_enabled() == policy.use_scaler
+    with choose_precision("fp32", device).autocast():     # fp32: autocast off on the GPU too
+        assert (a @ a).dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_peak_allocated_follows_tensors_on_the_gpu():
+    device = torch.device("cuda", torch.cuda.current_device())
+    precision.synchronize(device)
+    base = torch.cuda.memory_allocated(device) / 2**20
+    precision.reset_peak_memory(device)
+    block = torch.ones(32 * 2**20, dtype=torch.uint8, device=device)     # 32 MiB
+    assert precision.peak_allocated_mb(device) == pytest.approx(base + 32, abs=0.5)
+    del block
+    assert precision.peak_allocated_mb(device) == pytest.approx(base + 32, abs=0.5)   # a peak stays
+    precision.reset_peak_memory(device)
+    assert precision.peak_allocated_mb(device) == pytest.approx(base, abs=0.5)        # until reset
+    precision.free_memory(device)

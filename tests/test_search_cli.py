@@ -3,7 +3,6 @@ a message naming the flag / key / file, no traceback), mostly in-process with --
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from tune import search
-from tune.options import SMOKE_TEST, SearchOptions, UsageError, build_parser, parse_options
+from datasets.flags import ConfigError
+from trainer.config import TrainConfig
+from tune.options import SEARCHED, SMOKE_TEST, SearchOptions, build_parser, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,34 +37,72 @@ def test_every_flag_has_help_and_the_help_is_grouped():
     text = parser.format_help()
     for group in ("data:", "model and training:", "search space:", "search:", "where it runs:", "tracking:", "run:"):
         assert group in text
-    # Every SearchOptions field (except the config path itself) can be set by a flag.
+    # Every option of the search, nested ones included, has a flag whose dest is its path.
     dests = {a.dest for a in flags}
-    assert set(SearchOptions.__dataclass_fields__) <= dests
+    assert _leaf_paths(SearchOptions) - set(SEARCHED) == dests
+    # Every training option is reachable from the search, except those the search draws.
+    assert {"train." + p for p in _leaf_paths(TrainConfig)} - set(SEARCHED) <= dests
+
+
+def _leaf_paths(cls, prefix=""):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = set()
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out |= _leaf_paths(hints[f.name], prefix + f.name + ".")
+        else:
+            out.add(prefix + f.name)
+    return out
+
+
+def test_training_options_reach_the_trials(tmp_path):
+    opts = parse_options(["--grad-accum", "2", "--channels-last", "--warmup-frac", "0.2", "--label-smoothing", "0.1",
+                          "--freeze-backbone-epochs", "1", "--no-cache", "--height", "64", "--seed", "7"])
+    t = opts.train
+    assert (t.grad_accum_steps, t.channels_last, t.warmup_frac, t.label_smoothing, t.freeze_backbone_epochs,
+            t.data.clip_cache, t.data.height, t.seed) == (2, True, 0.2, 0.1, 1, False, 64, 7)
+    from tune.search import base_config
+    from tune.trial import trial_config
+
+    cfg = trial_config(base_config(opts), {"batch_size": 4, "lr": 1e-3})
+    assert cfg.grad_accum_steps == 2 and cfg.batch_size == 4 and cfg.lr == 1e-3 and not cfg.data.clip_cache
+    toml = tmp_path / "s.toml"
+    toml.write_text("no-cache = true\ngrad_accum = 3\n")
+    opts = parse_options(["--config", str(toml)])
+    assert not opts.train.data.clip_cache and opts.train.grad_accum_steps == 3
+    toml.write_text("cache = false\n")
+    assert not parse_options(["--config", str(toml)]).train.data.clip_cache
 
 
 def test_flags_override_the_config_file_which_overrides_the_preset(tmp_path):
     toml = tmp_path / "search.toml"
     toml.write_text('epochs = 7\nbatch-sizes = [2, 6]\nlr_min = 1e-5\nobjective = "val_f1"\nsmoke-test = true\n')
     opts = parse_options(["--config", str(toml), "--epochs", "9"])
-    assert opts.epochs == 9                                   # flag beats file
-    assert opts.batch_sizes == (2, 6) and opts.lr_min == 1e-5 and opts.objective == "val_f1"   # file beats preset
+    assert opts.train.epochs == 9                             # flag beats file
+    assert opts.space.batch_sizes == (2, 6) and opts.space.lr_min == 1e-5 and opts.objective == "val_f1"   # file beats preset
     assert opts.num_samples == SMOKE_TEST["num_samples"]      # preset beats defaults
     yaml = tmp_path / "search.yaml"
     yaml.write_text("batch_sizes: 4,8\nnum-samples: 12\nsearch-weight-decay: true\n")
     opts = parse_options(["--config", str(yaml)])
-    assert opts.batch_sizes == (4, 8) and opts.num_samples == 12 and opts.search_weight_decay
+    assert opts.space.batch_sizes == (4, 8) and opts.num_samples == 12 and opts.space.search_weight_decay
 
 
 def test_smoke_test_preset_shrinks_everything():
     opts = parse_options(["--smoke-test"])
-    assert opts.num_samples == 2 and opts.epochs == 1 and opts.batch_sizes == (4,)
-    assert parse_options(["--smoke-test", "--epochs", "2"]).epochs == 2
+    assert opts.num_samples == 2 and opts.train.epochs == 1 and opts.space.batch_sizes == (4,)
+    assert opts.train.data.loader_workers == 1 and not opts.early_stop
+    assert parse_options(["--smoke-test", "--epochs", "2"]).train.epochs == 2
 
 
 @pytest.mark.parametrize("text, needle", [
     ("lr-mni = 1e-4\n", "unknown option 'lr-mni' in"),
     ("epochs = 'ten'\n", "epochs (in"),
     ("batch-sizes = [4, 'x']\n", "batch-sizes (in"),
+    ("lr = 1e-3\n", "the search chooses it: set lr-min and lr-max"),
+    ("cache-format = 'png'\n", "choose one of auto, jpeg, raw"),
     ("epochs = \n", "cannot be parsed"),
 ])
 def test_config_file_errors_name_the_key_and_the_file(tmp_path, capsys, text, needle):
@@ -81,8 +120,12 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needles", [
     (["--data", "/nonexistent/videos"], ["--data:", "/nonexistent/videos does not exist"]),
-    (["--batch-sizes", ","], ["--batch-sizes:", "non-empty"]),
-    (["--batch-sizes", "0,8"], ["--batch-sizes:", "positive"]),
+    (["--batch-sizes", ","], ["--batch-sizes:", "empty list"]),
+    (["--batch-sizes", "0,8"], ["--batch-sizes:", "each >= 1"]),
+    (["--lr-min", "-1e-3"], ["--lr-min:", "got -0.001", "> 0"]),
+    (["--epochs", "0"], ["--epochs:", ">= 1"]),
+    (["--warmup-frac", "1"], ["--warmup-frac:", "< 1"]),
+    (["--storage", "/proc/self/status/results"], ["--storage:", "not a folder"]),
     (["--lr-min", "1e-2", "--lr-max", "1e-3"], ["--lr-min/--lr-max:", "inverted"]),
     (["--lr-min", "-1"], ["--lr-min:", "> 0"]),
     (["--num-samples", "0"], ["--num-samples:"]),
@@ -142,20 +185,43 @@ def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_p
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
-    assert doc["search"]["batch_sizes"] == [2, 4] and doc["search"]["lr"] == [1e-4, 1e-2]
-    assert doc["search"]["early_stop"] == "off"               # never with pareto
-    assert doc["train_config"]["data"]["root"] == str(synthetic_root)
+    assert doc["space"]["batch_sizes"] == [2, 4] and (doc["space"]["lr_min"], doc["space"]["lr_max"]) == (1e-4, 1e-2)
+    assert doc["early_stopping"] == "off" and doc["objective"] == "pareto"      # never ASHA with pareto
+    assert doc["train"]["data"]["root"] == str(synthetic_root) and doc["train"]["epochs"] == 4
+    assert "batch_size" not in doc["train"] and "lr" not in doc["train"]     # the search draws them
     assert doc["experiment"].startswith(str(tmp_path / "vidtune-results"))
     assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "vidtune-results").exists()
-    assert doc["clip_cache"]["enabled"] is True and doc["clip_cache"]["format"].startswith("auto")
+    assert doc["train"]["data"]["clip_cache"] is True and doc["train"]["data"]["clip_cache_format"].startswith("auto")
 
 
-def test_unwritable_cache_dir_is_named(capsys, tmp_path, monkeypatch):
+def test_batch_sizes_larger_than_the_training_videos_fail_before_ray(capsys, synthetic_root, tmp_path):
+    from datasets.index import build_index
+    from datasets.config import DataConfig
+
+    videos = len(build_index(DataConfig(root=str(synthetic_root))).train)
+    err = _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", f"4,{videos + 1}", "--dry-run",
+                          "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:", f"batch size {videos + 1}")
+    assert f"{videos} training videos" in err and "--workers-per-trial" in err
+    _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", str(videos // 2 + 1), "--workers-per-trial", "2",
+                    "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:", "2 worker(s)")
+
+
+def test_read_only_storage_is_named(capsys, tmp_path, monkeypatch):
+    import tempfile
+
+    from trainer import launch
+
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    real_access = os.access
-    # CI runs as root, which writes anywhere: make this folder read-only to the check as it is to users
-    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real_access(p, mode))
+    real = tempfile.TemporaryFile
+
+    def refuse(*a, dir=None, **kw):   # CI runs as root, which writes anywhere: refuse as the OS would a user
+        if dir is not None and Path(dir) == locked:
+            raise PermissionError(13, "Permission denied")
+        return real(*a, dir=dir, **kw)
+
+    monkeypatch.setattr(launch.tempfile, "TemporaryFile", refuse)
+    _fails(capsys, ["--storage", str(locked / "results"), "--dry-run"], "--storage:", "not writable")
     _fails(capsys, ["--cache-dir", str(locked / "cache"), "--dry-run"], "--cache-dir:", "not writable")
 
 
@@ -169,7 +235,7 @@ def test_more_gpus_per_trial_than_the_cluster_has(ray_session, capsys, synthetic
 
 
 def test_usage_error_names_its_flag():
-    e = UsageError("--lr-min", "bad")
+    e = ConfigError("--lr-min", "bad")
     assert e.flag == "--lr-min" and str(e) == "--lr-min: bad"
 
 
@@ -199,7 +265,7 @@ def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, 
     assert f"demo: generated the synthetic dataset in {root}" in out
     assert (root / demo.DONE_MARKER).exists() and not list(root.parent.glob("*.tmp-*"))
     doc = json.loads(out.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
-    assert doc["demo"] is True and doc["train_config"]["data"]["root"] == str(root)
-    assert doc["train_config"]["model"] == "tiny"
+    assert doc["demo"] is True and doc["train"]["data"]["root"] == str(root)
+    assert doc["train"]["model"] == "tiny" and doc["train"]["epochs"] == 6      # the demo preset
     assert search.main(["--dry-run", *mlflow]) == 0              # second run: reused, not regenerated
     assert f"demo: using the synthetic dataset in {root}" in capsys.readouterr().out

@@ -5,12 +5,16 @@ import optuna
 import pytest
 from ray.tune.search.sample import Categorical, Float, LogUniform
 
+from datasets.flags import build
 from tune import space
-from tune.options import SearchOptions
+from tune.options import SPECS, SearchOptions
+from tune.ray_internals import optuna_study
+
+PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}   # "epochs" -> "train.epochs"
 
 
 def _opts(**kw) -> SearchOptions:
-    return SearchOptions(**{"batch_sizes": (4, 8, 16), **kw})
+    return build(SearchOptions, {PATHS[k]: v for k, v in {"batch_sizes": (4, 8, 16), **kw}.items()})
 
 
 def test_param_space_batch_sizes_are_categorical_and_lr_log_uniform():
@@ -54,7 +58,7 @@ def test_out_of_memory_trial_is_infeasible_for_optuna():
     searcher.suggest("oom")
     searcher.on_trial_complete("ok", {"val_acc": 0.8, "oom": 0})
     searcher.on_trial_complete("oom", {"val_acc": 0.0, "oom": 1})
-    ok, oom = searcher._ot_study.trials
+    ok, oom = optuna_study(searcher).trials
     assert oom.user_attrs == {"failure_reason": "out of memory"}
     # Optuna constraints: > 0 infeasible, <= 0 feasible (read by TPE).
     assert oom.constraints == {space.OOM_CONSTRAINT: 1.0}
@@ -69,7 +73,7 @@ def test_pareto_searches_accuracy_and_throughput_together():
     searcher.set_search_properties(None, None, space.param_space(opts))
     searcher.suggest("a")
     searcher.on_trial_complete("a", {"val_acc": 0.7, "steady_clips_per_s": 30.0, "oom": 0})
-    study = searcher._ot_study
+    study = optuna_study(searcher)
     assert [d.name for d in study.directions] == ["MAXIMIZE", "MAXIMIZE"]
     assert study.trials[0].values == [0.7, 30.0]
 
@@ -98,6 +102,6 @@ def test_asha_only_when_it_can_work(kw, on):
     sched = space.build_scheduler(opts)
     assert (sched is not None) is on
     if on:
-        assert sched._max_t == opts.epochs and sched._time_attr == "epoch"
+        assert sched._max_t == opts.train.epochs and sched._time_attr == "epoch"
         # grace period 1, reduction factor 2: a trial may be stopped after epoch 1 and 2 of 3
         assert sorted(milestone for milestone, _ in sched._brackets[0]._rungs) == [1, 2]

@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tune import tracking
-from tune.options import UsageError
+from datasets.flags import ConfigError
 from tune.tracking import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG, MLflowTracker
 
 
@@ -174,9 +174,9 @@ def test_numeric_metrics_keep_trainer_values_only():
 
 def test_sqlite_store_folder_must_exist(tmp_path):
     tracking.check_store_uri(f"sqlite:///{tmp_path / 'ok.db'}", "--mlflow-uri")
-    with pytest.raises(UsageError, match=r"--mlflow-uri: the folder .*missing.* does not exist"):
+    with pytest.raises(ConfigError, match=r"--mlflow-uri: the folder .*missing.* does not exist"):
         tracking.check_store_uri(f"sqlite:///{tmp_path / 'missing' / 'x.db'}", "--mlflow-uri")
-    with pytest.raises(UsageError, match="--mlflow-uri: .*refuses plain file stores"):
+    with pytest.raises(ConfigError, match="--mlflow-uri: .*refuses plain file stores"):
         tracking.check_store_uri(str(tmp_path / "mlruns"), "--mlflow-uri")
 
 
@@ -202,7 +202,7 @@ def test_tracking_server_health_is_checked(status, ok):
         if ok:
             tracking.check_store_uri(uri, "--mlflow-uri")
         else:
-            with pytest.raises(UsageError, match="--mlflow-uri: .* answered 503 at /health"):
+            with pytest.raises(ConfigError, match="--mlflow-uri: .* answered 503 at /health"):
                 tracking.check_store_uri(uri, "--mlflow-uri")
     finally:
         server.shutdown()

@@ -35,7 +35,7 @@ def _cfg(root, **changes) -> TrainConfig:
         ({"precision": "fp8"}, "--precision"),
         ({"label_smoothing": 1.0}, "--label-smoothing"),
         ({"weights": "/no/such/weights.pth"}, "--weights"),
-        ({"data": "SIZE"}, "--size"),
+        ({"data": "SIZE"}, "--height"),
         ({"data": "CACHE_GB"}, "--cache-max-gb"),
         ({"data": "CACHE_FORMAT"}, "--cache-format"),
     ],
@@ -104,7 +104,7 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
 
 def test_cli_flags_reach_the_config():
     args = train.build_parser().parse_args(
-        ["--data", "d", "--size", "48", "--num-frames", "4", "--grad-accum", "2", "--precision", "bf16",
+        ["--data", "d", "--height", "48", "--width", "48", "--num-frames", "4", "--grad-accum", "2", "--precision", "bf16",
          "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class", "Violence",
          "--cache-dir", "/tmp/c", "--cache-format", "raw"])
     cfg = train.config_from_args(args)
@@ -119,6 +119,28 @@ def test_cli_flags_reach_the_config():
 def test_every_flag_has_help():
     for action in train.build_parser()._actions:
         assert action.help, action.option_strings
+
+
+def test_train_and_search_share_the_training_flags():
+    """One declaration per option: the same flag, the same default, in both CLIs."""
+    from tune.options import build_parser as search_parser
+
+    def flags(parser):
+        return {o: a.dest.removeprefix("train.") for a in parser._actions for o in a.option_strings}
+
+    train_flags, search_flags = flags(train.build_parser()), flags(search_parser())
+    from trainer.launch import TRAIN_FLAGS
+
+    training = {spec.flag for spec in TRAIN_FLAGS}
+    shared = {f: d for f, d in train_flags.items() if f in search_flags and f in training}
+    assert {"--grad-accum", "--height", "--cache-format", "--precision", "--epochs", "--data"} <= set(shared)
+    assert all(search_flags[f] == d for f, d in shared.items())
+    assert "--batch-size" in train_flags and "--batch-size" not in search_flags   # the search draws it
+
+
+def test_negative_values_reach_the_range_check(capsys, tmp_path):
+    assert train.main(["--data", str(tmp_path), "--lr", "-1e-3"]) == 2
+    assert "--lr: got -0.001; it must be a number > 0" in capsys.readouterr().err
 
 
 @pytest.mark.slow

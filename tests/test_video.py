@@ -8,17 +8,16 @@ import re
 import shutil
 from pathlib import Path
 
+import decord
 import numpy as np
 import pytest
 import torch
 
-decord = pytest.importorskip("decord")
-
-from datasets.errors import DataError  # noqa: E402
-from datasets.records import VideoInfo  # noqa: E402
-from datasets.synthetic import write_video  # noqa: E402
-from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips,  # noqa: E402
-                            read_frames, sample_indices)
+from datasets.errors import DataError
+from datasets.records import VideoInfo
+from datasets.synthetic import write_video
+from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips, read_frames,
+                            sample_indices)
 
 SMALL = dict(num_frames=4, frame_stride=2, height=32, width=32)
 
@@ -317,3 +316,26 @@ def test_data_loading_bench_prints_its_table(capsys, tmp_path):
     readers = {r["reader"] for r in data["rows"] if r["table"] == "cache"}
     assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord"} <= readers
     assert data["ratios"]["warm_cache_vs_decord"] > 0 and set(data["disk"]) == {"jpeg", "raw"}
+
+
+@pytest.mark.gpu
+def test_jpeg_frames_are_decoded_on_the_gpu_like_on_the_cpu():
+    """A mixed batch (one decoded clip, two of JPEG frames) lands on the GPU in batch order, its
+    JPEG frames decoded there (nvJPEG) to what the CPU decoder gives."""
+    from torchvision.io import encode_jpeg
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ramp = torch.arange(32, dtype=torch.uint8).mul(3)               # smooth frames (max 249): decoders agree closely
+    frames = torch.stack([(ramp[:, None, None] + ramp[None, :, None] // 2 + 10 * t + torch.tensor([0, 40, 80],
+                          dtype=torch.uint8)) for t in range(4)])   # T x H x W x C uint8
+    jpegs = [encode_jpeg(f.permute(2, 0, 1).contiguous(), quality=95) for f in frames]
+    decoded = frames.flip(1)
+    batch = [jpegs, decoded, jpegs[::-1]]
+    on_gpu = clips_to_device(batch, device)
+    on_cpu = clips_to_device(batch, "cpu")
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == torch.uint8 and on_gpu.shape == (3, 4, 32, 32, 3)
+    assert torch.equal(on_gpu[1].cpu(), decoded)                    # the decoded clip is copied as it is
+    diff = (on_gpu.cpu().int() - on_cpu.int()).abs()
+    assert diff.float().mean() < 1.0 and diff.max() <= 8, diff.max()
+    assert torch.equal(on_gpu[2].cpu(), on_gpu[0].cpu().flip(0))   # frames stay in clip order
+    assert (on_cpu[0].int() - frames.int()).abs().float().mean() < 3   # and both are the frames encoded

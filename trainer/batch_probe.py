@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-if __package__ in (None, ""):  # run by path: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import precision as prec  # noqa: E402
-from trainer.precision import is_out_of_memory  # noqa: E402  (also used by bench/gpu_precision.py)
-from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec  # noqa: E402
+from trainer import precision as prec
+from trainer.precision import is_out_of_memory  # also used by bench/gpu_precision.py
+from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec
 
 TryBatch = Callable[[int], None]    # runs one step at that batch size; raises torch.OutOfMemoryError
 

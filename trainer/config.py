@@ -1,31 +1,52 @@
 """Typed configuration of one training run (a trial). Turned into a dict only at the Ray boundary:
-`TorchTrainer(train_loop_config=cfg.to_dict())`, and back with `TrainConfig.from_dict`."""
+`TorchTrainer(train_loop_config=cfg.to_dict())`, and back with `TrainConfig.from_dict`.
+
+Each field is declared once with its flag, help and bounds (`datasets.flags.option`); both
+`python -m trainer.train` and `python tune/search.py` generate their training flags from it, so
+every training option is reachable from the search under the same flag name.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from datasets.config import DataConfig
+from datasets.flags import option
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+MODEL_CHOICES_HELP = "tiny (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
-    model: str = "tiny"                 # registry name: tiny | mvit_v2_s | mvit_v1_b | swin3d_t | swin3d_s | swin3d_b
-    weights: str = "none"               # none | kinetics | path to a local state dict
-    epochs: int = 3
-    batch_size: int = 8                 # per optimizer step, per worker
-    lr: float = 3e-4                    # AdamW peak learning rate (after warmup)
-    weight_decay: float = 0.05
-    warmup_frac: float = 0.1            # share of all optimizer steps spent in linear warmup
-    label_smoothing: float = 0.0
-    grad_accum_steps: int = 1           # effective batch = batch_size * grad_accum_steps * workers
-    clip_grad_norm: float = 1.0         # 0 disables; applied after scaler.unscale_
-    precision: str = "auto"             # auto | fp32 | fp16 | bf16
-    channels_last: bool = False         # channels_last_3d memory format (CUDA)
-    compile: bool = False               # torch.compile the model
-    freeze_backbone_epochs: int = 0     # train only the head for the first N epochs
-    seed: int = 0
+    model: str = option("tiny", flag="--model", metavar="NAME", help=f"model: {MODEL_CHOICES_HELP}")
+    weights: str = option("none", flag="--weights", metavar="W",
+                          help="none, kinetics (torchvision's pretrained), or a state-dict / vidtune checkpoint file")
+    epochs: int = option(3, flag="--epochs", metavar="N", ge=1, help="training epochs (per trial in a search)")
+    batch_size: int = option(8, flag="--batch-size", metavar="B", ge=1, help="clips per optimizer step, per worker")
+    lr: float = option(3e-4, flag="--lr", metavar="LR", gt=0, help="AdamW peak learning rate (after warmup)")
+    weight_decay: float = option(0.05, flag="--weight-decay", metavar="WD", ge=0,
+                                 help="AdamW weight decay (in a search: its value when not searched)")
+    warmup_frac: float = option(0.1, flag="--warmup-frac", metavar="F", ge=0, lt=1,
+                                help="share of all optimizer steps spent in linear warmup")
+    label_smoothing: float = option(0.0, flag="--label-smoothing", metavar="S", ge=0, lt=1,
+                                    help="cross-entropy label smoothing")
+    grad_accum_steps: int = option(1, flag="--grad-accum", metavar="N", ge=1,
+                                   help="batches accumulated per optimizer step (effective batch = batch size x "
+                                   "this x workers)")
+    clip_grad_norm: float = option(1.0, flag="--clip-grad-norm", metavar="N", ge=0,
+                                   help="gradient norm limit, applied after unscaling (0 disables)")
+    precision: str = option("auto", flag="--precision", choices=PRECISIONS,
+                            help="autocast precision; auto = bf16 on recent GPUs, fp16 on older ones, fp32 on CPU "
+                            "(default auto)")
+    channels_last: bool = option(False, flag="--channels-last",
+                                 help="channels_last_3d memory format (faster convolutions on CUDA)")
+    compile: bool = option(False, flag="--compile", help="torch.compile the model (slow first steps)")
+    freeze_backbone_epochs: int = option(0, flag="--freeze-backbone-epochs", metavar="N", ge=0,
+                                         help="train only the classification head for the first N epochs")
+    seed: int = option(0, flag="--seed", metavar="N", help="seed of training (init, shuffling, augmentation) "
+                       "and of a search's Optuna sampler")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

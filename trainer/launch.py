@@ -5,31 +5,27 @@ Used by `trainer.train` (one run), `tune.search` (one trainer per trial) and the
 """
 from __future__ import annotations
 
-import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from datasets.config import CLIP_CACHE_FORMATS
-from trainer.config import TrainConfig
+from datasets.flags import ConfigError, check_bounds, flag_specs
+from trainer.config import PRECISIONS, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on a poll,
-# so 0.5 s saves ~5 s per short trial (DESIGN.md). Ray propagates it driver -> controller -> workers.
+# so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver -> controller -> workers.
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
 
-PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 BUILTIN_WEIGHTS = ("none", "kinetics")
+INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
+TRAIN_FLAGS = tuple(flag_specs(TrainConfig))
 
-
-class ConfigError(ValueError):
-    """A training option cannot be used. `flag` is the CLI flag of the option at fault."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
+__all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", "check_writable_folder",
+           "init_ray", "build_torch_trainer", "worker_env_vars", "cluster_gpus"]
 
 
 def worker_env_vars() -> dict[str, str]:
@@ -78,14 +74,14 @@ def cluster_gpus() -> float:
 
 def validate_config(cfg: TrainConfig) -> None:
     """Check every option that would otherwise fail inside a Ray worker, on the driver, before
-    Ray starts. Raises `ConfigError` naming the flag and value at fault and what to do.
+    Ray starts: the declared bounds of every field, the dataset path, the model name, the clip
+    size against the model, the weights file. Raises `ConfigError` naming the flag (the same
+    flag in `trainer.train` and the search) and value at fault and what to do.
 
     A weights file is loaded onto a CPU model of that name, so a file of another architecture is
     refused here rather than after a cluster has been allocated.
     """
-    _check_numbers(cfg)
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError("--precision", f"unknown precision {cfg.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    check_bounds(cfg, TRAIN_FLAGS)
     _check_data(cfg)
     from trainer.models import MODEL_NAMES  # imports torch + torchvision: seconds, so checked last
 
@@ -96,30 +92,32 @@ def validate_config(cfg: TrainConfig) -> None:
         _check_weights_file(cfg.model, Path(cfg.weights))
 
 
-def _check_numbers(cfg: TrainConfig) -> None:
-    def need(ok: bool, flag: str, value: Any, rule: str) -> None:
-        if not ok:
-            raise ConfigError(flag, f"got {value!r}; it must be {rule}")
+def check_batch_sizes(batch_sizes: Any, train_videos: int, workers: int, *, flag: str, workers_flag: str) -> None:
+    """Each worker of a run needs at least one full batch of training videos per epoch (the
+    loader drops a last, partial batch). Raises ConfigError naming `flag` for the sizes that
+    cannot get one; the one batch-size check of both CLIs."""
+    per_worker = train_videos // max(1, workers)
+    too_big = sorted(b for b in batch_sizes if b > per_worker)
+    if too_big:
+        sizes = ",".join(map(str, too_big))
+        raise ConfigError(flag, f"batch size {sizes} is more than the {per_worker} training videos each of "
+                          f"the {workers} worker(s) gets ({train_videos} in all); lower {flag} or {workers_flag}, "
+                          "or add videos")
 
-    need(cfg.batch_size >= 1, "--batch-size", cfg.batch_size, "an integer >= 1")
-    need(math.isfinite(cfg.lr) and cfg.lr > 0, "--lr", cfg.lr, "a number > 0 (e.g. 3e-4)")
-    need(cfg.epochs >= 1, "--epochs", cfg.epochs, "an integer >= 1")
-    need(cfg.grad_accum_steps >= 1, "--grad-accum", cfg.grad_accum_steps, "an integer >= 1")
-    need(cfg.weight_decay >= 0, "--weight-decay", cfg.weight_decay, ">= 0")
-    need(0 <= cfg.label_smoothing < 1, "--label-smoothing", cfg.label_smoothing, "in [0, 1)")
-    need(0 <= cfg.warmup_frac < 1, "--warmup-frac", cfg.warmup_frac, "in [0, 1)")
-    need(cfg.clip_grad_norm >= 0, "--clip-grad-norm", cfg.clip_grad_norm, ">= 0 (0 disables clipping)")
-    need(cfg.freeze_backbone_epochs >= 0, "--freeze-backbone-epochs", cfg.freeze_backbone_epochs, ">= 0")
-    d = cfg.data
-    for flag, value in (("--num-frames", d.num_frames), ("--height", d.height), ("--width", d.width)):
-        need(value is None or value >= 1, flag, value, "an integer >= 1 (or left out for the model's size)")
-    need(d.frame_stride >= 1, "--frame-stride", d.frame_stride, "an integer >= 1")
-    need(d.loader_workers >= 0, "--loader-workers", d.loader_workers, "an integer >= 0")
-    need(0 < d.val_fraction < 1, "--val-fraction", d.val_fraction, "in (0, 1)")
-    need(math.isfinite(d.clip_cache_max_gb) and d.clip_cache_max_gb >= 0, "--cache-max-gb", d.clip_cache_max_gb,
-         "a number of GB >= 0 (--no-cache turns the clip cache off)")
-    need(d.clip_cache_format in CLIP_CACHE_FORMATS, "--cache-format", d.clip_cache_format,
-         f"one of {', '.join(CLIP_CACHE_FORMATS)}")
+
+def check_writable_folder(folder: str | Path, flag: str) -> None:
+    """`folder` is (or can be created as) a writable folder; URIs (s3://...) are not checked."""
+    if "://" in str(folder):
+        return
+    path = Path(folder).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ConfigError(flag, f"{existing or path} is not a folder; pass a writable folder")
+    try:   # a real write: os.access says yes to root on a read-only mount
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(flag, f"{existing} is not writable ({e.strerror}); pass a folder you can write to") from None
 
 
 def _check_data(cfg: TrainConfig) -> None:
@@ -138,7 +136,9 @@ def _check_clip_size(cfg: TrainConfig) -> None:
     try:
         check_input_size(cfg.model, num_frames, height, width)
     except ValueError as e:
-        raise ConfigError("--num-frames" if num_frames != spec.num_frames else "--size", str(e)) from None
+        flag = ("--num-frames" if num_frames != spec.num_frames else
+                "--height" if height != spec.height else "--width" if width != spec.width else "--model")
+        raise ConfigError(flag, str(e)) from None
 
 
 def _check_weights_file(model_name: str, path: Path) -> None:
@@ -169,6 +169,7 @@ def build_torch_trainer(
     checkpoint_keep: int = 1,
     train_loop=None,
     device_lease=None,
+    index=None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -181,6 +182,8 @@ def build_torch_trainer(
     (pass a wrapper of it to, e.g., register extra models in the worker process first).
     `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
     their devices before the first epoch and give them back after the last (`trainer.lease`).
+    `index`: the `datasets.index.VideoIndex` the driver checked; the workers train on exactly
+    those videos instead of indexing the dataset again.
     """
     import ray.train
     from ray.train.torch import TorchTrainer
@@ -212,6 +215,8 @@ def build_torch_trainer(
     loop_config = cfg.to_dict()
     if device_lease is not None:
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
+    if index is not None:
+        loop_config[INDEX_CONFIG_KEY] = index
     return TorchTrainer(
         train_loop or train_loop_per_worker,
         train_loop_config=loop_config,

@@ -21,20 +21,23 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class DeviceLease:
-    """The lease actor. `capacity`: trainings at once per key; keys ending in `/cpu` use
-    `cpu_capacity` (the CPU of a node is one device)."""
+class LeaseBook:
+    """The lease's bookkeeping as a plain asyncio class; `DeviceLease` is it as a Ray actor.
+    `capacity`: trainings at once per key; keys ending in `/cpu` use `cpu_capacity` (the CPU of
+    a node is one device). `clock`: the time (unix s) of grants and releases, `time.time` unless
+    given (tests pass a fake one)."""
 
-    def __init__(self, capacity: int = 1, cpu_capacity: int = 1) -> None:
+    def __init__(self, capacity: int = 1, cpu_capacity: int = 1,
+                 clock: Callable[[], float] | None = None) -> None:
         self.capacity, self.cpu_capacity = int(capacity), int(cpu_capacity)
+        self.clock = clock or time.time
         self.holders: dict[str, set[str]] = {}                 # key -> owners holding it now
         self.held: dict[str, tuple[str, ...]] = {}             # owner -> keys it holds
         self.queue: list[tuple[str, tuple[str, ...]]] = []     # waiting (owner, keys), arrival order
@@ -63,14 +66,14 @@ class DeviceLease:
             self._changed = asyncio.Condition()
         keys = tuple(sorted(set(keys)))
         if owner in self.held:
-            return time.time()
+            return self.clock()
         if any(o == owner for o, _ in self.queue):
             # Another worker of the same trial asked first (every rank asks for all the trial's
             # devices, so no rank has to sit in a collective while the device is busy).
             async with self._changed:
                 await self._changed.wait_for(lambda: owner in self.held or
                                              not any(o == owner for o, _ in self.queue))
-            return time.time() if owner in self.held else None
+            return self.clock() if owner in self.held else None
         self.cancelled.discard(owner)
         self.queue.append((owner, keys))
         async with self._changed:
@@ -82,7 +85,7 @@ class DeviceLease:
                 self.cancelled.discard(owner)
                 self._changed.notify_all()
                 return None
-            now = time.time()
+            now = self.clock()
             for k in keys:
                 self.holders.setdefault(k, set()).add(owner)
             self.held[owner] = keys
@@ -101,7 +104,7 @@ class DeviceLease:
                 async with self._changed:
                     self._changed.notify_all()
             return False
-        now = time.time()
+        now = self.clock()
         for k in keys:
             self.holders.get(k, set()).discard(owner)
         self.intervals = [(o, k, s, now if o == owner and e is None else e) for o, k, s, e in self.intervals]
@@ -131,6 +134,10 @@ class DeviceLease:
         """Who holds what and who waits (for tests and debugging)."""
         return {"holders": {k: sorted(v) for k, v in self.holders.items() if v},
                 "waiting": [o for o, _ in self.queue], "intervals": list(self.intervals)}
+
+
+# The lease actor: one per search (`start_lease`); methods as LeaseBook's, called with `.remote`.
+DeviceLease = ray.remote(num_cpus=0, max_concurrency=1000)(LeaseBook)
 
 
 def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1):

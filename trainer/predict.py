@@ -17,13 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-if __package__ in (None, ""):  # run by path: this project's `datasets` must shadow Hugging Face's
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from trainer.checkpointing import CheckpointError, load_checkpoint  # noqa: E402
+from trainer.checkpointing import CheckpointError, load_checkpoint
 
 
 class VideoReadError(RuntimeError):

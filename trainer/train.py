@@ -15,95 +15,64 @@ import queue as stdlib_queue
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
-if __package__ in (None, ""):  # run by path: this project's `datasets` must shadow Hugging Face's
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datasets.config import CLIP_CACHE_FORMATS, DataConfig  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
+from datasets.flags import ConfigError, add_flags, build, join_negative_values
+from trainer.config import TrainConfig
+from trainer.launch import TRAIN_FLAGS
+
+GROUPS = {"TrainConfig": "model and training", "DataConfig": "data"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = TrainConfig()
-    p.add_argument("--data", required=True, help="dataset folder (RWF-2000 or class folders) or CSV manifest")
-    p.add_argument("--layout", default="auto", help="dataset layout: auto | rwf2000 | class_folders | csv")
-    p.add_argument("--positive-class", default=None, help="name of the violent class (default: inferred, e.g. Fight)")
-    p.add_argument("--val-fraction", type=float, default=DataConfig.val_fraction,
-                   help="share held out for validation when the layout has no split")
-    p.add_argument("--model", default=d.model, help="model name (tiny for the CPU, mvit_v2_s, swin3d_t, ...)")
-    p.add_argument("--weights", default=d.weights, help="none | kinetics | path of a state dict or vidtune checkpoint")
-    p.add_argument("--epochs", type=int, default=d.epochs, help="training epochs")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="clips per optimizer step, per worker")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW peak learning rate (after warmup)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW weight decay")
-    p.add_argument("--warmup-frac", type=float, default=d.warmup_frac, help="share of steps in linear warmup")
-    p.add_argument("--label-smoothing", type=float, default=d.label_smoothing, help="cross-entropy label smoothing")
-    p.add_argument("--grad-accum", type=int, default=d.grad_accum_steps, help="batches accumulated per optimizer step")
-    p.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm, help="gradient norm limit (0 disables)")
-    p.add_argument("--precision", default=d.precision, help="auto | fp32 | fp16 | bf16 (auto: bf16 on recent GPUs, fp16 on older, fp32 on CPU)")
-    p.add_argument("--freeze-backbone-epochs", type=int, default=d.freeze_backbone_epochs,
-                   help="train only the classification head for the first N epochs")
-    p.add_argument("--channels-last", action="store_true", help="channels_last_3d memory format (faster convs on GPU)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first steps)")
-    p.add_argument("--num-frames", type=int, default=None, help="frames per clip (default: the model's)")
-    p.add_argument("--frame-stride", type=int, default=DataConfig.frame_stride, help="take every k-th frame")
-    p.add_argument("--size", type=int, default=None, help="clip height = width in pixels (default: the model's)")
-    p.add_argument("--loader-workers", type=int, default=DataConfig.loader_workers,
-                   help="DataLoader decoding processes per training worker")
-    p.add_argument("--cache-dir", default=None, help="node-local clip cache folder: each video is decoded once "
-                   "(default ~/.cache/vidtune/clips; shared with searches)")
-    p.add_argument("--cache-max-gb", type=float, default=DataConfig.clip_cache_max_gb,
-                   help="clip cache disk budget; past it the rest is decoded on every read")
-    p.add_argument("--cache-format", choices=CLIP_CACHE_FORMATS, default=DataConfig.clip_cache_format,
-                   help="auto (jpeg on a GPU, raw on the CPU) | jpeg | raw")
-    p.add_argument("--no-cache", dest="cache", action="store_false", help="decode every clip from the videos on every read")
-    p.add_argument("--seed", type=int, default=d.seed, help="random seed (init, shuffling, augmentation)")
-    p.add_argument("--workers", type=int, default=1, help="Ray Train workers (data-parallel replicas)")
-    p.add_argument("--gpus-per-worker", type=float, default=None,
+    """Every `TrainConfig` field's flag (the same names as the search's), plus where it runs."""
+    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0])
+    add_flags(p, TRAIN_FLAGS, group_of=lambda s: GROUPS[s.owner.__name__])
+    g = p.add_argument_group("where it runs")
+    g.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="Ray Train workers, data-parallel replicas (default 1)")
+    g.add_argument("--gpus-per-worker", type=float, default=None, metavar="G",
                    help="GPUs per worker (default: 1 when GPUs are present, else 0)")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs Ray reserves per worker (torch threads)")
-    p.add_argument("--storage", default=None, help="where checkpoints go (default ~/ray_results; shared storage on a cluster)")
-    p.add_argument("--name", default=None, help="run name (default vidtune-train-TIMESTAMP); reuse it to resume")
-    p.add_argument("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: local Ray")
+    g.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C",
+                   help="CPUs Ray reserves per worker (default 1)")
+    g.add_argument("--storage", default=None, metavar="PATH",
+                   help="where checkpoints go (default ~/ray_results; shared storage on a cluster)")
+    g.add_argument("--name", default=None, help="run name (default vidtune-train-TIMESTAMP); reuse it to resume")
+    g.add_argument("--address", default=None, help="Ray cluster address (auto, ray://host:10001); default: local Ray")
     return p
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return build_parser().parse_args(join_negative_values(argv, TRAIN_FLAGS))
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    data = DataConfig(root=args.data, layout=args.layout, positive_class=args.positive_class,
-                      val_fraction=args.val_fraction, num_frames=args.num_frames,
-                      frame_stride=args.frame_stride, height=args.size, width=args.size,
-                      loader_workers=args.loader_workers, clip_cache=args.cache, clip_cache_dir=args.cache_dir,
-                      clip_cache_max_gb=args.cache_max_gb, clip_cache_format=args.cache_format)
-    return TrainConfig(
-        data=data, model=args.model, weights=args.weights, epochs=args.epochs, batch_size=args.batch_size,
-        lr=args.lr, weight_decay=args.weight_decay, warmup_frac=args.warmup_frac,
-        label_smoothing=args.label_smoothing, grad_accum_steps=args.grad_accum,
-        clip_grad_norm=args.clip_grad_norm, precision=args.precision, channels_last=args.channels_last,
-        compile=args.compile, freeze_backbone_epochs=args.freeze_backbone_epochs, seed=args.seed)
+    """The TrainConfig of the flags given (the generated flags' dests are the fields' paths)."""
+    paths = {s.path for s in TRAIN_FLAGS}
+    return build(TrainConfig, {k: v for k, v in vars(args).items() if k in paths})
 
 
 def check_inputs(cfg: TrainConfig, args: argparse.Namespace):
-    """Everything checkable before Ray starts; returns the dataset index (cached for the workers).
+    """Everything checkable before Ray starts; returns the dataset index (handed to the workers).
     Raises ConfigError / DataError naming the flag or file at fault."""
     from datasets.index import build_index
-    from trainer.launch import ConfigError, validate_config
+    from trainer.launch import check_batch_sizes, check_writable_folder, validate_config
 
     validate_config(cfg)
     if args.workers < 1:
         raise ConfigError("--workers", f"got {args.workers}; it must be an integer >= 1")
-    if args.cpus_per_worker <= 0:
+    if not args.cpus_per_worker > 0:
         raise ConfigError("--cpus-per-worker", f"got {args.cpus_per_worker}; it must be > 0")
-    if args.gpus_per_worker is not None and args.gpus_per_worker < 0:
+    if args.gpus_per_worker is not None and not args.gpus_per_worker >= 0:
         raise ConfigError("--gpus-per-worker", f"got {args.gpus_per_worker}; it must be >= 0")
+    if args.storage:
+        check_writable_folder(args.storage, "--storage")
+    if cfg.data.clip_cache and cfg.data.clip_cache_dir:
+        check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
     index = build_index(cfg.data)
-    per_worker = len(index.train) // args.workers
-    if per_worker < cfg.batch_size:
-        raise ConfigError("--batch-size", f"{cfg.batch_size} is more than the {per_worker} training videos each of "
-                                          f"the {args.workers} worker(s) gets; lower --batch-size or --workers")
+    check_batch_sizes((cfg.batch_size,), len(index.train), args.workers, flag="--batch-size", workers_flag="--workers")
     return index
 
 
@@ -169,7 +138,7 @@ def _resources(args: argparse.Namespace) -> tuple[bool, dict[str, float]]:
     return gpus > 0, resources
 
 
-def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
+def run(cfg: TrainConfig, args: argparse.Namespace, index: Any = None) -> int:
     """Start Ray, fit, print the best checkpoint. Inputs must have been checked."""
     from trainer.launch import build_torch_trainer, init_ray
 
@@ -178,7 +147,7 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     name = args.name or time.strftime("vidtune-train-%Y%m%d-%H%M%S")
     callback, close = _epoch_printer(cfg.epochs)
     trainer = build_torch_trainer(cfg, num_workers=args.workers, use_gpu=use_gpu, resources_per_worker=resources,
-                                  name=name, storage_path=args.storage, callbacks=[callback])
+                                  name=name, storage_path=args.storage, callbacks=[callback], index=index)
     print(f"training {cfg.model} on {args.workers} worker(s), {'GPU' if use_gpu else 'CPU'}, run {name}", flush=True)
     try:
         result = trainer.fit()
@@ -203,18 +172,16 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from datasets.errors import DataError
-    from trainer.launch import ConfigError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    args = parse_args(argv)
     try:
+        cfg = config_from_args(args)
         index = check_inputs(cfg, args)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(index.summary(), flush=True)
-    return run(cfg, args)
+    return run(cfg, args, index)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
+from trainer.launch import INDEX_CONFIG_KEY
 from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from trainer.metrics import all_reduce_floats, steady_state
@@ -100,13 +101,17 @@ def train_loop_per_worker(config: dict) -> None:
     with a checkpoint from rank 0; resumes after the epoch of `ray.train.get_checkpoint()`.
     Out of memory ends the run with one `oom=1` report and a normal return (see `_report_oom`).
 
+    `config["video_index"]`, when set, is the driver's `datasets.index.VideoIndex` (the videos
+    it checked); without it the worker builds the index itself (from the index cache).
+
     In a search (`config["device_lease"]` set) the run builds its data and model first, then
     waits for its devices (`trainer.lease`), and gives them back as soon as its last epoch is
     scored, before the final checkpoint and Train's teardown.
     """
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
-    run = _setup(TrainConfig.from_dict(config), TrainingSlot(lease))
+    index = config.pop(INDEX_CONFIG_KEY, None)
+    run = _setup(TrainConfig.from_dict(config), TrainingSlot(lease), index)
     try:
         start_epoch = _maybe_resume(run)
         if run.slot.settings is not None:   # the same on every rank: the key gather is a collective
@@ -129,7 +134,7 @@ def train_loop_per_worker(config: dict) -> None:
         run.slot.release()
 
 
-def _setup(cfg: TrainConfig, slot: TrainingSlot) -> _Run:
+def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
     from datasets.index import build_index
     from datasets.transforms import ClipTransform
     from trainer.loop import make_optimizer, make_scheduler
@@ -143,7 +148,8 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot) -> _Run:
     policy = choose_precision(cfg.precision, device)
     configure_backends(device)
     spec = get_spec(cfg.model)
-    index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
+    if index is None:
+        index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
     train_loader, val_loader = _loaders(cfg, spec, index, rank, world, device)
 
     torch.manual_seed(cfg.seed)  # same initial head on every rank and for every worker count

@@ -23,8 +23,10 @@ import logging
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.tune import Callback
+
+# Train V2 has no public callback that sees the worker group: the private one is fenced there.
+from tune.ray_internals import WorkerGroupCallback, worker_group_placement_group
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class PlacementGroupRecorder(WorkerGroupCallback):
 
     def after_worker_group_start(self, worker_group: Any) -> None:
         try:
-            pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+            pg = worker_group_placement_group(worker_group)
             registry = ray.get_actor(self.registry_name)
             ray.get(registry.add.remote(self.trial_id, pg.id.hex()), timeout=30)
         except Exception as e:  # never fail a training run over bookkeeping
@@ -72,7 +74,6 @@ class PlacementGroupRecorder(WorkerGroupCallback):
 
 def remove_placement_groups(pg_hexes: list[str]) -> int:
     """Remove those of the given placement groups that still exist; returns how many."""
-    from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     removed = 0
@@ -82,7 +83,7 @@ def remove_placement_groups(pg_hexes: list[str]) -> int:
         if state in (None, "REMOVED"):
             continue
         try:
-            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_hex))))
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_hex))))
             removed += 1
         except Exception as e:
             log.warning("vidtune: could not remove placement group %s: %s", pg_hex, e)

@@ -8,7 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tune.options import SearchOptions, UsageError, gpus_per_trial, with_defaults_for_hardware
+from datasets.flags import ConfigError
+from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from trainer.lease import start_lease
 from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver
 
@@ -28,36 +29,36 @@ def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
     cpus, gpus = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
     opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
     gpt = gpus_per_trial(opts)
-    if gpt > gpus + 1e-9 and opts.address is not None and autoscaler_may_add_gpus():
+    if gpt > gpus + 1e-9 and opts.resources.address is not None and autoscaler_may_add_gpus():
         print(f"the Ray cluster has {gpus:g} GPU(s) now; a trial needs {gpt:g}: waiting for the autoscaler "
               "to start GPU nodes (see its node types in the cluster config)")
         gpus = max(gpus, gpt)
     if gpt > gpus + 1e-9:
-        flag = "--gpus-per-trial" if opts.gpus_per_trial is not None else "--gpus-per-worker"
-        raise UsageError(flag, f"a trial asks for {gpt:g} GPU(s) ({opts.workers_per_trial} worker(s) x "
-                         f"{opts.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
-    cpu_per_trial = opts.workers_per_trial * opts.cpus_per_worker
+        flag = "--gpus-per-trial" if opts.resources.gpus_per_trial is not None else "--gpus-per-worker"
+        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({opts.resources.workers_per_trial} worker(s) x "
+                         f"{opts.resources.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
+    cpu_per_trial = opts.resources.workers_per_trial * opts.resources.cpus_per_worker
     if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
-        raise UsageError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
+        raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
     # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
-    local_gpu = opts.local or (opts.address is None and math.isclose(gpus, 1.0))
+    local_gpu = opts.resources.local or (opts.resources.address is None and math.isclose(gpus, 1.0))
     resources = trial_resources(opts)
     fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
     if gpt > 0:
-        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * opts.workers_per_trial)))
-        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / opts.workers_per_trial)
+        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * opts.resources.workers_per_trial)))
+        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / opts.resources.workers_per_trial)
         per_slot = 2 if resources.ray_gpus_per_worker < resources.gpus_per_worker else 1
     else:
         slots = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
         per_slot = 1
-    concurrency = opts.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
+    concurrency = opts.resources.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
     return opts, concurrency, local_gpu
 
 
 def trial_resources(opts: SearchOptions) -> TrialResources:
     """What each trial asks Ray for (hardware defaults already filled in)."""
-    return TrialResources(opts.workers_per_trial, opts.cpus_per_worker, opts.gpus_per_worker or 0.0)
+    return TrialResources(opts.resources.workers_per_trial, opts.resources.cpus_per_worker, opts.resources.gpus_per_worker or 0.0)
 
 
 AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
@@ -87,7 +88,7 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
     """--probe-batch-size: drop batch sizes above the largest that fits, measured on a GPU."""
     import ray
 
-    if not opts.probe_batch_size:
+    if not opts.space.probe_batch_size:
         return opts
     if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
         print("--probe-batch-size: no whole GPU in the cluster; batch sizes not capped")
@@ -101,14 +102,14 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
                                    width=width, limit=limit)
 
     d = base.data
-    largest = ray.get(probe.remote(opts.model, opts.precision, d.num_frames, d.height, d.width,
-                                   max(opts.batch_sizes)))
-    kept = tuple(b for b in opts.batch_sizes if b <= largest)
+    largest = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
+                                   max(opts.space.batch_sizes)))
+    kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
     print(f"--probe-batch-size: at most {largest} clips fit per GPU; searching batch sizes {kept}")
     if not kept:
-        raise UsageError("--batch-sizes", f"none of {list(opts.batch_sizes)} fits in GPU memory (largest: {largest}); "
+        raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory (largest: {largest}); "
                          "pass smaller sizes or lower --num-frames/--height/--width")
-    return replace(opts, batch_sizes=kept)
+    return replace(opts, space=replace(opts.space, batch_sizes=kept))
 
 
 def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool) -> Any:
@@ -144,14 +145,21 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     from tune import cleanup, space
 
     opts, concurrency, local_gpu = check_cluster(plan.opts)
+    if plan.opts.space.batch_sizes is None and plan.index is not None:
+        # The hardware's default batch sizes, now known, against the videos (explicit ones were
+        # checked before Ray started).
+        from trainer.launch import check_batch_sizes
+
+        check_batch_sizes(opts.space.batch_sizes, len(plan.index.train), opts.resources.workers_per_trial,
+                          flag="--batch-sizes", workers_flag="--workers-per-trial")
     opts = probe_batch_sizes(opts, plan.base)
     resources = trial_resources(opts)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu)
-    base = base.with_overrides(batch_size=opts.batch_sizes[0])
+    base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
     objective = space.objective_for(opts.objective)
     print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
-          f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.batch_sizes)}, "
-          f"lr {opts.lr_min:g}..{opts.lr_max:g}, objective {opts.objective}, "
+          f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.space.batch_sizes)}, "
+          f"lr {opts.space.lr_min:g}..{opts.space.lr_max:g}, objective {opts.objective}, "
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
@@ -161,7 +169,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     lease = start_lease(lease_name, capacity=resources.trainings_per_gpu)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
-                               registry_name=registry_name, lease_name=lease_name,
+                               registry_name=registry_name, lease_name=lease_name, index=plan.index,
                                trainer_factory=trainer_factory)
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     param_space = space.param_space(opts)
@@ -196,46 +204,47 @@ def make_tracker(plan: Any, opts: SearchOptions):
     from tune.tracking import MLflowTracker, git_commit
     from trainer.launch import REPO_ROOT
 
-    searched = {"batch_sizes": ",".join(map(str, opts.batch_sizes)), "lr_min": opts.lr_min, "lr_max": opts.lr_max}
-    if opts.search_weight_decay:
-        searched.update(weight_decay_min=opts.weight_decay_min, weight_decay_max=opts.weight_decay_max)
+    searched = {"batch_sizes": ",".join(map(str, opts.space.batch_sizes)), "lr_min": opts.space.lr_min, "lr_max": opts.space.lr_max}
+    if opts.space.search_weight_decay:
+        searched.update(weight_decay_min=opts.space.weight_decay_min, weight_decay_max=opts.space.weight_decay_max)
     commit = git_commit(REPO_ROOT)
     tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search"}
     if commit:
         tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
-    gpus = (opts.gpus_per_worker or 0.0) * opts.workers_per_trial
+    gpus = (opts.resources.gpus_per_worker or 0.0) * opts.resources.workers_per_trial
     return MLflowTracker(
-        tracking_uri=opts.mlflow_uri, experiment=opts.experiment, experiment_path=plan.experiment_path,
-        epochs=opts.epochs, parent_tags=tags,
-        parent_params={**searched, "dataset": plan.base.data.root, "model": opts.model, "weights": opts.weights,
-                       "objective": opts.objective, "epochs": opts.epochs, "num_samples": opts.num_samples,
-                       "seed": opts.seed, "workers_per_trial": opts.workers_per_trial, "gpus_per_trial": gpus,
-                       "precision": opts.precision},
-        child_params={"precision": opts.precision, "model": opts.model, "workers": opts.workers_per_trial,
-                      "gpus": gpus, "dataset": plan.base.data.root, "epochs": opts.epochs},
+        tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment, experiment_path=plan.experiment_path,
+        epochs=opts.train.epochs, parent_tags=tags,
+        parent_params={**searched, "dataset": plan.base.data.root, "model": opts.train.model, "weights": opts.train.weights,
+                       "objective": opts.objective, "epochs": opts.train.epochs, "num_samples": opts.num_samples,
+                       "seed": opts.train.seed, "workers_per_trial": opts.resources.workers_per_trial, "gpus_per_trial": gpus,
+                       "precision": opts.train.precision},
+        child_params={"precision": opts.train.precision, "model": opts.train.model, "workers": opts.resources.workers_per_trial,
+                      "gpus": gpus, "dataset": plan.base.data.root, "epochs": opts.train.epochs},
     )
 
 
 def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int:
     """Print the table / best / Pareto front / checkpoint / MLflow command; write the parent's
     artifacts; end every MLflow run (KILLED when the search did not finish)."""
-    from tune import report
+    from tune import ray_internals, report
 
     rows: list[report.TrialRow] = []
+    states: list[tuple[str, str]] = []
     if results is not None:
-        trials = results._experiment_analysis.trials   # same order as the Results
-        for trial, result in zip(trials, results):
-            rows.append(report.row_from_result(result, trial_id=trial.trial_id, epochs=opts.epochs,
-                                               finished=trial.status in ("TERMINATED", "ERROR")))
+        states = ray_internals.trial_states(results)   # (trial id, Tune status), same order as the Results
+        for (trial_id, status), result in zip(states, results):
+            rows.append(report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs,
+                                               finished=status in ray_internals.FINISHED_STATES))
     interrupted = results is None or any(r.status == "UNFINISHED" for r in rows) or len(rows) < opts.num_samples
     tracker.open_parent(refresh=True)
     if results is not None:
-        lost = tracker.retire_lost_runs({t.trial_id for t in results._experiment_analysis.trials})
+        lost = tracker.retire_lost_runs({trial_id for trial_id, _ in states})
         if lost:
             print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the trash: {lost}")
     best = report.best_trial(rows, opts.objective)
     if rows:
-        print("\ntrials:\n" + report.format_table(rows, show_wd=opts.search_weight_decay))
+        print("\ntrials:\n" + report.format_table(rows, show_wd=opts.space.search_weight_decay))
     if best:
         print(f"\nbest trial ({opts.objective}): {best.trial_id}  batch_size={best.batch_size}  lr={best.lr:.3g}"
               f"{f'  weight_decay={best.weight_decay:.3g}' if best.weight_decay is not None else ''}  "
@@ -243,7 +252,7 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
         print(f"best checkpoint: {best.checkpoint or 'none kept'}")
     if opts.objective == "pareto" and rows:
         front = report.pareto_front(rows)
-        print("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.search_weight_decay))
+        print("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.space.search_weight_decay))
     with tempfile.TemporaryDirectory() as tmp:
         csv_path = report.write_csv(rows, Path(tmp) / "trials.csv")
         png = report.plot_scatter(rows, Path(tmp) / "accuracy_vs_speed.png", title=plan.name)
@@ -253,7 +262,7 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
                         "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr).to_dict()}
         tracker.log_summary(table_csv=csv_path, plot_png=png, best=best_doc, best_checkpoint=best.checkpoint if best else None)
     tracker.close(interrupted=interrupted)
-    print("\n" + mlflow_hint(opts.mlflow_uri))
+    print("\n" + mlflow_hint(opts.tracking.mlflow_uri))
     if interrupted:
         print(f"search interrupted; continue it with: python tune/search.py --resume --name {plan.name} "
               f"--storage {plan.storage}")

@@ -13,6 +13,7 @@ from typing import Any
 from ray.tune.search.optuna import OptunaSearch
 
 from tune.options import SearchOptions
+from tune.ray_internals import optuna_pending_trial
 
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
 # which every epoch's report carries, so Optuna ranks the same speed the table shows.
@@ -46,13 +47,13 @@ def param_space(opts: SearchOptions) -> dict[str, Any]:
     """Tune search space: batch_size (categorical), lr (log-uniform), optionally weight_decay."""
     from ray import tune
 
-    assert opts.batch_sizes, "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
+    assert opts.space.batch_sizes, "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
     space: dict[str, Any] = {
-        "batch_size": tune.choice(sorted(set(opts.batch_sizes))),
-        "lr": tune.loguniform(opts.lr_min, opts.lr_max) if opts.lr_min < opts.lr_max else opts.lr_min,
+        "batch_size": tune.choice(sorted(set(opts.space.batch_sizes))),
+        "lr": tune.loguniform(opts.space.lr_min, opts.space.lr_max) if opts.space.lr_min < opts.space.lr_max else opts.space.lr_min,
     }
-    if opts.search_weight_decay:
-        lo, hi = opts.weight_decay_min, opts.weight_decay_max
+    if opts.space.search_weight_decay:
+        lo, hi = opts.space.weight_decay_min, opts.space.weight_decay_max
         space["weight_decay"] = tune.loguniform(lo, hi) if lo < hi else lo
     return space
 
@@ -63,8 +64,8 @@ class VidtuneOptunaSearch(OptunaSearch):
     ignoring the trial as it would a FAIL and proposing the same batch size again."""
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
-        ot_trial = self._ot_trials.get(trial_id)
-        if ot_trial is not None and result and trial_id not in self._completed_trials:
+        ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
+        if ot_trial is not None and result:
             oom = int(result.get("oom", 0) or 0) == 1
             ot_trial.set_constraint(OOM_CONSTRAINT, 1.0 if oom else 0.0)
             if oom:
@@ -77,7 +78,7 @@ def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str
     import optuna
 
     # A few random trials first, then TPE (Optuna's default of 10 would make a short search random).
-    sampler = optuna.samplers.TPESampler(seed=opts.seed, n_startup_trials=min(10, max(2, opts.num_samples // 2)))
+    sampler = optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=min(10, max(2, opts.num_samples // 2)))
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
     if objective.is_pareto:
@@ -88,7 +89,7 @@ def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str
 def early_stopping_enabled(opts: SearchOptions) -> bool:
     """ASHA runs when asked (default), with >= 3 epochs to compare on, and never in pareto mode
     (ASHA ranks by a single metric)."""
-    return opts.early_stop and opts.epochs >= 3 and opts.objective != "pareto"
+    return opts.early_stop and opts.train.epochs >= 3 and opts.objective != "pareto"
 
 
 def build_scheduler(opts: SearchOptions):
@@ -97,5 +98,5 @@ def build_scheduler(opts: SearchOptions):
         return None
     from ray.tune.schedulers import ASHAScheduler
 
-    return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.epochs,
-                         grace_period=min(opts.grace_period, opts.epochs), reduction_factor=2)
+    return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs,
+                         grace_period=min(opts.grace_period, opts.train.epochs), reduction_factor=2)

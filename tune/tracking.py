@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 from ray.tune import Callback
 from ray.tune.result import AUTO_RESULT_KEYS
 
-from tune.options import UsageError
+from datasets.flags import ConfigError
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
@@ -50,7 +50,7 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def check_store_uri(uri: str, flag: str) -> None:
-    """Fail fast (UsageError naming `flag`) when a tracking / study store cannot be used:
+    """Fail fast (ConfigError naming `flag`) when a tracking / study store cannot be used:
     http(s): GET /health answers within HEALTH_TIMEOUT_S; sqlite: the folder exists and is writable."""
     scheme = urlparse(uri).scheme
     if scheme in ("http", "https"):
@@ -58,26 +58,26 @@ def check_store_uri(uri: str, flag: str) -> None:
         try:
             with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as resp:
                 if resp.status >= 400:
-                    raise UsageError(flag, f"{uri} answered {resp.status} at /health; check the server and its address")
+                    raise ConfigError(flag, f"{uri} answered {resp.status} at /health; check the server and its address")
         except urllib.error.HTTPError as e:
-            raise UsageError(flag, f"{uri} answered {e.code} at /health; check the server and its address") from None
+            raise ConfigError(flag, f"{uri} answered {e.code} at /health; check the server and its address") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise UsageError(flag, f"cannot reach {uri} ({reason}); start the tracking server "
+            raise ConfigError(flag, f"cannot reach {uri} ({reason}); start the tracking server "
                              "(mlflow server --host 0.0.0.0 --port 5000) or pass another URI") from None
         return
     if scheme == "sqlite":
         path = sqlite_path(uri)
         if path is None:
-            raise UsageError(flag, f"{uri} names no database file; write it as sqlite:///FILE (relative) or sqlite:////abs/FILE")
+            raise ConfigError(flag, f"{uri} names no database file; write it as sqlite:///FILE (relative) or sqlite:////abs/FILE")
         folder = path.parent
         if not folder.is_dir():
-            raise UsageError(flag, f"the folder {folder} of {uri} does not exist; create it or pass another URI")
+            raise ConfigError(flag, f"the folder {folder} of {uri} does not exist; create it or pass another URI")
         if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise UsageError(flag, f"{path if path.exists() else folder} is not writable; pass a URI in a writable folder")
+            raise ConfigError(flag, f"{path if path.exists() else folder} is not writable; pass a URI in a writable folder")
         return
     if scheme in ("", "file"):
-        raise UsageError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; use sqlite:///mlruns.db or a server URI")
+        raise ConfigError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; use sqlite:///mlruns.db or a server URI")
     # databricks, postgresql, mysql, ...: MLflow checks these itself when it connects.
 
 

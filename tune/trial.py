@@ -74,13 +74,16 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
-                      trainer_factory: Callable[..., Any] | None = None) -> Callable[[dict], None]:
+                      index: Any = None, trainer_factory: Callable[..., Any] | None = None
+                      ) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder per trial id).
     `registry_name`: the `tune.cleanup` registry its placement group is recorded in (None: none).
     `lease_name`: the search's `trainer.lease` actor; the trial's workers train only while they
     hold their devices (None: no lease, trials may share a device).
+    `index`: the driver's `datasets.index.VideoIndex`, handed to every trial's workers (the
+    videos checked before Ray started; None: each run indexes the dataset itself).
     `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     """
@@ -112,7 +115,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
             resources_per_worker=resources.per_worker(), name=trial_id,
-            storage_path=train_storage, callbacks=callbacks, device_lease=lease,
+            storage_path=train_storage, callbacks=callbacks, device_lease=lease, index=index,
         )
         trainer.fit()
 

@@ -1,0 +1,153 @@
+"""The only place where vidtune touches Ray's private APIs; each with why no public API does it.
+
+Everything else in the project must use Ray's public API (`tests/test_ray_internals.py` scans
+for private Ray attributes outside this module). Private APIs change without notice between Ray
+minor versions, so this module checks on import that the installed Ray is the minor version
+these uses were written and tested against (`SUPPORTED_RAY`; pyproject.toml pins the same
+range, constraints.txt the exact release). Moving to a new Ray minor: check each use below
+against the new sources, run the tests (the slow ones too), then bump `SUPPORTED_RAY`, the
+pin in pyproject.toml and constraints.txt together.
+
+The uses (checked against Ray 2.60.0):
+
+1. `ResultGrid._experiment_analysis.trials` (`trial_states`): the Tune status of each trial
+   (TERMINATED / ERROR / PENDING / RUNNING / PAUSED) and its id, in the ResultGrid's order.
+   The public `Result` does not carry either reliably: `Result.metrics["trial_id"]` is missing
+   for a trial that never reported, and `metrics["done"]` is False for a trial Tune terminated
+   through an experiment-wide stop (so a finished trial and one cut off by Ctrl-C look the
+   same); `ResultGrid.num_terminated` / `num_errors` are counts only. Reloading the experiment
+   with the public `tune.ExperimentAnalysis(result_grid.experiment_path)` gives the trials in a
+   different order than the ResultGrid (measured: errored trials first), re-reads every trial's
+   results from storage, and sees only the last snapshot on disk.
+2. `ray.train.v2._internal.execution.callback.WorkerGroupCallback` and the worker group's
+   `get_worker_group_state().placement_group_handle.placement_group` (`WorkerGroupCallback`,
+   `worker_group_placement_group`): `tune.cleanup.PlacementGroupRecorder` must learn, in the
+   Train controller right after the worker group starts, which placement group it got, so the
+   search can remove it when Tune stops the trial (see tune/cleanup.py for why Ray does not).
+   The public Train callback (`ray.train.UserCallback`) has only `after_report` and
+   `after_exception` hooks and sees no worker group.
+3. Ray's `OptunaSearch._ot_trials` / `_completed_trials` (`optuna_pending_trial`,
+   `optuna_study`): `tune.space.VidtuneOptunaSearch` sets an Optuna constraint (out of memory)
+   on the live Optuna trial before Ray's `on_trial_complete` tells the study; OptunaSearch keeps
+   the Tune-trial -> Optuna-trial map and its study private and has no hook for it.
+
+`ray._raylet.PlacementGroupID` (formerly imported by tune/cleanup.py) is public as
+`ray.PlacementGroupID`, so it is not here.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_RAY = (2, 60)
+"""The Ray minor version (major, minor) the private uses below are written and tested against."""
+
+ALLOW_UNTESTED_ENV = "VIDTUNE_ALLOW_UNTESTED_RAY"
+"""Set to 1 to run on another Ray minor anyway (a warning instead of the error), e.g. to try an upgrade."""
+
+INSTALL_HINT = "pip install -c constraints.txt -e ."
+
+
+class UnsupportedRayError(RuntimeError):
+    """The installed Ray is not the minor version vidtune's uses of Ray internals are tested on,
+    or one of those internals is not where this module expects it."""
+
+
+def _supported() -> str:
+    return f"{SUPPORTED_RAY[0]}.{SUPPORTED_RAY[1]}"
+
+
+def check_ray_version(version: str | None = None) -> str:
+    """Raise `UnsupportedRayError` unless `version` (default: the installed `ray.__version__`)
+    is of the supported minor, `SUPPORTED_RAY`; returns the version checked. With
+    VIDTUNE_ALLOW_UNTESTED_RAY=1 a mismatch only logs a warning."""
+    version = ray.__version__ if version is None else version
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and (int(match.group(1)), int(match.group(2))) == SUPPORTED_RAY:
+        return version
+    message = (f"vidtune is tested with Ray {_supported()}.x, but Ray {version} is installed; it relies on "
+               f"Ray internals that change between minor versions (see tune/ray_internals.py). Install the "
+               f"tested version with `{INSTALL_HINT}` (from the repository root), or set "
+               f"{ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
+    if os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes"):
+        log.warning("%s (going on: %s is set)", message, ALLOW_UNTESTED_ENV)
+        return version
+    raise UnsupportedRayError(message)
+
+
+check_ray_version()
+
+# --- 2. Train V2's worker-group callback (no public equivalent) ------------------------------
+try:
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
+    raise UnsupportedRayError(
+        f"Ray {ray.__version__}: ray.train.v2._internal.execution.callback.WorkerGroupCallback is gone "
+        f"({e}); vidtune is tested with Ray {_supported()}.x: `{INSTALL_HINT}`") from e
+
+
+def _moved(what: str, e: Exception) -> UnsupportedRayError:
+    return UnsupportedRayError(f"Ray {ray.__version__}: {what} is not where vidtune expects it ({e!r}); "
+                               f"vidtune is tested with Ray {_supported()}.x: `{INSTALL_HINT}`")
+
+
+def worker_group_placement_group(worker_group: Any) -> Any:
+    """The `ray.util.placement_group.PlacementGroup` of a started Train V2 worker group (the
+    argument of `WorkerGroupCallback.after_worker_group_start`)."""
+    try:
+        return worker_group.get_worker_group_state().placement_group_handle.placement_group
+    except AttributeError as e:
+        raise _moved("the placement group of a Train worker group", e) from e
+
+
+# --- 1. Tune trial statuses (no public equivalent) --------------------------------------------
+TERMINATED, ERROR = "TERMINATED", "ERROR"
+FINISHED_STATES = (TERMINATED, ERROR)
+"""Tune statuses of a trial that ended (others: PENDING, RUNNING, PAUSED: cut off)."""
+
+
+def trial_states(result_grid: Any) -> list[tuple[str, str]]:
+    """(trial id, Tune status) of each trial of a `tune.ResultGrid`, in the order of its Results
+    (`zip(trial_states(grid), grid)` pairs each Result with its trial)."""
+    try:
+        trials = result_grid._experiment_analysis.trials
+        states = [(str(t.trial_id), str(t.status)) for t in trials]
+    except AttributeError as e:
+        raise _moved("ResultGrid._experiment_analysis.trials", e) from e
+    if len(states) != len(result_grid):
+        raise UnsupportedRayError(f"Ray {ray.__version__}: the ResultGrid has {len(result_grid)} results but "
+                                  f"{len(states)} trials; vidtune is tested with Ray {_supported()}.x")
+    return states
+
+
+# --- 3. Ray's OptunaSearch (no public equivalent) ---------------------------------------------
+def optuna_pending_trial(searcher: Any, trial_id: str) -> Any | None:
+    """The live `optuna.Trial` that Ray's `OptunaSearch` asked for Tune trial `trial_id`, or None
+    when it has none or has already told the study its result (call before
+    `OptunaSearch.on_trial_complete`)."""
+    try:
+        ot_trials, completed = searcher._ot_trials, searcher._completed_trials
+    except AttributeError as e:
+        raise _moved("OptunaSearch._ot_trials / _completed_trials", e) from e
+    return None if trial_id in completed else ot_trials.get(trial_id)
+
+
+def optuna_study(searcher: Any) -> Any:
+    """The `optuna.Study` of Ray's `OptunaSearch` (None until its search space is set)."""
+    try:
+        return searcher._ot_study
+    except AttributeError as e:
+        raise _moved("OptunaSearch._ot_study", e) from e
+
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "UnsupportedRayError",
+    "WorkerGroupCallback", "check_ray_version", "optuna_pending_trial", "optuna_study", "trial_states",
+    "worker_group_placement_group",
+]
