@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any, Callable
 
+from datasets.errors import decoder_reason
+
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0                 # a worker that has not started by then is broken
@@ -40,7 +42,7 @@ def probe_video(path: str) -> dict[str, Any]:
         claimed = len(reader)
         fps = float(reader.get_avg_fps())
     except Exception as e:  # decord raises DECORDError, RuntimeError or AssertionError
-        return {"error": f"cannot be opened as a video ({_short(e)})"}
+        return {"error": f"cannot be opened as a video ({decoder_reason(e)})"}
 
     def decodes(i: int) -> tuple[bool, Any]:
         nonlocal reader
@@ -69,16 +71,6 @@ def probe_video(path: str) -> dict[str, Any]:
     _, height, width, _ = shape
     return {"num_frames": last + 1, "claimed_frames": claimed,
             "fps": fps if fps == fps and fps > 0 else 0.0, "width": int(width), "height": int(height)}
-
-
-def _short(e: BaseException) -> str:
-    """The useful last line of a decord error, without its C++ source location."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-    if lines[-1].startswith("Error reading "):   # decord's whole message when FFmpeg rejects the file
-        return "not a video format FFmpeg recognises, or the file is damaged"
-    text = lines[-1].split("] ", 1)[-1]
-    text = text.split(": ", 1)[-1] if ".cc:" in text else text
-    return text[:160]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torchvision.io import decode_jpeg
 warnings.filterwarnings("ignore", message=r".*image decoding and encoding capabilities of TorchVision",
                         category=DeprecationWarning)
 
-from datasets.errors import DataError
+from datasets.errors import DataError, decoder_reason
 from datasets.records import VideoInfo
 
 if TYPE_CHECKING:
@@ -64,14 +64,14 @@ def read_frames(path: str | Path, indices: Sequence[int], *, height: int = -1, w
         frames = _decode(path, indices, height, width)
     except Exception as e:  # decord raises DECORDError, RuntimeError, IndexError, AssertionError
         if height <= 0 and width <= 0:
-            raise DataError(f"Failed to read video {path}: {_reason(e)}") from e
+            raise DataError(f"Failed to read video {path}: {decoder_reason(e)}") from e
         # decord 0.6 cannot resize to some widths (16, 24, 48, 72 px from a 112 px source fail
         # with "DECORDArrayCopyFromTo: The size must exactly match"): decode at the stored size
         # and resize here instead. A file that is really broken fails this too.
         try:
             frames = _resize(_decode(path, indices, -1, -1), height, width)
         except Exception:
-            raise DataError(f"Failed to read video {path}: {_reason(e)}") from e
+            raise DataError(f"Failed to read video {path}: {decoder_reason(e)}") from e
     expected = (len(indices), height if height > 0 else frames.shape[1], width if width > 0 else frames.shape[2], 3)
     if frames.shape != expected or frames.dtype != np.uint8:
         raise DataError(f"Failed to read video {path}: got frames {frames.shape} {frames.dtype}, expected {expected} uint8")
@@ -92,16 +92,6 @@ def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return x.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def _reason(e: Exception) -> str:
-    """decord's message without its C++ stack trace (the last non-empty line says what happened)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    if lines[-1].startswith("Error reading "):   # decord's whole message when FFmpeg rejects the file
-        return "not a video format FFmpeg recognises, or the file is damaged"
-    return lines[-1]
-
-
 def decode_jpeg_frames(jpegs: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """JPEG files (1-D uint8 tensors on the CPU) -> uint8 N x H x W x 3 on `device`, decoded there
     in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU)."""
@@ -111,6 +101,14 @@ def decode_jpeg_frames(jpegs: Sequence[torch.Tensor], device: torch.device | str
     # On the CPU each frame is H x W x C memory seen as C x H x W: stacking the H x W x C views is a
     # plain copy, 15x faster than stacking the C x H x W ones (1.2 ms per 16 frames at 224 px).
     return torch.stack([f.permute(1, 2, 0) for f in frames])
+
+
+def fitting_stride(num_available: int, num_frames: int, stride: int) -> int:
+    """The largest stride <= `stride` at which T = `num_frames` frames fit in `num_available`
+    (at least 1): the one rule for short videos, in training and in prediction."""
+    if num_frames <= 1:
+        return stride
+    return max(1, min(stride, (num_available - 1) // (num_frames - 1)))
 
 
 def sample_indices(num_available: int, num_frames: int, stride: int, rng: np.random.Generator | None) -> np.ndarray:
@@ -124,8 +122,7 @@ def sample_indices(num_available: int, num_frames: int, stride: int, rng: np.ran
         raise ValueError(f"cannot sample from a video with {num_available} frames")
     if num_available < num_frames:
         return np.linspace(0, num_available - 1, num_frames).round().astype(np.int64)
-    if num_frames > 1:
-        stride = max(1, min(stride, (num_available - 1) // (num_frames - 1)))
+    stride = fitting_stride(num_available, num_frames, stride)
     span = (num_frames - 1) * stride + 1
     slack = num_available - span
     start = int(rng.integers(0, slack + 1)) if rng is not None else slack // 2

@@ -88,10 +88,9 @@ def clip_windows(total_frames: int, num_frames: int, frame_stride: int, fps: flo
     """Frame indices of every clip window, int64 `W x num_frames`: frames `frame_stride` apart
     (shrunk for a short video, as in training), windows every `window_stride_s` seconds. A video
     shorter than one clip gives one window (frames repeated when it has fewer than T)."""
-    from datasets.video import sample_indices
+    from datasets.video import fitting_stride, sample_indices
 
-    if num_frames > 1:
-        frame_stride = max(1, min(frame_stride, (total_frames - 1) // (num_frames - 1)))
+    frame_stride = fitting_stride(total_frames, num_frames, frame_stride)
     span = (num_frames - 1) * frame_stride + 1
     if total_frames <= span:
         return sample_indices(total_frames, num_frames, frame_stride, None)[None, :]

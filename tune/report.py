@@ -3,6 +3,7 @@ the table as text and CSV, and the scatter plot (matplotlib Agg, no display need
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +32,20 @@ class TrialRow:
     concurrent_trainings: float = math.nan  # most trainings on its device at once, any epoch (1 = alone)
 
 
+def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, finished: bool = True) -> str:
+    """One of STATUSES from a trial's last report: the one rule the table and MLflow share.
+    `error`: the trial raised; `finished`: Tune ended it (False: the search was interrupted)."""
+    if error:
+        return "ERROR"
+    if int(last.get("oom", 0) or 0) == 1:
+        return "OOM"
+    if not finished:
+        return "UNFINISHED"
+    if int(last.get("epoch") or 0) < epochs:
+        return "STOPPED"
+    return "DONE"
+
+
 def _f(x: Any) -> float:
     try:
         return float(x)
@@ -38,21 +53,14 @@ def _f(x: Any) -> float:
         return math.nan
 
 
-def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool) -> TrialRow:
-    """One Tune `Result` -> TrialRow. `finished`: Tune ended the trial (not interrupted)."""
+def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
+                    train_run: str | None = None) -> TrialRow:
+    """One Tune `Result` -> TrialRow. `finished`: Tune ended the trial (not interrupted).
+    `train_run`: the folder of the trial's Ray Train run (its checkpoints)."""
     m = dict(result.metrics or {})
     cfg = dict(result.config or {})
     epoch = int(m.get("epoch") or 0)
-    if result.error is not None:
-        status = "ERROR"
-    elif int(m.get("oom", 0) or 0) == 1:
-        status = "OOM"
-    elif not finished:
-        status = "UNFINISHED"
-    elif epoch < epochs:
-        status = "STOPPED"
-    else:
-        status = "DONE"
+    status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
     speed = steady_speeds(result)
     return TrialRow(
         trial_id=trial_id,
@@ -61,7 +69,7 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool) 
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=_f(m.get("val_acc")), val_f1=_f(m.get("val_f1")),
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
-        epochs=epoch, status=status, checkpoint=_best_checkpoint(result),
+        epochs=epoch, status=status, checkpoint=best_checkpoint(train_run, result),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"],
     )
@@ -99,21 +107,27 @@ def steady_speeds(result: Any) -> dict[str, float]:
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
-def _best_checkpoint(result: Any) -> str | None:
-    """The checkpoint of the epoch with the best val_acc that still exists on disk (Train keeps
-    the best and the latest), else the last one reported."""
-    df = getattr(result, "metrics_dataframe", None)
-    candidates: list[tuple[float, str]] = []
-    if df is not None and "checkpoint_path" in df.columns:
-        for acc, path in zip(df.get("val_acc", [math.nan] * len(df)), df["checkpoint_path"]):
-            if isinstance(path, str) and path:
-                candidates.append((_f(acc), path))
+def best_checkpoint(train_run: str | None, result: Any) -> str | None:
+    """The trial's best-val_acc checkpoint: Ray Train's own pick among the checkpoints its run
+    kept (`ray.train.Result.from_path(train_run).get_best_checkpoint`). Without a readable run
+    folder (none given, or gone), the last checkpoint the trial reported, if it still exists."""
+    if train_run:
+        import ray.train
+
+        quiet = logging.getLogger("ray.train")   # from_path logs a paragraph per run read at INFO
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
+        try:
+            run = ray.train.Result.from_path(train_run)
+            if run.best_checkpoints:
+                return run.get_best_checkpoint(metric="val_acc", mode="max").path
+        except (RuntimeError, OSError, ValueError):
+            pass   # an interrupted run may have no checkpoint manager snapshot yet
+        finally:
+            quiet.setLevel(level)
     last = (result.metrics or {}).get("checkpoint_path")
-    if last:
-        candidates.append((_f((result.metrics or {}).get("val_acc")), last))
-    for _, path in sorted(candidates, key=lambda c: -c[0] if math.isfinite(c[0]) else math.inf):
-        if "://" in path or Path(path).exists():
-            return path
+    if last and ("://" in last or Path(last).exists()):
+        return last
     return None
 
 

@@ -15,50 +15,61 @@ from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver
 
 
 def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
-    """Right after connecting, before any trial: fill the hardware defaults, refuse trials the
-    cluster cannot hold, and decide how many run at once. Returns (options, concurrency, local_gpu).
+    """Right after connecting, before any trial: `fit_to_cluster` on what the running Ray
+    cluster offers. Returns (options, concurrency, local_gpu)."""
+    import ray
+
+    res = ray.cluster_resources()
+    cpu_nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+    return fit_to_cluster(opts, cpus=float(res.get("CPU", 0.0)), gpus=float(res.get("GPU", 0.0)),
+                          cpu_nodes=cpu_nodes, may_add_gpus=autoscaler_may_add_gpus)
+
+
+def fit_to_cluster(opts: SearchOptions, *, cpus: float, gpus: float, cpu_nodes: int,
+                   may_add_gpus: Any = lambda: False) -> tuple[SearchOptions, int, bool]:
+    """Fill the hardware defaults, refuse trials the cluster cannot hold (ConfigError naming the
+    flag), and decide how many trials run at once. `cpus`/`gpus`: the cluster's totals;
+    `cpu_nodes`: alive nodes with CPUs; `may_add_gpus()`: an autoscaler can still start GPU nodes.
+    Returns (options, concurrency, local_gpu).
 
     Trials at once, within what Ray's resources hold: on GPUs two per training slot (a GPU
     share), one training and one starting up behind it (see `tune.trial.TrialResources` and
     `trainer.lease`); on CPU-only nodes one per node. There the starting trial would compete for
     the cores the training uses all of: measured on 2 cores (BENCHMARKS.md), trainings that
     overlapped a start took up to 2x longer and the search as a whole gained nothing."""
-    import ray
-
-    res = ray.cluster_resources()
-    cpus, gpus = float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0))
     opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
+    r = opts.resources
     gpt = gpus_per_trial(opts)
-    if gpt > gpus + 1e-9 and opts.resources.address is not None and autoscaler_may_add_gpus():
+    if gpt > gpus + 1e-9 and r.address is not None and may_add_gpus():
         print(f"the Ray cluster has {gpus:g} GPU(s) now; a trial needs {gpt:g}: waiting for the autoscaler "
               "to start GPU nodes (see its node types in the cluster config)")
         gpus = max(gpus, gpt)
     if gpt > gpus + 1e-9:
-        flag = "--gpus-per-trial" if opts.resources.gpus_per_trial is not None else "--gpus-per-worker"
-        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({opts.resources.workers_per_trial} worker(s) x "
-                         f"{opts.resources.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
-    cpu_per_trial = opts.resources.workers_per_trial * opts.resources.cpus_per_worker
+        flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
+        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({r.workers_per_trial} worker(s) x "
+                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
+    cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
     if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
         raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
-                         f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
+                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
     # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
-    local_gpu = opts.resources.local or (opts.resources.address is None and math.isclose(gpus, 1.0))
+    local_gpu = r.local or (r.address is None and math.isclose(gpus, 1.0))
     resources = trial_resources(opts)
     fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
     if gpt > 0:
-        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * opts.resources.workers_per_trial)))
-        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / opts.resources.workers_per_trial)
+        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * r.workers_per_trial)))
+        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / r.workers_per_trial)
         per_slot = 2 if resources.ray_gpus_per_worker < resources.gpus_per_worker else 1
     else:
-        slots = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
-        per_slot = 1
-    concurrency = opts.resources.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
+        slots, per_slot = cpu_nodes, 1
+    concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
     return opts, concurrency, local_gpu
 
 
 def trial_resources(opts: SearchOptions) -> TrialResources:
     """What each trial asks Ray for (hardware defaults already filled in)."""
-    return TrialResources(opts.resources.workers_per_trial, opts.resources.cpus_per_worker, opts.resources.gpus_per_worker or 0.0)
+    r = opts.resources
+    return TrialResources(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0)
 
 
 AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
@@ -235,7 +246,8 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
         states = ray_internals.trial_states(results)   # (trial id, Tune status), same order as the Results
         for (trial_id, status), result in zip(states, results):
             rows.append(report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs,
-                                               finished=status in ray_internals.FINISHED_STATES))
+                                               finished=status in ray_internals.FINISHED_STATES,
+                                               train_run=f"{plan.experiment_path}/train_runs/{trial_id}"))
     interrupted = results is None or any(r.status == "UNFINISHED" for r in rows) or len(rows) < opts.num_samples
     tracker.open_parent(refresh=True)
     if results is not None:

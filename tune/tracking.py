@@ -220,13 +220,17 @@ class MLflowTracker(Callback):
             self._node_tagged.add(trial_id)
 
     def completion_status(self, last: dict[str, Any]) -> tuple[str, dict[str, str]]:
-        """FAILED for out of memory, KILLED when stopped before the last epoch, else FINISHED."""
-        if int(last.get("oom", 0) or 0) == 1:
+        """The MLflow status of a trial Tune completed (`tune.report.trial_status`): FAILED for
+        out of memory, KILLED when stopped before the last epoch, else FINISHED."""
+        from tune.report import trial_status
+
+        status = trial_status(last, epochs=self.epochs)
+        if status == "OOM":
             return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
                                            f"(epoch {last.get('epoch')}, peak {last.get('peak_mem_mb', float('nan')):.0f} MB); "
                                            "recorded as infeasible, not retried"}
-        epoch = int(last.get("epoch") or 0)
-        if epoch < self.epochs:
+        if status == "STOPPED":
+            epoch = int(last.get("epoch") or 0)
             return "KILLED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
         return "FINISHED", {}
 
