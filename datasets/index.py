@@ -145,10 +145,7 @@ class VideoIndex:
     cache_path: Path | None = None
 
     def _rel(self, p: Path) -> str:
-        try:
-            return p.relative_to(self.root).as_posix() if self.root else str(p)
-        except ValueError:
-            return str(p)
+        return _relative(p, self.root)
 
     def summary(self) -> str:
         """A human-readable report: layout, counts per split and class, every dropped file."""
@@ -188,6 +185,13 @@ class VideoIndex:
         return "\n".join(lines)
 
 
+def _relative(p: Path, root: Path | None) -> str:
+    try:
+        return p.relative_to(root).as_posix() if root else str(p)
+    except ValueError:
+        return str(p)
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -209,7 +213,8 @@ def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool 
 
     Unreadable files and files with fewer than `cfg.min_frames` decodable frames are left out
     and listed in `.dropped`; a DataError is raised only when a split or class ends up empty
-    (naming the files dropped from it and why). `progress(done, total)` is called per probe.
+    (naming the files dropped from it and why). Where vidtune makes the split (class folders, a
+    manifest without a split column) it is drawn after probing, over the usable videos only. `progress(done, total)` is called per probe.
     """
     n_workers = _check_options(cfg, workers)
     disc = discover(cfg)
@@ -261,29 +266,59 @@ def _valid_entry(entry: Any) -> bool:
 
 
 def _assemble(disc, probes: dict[Path, dict], cfg: DataConfig, **counts) -> VideoIndex:
-    infos: list[VideoInfo] = []
+    usable: dict[Path, dict] = {}
     dropped: list[DroppedVideo] = []
     overstated = []
-    item_of = {}
+    item_of = {item.path: item for item in disc.items}
     for item in disc.items:
         r = probes[item.path]
-        item_of[item.path] = item
         if "error" in r:
             dropped.append(DroppedVideo(item.path, r["error"]))
         elif r["num_frames"] < cfg.min_frames:
             dropped.append(DroppedVideo(item.path, f"only {r['num_frames']} frames decode, fewer than "
                                                    f"min_frames={cfg.min_frames} (--min-frames)"))
         else:
-            fps = r["fps"]
-            infos.append(VideoInfo(item.path, item.label, item.split, r["num_frames"], fps, r["width"],
-                                   r["height"], r["num_frames"] / fps if fps > 0 else 0.0))
+            usable[item.path] = r
             if r["num_frames"] < r["claimed_frames"]:
                 overstated.append((item.path, r["claimed_frames"], r["num_frames"]))
+    if not disc.split_given:
+        _check_enough_to_split(disc, usable, dropped, item_of)
+    infos: list[VideoInfo] = []
+    # Where vidtune makes the split it is drawn here, over the usable videos only.
+    for item in disc.split_usable(usable):
+        r = usable[item.path]
+        fps = r["fps"]
+        infos.append(VideoInfo(item.path, item.label, item.split, r["num_frames"], fps, r["width"],
+                               r["height"], r["num_frames"] / fps if fps > 0 else 0.0))
     index = VideoIndex(disc.layout, disc.class_names, [v for v in infos if v.split == "train"],
                        [v for v in infos if v.split == "val"], dropped, disc.root, disc.manifest, disc.skipped,
                        overstated, **counts)
     _check_no_empty_cell(index, disc, item_of)
     return index
+
+
+def _check_enough_to_split(disc, usable: dict[Path, dict], dropped: list[DroppedVideo], item_of: dict) -> None:
+    """DataError when a class has fewer than 2 usable videos to split, naming the files dropped from it."""
+    for label, name in disc.class_names.items():
+        n = sum(item_of[p].label == label for p in usable)
+        if n >= 2:
+            continue
+        lost = [d for d in dropped if item_of[d.path].label == label]
+        raise DataError(f"only {n} usable {name} video{'' if n == 1 else 's'} left in {disc.manifest or disc.root}; "
+                        f"at least 2 are needed (one for training, one for validation); {len(lost)} "
+                        f"{'was' if len(lost) == 1 else 'were'} dropped:\n" + _listing(lost, disc.root))
+
+
+def _listing(lost: list[DroppedVideo], root: Path | None) -> str:
+    """The dropped files (relative to `root`) with their reasons, and what to do about them."""
+    listed = "\n".join(f"  {_relative(d.path, root)}: {d.reason}" for d in lost[:_MAX_LISTED])
+    more = f"\n  ... and {len(lost) - _MAX_LISTED} more" if len(lost) > _MAX_LISTED else ""
+    hints = ["replace or re-encode these files"]
+    if any("min_frames" in d.reason for d in lost):
+        hints.append("lower --min-frames")
+    if any(d.reason.startswith("file not found") for d in lost):
+        hints.append("fix the paths (relative to the manifest's folder)")
+    return f"{listed}{more}\n" + ", or ".join(hints)
 
 
 def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
@@ -298,15 +333,8 @@ def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
             if not lost:
                 raise DataError(f"no {name} videos in the {split} split of {disc.manifest or disc.root}: "
                                 f"add some (both classes are needed in train and val)")
-            listed = "\n".join(f"  {index._rel(d.path)}: {d.reason}" for d in lost[:_MAX_LISTED])
-            more = f"\n  ... and {len(lost) - _MAX_LISTED} more" if len(lost) > _MAX_LISTED else ""
-            hints = ["replace or re-encode these files"]
-            if any("min_frames" in d.reason for d in lost):
-                hints.append("lower --min-frames")
-            if any(d.reason.startswith("file not found") for d in lost):
-                hints.append("fix the paths (relative to the manifest's folder)")
             raise DataError(f"no usable {name} videos left in the {split} split of {disc.manifest or disc.root}: "
-                            f"all {len(lost)} were dropped:\n{listed}{more}\n" + ", or ".join(hints))
+                            f"all {len(lost)} were dropped:\n" + _listing(lost, index.root))
 
 
 # ---------------------------------------------------------------------------------------------

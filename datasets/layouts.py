@@ -9,6 +9,10 @@ Layouts (`DataConfig.layout`):
 - ``csv``: a manifest ``path,label[,split]`` with paths relative to the CSV's folder. ROOT is the
   CSV file itself, or a folder holding ``manifest.csv`` or exactly one ``*.csv``.
 - ``auto``: ``train/`` + ``val/`` -> rwf2000; else a manifest CSV -> csv; else class_folders.
+
+Where the split is not given (class_folders, csv without a split column) `discover` leaves the
+items' split empty and `Discovery.split_usable` draws it later, over the videos that probing
+found usable only: a broken file cannot take the only validation place of a small class.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
+from typing import Collection
 
 from datasets.config import LAYOUT_CHOICES, DataConfig
 from datasets.errors import DataError
@@ -48,15 +53,37 @@ class Discovery:
     """What `discover` found on disk, before any video is opened."""
 
     layout: str                                  # rwf2000 | class_folders | csv
-    items: list[VideoItem]                       # sorted by path; label 1 = violent
+    items: list[VideoItem]                       # sorted by path; label 1 = violent; split "" if not given
     class_names: dict[int, str]                  # e.g. {1: "Fight", 0: "NonFight"}
     root: Path                                   # the dataset folder (the CSV's folder for csv)
     manifest: Path | None = None                 # the CSV file (csv layout only)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> number of files not used
+    # Set where vidtune makes the split (class_folders, csv without a split column): the items'
+    # split is then "" until `split_usable` draws it over the usable videos.
+    val_fraction: float | None = None
+    split_seed: int = 0
+
+    @property
+    def split_given(self) -> bool:
+        """True when the split comes from the folders or the manifest (every item has one)."""
+        return self.val_fraction is None
 
     def counts(self) -> dict[tuple[str, int], int]:
-        """Number of items per (split, label)."""
+        """Number of items per (split, label); split "" where it is still to be drawn."""
         return dict(Counter((it.split, it.label) for it in self.items))
+
+    def split_usable(self, usable: Collection[Path]) -> list[VideoItem]:
+        """The items whose path is in `usable` (sorted by path), each with its split.
+
+        A given split is kept as it is. Otherwise the stratified split (`stratified_split`,
+        `val_fraction`, `split_seed`) is drawn over these items only, so the files left out
+        (broken, too short) take no place in it. DataError when a class has fewer than 2.
+        """
+        keep = [it for it in self.items if it.path in usable]
+        if self.split_given:
+            return keep
+        return stratified_split([(it.path, it.label) for it in keep], val_fraction=self.val_fraction,
+                                seed=self.split_seed, root=self.root, class_names=self.class_names)
 
 
 def discover(cfg: DataConfig) -> Discovery:
@@ -216,9 +243,9 @@ def _discover_class_folders(root: Path, cfg: DataConfig) -> Discovery:
     classes = _two_classes(found, root, "class_folders", f"{root}/<class>/*.mp4")
     labels = resolve_positive(list(classes), cfg.positive_class, where=str(root))
     pairs = [(p, labels[name]) for name, paths in classes.items() for p in paths]
-    items = stratified_split(pairs, val_fraction=cfg.val_fraction, seed=cfg.split_seed, root=root,
-                             class_names=_class_names(labels))
-    return Discovery("class_folders", items, _class_names(labels), root, None, dict(skipped))
+    items = _unsplit(pairs, cfg, root=root, class_names=_class_names(labels))
+    return Discovery("class_folders", items, _class_names(labels), root, None, dict(skipped),
+                     val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
 
 
 def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
@@ -298,10 +325,11 @@ def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
     labels = resolve_positive(names, positive, where=str(manifest))
     splits = {split for _, _, split in entries}
     if splits == {""}:
-        items = stratified_split([(p, labels[lab]) for p, lab, _ in entries], val_fraction=cfg.val_fraction,
-                                 seed=cfg.split_seed, root=base, class_names=_class_names(labels))
-    else:
-        items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries), key=lambda it: str(it.path))
+        items = _unsplit([(p, labels[lab]) for p, lab, _ in entries], cfg, root=base,
+                         class_names=_class_names(labels))
+        return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped),
+                         val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
+    items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries), key=lambda it: str(it.path))
     return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped))
 
 
@@ -394,23 +422,38 @@ def _class_names(labels: dict[str, int]) -> dict[int, str]:
     return {lab: name for name, lab in sorted(labels.items(), key=lambda kv: -kv[1])}
 
 
+def _unsplit(pairs: list[tuple[Path, int]], cfg: DataConfig, *, root: Path,
+             class_names: dict[int, str]) -> list[VideoItem]:
+    """Items with the split still to draw (split ""), after the checks that need no probing."""
+    _check_split(pairs, val_fraction=cfg.val_fraction, root=root, class_names=class_names)
+    return sorted((VideoItem(p, lab, "") for p, lab in pairs), key=lambda it: str(it.path))
+
+
+def _check_split(pairs: list[tuple[Path, int]], *, val_fraction: float, root: Path,
+                 class_names: dict[int, str] | None) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction (--val-fraction) must be between 0 and 1 (exclusive); got {val_fraction}")
+    names = class_names or {}
+    for label in sorted(set(names) | {lab for _, lab in pairs}):
+        n = sum(lab == label for _, lab in pairs)
+        if n < 2:
+            raise DataError(f"class {names.get(label, label)!r} in {root} has only {n} video"
+                            f"{'' if n == 1 else 's'}; at least 2 are needed (one for training, one for validation)")
+
+
 def stratified_split(pairs: list[tuple[Path, int]], *, val_fraction: float, seed: int, root: Path,
                      class_names: dict[int, str] | None = None) -> list[VideoItem]:
     """Split (path, label) pairs into train/val with `val_fraction` of each class in val.
 
     Deterministic for `seed`: each file is ranked by a hash of (seed, its path relative to
-    `root`), so the split does not depend on listing order or machine, and adding a file moves
-    at most a few others. Every class gets at least one video on each side.
+    `root`), so the split does not depend on listing order or machine, and adding (or leaving
+    out) one file moves at most one other file between train and val. Every class (of `pairs`,
+    and of `class_names` when given) gets at least one video on each side, else DataError.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction (--val-fraction) must be between 0 and 1 (exclusive); got {val_fraction}")
-    names = class_names or {}
+    _check_split(pairs, val_fraction=val_fraction, root=root, class_names=class_names)
     items: list[VideoItem] = []
     for label in sorted({lab for _, lab in pairs}):
         paths = [p for p, lab in pairs if lab == label]
-        if len(paths) < 2:
-            raise DataError(f"class {names.get(label, label)!r} in {root} has only {len(paths)} video; "
-                            "at least 2 are needed (one for training, one for validation)")
         ranked = sorted(paths, key=lambda p: _rank(seed, p, root))
         n_val = min(max(1, round(len(paths) * val_fraction)), len(paths) - 1)
         items += [VideoItem(p, label, "val") for p in ranked[:n_val]]

@@ -42,7 +42,7 @@ def probe_video(path: str) -> dict[str, Any]:
         claimed = len(reader)
         fps = float(reader.get_avg_fps())
     except Exception as e:  # decord raises DECORDError, RuntimeError or AssertionError
-        return {"error": f"cannot be opened as a video ({decoder_reason(e)})"}
+        return {"error": _no_video_stream(path) or f"cannot be opened as a video ({decoder_reason(e)})"}
 
     def decodes(i: int) -> tuple[bool, Any]:
         nonlocal reader
@@ -71,6 +71,24 @@ def probe_video(path: str) -> dict[str, Any]:
     _, height, width, _ = shape
     return {"num_frames": last + 1, "claimed_frames": claimed,
             "fps": fps if fps == fps and fps > 0 else 0.0, "width": int(width), "height": int(height)}
+
+
+def _no_video_stream(path: str) -> str | None:
+    """The reason for a media file that has no video stream (decord only says "cannot find video
+    stream with wanted index: -1"), e.g. "has no video stream (audio only)"; None when the file
+    has a video stream or FFmpeg cannot read it at all (decord's own reason is kept then)."""
+    try:
+        import av
+
+        with av.open(path) as container:
+            if container.streams.video:
+                return None
+            kinds = sorted({s.type for s in container.streams})
+    except Exception:  # noqa: BLE001 - not a container FFmpeg reads: decord's reason says more
+        return None
+    if kinds == ["audio"]:
+        return "has no video stream (audio only)"
+    return "has no video stream" + (f" (only {', '.join(kinds)})" if kinds else " (no streams)")
 
 
 # ---------------------------------------------------------------------------------------------

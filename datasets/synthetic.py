@@ -294,9 +294,9 @@ def write_video(path: Path, frames: np.ndarray, *, fps: int, codec: str = "libx2
             stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
             stream.codec_context.qscale = True       # fixed quantiser: near-lossless, small files
             stream.codec_context.global_quality = 2
-            # One encoder thread here too: with FFmpeg's default (as many as the cores) the same
-            # frames came out differently under load, and a seed must give the same files.
-            stream.codec_context.thread_count = 1
+        # One encoder thread, whatever the codec: a seed must give the same files, and an encoder's
+        # output can depend on its thread count (PyAV's default is one per core).
+        stream.codec_context.thread_count = 1
         for arr in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
                 container.mux(packet)
@@ -347,14 +347,14 @@ def generate(out_dir: str | Path, *, videos: int = 200, seed: int = 0, fps: int 
     root = Path(out_dir)
     _prepare_root(root, overwrite)
     jobs = _plan(root, spec)
-    if workers == 1:
-        for job in jobs:
-            _make(job, spec)
-    else:
-        # spawn, not fork: the caller may hold torch/Ray threads, which a forked child can deadlock on.
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-            list(pool.map(_make, jobs, [spec] * len(jobs), chunksize=4))
+    # Always in fresh processes, one worker included: the same seed must give the same files, and
+    # in a process that has loaded torch (whose math libraries numpy's sin/exp may then resolve
+    # to) the rendered frames differed in the last bits, which the encoder turned into visible
+    # differences. Spawn, not fork: the caller may hold torch/Ray threads a forked child can
+    # deadlock on.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
+        list(pool.map(_make, jobs, [spec] * len(jobs), chunksize=4))
     (root / METADATA_FILE).write_text(json.dumps({**asdict(spec), "frames": spec.frames}, indent=2) + "\n")
     return root
 

@@ -134,10 +134,12 @@ def test_head_starts_ray_then_mlflow_server_on_the_readme_port(prepared):
     ray_args = shlex.split(commands[ray_at].split("ray start", 1)[1])
     ray_params = start.make_context("start", ray_args).params
     assert ray_params["head"] and ray_params["autoscaling_config"] == "~/ray_bootstrap_config.yaml"
+    # Loopback only: reached through SSH forwarding, not an open port (the driver runs on the head).
+    assert ray_params["dashboard_host"] == "127.0.0.1"
 
     mlflow_cmd = commands[mlflow_at]
     params = server.make_context("server", _mlflow_server_args(commands)).params
-    assert params["host"] == "0.0.0.0"
+    assert params["host"] == "127.0.0.1"
     assert params["backend_store_uri"].startswith("sqlite:////")
     assert params["artifacts_destination"] or params["default_artifact_root"]
     # In the background with its output in a file: a foreground server would hang `ray up`.

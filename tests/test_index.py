@@ -16,6 +16,7 @@ import datasets.index as index_mod
 from datasets.config import DataConfig
 from datasets.errors import DataError
 from datasets.index import build_index, main, run_pool
+from datasets.layouts import discover, stratified_split
 
 GOOD_FRAMES = 12
 
@@ -42,6 +43,24 @@ def write_overstated(path: Path) -> Path:
     cut = int(len(data) * 0.8)
     data[cut:] = bytes(len(data) - cut)
     path.write_bytes(bytes(data))
+    return path
+
+
+def write_audio_only(path: Path, codec: str = "aac") -> Path:
+    """A media file with one audio stream (AAC or 16-bit PCM) and no video stream."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    pcm = codec.startswith("pcm")
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=16000)
+        stream.layout = "mono"
+        for i in range(8):
+            samples = rng.uniform(-0.1, 0.1, (1, 1024))
+            frame = av.AudioFrame.from_ndarray((samples * 32767).astype(np.int16) if pcm else samples.astype(np.float32),
+                                               format="s16" if pcm else "fltp", layout="mono")
+            frame.sample_rate, frame.pts = 16000, i * 1024
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
     return path
 
 
@@ -246,3 +265,90 @@ def test_generated_dataset_indexes_cleanly(synthetic_root, tmp_path):
     assert idx.layout == "rwf2000" and not idx.dropped and not idx.overstated
     assert len(idx.train) + len(idx.val) == 48
     assert {(v.split, v.label) for v in idx.train + idx.val} == {(s, c) for s in ("train", "val") for c in (0, 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the split vidtune makes (class folders, manifest without a split column): after probing
+
+def seed_putting_in_val(root: Path, path: Path, val_fraction: float = 0.2) -> int:
+    """A --split-seed for which a split drawn over *all* files (before probing) puts `path` in val."""
+    disc = discover(DataConfig(root=str(root)))
+    pairs = [(it.path, it.label) for it in disc.items]
+    return next(seed for seed in range(200)
+                if any(it.path == path and it.split == "val"
+                       for it in stratified_split(pairs, val_fraction=val_fraction, seed=seed, root=disc.root)))
+
+
+def test_a_broken_file_cannot_take_the_only_val_place_of_a_small_class(tmp_path):
+    """Fight has 3 videos, one broken, and the seed is one for which a split over all 3 files gives
+    the broken one the single val place: the split is drawn over the 2 usable ones instead."""
+    root = tmp_path / "data"
+    for cls, prefix in (("Fight", "f"), ("NonFight", "n")):
+        for i in range(3):
+            write_video(root / cls / f"{prefix}{i}.mp4")
+    broken = root / "Fight" / "f1.mp4"
+    broken.write_text("not a video\n")
+    seed = seed_putting_in_val(root, broken)
+    cfg = DataConfig(root=str(root), split_seed=seed, cache_dir=str(tmp_path / "cache"))
+
+    idx = build_index(cfg, workers=2)
+
+    assert idx.layout == "class_folders"
+    assert [(d.path, d.reason.split(" (")[0]) for d in idx.dropped] == [(broken, "cannot be opened as a video")]
+    fight_val = [v.path for v in idx.val if v.label == 1]
+    fight_train = [v.path for v in idx.train if v.label == 1]
+    assert len(fight_val) == len(fight_train) == 1 and broken not in fight_val + fight_train
+    assert (len(idx.train), len(idx.val)) == (3, 2)
+    assert "Dropped 1 of 6 videos" in idx.summary() and "  Fight/f1.mp4: cannot be opened as a video" in idx.summary()
+    # Same seed, same split (this time from the cache); the dropped file is still listed.
+    again = build_index(cfg, workers=2)
+    assert again.cached == 6 and (again.train, again.val, again.dropped) == (idx.train, idx.val, idx.dropped)
+
+
+def test_manifest_without_split_is_split_over_the_files_that_probe_fine(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_mod, "run_pool", fake_pool({"a2.mp4": ("error", "RuntimeError: boom")}, []))
+    rows = []
+    for label in ("a", "b"):
+        for i in range(3):
+            (tmp_path / f"{label}{i}.mp4").write_bytes(b"x")
+            rows.append(f"{label}{i}.mp4,{'Fight' if label == 'a' else 'NonFight'}")
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("path,label\n" + "\n".join(rows + ["a9.mp4,Fight"]) + "\n")  # a9.mp4 is missing
+    for seed in range(6):
+        idx = build_index(DataConfig(root=str(manifest), split_seed=seed), use_cache=False)
+        assert {d.path.name for d in idx.dropped} == {"a2.mp4", "a9.mp4"}
+        assert sorted((v.split, v.label) for v in idx.train + idx.val) == [
+            ("train", 0), ("train", 0), ("train", 1), ("val", 0), ("val", 1)]
+
+
+def test_a_class_with_fewer_than_two_usable_videos_to_split_names_the_dropped_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_mod, "run_pool", fake_pool(
+        {"f1.mp4": ("crashed", -11), "f2.mp4": ("ok", {"num_frames": 3, "claimed_frames": 3, "fps": 10.0,
+                                                       "width": 64, "height": 48})}, []))
+    for cls, prefix in (("Fight", "f"), ("NonFight", "n")):
+        for i in range(3):
+            (tmp_path / cls).mkdir(exist_ok=True)
+            (tmp_path / cls / f"{prefix}{i}.mp4").write_bytes(b"x")
+    with pytest.raises(DataError) as e:
+        build_index(DataConfig(root=str(tmp_path)), use_cache=False)
+    msg = str(e.value)
+    assert msg.startswith(f"only 1 usable Fight video left in {tmp_path}; at least 2 are needed")
+    assert "2 were dropped:\n  Fight/f1.mp4: the decoder crashed" in msg and "\n  Fight/f2.mp4: only 3 frames" in msg
+    assert msg.endswith("replace or re-encode these files, or lower --min-frames")
+
+
+# ---------------------------------------------------------------------------------------------
+# reasons
+
+@pytest.mark.parametrize("name, codec", [("sound.mp4", "aac"), ("sound.mkv", "pcm_s16le")])
+def test_an_audio_only_file_is_dropped_as_having_no_video_stream(tmp_path, name, codec):
+    """decord says only "cannot find video stream with wanted index: -1" (after a C++ check)."""
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        for cls in ("Fight", "NonFight"):
+            write_video(root / split / cls / "ok.mp4")
+    write_audio_only(root / "train" / "Fight" / name, codec)
+    idx = build_index(DataConfig(root=str(root)), workers=2, use_cache=False)
+    assert [(d.path.name, d.reason) for d in idx.dropped] == [(name, "has no video stream (audio only)")]
+    assert f"  train/Fight/{name}: has no video stream (audio only)" in idx.summary()
+

@@ -11,7 +11,7 @@ import pytest
 
 from datasets.config import DataConfig
 from datasets.errors import DataError
-from datasets.layouts import discover, is_negative_name, is_positive_name, resolve_positive
+from datasets.layouts import discover, is_negative_name, is_positive_name, resolve_positive, stratified_split
 
 
 def touch(path: Path, data: bytes = b"x") -> Path:
@@ -27,8 +27,13 @@ def make_class_folders(root: Path, names=("Violence", "NonViolence"), n=10, ext=
     return root
 
 
-def counts(disc) -> Counter:
-    return Counter((it.split, disc.class_names[it.label]) for it in disc.items)
+def counts(disc, items=None) -> Counter:
+    return Counter((it.split, disc.class_names[it.label]) for it in (disc.items if items is None else items))
+
+
+def drawn(disc, leave_out=()):
+    """The items with their split, as the index draws it when every file but `leave_out` probes fine."""
+    return disc.split_usable({it.path for it in disc.items} - set(leave_out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,6 +62,9 @@ def test_rwf2000_found_with_any_case_extensions_odd_names_and_skipped_files(tmp_
     assert disc.class_names == {1: "Fight", 0: "NonFight"}
     assert counts(disc) == {("train", "Fight"): 5, ("train", "NonFight"): 3,
                             ("val", "Fight"): 3, ("val", "NonFight"): 4}
+    assert disc.split_given and drawn(disc) == disc.items   # the given split is kept as it is
+    assert drawn(disc, [root / "val" / "Fight" / "clip.webm"]) == [
+        it for it in disc.items if it.path.name != "clip.webm"]
     names = {it.path.name for it in disc.items}
     assert {"UPPER CASE.AVI", "caméra nº7 (copie).Mp4", "監視 カメラ.mkv", "clip.MOV"} <= names
     assert all(it.path.is_file() for it in disc.items)
@@ -94,28 +102,80 @@ def test_class_folders_stratified_split_is_stable_for_a_seed(tmp_path):
     for i in range(10):   # the violent class is larger: stratification keeps both shares
         touch(root / "Violence" / f"extra {i}.MP4")
 
-    a = discover(DataConfig(root=str(root), val_fraction=0.2, split_seed=0))
-    b = discover(DataConfig(root=str(root), layout="class_folders", val_fraction=0.2, split_seed=0))
-    c = discover(DataConfig(root=str(root), val_fraction=0.2, split_seed=1))
+    disc_a = discover(DataConfig(root=str(root), val_fraction=0.2, split_seed=0))
+    disc_b = discover(DataConfig(root=str(root), layout="class_folders", val_fraction=0.2, split_seed=0))
+    disc_c = discover(DataConfig(root=str(root), val_fraction=0.2, split_seed=1))
 
-    assert a.layout == "class_folders" and a.class_names == {1: "Violence", 0: "NonViolence"}
-    assert counts(a) == {("train", "Violence"): 24, ("val", "Violence"): 6,
-                         ("train", "NonViolence"): 16, ("val", "NonViolence"): 4}
-    assert a.items == b.items
-    val_a = {it.path for it in a.items if it.split == "val"}
-    val_c = {it.path for it in c.items if it.split == "val"}
-    assert counts(c) == counts(a) and val_a != val_c
+    # Discovery leaves the split to draw: the index draws it after probing (over usable files).
+    assert disc_a.layout == "class_folders" and disc_a.class_names == {1: "Violence", 0: "NonViolence"}
+    assert not disc_a.split_given and {it.split for it in disc_a.items} == {""}
+    a, b, c = drawn(disc_a), drawn(disc_b), drawn(disc_c)
+    assert counts(disc_a, a) == {("train", "Violence"): 24, ("val", "Violence"): 6,
+                                 ("train", "NonViolence"): 16, ("val", "NonViolence"): 4}
+    assert a == b == drawn(discover(DataConfig(root=str(root), val_fraction=0.2, split_seed=0)))
+    val_a = {it.path for it in a if it.split == "val"}
+    val_c = {it.path for it in c if it.split == "val"}
+    assert counts(disc_c, c) == counts(disc_a, a) and val_a != val_c
     half = discover(DataConfig(root=str(root), val_fraction=0.5))
-    assert counts(half)[("val", "NonViolence")] == 10
+    assert counts(half, drawn(half))[("val", "NonViolence")] == 10
 
 
 def test_small_class_still_gets_one_val_video_and_a_single_video_class_is_an_error(tmp_path):
     make_class_folders(tmp_path, ("Fight", "NonFight"), n=2)
     disc = discover(DataConfig(root=str(tmp_path), val_fraction=0.1))
-    assert counts(disc) == {(s, c): 1 for s in ("train", "val") for c in ("Fight", "NonFight")}
+    assert counts(disc, drawn(disc)) == {(s, c): 1 for s in ("train", "val") for c in ("Fight", "NonFight")}
+    with pytest.raises(DataError, match=r"class 'Fight' .* has only 1 video; at least 2"):
+        drawn(disc, [tmp_path / "Fight" / "Fig_00.mp4"])     # as when the index drops one of the two
     (tmp_path / "Fight" / "Fig_01.mp4").unlink()
     with pytest.raises(DataError, match=r"class 'Fight' .* has only 1 video; at least 2"):
         discover(DataConfig(root=str(tmp_path)))
+
+
+def seed_putting_in_val(disc, path: Path) -> int:
+    """A split seed for which the split drawn over *all* files (the old way) puts `path` in val."""
+    pairs = [(it.path, it.label) for it in disc.items]
+    return next(seed for seed in range(200)
+                if any(it.path == path and it.split == "val"
+                       for it in stratified_split(pairs, val_fraction=0.2, seed=seed, root=disc.root)))
+
+
+def test_split_is_drawn_over_the_usable_videos_only(tmp_path):
+    """A class of 3 videos, one broken: drawn over all 3, the broken one could take the only val
+    place; drawn over the 2 usable ones, each side gets a usable video."""
+    make_class_folders(tmp_path, ("Fight", "NonFight"), n=3)
+    broken = tmp_path / "Fight" / "Fig_01.mp4"
+    seed = seed_putting_in_val(discover(DataConfig(root=str(tmp_path))), broken)
+    disc = discover(DataConfig(root=str(tmp_path), val_fraction=0.2, split_seed=seed))
+    items = drawn(disc, [broken])
+    assert broken not in {it.path for it in items}
+    assert counts(disc, items) == {("train", "Fight"): 1, ("val", "Fight"): 1,
+                                   ("train", "NonFight"): 2, ("val", "NonFight"): 1}
+    assert drawn(disc, [broken]) == items          # same seed, same usable files: same split
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_adding_or_leaving_out_a_file_moves_at_most_one_other_file(tmp_path, seed):
+    """The rank of a file is a hash of (seed, its relative path): a new file (or one the probe
+    drops) takes or frees one place in its class, so at most one other file changes sides."""
+    root = make_class_folders(tmp_path, n=12)
+
+    def sides(leave_out=()):
+        disc = discover(DataConfig(root=str(root), val_fraction=0.25, split_seed=seed))
+        return {it.path: it.split for it in drawn(disc, leave_out)}
+
+    before = sides()
+    moved_total = 0
+    for i in range(8):                                 # class sizes 13..20: n_val changes on the way
+        touch(root / "Violence" / f"new {i}.mp4")
+        after = sides()
+        moved = [p for p in before if after[p] != before[p]]
+        assert len(moved) <= 1, moved
+        moved_total += len(moved)
+        before = after
+    assert moved_total < 8                             # mostly nothing moves
+    for gone in list(before)[:10]:                     # a file dropped at probing: the same bound
+        after = sides([gone])
+        assert sum(after[p] != before[p] for p in after) <= 1
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5])
@@ -214,10 +274,12 @@ def test_csv_folder_without_split_column_numeric_labels_stratified(tmp_path):
     touch(tmp_path / "other.csv", b"a,b\n1,2\n")    # manifest.csv wins over other CSVs
 
     disc = discover(DataConfig(root=str(tmp_path), val_fraction=0.4))
-    assert disc.layout == "csv" and disc.class_names == {1: "1", 0: "0"}
-    assert counts(disc) == {("train", "1"): 3, ("val", "1"): 2, ("train", "0"): 3, ("val", "0"): 2}
+    assert disc.layout == "csv" and disc.class_names == {1: "1", 0: "0"} and not disc.split_given
+    assert counts(disc, drawn(disc)) == {("train", "1"): 3, ("val", "1"): 2, ("train", "0"): 3, ("val", "0"): 2}
     assert all(it.label == int(it.path.stem) % 2 for it in disc.items)
-    assert discover(DataConfig(root=str(tmp_path), layout="csv", val_fraction=0.4)).items == disc.items
+    assert drawn(discover(DataConfig(root=str(tmp_path), layout="csv", val_fraction=0.4))) == drawn(disc)
+    # Drawn over the usable rows only: 4 usable of label 1 -> 2 in val (0.4 of 4, rounded).
+    assert counts(disc, drawn(disc, [tmp_path / "v" / "1.mp4"]))[("val", "1")] == 2
 
 
 def test_csv_windows_paths_and_auto_detected_single_csv(tmp_path):

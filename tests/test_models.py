@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pickle
+import re
+import shlex
 import socket
 import urllib.error
+import zipfile
 
 import pytest
 import torch
@@ -222,3 +227,77 @@ def test_channels_last_model_and_input():
     assert y.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(x, y)
     plain = nn.Identity()
     assert prepare_input_transform(plain, channels_last=False) is plain
+
+
+# --- untrusted files: torch.load(weights_only=True) runs no code -----------------------------
+
+class _Payload:
+    """Unpickling this calls `fn(*args)`: what a malicious .pth does (here, it creates a marker)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _malicious_files(tmp_path):
+    """(path, marker, refused) triples: files whose loading without weights_only would create
+    `marker`; `refused`: the safe loader names the forbidden callable (else it reads as damaged)."""
+    out = []
+    # a zip-format torch file that looks like a state dict, the payload next to the tensors
+    m1 = tmp_path / "marker-system"
+    torch.save({"weight": torch.zeros(2), "bias": _Payload(os.system, f"touch {shlex.quote(str(m1))}")},
+               tmp_path / "system.pth")
+    out.append((tmp_path / "system.pth", m1, True))
+    # plain (legacy-format) pickle files: protocol 2 (torch's), and 4, whose framing the safe
+    # loader rejects before it gets to the payload
+    for protocol in (2, 4):
+        marker = tmp_path / f"marker-exec-{protocol}"
+        with open(tmp_path / f"exec-{protocol}.pth", "wb") as f:
+            pickle.dump({"model": _Payload(exec, f"open({str(marker)!r}, 'w').close()")}, f, protocol=protocol)
+        out.append((tmp_path / f"exec-{protocol}.pth", marker, protocol == 2))
+    # a vidtune checkpoint folder (--weights accepts one) holding a payload
+    m3 = tmp_path / "marker-ckpt"
+    (tmp_path / "ckpt").mkdir()
+    torch.save({"format": "vidtune-checkpoint", "model": {"w": torch.zeros(1)},
+                "metrics": _Payload(os.mkdir, str(m3))}, tmp_path / "ckpt" / "checkpoint.pt")
+    out.append((tmp_path / "ckpt", m3, True))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4:UserWarning")
+def test_a_malicious_weights_file_is_refused_and_runs_no_code(tmp_path):
+    for path, marker, refused in _malicious_files(tmp_path):
+        with pytest.raises(WeightsError) as info:
+            build_model("tiny", weights=str(path))
+        msg = str(info.value)
+        assert msg.startswith(f"weights file {path}") and "weights_only=False" not in msg  # torch's advice: not passed on
+        if refused:
+            assert "refused: it holds Python objects other than tensors and plain data (" in msg
+            assert "could run code" in msg and re.search(r"plain data \((posix\.system|exec|posix\.mkdir)\)", msg)
+        else:
+            assert msg.endswith("is not a loadable PyTorch state dict: Unsupported operand 149")
+        assert not marker.exists(), f"loading {path} ran its payload"
+        # The payload is live: an unsafe load would have run it.
+        file = path / "checkpoint.pt" if path.is_dir() else path
+        if zipfile.is_zipfile(file):
+            torch.load(file, weights_only=False)
+        else:
+            pickle.loads(file.read_bytes())
+        assert marker.exists()
+
+
+def test_a_malicious_file_in_the_hub_cache_is_refused_for_kinetics(monkeypatch, tmp_path):
+    """`--weights kinetics` reads torch hub's cached file, whose hash is checked on download only
+    (and the offline message invites copying a file there): it is loaded with weights_only too."""
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    monkeypatch.setattr(torch.hub, "urlopen", lambda *a, **k: pytest.fail("network used"))
+    url = models._REGISTRY["mvit_v2_s"].kinetics.url
+    cached = tmp_path / "hub" / "checkpoints" / url.rsplit("/", 1)[-1]
+    cached.parent.mkdir(parents=True)
+    marker = tmp_path / "marker"
+    torch.save({"head.1.weight": _Payload(os.system, f"touch {shlex.quote(str(marker))}")}, cached)
+    with pytest.raises(WeightsError, match=rf"Kinetics-400 weights file {cached} refused: .*delete it"):
+        build_model("mvit_v2_s", weights="kinetics")
+    assert not marker.exists()

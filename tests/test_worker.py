@@ -194,7 +194,10 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     callback, drain = _collecting_callback()
     second = build_torch_trainer(_small(synthetic_root, epochs=2, batch_size=8), name="resume",
                                  storage_path=str(tmp_path), callbacks=[callback]).fit()
-    assert [m["epoch"] for m, _ in drain()] == [2]
+    second_reports = drain()
+    assert [m["epoch"] for m, _ in second_reports] == [2]
+    assert [m["resumed_from_epoch"] for m, _ in second_reports] == [1]    # MLflow tags the restart from it
+    assert metrics["resumed_from_epoch"] == 0                              # the first run started fresh
     resumed = load_checkpoint(second.checkpoint.path)
     assert resumed["epoch"] == 2
     # training continued from the saved optimizer state (AdamW's step count goes on)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models import unwrap
+from trainer.models import load_error_detail, refused_pickle, unwrap
 
 FILE_NAME = "checkpoint.pt"
 FORMAT = "vidtune-checkpoint"
@@ -94,7 +94,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as e:  # pickle, zip and torch errors all mean the same to the user
-        raise CheckpointError(f"checkpoint {file} cannot be read ({type(e).__name__}: {e}); it is damaged or not a torch file") from None
+        reason = refused_pickle(e)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {file} {reason}; vidtune's own checkpoints hold none, so this "
+                                  "file was not written by trainer.train or a search") from None
+        raise CheckpointError(f"checkpoint {file} cannot be read ({load_error_detail(e)}); it is damaged or not a torch file") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a vidtune checkpoint (no '{FORMAT}' marker); pass a directory written by trainer.train or a search")
     if state.get("version", 0) > VERSION:

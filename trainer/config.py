@@ -45,6 +45,9 @@ class TrainConfig:
     compile: bool = option(False, flag="--compile", help="torch.compile the model (slow first steps)")
     freeze_backbone_epochs: int = option(0, flag="--freeze-backbone-epochs", metavar="N", ge=0,
                                          help="train only the classification head for the first N epochs")
+    max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,
+                               help="times a run's worker group restarts from its last checkpoint after a "
+                               "worker dies (Ray Train's FailureConfig); out of memory is never retried")
     seed: int = option(0, flag="--seed", metavar="N", help="seed of training (init, shuffling, augmentation) "
                        "and of a search's Optuna sampler")
 

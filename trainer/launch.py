@@ -176,8 +176,8 @@ def build_torch_trainer(
     Checkpoints are ranked by `val_acc` (the best `checkpoint_keep` are kept, plus always the
     latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
-    No retries (`max_failures=0`): a failing trial is reported, not rerun; out of memory is not
-    a failure (the worker reports `oom=1` and returns).
+    A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
+    (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
     `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
     (pass a wrapper of it to, e.g., register extra models in the worker process first).
     `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
@@ -201,7 +201,9 @@ def build_torch_trainer(
             checkpoint_score_attribute="val_acc",
             checkpoint_score_order="max",
         ),
-        failure_config=ray.train.FailureConfig(max_failures=0),
+        # A dead worker (killed, node lost) restarts the group from the last checkpoint, at most
+        # cfg.max_failures times. Out of memory never gets here: the worker reports it and returns.
+        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         # Train's INFO log repeats every report's metrics dict; the CLIs print their own lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         # Also set through ray.init; repeated here for drivers that connected to Ray themselves.

@@ -7,6 +7,8 @@ the classification head is replaced for `num_classes` after loading.
 """
 from __future__ import annotations
 
+import pickle
+import re
 import socket
 import urllib.error
 from dataclasses import dataclass
@@ -29,6 +31,36 @@ DOWNLOAD_TIMEOUT_S = 15.0
 
 class WeightsError(ValueError):
     """Weights that cannot be used: the message names the file or source and says what to do."""
+
+
+def refused_pickle(e: BaseException) -> str | None:
+    """What a `torch.load(weights_only=True)` refusal means, in a line; None for other errors.
+
+    The file references a Python callable or class (`posix.system`, `builtins.exec`, a numpy
+    type) that the safe loader does not allow: unpickling it could run any code, so vidtune
+    never does. (torch's own message advises `weights_only=False`; that is not passed on.)"""
+    if not _weights_only_failure(e):
+        return None
+    found = re.search(r"\bGLOBAL ([\w.]+)", str(e))
+    if found is None:
+        return None
+    return (f"refused: it holds Python objects other than tensors and plain data ({found.group(1)}), "
+            "and loading those could run code from the file; vidtune loads only tensors, numbers and "
+            "strings (torch.load weights_only=True)")
+
+
+def load_error_detail(e: BaseException) -> str:
+    """The useful line of a `torch.load` error (for a safe-loader failure, its own reason only)."""
+    if _weights_only_failure(e):
+        for line in str(e).splitlines()[1:]:
+            line = line.strip().removeprefix("WeightsUnpickler error:").strip()
+            if line and not line.startswith(("(1)", "(2)", "Check the documentation", "Please file an issue")):
+                return line.split(". Please use", 1)[0][:200]
+    return f"{type(e).__name__}: {e}"
+
+
+def _weights_only_failure(e: BaseException) -> bool:
+    return isinstance(e, pickle.UnpicklingError) and str(e).startswith("Weights only load failed")
 
 
 @dataclass(frozen=True)
@@ -146,8 +178,17 @@ def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
-        # Reads the torch hub cache first; downloads (once) only when the file is not there.
-        return entry.kinetics.get_state_dict(progress=False, check_hash=True)
+        # Reads the torch hub cache first; downloads (once) only when the file is not there. The
+        # hash is checked on download only, and the file may be one a user copied there (see
+        # below): weights_only=True, which torch.hub does not default to.
+        return entry.kinetics.get_state_dict(progress=False, check_hash=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        reason = refused_pickle(e)
+        if reason is None:
+            raise
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
+        raise WeightsError(f"Kinetics-400 weights file {cached} {reason}; delete it to download the "
+                           f"real one, or pass a state dict you trust with --weights PATH") from None
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         raise WeightsError(
             f"could not download the Kinetics-400 weights of {name!r} from {url} ({e}). "
@@ -177,7 +218,12 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
-        raise WeightsError(f"weights file {p} is not a loadable PyTorch state dict: {e}") from e
+        reason = refused_pickle(e)
+        if reason is not None:
+            raise WeightsError(f"weights file {p} {reason}; save the weights with "
+                               f"torch.save(model.state_dict(), path)") from None
+        raise WeightsError(f"weights file {p} is not a loadable PyTorch state dict: "
+                           f"{load_error_detail(e)}") from e
     for key in _WRAPPER_KEYS:
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.launch import INDEX_CONFIG_KEY
+from trainer.history import read_history, write_history
 from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from trainer.metrics import all_reduce_floats, steady_state
@@ -32,9 +33,11 @@ from trainer.precision import is_out_of_memory
 # concurrent_trainings: most trainings on this trial's devices at once during the epoch (lease).
 # device_wait_s: time this run waited for its device before its first epoch (0 after).
 # epoch_start_ts / epoch_end_ts: unix time the epoch's training started / its scoring ended.
+# resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
+#   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
-               "epoch_start_ts", "epoch_end_ts", "node_id")
+               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch")
 
 
 class ShardSampler(Sampler[int]):
@@ -92,6 +95,8 @@ class _Run:
     failures_seen: int = 0              # this rank's failed video reads counted in earlier epochs
     reads_seen: tuple[int, int] = (0, 0)   # this rank's (clip reads, cache hits) in earlier epochs
     speed_by_epoch: dict[int, float] | None = None   # clips_per_s of each epoch trained, for steady_state
+    resumed_from_epoch: int = 0                      # the checkpoint's epoch this run started after
+    history: dict[int, dict] | None = None           # every epoch's report so far (trainer.history)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -274,10 +279,13 @@ def _maybe_resume(run: _Run) -> int:
         return 1
     with checkpoint.as_directory() as directory:
         state = load_checkpoint(directory)
+        run.history = read_history(directory)
     history = (state.get("metrics") or {}).get("speed_by_epoch") or {}
     run.speed_by_epoch = {int(e): float(v) for e, v in history.items()}
-    return restore_training_state(state, model=run.model, optimizer=run.optimizer,
-                                  scaler=run.scaler, scheduler=run.scheduler)
+    start = restore_training_state(state, model=run.model, optimizer=run.optimizer,
+                                   scaler=run.scaler, scheduler=run.scheduler)
+    run.resumed_from_epoch = start - 1
+    return start
 
 
 def _train_and_evaluate(run: _Run, epoch: int):
@@ -362,7 +370,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
         epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0,
         reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
         steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
-        **_lease_metrics(run, window, first),
+        **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -372,7 +380,9 @@ def _report(run: _Run, epoch: int, metrics: dict[str, Any]) -> None:
     if run.rank != 0:
         ray.train.report(metrics)
         return
+    run.history = {**(run.history or {}), epoch: metrics}
     with tempfile.TemporaryDirectory(prefix="vidtune-ckpt-") as directory:
+        write_history(directory, run.history)
         save_checkpoint(
             directory, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
             scheduler=run.scheduler, epoch=epoch, config=run.cfg.to_dict(), spec=run.spec,
@@ -405,6 +415,6 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, fl
         "data_wait_frac": 0.0, "peak_mem_mb": float(peak), "lr": _current_lr(run),
         "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
         "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
-        "node_id": run.node_id,
+        "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch,
     }
     ray.train.report(metrics)

@@ -153,7 +153,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
     from ray import tune
 
-    from tune import cleanup, space
+    from tune import cleanup, faults, space
 
     opts, concurrency, local_gpu = check_cluster(plan.opts)
     if plan.opts.space.batch_sizes is None and plan.index is not None:
@@ -199,13 +199,18 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 reuse_actors=True),
             run_config=tune.RunConfig(
                 name=plan.name, storage_path=plan.storage, verbose=1,
-                failure_config=tune.FailureConfig(max_failures=0),   # OOM and errors are not retried
-                callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name)]),
+                # A trial is not rerun by Tune: its Train run already restarted a dead worker group
+                # (--max-failures), and out of memory is an answer, not a failure.
+                failure_config=tune.FailureConfig(max_failures=0),
+                callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
+                           faults.InterruptWatch()]),
         )
     results = None
+    faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
     try:
         results = tuner.fit()
     finally:
+        faults.uninstall()
         code = summarise(plan, opts, results, tracker)
         del registry, lease
     return code
@@ -236,24 +241,27 @@ def make_tracker(plan: Any, opts: SearchOptions):
 
 
 def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int:
-    """Print the table / best / Pareto front / checkpoint / MLflow command; write the parent's
-    artifacts; end every MLflow run (KILLED when the search did not finish)."""
-    from tune import ray_internals, report
+    """Print the table / best / Pareto front / checkpoint; bring MLflow up to date (every epoch,
+    final statuses, the parent's artifacts; KILLED when the search did not finish), or say what
+    is pending when the store cannot be reached. Exit code: 0 with a best trial, 1 without, 130
+    when interrupted. The last lines printed say how to compare, resume or flush."""
+    from tune import faults, ray_internals, report
 
     rows: list[report.TrialRow] = []
+    pairs: list[tuple[report.TrialRow, Any, str]] = []   # (row, Tune result, Train run folder)
     states: list[tuple[str, str]] = []
     if results is not None:
         states = ray_internals.trial_states(results)   # (trial id, Tune status), same order as the Results
         for (trial_id, status), result in zip(states, results):
-            rows.append(report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs,
-                                               finished=status in ray_internals.FINISHED_STATES,
-                                               train_run=f"{plan.experiment_path}/train_runs/{trial_id}"))
-    interrupted = results is None or any(r.status == "UNFINISHED" for r in rows) or len(rows) < opts.num_samples
-    tracker.open_parent(refresh=True)
-    if results is not None:
-        lost = tracker.retire_lost_runs({trial_id for trial_id, _ in states})
-        if lost:
-            print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the trash: {lost}")
+            # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
+            finished = status in ray_internals.FINISHED_STATES and not faults.trial_unfinished(trial_id)
+            train_run = f"{plan.experiment_path}/train_runs/{trial_id}"
+            row = report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
+                                         train_run=train_run)
+            rows.append(row)
+            pairs.append((row, result, train_run))
+    interrupted = (results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
+                   or len(rows) < opts.num_samples)
     best = report.best_trial(rows, opts.objective)
     if rows:
         print("\ntrials:\n" + report.format_table(rows, show_wd=opts.space.search_weight_decay))
@@ -265,21 +273,48 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
     if opts.objective == "pareto" and rows:
         front = report.pareto_front(rows)
         print("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.space.search_weight_decay))
-    with tempfile.TemporaryDirectory() as tmp:
-        csv_path = report.write_csv(rows, Path(tmp) / "trials.csv")
-        png = report.plot_scatter(rows, Path(tmp) / "accuracy_vs_speed.png", title=plan.name)
-        best_doc = None
-        if best:
-            best_doc = {**best.__dict__, "objective": opts.objective,
-                        "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr).to_dict()}
-        tracker.log_summary(table_csv=csv_path, plot_png=png, best=best_doc, best_checkpoint=best.checkpoint if best else None)
-    tracker.close(interrupted=interrupted)
+    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, interrupted=interrupted)
     print("\n" + mlflow_hint(opts.tracking.mlflow_uri))
+    resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
+              f"{'' if opts.tracking.mlflow_uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + opts.tracking.mlflow_uri}")
+    if pending:
+        print(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
+              f"{plan.experiment_path}. Once the store answers, write it with:\n  {resume}")
     if interrupted:
-        print(f"search interrupted; continue it with: python tune/search.py --resume --name {plan.name} "
-              f"--storage {plan.storage}")
+        print(f"search interrupted; continue it with:\n  {resume}")
         return 130
     return 0 if best else 1
+
+
+def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, pairs: list, states: list,
+                     best: Any, *, interrupted: bool) -> str | None:
+    """Reconcile the child runs with Tune's results, log the parent's summary and end every run.
+    Returns None when MLflow is up to date, else why it is not (the store failed)."""
+    from tune import report
+
+    try:
+        tracker.open_parent(refresh=True)
+        if states:
+            lost = tracker.retire_lost_runs({trial_id for trial_id, _ in states})
+            if lost:
+                print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the trash: {lost}")
+        written = tracker.reconcile(pairs)
+        if written:
+            print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
+        with tempfile.TemporaryDirectory() as tmp:
+            csv_path = report.write_csv(rows, Path(tmp) / "trials.csv")
+            png = report.plot_scatter(rows, Path(tmp) / "accuracy_vs_speed.png", title=plan.name)
+            best_doc = None
+            if best:
+                best_doc = {**best.__dict__, "objective": opts.objective,
+                            "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr).to_dict()}
+            tracker.log_summary(table_csv=csv_path, plot_png=png, best=best_doc,
+                                best_checkpoint=best.checkpoint if best else None)
+        tracker.close(interrupted=interrupted)
+    except Exception as e:   # the store is down or full: the search's own results stand
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        return f"{opts.tracking.mlflow_uri} failed ({reason})"
+    return None
 
 
 def mlflow_hint(uri: str) -> str:

@@ -15,6 +15,7 @@ if __name__ == "__main__" and not __package__:
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -171,6 +172,10 @@ def execute(plan: Plan) -> int:
     from trainer.launch import init_ray
     from tune.runner import run_search
 
+    # A tracking server that stops answering must not hold the search: MLflow's client would
+    # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     started = init_ray(address=plan.opts.resources.address)
     try:
         return run_search(plan)

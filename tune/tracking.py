@@ -6,11 +6,19 @@ A run never stays RUNNING: FINISHED, FAILED (error, out of memory; reason in the
 `vidtune.failure_reason`) or KILLED (stopped early by ASHA, or interrupted). A resumed search
 finds its parent run by the tag `vidtune.experiment_path` and its child runs by `vidtune.trial_id`
 under that parent, so nothing is logged twice as a new run.
+
+The store may fail mid-search (a tracking server restarted, a full disk under a SQLite file):
+tracking never blocks or stops the search. A failed write marks the store down; the Tune hooks
+skip it for `RETRY_AFTER_S`, then try again. Nothing is lost meanwhile: Tune keeps every epoch
+of every trial in the experiment folder, and `reconcile` (at the end of the search, and of a
+`--resume`) writes every epoch MLflow misses, and each run's final status and tags, from there.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import numbers
 import os
 import subprocess
 import tempfile
@@ -31,12 +39,16 @@ TRIAL_ID_TAG = "vidtune.trial_id"
 NODE_ID_TAG = "vidtune.node_id"
 FAILURE_TAG = "vidtune.failure_reason"
 STOP_TAG = "vidtune.stop_reason"
+RESUMED_TAG = "vidtune.resumed"              # the run restarted from a checkpoint (worker died, or --resume)
 PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 3.0
+RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
+INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 # Tune's bookkeeping keys and the checkpoint path are not training metrics.
 # The epoch's start/end are unix times, kept in Tune's results for timelines, not metrics to chart.
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
-                                        "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts"}
+                                        "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
+                                        "resumed_from_epoch"}   # a tag (RESUMED_TAG), not a metric
 
 
 # -- checks before anything starts ---------------------------------------------------------------
@@ -64,7 +76,8 @@ def check_store_uri(uri: str, flag: str) -> None:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ConfigError(flag, f"cannot reach {uri} ({reason}); start the tracking server "
-                             "(mlflow server --host 0.0.0.0 --port 5000) or pass another URI") from None
+                             "(mlflow server --host 127.0.0.1 --port 5000; on a cluster, reach it through "
+                             "`ray attach cluster.yaml -p 5000`) or pass another URI") from None
         return
     if scheme == "sqlite":
         path = sqlite_path(uri)
@@ -95,10 +108,31 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The training metrics of one Tune result: every int/float the trainer reported."""
     out = {}
     for key, value in result.items():
-        if key in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numbers.Real: Tune's dataframes hold numpy scalars; bool (and numpy's bool_) are not metrics
+        if key in _NOT_METRICS or isinstance(value, bool) or type(value).__name__ == "bool_" \
+                or not isinstance(value, numbers.Real):
             continue
         out[key] = float(value)
     return out
+
+
+def _guarded(hook):
+    """A Tune hook that never raises and never waits on a store known to be down (see the
+    module docstring): a failure is reported once per outage and the search goes on."""
+    @functools.wraps(hook)
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.down_reason is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+            return None
+        try:
+            out = hook(self, *args, **kwargs)
+        except Exception as e:   # MLflow, HTTP, SQLite (disk full, locked): never the search's end
+            self._store_failed(e)
+            return None
+        if self.down_reason is not None:
+            print(f"MLflow: {self.tracking_uri} answers again; the runs are being brought up to date", flush=True)
+            self.down_reason = None
+        return out
+    return run
 
 
 class MLflowTracker(Callback):
@@ -123,12 +157,27 @@ class MLflowTracker(Callback):
         self.child_runs: dict[str, str] = {}     # trial id -> run id
         self._node_tagged: set[str] = set()
         self._last_step: dict[str, int] = {}     # trial id -> last epoch logged
+        self.down_reason: str | None = None      # why the last write failed; None while the store works
+        self._failed_at = 0.0
 
     # state ---------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None
+        state["down_reason"], state["_failed_at"] = None, 0.0
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({"down_reason": None, "_failed_at": 0.0, **state})
+
+    def _store_failed(self, e: BaseException) -> None:
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        if self.down_reason is None:
+            print(f"MLflow: cannot write to {self.tracking_uri} ({reason}); the search goes on, and what "
+                  "it could not record is written when the store answers again (at the end, or with --resume)",
+                  flush=True)
+        self.down_reason = reason
+        self._failed_at = time.monotonic()
 
     @property
     def client(self):
@@ -138,6 +187,7 @@ class MLflowTracker(Callback):
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
+    @_guarded
     def setup(self, **info: Any) -> None:
         self.open_parent()
 
@@ -171,16 +221,25 @@ class MLflowTracker(Callback):
         return self.parent_run_id
 
     # Tune hooks ----------------------------------------------------------------------------
+    @_guarded
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.start_child(trial.trial_id, trial.config)
 
+    @_guarded
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         self.log_result(trial.trial_id, result)
 
+    @_guarded
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        from tune.faults import trial_unfinished
+
+        if trial_unfinished(trial.trial_id):   # stopped by Ctrl-C / SIGTERM, not finished
+            self.end_child(trial.trial_id, "KILLED", {STOP_TAG: INTERRUPTED_REASON})
+            return
         status, tags = self.completion_status(trial.last_result or {})
         self.end_child(trial.trial_id, status, tags)
 
+    @_guarded
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: _error_reason(trial)})
 
@@ -214,10 +273,17 @@ class MLflowTracker(Callback):
         metrics = [Metric(k, v, ts, step) for k, v in numeric_metrics(result).items()]
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
+        self._tag_restart(run_id, result)
         node = result.get("node_id")
         if node and trial_id not in self._node_tagged:
             self.client.set_tag(run_id, NODE_ID_TAG, str(node))
             self._node_tagged.add(trial_id)
+
+    def _tag_restart(self, run_id: str, result: dict[str, Any]) -> None:
+        resumed = int(result.get("resumed_from_epoch") or 0)
+        if resumed > 0:
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a worker "
+                                "died and Ray Train restarted the group, or the search was resumed)")
 
     def completion_status(self, last: dict[str, Any]) -> tuple[str, dict[str, str]]:
         """The MLflow status of a trial Tune completed (`tune.report.trial_status`): FAILED for
@@ -249,9 +315,59 @@ class MLflowTracker(Callback):
         c = self.client
         for trial_id, run_id in self.child_runs.items():
             if c.get_run(run_id).info.status == "RUNNING":
-                c.set_tag(run_id, STOP_TAG, "search interrupted; continue it with --resume")
+                c.set_tag(run_id, STOP_TAG, INTERRUPTED_REASON)
                 c.set_terminated(run_id, status="KILLED")
         c.set_terminated(self.parent_run_id, status="KILLED" if interrupted else "FINISHED")
+
+    def reconcile(self, trials: list[tuple[Any, Any, str | None]]) -> int:
+        """Bring every child run up to date with what its trial did. Each `(row, result,
+        train_run)` holds a `tune.report.TrialRow` (final status), the trial's Tune `Result`
+        (every epoch Tune received, `metrics_dataframe`) and its Train run folder, whose latest
+        checkpoint keeps every epoch the run reported (`trainer.history`, which covers an epoch
+        checkpointed just before an interruption, one Tune never received). Logs each epoch
+        MLflow does not have yet (one point per epoch) and sets the run's final status and tags.
+        Raises when the store fails. Returns the number of epochs written."""
+        from mlflow.entities import Metric
+
+        from trainer.history import latest_history
+
+        c = self.client
+        self.open_parent()
+        written = 0
+        for row, result, train_run in trials:
+            run_id = self.child_runs.get(row.trial_id) or self.start_child(row.trial_id, dict(result.config or {}))
+            have = {m.step for m in c.get_metric_history(run_id, "epoch")}
+            records = {**(latest_history(train_run) if train_run else {}), **_epochs(result)}
+            for epoch, record in sorted(records.items()):
+                if epoch in have:
+                    continue
+                ts = int(float(record.get("timestamp") or time.time()) * 1000)
+                metrics = [Metric(k, v, ts, epoch) for k, v in numeric_metrics(record).items()]
+                if metrics:
+                    c.log_batch(run_id, metrics=metrics)
+                    written += 1
+                self._tag_restart(run_id, record)
+            self._last_step[row.trial_id] = max([self._last_step.get(row.trial_id, 0), *records])
+            status, tags = self._final_status(row, result)
+            run = c.get_run(run_id)
+            for key in (STOP_TAG, FAILURE_TAG):
+                if key in run.data.tags and key not in tags:
+                    c.delete_tag(run_id, key)    # e.g. stopped before an interruption, finished on resume
+            for key, value in tags.items():
+                if run.data.tags.get(key) != value:
+                    c.set_tag(run_id, key, value[:5000])
+            if run.info.status != status:
+                c.set_terminated(run_id, status=status)
+        return written
+
+    def _final_status(self, row: Any, result: Any) -> tuple[str, dict[str, str]]:
+        """The MLflow status and tags of a trial's final `TrialRow` status."""
+        if row.status == "UNFINISHED":
+            return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
+        if row.status == "ERROR":
+            reason = getattr(result, "error", None)
+            return "FAILED", {FAILURE_TAG: (" ".join(str(reason).split())[-1000:] if reason else "trial errored")}
+        return self.completion_status(dict(result.metrics or {}))
 
     def retire_lost_runs(self, trial_ids: set[str]) -> list[str]:
         """Child runs of trials the Tune experiment does not know: started just before the driver
@@ -286,6 +402,23 @@ class MLflowTracker(Callback):
                     c.log_metric(run_id, f"best_{key}", float(value))
         if best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://")) and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
+
+
+def _epochs(result: Any) -> dict[int, dict[str, Any]]:
+    """{epoch: that epoch's last report} from a Tune Result's `metrics_dataframe` (a resumed trial
+    re-reports an epoch: the later report wins), plus its last result."""
+    out: dict[int, dict[str, Any]] = {}
+    df = getattr(result, "metrics_dataframe", None)
+    if df is not None and "epoch" in getattr(df, "columns", ()):
+        for record in df.to_dict("records"):
+            epoch = record.get("epoch")
+            if isinstance(epoch, numbers.Real) and math.isfinite(float(epoch)) and epoch >= 1:
+                out[int(epoch)] = record
+    last = dict(getattr(result, "metrics", None) or {})
+    epoch = last.get("epoch")
+    if isinstance(epoch, numbers.Real) and epoch >= 1:
+        out.setdefault(int(epoch), last)
+    return out
 
 
 def _q(text: str) -> str:

@@ -1,0 +1,195 @@
+"""Faults injected on purpose into a real search (a subprocess, as a user runs it): Ctrl-C,
+SIGTERM, a tracking server that dies mid-search. Each says so, loses nothing, and `--resume`
+leaves MLflow with exactly one point per epoch trained and the final status of every trial.
+
+Slow (each starts Ray once or twice) and bounded: every wait has a deadline.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tune.tracking import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
+
+REPO = Path(__file__).resolve().parents[1]
+SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
+EPOCHS = 3
+SMALL = ["--num-samples", "2", "--epochs", str(EPOCHS), "--batch-sizes", "4", "--no-early-stop",
+         "--loader-workers", "0", "--max-concurrent-trials", "1", "--lr-min", "3e-4", "--lr-max", "3e-3"]
+WAIT_S = 300
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+    return env
+
+
+def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(SEARCH + args, cwd=cwd, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)   # its own process group, as a terminal's job
+
+
+def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str) -> None:
+    """Until some trial has checkpointed epoch 1 (its Train run's `epoch_0001` folder)."""
+    deadline = time.monotonic() + WAIT_S
+    while not list((storage / name / "train_runs").glob("*/epoch_0001")):
+        assert proc.poll() is None, f"the search ended early with {proc.returncode}"
+        assert time.monotonic() < deadline, "no epoch was trained in time"
+        time.sleep(0.5)
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> str:
+    try:
+        proc.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the search did not end in {WAIT_S} s:\n{log.read_text()[-3000:]}")
+    return log.read_text(errors="replace")
+
+
+def _runs(uri: str):
+    c = MlflowClient(uri)
+    exp = c.get_experiment_by_name("vidtune")
+    runs = c.search_runs([exp.experiment_id])
+    parents = [r for r in runs if PARENT_TAG not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    return c, parents[0], [r for r in runs if PARENT_TAG in r.data.tags]
+
+
+def _assert_complete(uri: str) -> None:
+    """After a search that ran to its end: one point per epoch, final statuses, no stale tags."""
+    c, parent, children = _runs(uri)
+    assert parent.info.status == "FINISHED"
+    assert len(children) == 2
+    for run in children:
+        steps = [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")]
+        assert sorted(steps) == list(range(1, EPOCHS + 1)), (run.info.run_name, steps)
+        assert run.info.status == "FINISHED", run.info.run_name
+        assert STOP_TAG not in run.data.tags, run.data.tags[STOP_TAG]
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_root, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    storage = tmp_path / "results"
+    args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri, "--name", "s"]
+    log = tmp_path / "first.log"
+    proc = _start(args, tmp_path, log)
+    _wait_for_first_epoch(proc, storage, "s")
+    os.killpg(proc.pid, signal.SIGINT)                 # Ctrl-C in a terminal: the whole process group
+    out = _finish(proc, log)
+    assert proc.returncode == 130, out[-3000:]
+    assert "SIGINT received" in out and "UNFINISHED" in out
+    assert "continue it with:\n  python tune/search.py --resume --name s" in out
+    _, parent, children = _runs(uri)
+    assert parent.info.status == "KILLED"
+    assert children and all(r.info.status != "RUNNING" for r in children)
+    interrupted = [r for r in children if r.data.tags.get(STOP_TAG) == INTERRUPTED_REASON]
+    assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
+    assert not any("ASHA" in r.data.tags.get(STOP_TAG, "") for r in children)
+
+    log2 = tmp_path / "resume.log"
+    proc = _start([*args, "--resume"], tmp_path, log2)
+    out = _finish(proc, log2)
+    assert proc.returncode == 0, out[-3000:]
+    _assert_complete(uri)
+
+
+@pytest.mark.slow
+def test_sigterm_is_an_interruption_too(synthetic_root, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    storage = tmp_path / "results"
+    log = tmp_path / "search.log"
+    proc = _start(["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
+                   "--name", "t"], tmp_path, log)
+    _wait_for_first_epoch(proc, storage, "t")
+    proc.send_signal(signal.SIGTERM)                   # e.g. a job scheduler's stop: the driver only
+    out = _finish(proc, log)
+    assert proc.returncode == 130, out[-3000:]
+    assert "SIGTERM received" in out and "--resume --name t" in out
+    _, parent, children = _runs(uri)
+    assert parent.info.status == "KILLED" and all(r.info.status != "RUNNING" for r in children)
+
+
+@pytest.mark.slow
+def test_tracking_server_dies_mid_search_nothing_is_lost(synthetic_root, tmp_path):
+    from test_mlflow_server import MlflowServer
+
+    root = tmp_path / "server"
+    root.mkdir()
+    server = MlflowServer(root)
+    storage = tmp_path / "results"
+    try:
+        url = server.wait_healthy()
+        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--name", "o"]
+        log = tmp_path / "search.log"
+        proc = _start([*args, "--mlflow-uri", url], tmp_path, log)
+        _wait_for_first_epoch(proc, storage, "o")
+        server.stop()                                  # the tracking server goes away mid-search
+        out = _finish(proc, log)
+        # The search is not held up nor killed by it: it trains every trial and says what is pending.
+        assert proc.returncode == 0, out[-3000:]
+        assert f"MLflow: cannot write to {url}" in out and "MLflow is not up to date" in out
+        assert "Traceback" not in out.split("trials:")[-1]
+        assert "--resume --name o" in out.split("MLflow is not up to date")[-1]
+    finally:
+        server.stop()
+    server = MlflowServer(root)                        # back, on the same store (another port)
+    try:
+        url = server.wait_healthy()
+        log2 = tmp_path / "flush.log"
+        proc = _start([*args, "--resume", "--mlflow-uri", url], tmp_path, log2)
+        out = _finish(proc, log2)
+        assert proc.returncode == 0, out[-3000:]
+        assert "MLflow is not up to date" not in out
+        _assert_complete(url)
+    finally:
+        server.stop()
+
+
+def _train_workers(session: int) -> list[int]:
+    """PIDs of the Ray Train workers the search in process session `session` started (Ray names
+    its worker processes after the actor: `ray::RayTrainWorker...`)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if "RayTrainWorker" in cmdline and os.getsid(int(entry.name)) == session:
+                pids.append(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_path):
+    """SIGKILL the training worker after its epoch-1 checkpoint: Ray Train restarts the worker
+    group from it (--max-failures, default 1), the trial finishes, and MLflow shows the restart."""
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    storage = tmp_path / "results"
+    log = tmp_path / "search.log"
+    epochs = 6                                         # time to kill it mid-run (an epoch takes seconds)
+    proc = _start(["--data", str(synthetic_root), *SMALL, "--num-samples", "1", "--epochs", str(epochs),
+                   "--storage", str(storage), "--mlflow-uri", uri, "--name", "w"], tmp_path, log)
+    _wait_for_first_epoch(proc, storage, "w")
+    workers = _train_workers(proc.pid)
+    assert workers, "no RayTrainWorker process found"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    out = _finish(proc, log)
+    assert proc.returncode == 0, out[-3000:]
+    c, parent, (child,) = _runs(uri)
+    steps = [m.step for m in c.get_metric_history(child.info.run_id, "val_acc")]
+    assert sorted(steps) == list(range(1, epochs + 1)) and child.info.status == "FINISHED"
+    assert "restarted from its epoch-" in child.data.tags.get("vidtune.resumed", ""), child.data.tags

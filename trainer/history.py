@@ -1,0 +1,52 @@
+"""Every epoch a run has reported, kept beside each checkpoint as `epochs.json`.
+
+Written by rank 0 into the checkpoint folder at the end of every epoch ({epoch: that epoch's
+report}), carried over when a run resumes from a checkpoint. It is the run's own record of its
+metrics, independent of Tune and MLflow: when an epoch was checkpointed but never reached Tune
+(the search was interrupted right after it), or never reached MLflow (the store was down),
+`tune.tracking.MLflowTracker.reconcile` writes it from here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "epochs.json"
+
+
+def write_history(directory: str | Path, history: dict[int, dict[str, Any]]) -> Path:
+    """Write {epoch: metrics} (JSON; NaN as NaN) into `directory`; returns the file."""
+    path = Path(directory) / FILE_NAME
+    path.write_text(json.dumps({str(e): m for e, m in sorted(history.items())}, default=_plain))
+    return path
+
+
+def read_history(directory: str | Path) -> dict[int, dict[str, Any]]:
+    """{epoch: metrics} of the checkpoint folder `directory`; {} when it has none or it is damaged."""
+    try:
+        raw = json.loads((Path(directory) / FILE_NAME).read_text())
+        return {int(e): dict(m) for e, m in raw.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def latest_history(run_folder: str | Path) -> dict[int, dict[str, Any]]:
+    """The history in the latest checkpoint (`epoch_NNNN` folder) of a Train run folder that has
+    one; {} for a remote or missing folder."""
+    if "://" in str(run_folder):
+        return {}
+    folders = sorted(Path(run_folder).glob("epoch_*"), reverse=True)
+    for folder in folders:
+        history = read_history(folder)
+        if history:
+            return history
+    return {}
+
+
+def _plain(value: Any) -> Any:
+    """numpy / torch scalars as Python numbers."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)

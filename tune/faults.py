@@ -1,0 +1,85 @@
+"""Interruption: Ctrl-C and SIGTERM stop a search the way Tune stops on Ctrl-C (it saves its
+state one last time, so `--resume` continues), and the search remembers that it was stopped and
+which trials were still unfinished then.
+
+Tune marks the trials it stops at the end TERMINATED, the same status as a trial that ran to its
+end, so without this record an interrupted search would report its unfinished trials as done or
+stopped early. Tune's own SIGINT handler is turned off (`TUNE_DISABLE_SIGINT_HANDLER`): ours
+records the interruption and then asks Tune for its graceful stop through SIGUSR1, the signal
+Tune always listens to. A second Ctrl-C (or SIGTERM) raises KeyboardInterrupt: the search stops
+at once, closes its MLflow runs and exits 130 all the same.
+
+The record is module state (one search per process): Tune restores its callbacks from the
+experiment on `--resume`, so the copy of `InterruptWatch` that Tune calls may not be the one the
+search made, and both must see the same record.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.tune import Callback
+
+DISABLE_TUNE_SIGINT = "TUNE_DISABLE_SIGINT_HANDLER"
+LIVE_STATES = ("PENDING", "RUNNING", "PAUSED")
+
+
+@dataclass
+class Interruption:
+    """What the search knows about a stop signal. `unfinished`: trials live when it came."""
+
+    signal_name: str | None = None
+    unfinished: set[str] = field(default_factory=set)
+    trials: list = field(default_factory=list)      # Tune's live trial list, refreshed every step
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signal_name is not None
+
+
+STATE = Interruption()
+
+
+def install() -> None:
+    """Before `Tuner.fit()`: route SIGINT and SIGTERM through `_on_signal` (main thread only)."""
+    global STATE
+    STATE = Interruption()
+    os.environ[DISABLE_TUNE_SIGINT] = "1"
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
+
+
+def uninstall() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if STATE.interrupted:     # a second signal: stop now, without Tune's last snapshot
+        raise KeyboardInterrupt
+    STATE.signal_name = signal.Signals(signum).name
+    STATE.unfinished = {t.trial_id for t in STATE.trials if t.status in LIVE_STATES}
+    print(f"\nvidtune search: {STATE.signal_name} received; stopping after saving the search's state "
+          "(press Ctrl-C again to stop at once)", flush=True)
+    if hasattr(signal, "SIGUSR1"):
+        os.kill(os.getpid(), signal.SIGUSR1)   # Tune's graceful stop: saves the experiment, then ends
+    else:
+        raise KeyboardInterrupt
+
+
+def trial_unfinished(trial_id: str) -> bool:
+    """The trial was pending or running when the search was interrupted."""
+    return STATE.interrupted and trial_id in STATE.unfinished
+
+
+class InterruptWatch(Callback):
+    """Keeps `STATE.trials` pointing at Tune's live trial list, so a signal can name the trials
+    that were still unfinished."""
+
+    def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+        STATE.trials = trials
