@@ -193,3 +193,43 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
     steps = [m.step for m in c.get_metric_history(child.info.run_id, "val_acc")]
     assert sorted(steps) == list(range(1, epochs + 1)) and child.info.status == "FINISHED"
     assert "restarted from its epoch-" in child.data.tags.get("vidtune.resumed", ""), child.data.tags
+
+
+@pytest.mark.slow
+def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(synthetic_root, tmp_path):
+    """--storage on a 3 MB tmpfs: the first checkpoints fill it. The search ends with one clear
+    'disk full at PATH' error (exit 1), no run left RUNNING; after space is freed, --resume either
+    continues or, when Tune's saved state was cut short, stops saying so: it never starts the
+    search over, and never trashes the runs that did run."""
+    full = tmp_path / "full"
+    full.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(full)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("needs root to mount a 3 MB tmpfs as the full disk")
+    try:
+        uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(full), "--mlflow-uri", uri, "--name", "f"]
+        log = tmp_path / "full.log"
+        out = _finish(_start(args, tmp_path, log), log)
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(f"vidtune search: error: disk full at {full}"), out[-3000:]
+        assert "search interrupted" not in out                     # one message, not two
+        c, parent, children = _runs(uri)
+        assert parent.info.status == "KILLED" and all(r.info.status != "RUNNING" for r in children)
+        ran = {r.info.run_id for r in children}
+
+        subprocess.run(["mount", "-o", "remount,size=200m", str(full)], check=True)
+        trials_before = {p.name for p in (full / "f").glob("trial_driver_*")}
+        log2 = tmp_path / "resume.log"
+        proc = _start([*args, "--resume"], tmp_path, log2)
+        out = _finish(proc, log2)
+        if proc.returncode == 2:                                    # the saved state was cut short
+            assert "--resume: the saved state of the search" in out and "Nothing was restarted" in out
+            assert {p.name for p in (full / "f").glob("trial_driver_*")} == trials_before
+        else:                                                       # it was whole: the search goes on
+            assert proc.returncode == 0, out[-3000:]
+        c, _, children = _runs(uri)
+        assert ran <= {r.info.run_id for r in children}             # none moved to the trash
+    finally:
+        subprocess.run(["umount", "-l", str(full)], capture_output=True)

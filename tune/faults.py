@@ -83,3 +83,35 @@ class InterruptWatch(Callback):
 
     def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
         STATE.trials = trials
+
+
+# -- the disk under --storage -------------------------------------------------------------------
+
+class DiskFullError(RuntimeError):
+    """The search's storage (or the disk of a file it writes) has no space left."""
+
+
+def disk_full(error: BaseException | None, storage: str) -> str | None:
+    """Why `error` (an exception out of Tune, or a trial's error text) is a full disk, or None.
+    Looks for errno 28 (ENOSPC) along the exception's chain and in its text (trial errors arrive
+    as text from the workers), and at the free space left under a local `storage`."""
+    import errno
+    import shutil
+
+    seen = 0
+    e = error
+    while e is not None and seen < 20:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return str(e)
+        e = e.__cause__ or e.__context__
+        seen += 1
+    text = str(error or "")
+    if "No space left on device" in text or "[Errno 28]" in text or "errno 28" in text:
+        return "No space left on device"
+    if error is not None and "://" not in storage:
+        try:
+            if shutil.disk_usage(storage).free < 1 << 20:
+                return f"{storage} has less than 1 MB free"
+        except OSError:
+            pass
+    return None

@@ -126,6 +126,49 @@ def trial_states(result_grid: Any) -> list[tuple[str, str]]:
     return states
 
 
+def drop_unreadable_error_pickles(experiment_path: str) -> list[str]:
+    """Remove the trials' `error.pkl` files that cannot be unpickled (left empty or cut short
+    when the disk filled up) from a local experiment folder; returns their paths.
+
+    Tune builds every Result of a ResultGrid by unpickling its trial's `error.pkl`; one truncated
+    file makes `Tuner.fit()` (and so every `--resume`) end in EOFError. Tune falls back to the
+    trial's `error.txt` when the pickle is absent. The file name is Tune's, not a public API."""
+    import pickle
+    from pathlib import Path
+
+    if "://" in experiment_path:
+        return []
+    dropped = []
+    for path in Path(experiment_path).glob("*/error.pkl"):
+        try:
+            with open(path, "rb") as f:
+                pickle.load(f)
+        except (EOFError, pickle.UnpicklingError, ValueError):
+            path.unlink(missing_ok=True)
+            dropped.append(str(path))
+        except Exception:   # readable, but its exception class cannot be imported here: keep it
+            pass
+    return dropped
+
+
+def check_experiment_state(experiment_path: str) -> None:
+    """Raise ValueError when the newest saved state of a local Tune experiment (its
+    `experiment_state-*.json`) cannot be parsed, e.g. cut short by a full disk: Tune would then
+    start the experiment over without a word. The file name and format are Tune's."""
+    import json
+    from pathlib import Path
+
+    if "://" in experiment_path:
+        return
+    states = sorted(Path(experiment_path).glob("experiment_state-*.json"))
+    if not states:
+        raise ValueError(f"no experiment_state-*.json in {experiment_path}")
+    try:
+        json.loads(states[-1].read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{states[-1].name} is damaged ({e})") from None
+
+
 # --- 3. Ray's OptunaSearch (no public equivalent) ---------------------------------------------
 def optuna_pending_trial(searcher: Any, trial_id: str) -> Any | None:
     """The live `optuna.Trial` that Ray's `OptunaSearch` asked for Tune trial `trial_id`, or None

@@ -185,8 +185,21 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     param_space = space.param_space(opts)
     if opts.resume:
-        tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
-                                   resume_errored=False, param_space=param_space)
+        from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles
+
+        try:
+            check_experiment_state(plan.experiment_path)
+        except ValueError as e:
+            raise ConfigError("--resume", unreadable_state(plan, e)) from None
+        for path in drop_unreadable_error_pickles(plan.experiment_path):
+            print(f"resume: removed {path}, cut short (full disk?); the trial's error.txt stays")
+        try:
+            # Errored trials continue from their last checkpoint too (a full disk, a lost node);
+            # out of memory is not an error (the trial ended normally with oom=1) and stays done.
+            tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True, param_space=param_space)
+        except Exception as e:   # a damaged state must stop the resume, never restart the search
+            raise ConfigError("--resume", unreadable_state(plan, e)) from None
     else:
         tuner = tune.Tuner(
             trainable, param_space=param_space,
@@ -205,15 +218,40 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
                            faults.InterruptWatch()]),
         )
-    results = None
+    results, failure = None, None
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
     try:
         results = tuner.fit()
+    except Exception as e:
+        failure = e
     finally:
         faults.uninstall()
-        code = summarise(plan, opts, results, tracker)
+        code = summarise(plan, opts, results, tracker, failed=failure is not None)
         del registry, lease
+    if failure is not None:
+        full = faults.disk_full(failure, plan.storage)
+        if full:
+            from tune.ray_internals import check_experiment_state
+
+            try:
+                check_experiment_state(plan.experiment_path)
+                then = (f"free space there (or pass another --storage and copy {plan.experiment_path} to "
+                        "it), then continue the search with --resume; the epochs already checkpointed are kept")
+            except ValueError:
+                then = ("the search's saved state was cut short, so it cannot be resumed: free space and "
+                        "start a new search under another --name; the runs recorded so far stay in MLflow")
+            raise faults.DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
+        if opts.resume:
+            raise ConfigError("--resume", unreadable_state(plan, failure)) from failure
+        raise failure
     return code
+
+
+def unreadable_state(plan: Any, error: BaseException) -> str:
+    reason = " ".join(str(error).split())[:300] or type(error).__name__
+    return (f"the saved state of the search at {plan.experiment_path} cannot be read ({type(error).__name__}: "
+            f"{reason}); it was damaged, e.g. by a full disk or a copy cut short. Nothing was restarted. "
+            "Start a new search under another --name; this search's runs stay in MLflow as they are")
 
 
 def make_tracker(plan: Any, opts: SearchOptions):
@@ -240,11 +278,12 @@ def make_tracker(plan: Any, opts: SearchOptions):
     )
 
 
-def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int:
+def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, failed: bool = False) -> int:
     """Print the table / best / Pareto front / checkpoint; bring MLflow up to date (every epoch,
     final statuses, the parent's artifacts; KILLED when the search did not finish), or say what
     is pending when the store cannot be reached. Exit code: 0 with a best trial, 1 without, 130
-    when interrupted. The last lines printed say how to compare, resume or flush."""
+    when interrupted. The last lines printed say how to compare, resume or flush. `failed`: the
+    search ended in an exception, which the caller reports (no resume hint here)."""
     from tune import faults, ray_internals, report
 
     rows: list[report.TrialRow] = []
@@ -260,8 +299,11 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
                                          train_run=train_run)
             rows.append(row)
             pairs.append((row, result, train_run))
-    interrupted = (results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
-                   or len(rows) < opts.num_samples)
+    interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
+    if results is not None and not interrupted and len(rows) < opts.num_samples:
+        # Tune ended with nothing left to run: a resume would not add the missing trials.
+        print(f"\nnote: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
+              "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
     best = report.best_trial(rows, opts.objective)
     if rows:
         print("\ntrials:\n" + report.format_table(rows, show_wd=opts.space.search_weight_decay))
@@ -280,7 +322,7 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any) -> int
     if pending:
         print(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
               f"{plan.experiment_path}. Once the store answers, write it with:\n  {resume}")
-    if interrupted:
+    if interrupted and not failed:
         print(f"search interrupted; continue it with:\n  {resume}")
         return 130
     return 0 if best else 1

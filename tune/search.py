@@ -39,6 +39,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from tune.faults import DiskFullError   # imports Ray: not before it is needed
+
+        if not isinstance(e, DiskFullError):
+            raise
+        print(f"vidtune search: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vidtune search: interrupted; every MLflow run was closed (KILLED). Continue with --resume.",
               file=sys.stderr)

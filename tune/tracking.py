@@ -373,15 +373,21 @@ class MLflowTracker(Callback):
         """Child runs of trials the Tune experiment does not know: started just before the driver
         died, after Tune last saved its state, so `--resume` ran their slot again as new trials.
         They end KILLED with the reason and are moved to MLflow's trash (restorable), so the
-        experiment shows one run per trial. Returns their trial ids."""
-        lost = [t for t in self.child_runs if t not in trial_ids]
-        for trial_id in lost:
-            run_id = self.child_runs.pop(trial_id)
+        experiment shows one run per trial. A run that ended (FINISHED or FAILED) did run and is
+        never trashed, whatever the experiment's state says (it may be damaged). Returns the
+        trial ids of the runs trashed."""
+        lost = []
+        for trial_id in [t for t in self.child_runs if t not in trial_ids]:
+            run_id = self.child_runs[trial_id]
+            if self.client.get_run(run_id).info.status in ("FINISHED", "FAILED"):
+                continue
+            self.child_runs.pop(trial_id)
             self.client.set_tag(run_id, STOP_TAG, "lost when the search driver died before Tune saved it; "
                                 "--resume ran this slot again as another trial")
             if self.client.get_run(run_id).info.status == "RUNNING":
                 self.client.set_terminated(run_id, status="KILLED")
             self.client.delete_run(run_id)
+            lost.append(trial_id)
         return lost
 
     def log_summary(self, *, table_csv: Path | None = None, plot_png: Path | None = None,
