@@ -1,6 +1,7 @@
 """tune.report: a trial's row takes its steady-state speed, not its last (or first) epoch's."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -167,15 +168,18 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
 def test_write_csv_round_trip(tmp_path):
     import csv
 
-    rows = [_row("a", 0.75, 12.5, shared=2.0),
-            report.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
-                            node_id="node-1")]
+    # the columns are report.CSV_COLUMNS (name first, metrics_epoch for the best epoch), no longer
+    # TrialRow's fields in order; rows come best first and floats are rounded
+    rows = [report.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
+                            node_id="node-1"),
+            _row("a", 0.75, 12.5, shared=2.0)]
     path = report.write_csv(rows, tmp_path / "deep" / "trials.csv")
     assert path == tmp_path / "deep" / "trials.csv"
     with open(path, newline="") as f:
         read = list(csv.DictReader(f))
-    assert list(read[0]) == list(report.TrialRow.__dataclass_fields__)
-    assert [r["trial_id"] for r in read] == ["a", "b"]
+    assert list(read[0]) == list(report.CSV_COLUMNS)
+    assert [r["trial_id"] for r in read] == ["a", "b"]            # the OOM trial last
+    assert [r["name"] for r in read] == ["a", "b"]                # no name given: the trial id
     assert float(read[0]["val_acc"]) == 0.75 and float(read[0]["clips_per_s"]) == 12.5
     assert float(read[0]["concurrent_trainings"]) == 2.0 and read[0]["weight_decay"] == ""
     assert (read[1]["batch_size"], read[1]["status"], read[1]["checkpoint"], read[1]["node_id"]) == \
@@ -184,20 +188,208 @@ def test_write_csv_round_trip(tmp_path):
     assert math.isnan(float(read[1]["val_acc"])) and float(read[1]["val_f1"]) == 0.25
 
 
-@pytest.mark.parametrize("rows, front_drawn", [
-    ([_row("a", 0.6, 50.0, batch=4), _row("b", 0.9, 5.0, batch=8), _row("c", 0.5, 10.0, batch=8)], True),
-    ([_row("oom", math.nan, math.nan, status="OOM")], False),     # nothing usable: a placeholder plot
-    ([], False),
-], ids=["trials", "none_usable", "empty"])
-def test_plot_scatter_writes_a_png(tmp_path, rows, front_drawn):
-    import numpy as np
+def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
+           lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> report.TrialRow:
+    return report.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, weight_decay=wd, val_acc=acc,
+                           val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
+                           epochs=4, status=status, checkpoint=f"/ckpt/{name}/epoch_{best_epoch:04d}",
+                           name=name, best_epoch=best_epoch)
+
+
+def _search_rows() -> list[report.TrialRow]:
+    """A realistic search: DONE, STOPPED, OOM, ERROR, two batch sizes, a front of 2."""
+    return [
+        _named("t01-bs8-lr2.5e-4", 0.81234567, 41.2345, f1=0.79, wd=0.05),
+        _named("t02-bs16-lr1e-3", 0.77341, 63.456, f1=0.80, batch=16, lr=1e-3, wd=0.01, best_epoch=4),
+        _named("t03-bs8-lr5e-5", 0.6012, 40.1, f1=0.55, status="STOPPED", lr=5e-5, wd=0.1, best_epoch=1),
+        _named("t04-bs32-lr3e-4", 0.0, math.nan, f1=0.0, status="OOM", batch=32, lr=3e-4, wd=0.02, best_epoch=0),
+        _named("t05-bs16-lr7e-4", math.nan, math.nan, f1=math.nan, status="ERROR", batch=16, lr=7e-4, wd=0.03,
+               best_epoch=0),
+        _named("t06-bs16-lr4e-4", 0.7001, 30.0, f1=0.70, batch=16, lr=0.000412345, wd=0.0333333),
+    ]
+
+
+def _read_csv(path):
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("objective, order", [
+    ("val_acc", ["t01", "t02", "t06", "t03", "t04", "t05"]),
+    ("pareto", ["t01", "t02", "t06", "t03", "t04", "t05"]),     # pareto ranks by val_acc
+    ("val_f1", ["t02", "t01", "t06", "t03", "t04", "t05"]),
+])
+def test_write_csv_sorted_by_the_objective_unusable_last(tmp_path, objective, order):
+    read = _read_csv(report.write_csv(_search_rows(), tmp_path / "trials.csv", objective=objective))
+    assert [r["name"].split("-")[0] for r in read] == order
+
+
+def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
+    read = _read_csv(report.write_csv(_search_rows(), tmp_path / "trials.csv"))
+    first = read[0]
+    assert (first["name"], first["trial_id"]) == ("t01-bs8-lr2.5e-4", "id_t01-bs8-lr2.5e-4")
+    assert (first["val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
+    assert (first["clips_per_s"], first["epoch_time_s"]) == ("41.23", "2.43")  # 2 decimals
+    assert (first["metrics_epoch"], first["epochs"]) == ("2", "4")
+    t06 = next(r for r in read if r["name"].startswith("t06"))
+    assert (t06["lr"], t06["weight_decay"]) == ("0.000412", "0.0333")          # 3 significant digits
+    oom = next(r for r in read if r["status"] == "OOM")
+    assert oom["metrics_epoch"] == "0" and math.isnan(float(oom["clips_per_s"]))
+    assert "metrics_epoch" in report.__doc__ and \
+        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in " ".join(report.__doc__.split())
+    with pytest.raises(ValueError, match="objective"):
+        report.write_csv([], tmp_path / "x.csv", objective="speed")
+
+
+def test_name_defaults_to_the_trial_id_and_leads_the_table():
+    result = _result([_epoch(1, 5.0), _epoch(2, 9.0)])
+    assert report.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True).name == "abc_00001"
+    named = report.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True, name="t01-bs8-lr1e-3")
+    assert named.name == "t01-bs8-lr1e-3" and named.trial_id == "abc_00001"
+    lines = report.format_table([named]).splitlines()
+    assert lines[0].split()[0] == "trial" and lines[2].split()[0] == "t01-bs8-lr1e-3"
+
+
+# --- the best epoch by val_acc: its metrics, with its checkpoint -----------------------------
+
+
+def test_row_reports_the_best_epoch_by_val_acc():
+    # val_acc peaks at epoch 2 of 4: the row reports epoch 2's val_acc and val_f1 (the epoch of
+    # the checkpoint Ray Train keeps as the best), not the last epoch's; epochs stays 4
+    accs, f1s = [0.60, 0.82, 0.75, 0.70], [0.55, 0.81, 0.74, 0.69]
+    result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f) for e, a, f in zip(range(1, 5), accs, f1s)])
+    row = report.row_from_result(result, trial_id="t", epochs=4, finished=True)
+    assert (row.val_acc, row.val_f1, row.best_epoch, row.epochs, row.status) == (0.82, 0.81, 2, 4, "DONE")
+    assert row.clips_per_s == 13.0                        # speeds stay steady state (epochs 2..4)
+    assert report.best_epoch_record(result)[0] == 2
+
+
+def test_best_epoch_ties_go_to_the_later_epoch_and_a_re_reported_epoch_counts_once():
+    tie = _result([_epoch(1, 10.0, val_acc=0.8, val_f1=0.1), _epoch(2, 10.0, val_acc=0.8, val_f1=0.2),
+                   _epoch(3, 10.0, val_acc=0.7)])
+    row = report.row_from_result(tie, trial_id="t", epochs=3, finished=True)
+    assert (row.best_epoch, row.val_f1) == (2, 0.2)
+    # resumed: epoch 2 was re-reported after the restart; its later report (0.7) wins over 0.9
+    resumed = _result([_epoch(1, 10.0, val_acc=0.6), _epoch(2, 10.0, val_acc=0.9), _epoch(2, 10.0, val_acc=0.7),
+                       _epoch(3, 10.0, val_acc=0.65)])
+    row = report.row_from_result(resumed, trial_id="t", epochs=3, finished=True)
+    assert (row.best_epoch, row.val_acc) == (2, 0.7)
+
+
+def test_best_epoch_without_a_dataframe_and_for_oom():
+    # only the last result (no per-epoch records): that epoch is the best one
+    result = SimpleNamespace(metrics=_epoch(3, 10.0, val_acc=0.7, val_f1=0.6), config={"batch_size": 8, "lr": 1e-3},
+                             error=None, metrics_dataframe=None)
+    row = report.row_from_result(result, trial_id="t", epochs=3, finished=True)
+    assert (row.best_epoch, row.val_acc, row.val_f1) == (3, 0.7, 0.6)
+    # out of memory keeps its behaviour: the OOM report's metrics, no best epoch, no speed
+    oom = report.row_from_result(_result([_epoch(1, 10.0, val_acc=0.9), _epoch(2, 0.0, oom=1, val_acc=0.0,
+                                                                                 val_f1=0.0)]),
+                                 trial_id="o", epochs=3, finished=True)
+    assert (oom.status, oom.val_acc, oom.val_f1, oom.best_epoch, oom.epochs) == ("OOM", 0.0, 0.0, 0, 2)
+    assert math.isnan(oom.clips_per_s)
+    nothing = report.row_from_result(SimpleNamespace(metrics={}, config={}, error=None, metrics_dataframe=None),
+                                     trial_id="n", epochs=3, finished=True)
+    assert nothing.best_epoch == 0 and math.isnan(nothing.val_acc)
+
+
+# --- plots ----------------------------------------------------------------------------------
+
+
+def _annotations(fig) -> list[str]:
+    from matplotlib.text import Annotation
+
+    return [t.get_text() for ax in fig.axes for t in ax.texts if isinstance(t, Annotation)]
+
+
+def _png_size(path):
     from PIL import Image
 
-    path = report.plot_scatter(rows, tmp_path / "plots" / "scatter.png", title="t")
-    assert path == tmp_path / "plots" / "scatter.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with Image.open(path) as image:
-        assert image.width > 300 and image.height > 200
-        pixels = np.asarray(image.convert("RGB")).astype(int)
-    crimson = (np.abs(pixels - (220, 20, 60)).sum(axis=2) < 30).sum()   # the Pareto front's line and rings
-    assert (crimson > 50) == front_drawn, crimson
+        return image.size, image.info.get("dpi")
+
+
+@pytest.mark.parametrize("rows", [
+    _search_rows(),
+    [_row("oom", math.nan, math.nan, status="OOM")],               # nothing usable: a placeholder plot
+    [],
+], ids=["trials", "none_usable", "empty"])
+def test_plot_scatter_writes_a_png_at_150_dpi(tmp_path, rows):
+    path = report.plot_scatter(rows, tmp_path / "plots" / "scatter.png", title="t")
+    assert path == tmp_path / "plots" / "scatter.png"
+    size, dpi = _png_size(path)
+    width, height = report.scatter_figure(rows, title="t").get_size_inches()
+    assert report.PLOT_DPI >= 150 and size == (round(width * 150), round(height * 150))
+    assert dpi is not None and round(dpi[0]) == 150
+
+
+def _front_lines(fig) -> list:
+    return [line for ax in fig.axes for line in ax.get_lines() if line.get_gid() == "pareto_front"]
+
+
+def _legend_texts(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def test_scatter_front_line_only_with_two_or_more_front_points():
+    rows = _search_rows()
+    assert len(report.pareto_front(rows)) == 2
+    fig = report.scatter_figure(rows)
+    (line,) = _front_lines(fig)
+    assert sorted(line.get_xdata()) == [41.2345, 63.456] and "Pareto front" in _legend_texts(fig)
+    one = [_row("best", 0.9, 50.0), _row("worse", 0.5, 10.0)]          # best dominates: a front of 1
+    assert len(report.pareto_front(one)) == 1
+    fig = report.scatter_figure(one)
+    assert _front_lines(fig) == [] and "Pareto front" not in _legend_texts(fig)
+    assert _front_lines(report.scatter_figure([])) == []
+
+
+def test_scatter_labels_every_trial_and_marks_status():
+    rows = _search_rows()
+    fig = report.scatter_figure(rows)
+    texts = " ".join(_annotations(fig))
+    for r in rows:                       # ERROR is not plotted but named in a note
+        assert r.name in texts
+    assert "not plotted" in texts and "(ERROR)" in texts
+    legend = " ".join(_legend_texts(fig))
+    assert all(s in legend for s in ("DONE", "STOPPED", "OOM", "batch 8", "batch 16", "batch 32"))
+    (ax,) = [a for a in fig.axes]
+    markers = {c.get_paths()[0].vertices.shape for c in ax.collections}  # circle vs x: different shapes
+    assert len(markers) >= 2
+
+
+def test_scatter_has_no_yellow():
+    import matplotlib.colors as mcolors
+
+    rows = [_row(f"b{b}", 0.5 + b / 100, float(b), batch=b) for b in range(1, 12)]
+    fig = report.scatter_figure(rows)
+    for c in fig.axes[0].collections:
+        for rgba in list(c.get_facecolors()) + list(c.get_edgecolors()):
+            r, g, b = mcolors.to_rgb(rgba)
+            assert not (r > 0.6 and g > 0.6 and b < 0.4), rgba   # yellow / olive
+
+
+def test_plot_objective_vs_params(tmp_path):
+    rows = _search_rows()
+    path = report.plot_objective_vs_params(rows, tmp_path / "params.png", objective="val_f1", title="s")
+    size, dpi = _png_size(path)
+    fig = report.params_figure(rows, objective="val_f1", title="s")
+    width, height = fig.get_size_inches()
+    assert size == (round(width * 150), round(height * 150)) and round(dpi[0]) == 150
+    lr_ax, wd_ax, batch_ax = fig.axes
+    assert (lr_ax.get_xscale(), wd_ax.get_xscale(), batch_ax.get_xscale()) == ("log", "log", "linear")
+    assert [t.get_text() for t in batch_ax.get_xticklabels()] == ["8", "16", "32"]
+    assert "F1" in lr_ax.get_ylabel()
+    texts = _annotations(fig)
+    for r in rows:
+        if r.status != "ERROR":
+            assert sum(r.name in t for t in texts) == 3      # labelled in every subplot
+    # without weight decay searched: lr and batch size only; pareto plots val_acc
+    no_wd = [dataclasses.replace(r, weight_decay=None) for r in rows]
+    fig = report.params_figure(no_wd, objective="pareto")
+    assert len(fig.axes) == 2 and "accuracy" in fig.axes[0].get_ylabel()
+    assert report.plot_objective_vs_params([], tmp_path / "none.png", objective="val_acc") is None
+    assert not (tmp_path / "none.png").exists()

@@ -21,8 +21,8 @@ SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
 SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4", "--lr-max", "3e-3"]
 TRAINER_METRICS = {"train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc", "clips_per_s",
                    "compute_clips_per_s", "steady_clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb",
-                   "lr", "batch_size", "oom", "reader_failures", "cache_hit_frac", "concurrent_trainings",
-                   "device_wait_s"}
+                   "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s", "device_util_pct"}
+CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr"}   # params or tags, never metrics
 
 
 def _env() -> dict[str, str]:
@@ -71,7 +71,7 @@ def test_search_end_to_end(synthetic_root, tmp_path):
         p = run.data.params
         assert p["batch_size"] in ("4", "8") and 3e-4 <= float(p["lr"]) <= 3e-3
         assert p["model"] == "tiny" and p["precision"] == "auto" and p["workers"] == "1" and p["dataset"] == str(synthetic_root)
-        assert TRAINER_METRICS <= set(run.data.metrics)
+        assert TRAINER_METRICS <= set(run.data.metrics) and not CONSTANTS & set(run.data.metrics)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
     assert len({r.data.tags[TRIAL_ID_TAG] for r in children}) == 3
     artifacts = {a.path for a in c.list_artifacts(parent.info.run_id)}

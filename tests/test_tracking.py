@@ -88,8 +88,9 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
         {"batch_size": "4", "lr": "0.001", "precision": "fp32", "model": "tiny", "workers": "1", "gpus": "0.0", "dataset": "/data"}
     assert d.tags[NODE_ID_TAG] == "node-abc"
     assert {"val_acc", "val_f1", "clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb", "val_auc",
-            "val_recall", "train_loss", "val_loss", "reader_failures", "oom"} <= set(d.metrics)
-    assert not {"training_iteration", "time_this_iter_s", "timestamp", "done", "checkpoint_path"} & set(d.metrics)
+            "val_recall", "train_loss", "val_loss", "lr_current"} <= set(d.metrics)
+    assert not {"training_iteration", "time_this_iter_s", "timestamp", "done", "checkpoint_path",
+                "epoch", "batch_size", "oom", "reader_failures", "lr"} & set(d.metrics)
     history = MlflowClient(uri).get_metric_history(runs["done"].info.run_id, "val_acc")
     assert [(m.step, round(m.value, 3)) for m in history] == [(1, 0.6), (2, 0.7)]
     assert "stopped early by ASHA after epoch 1 of 2" in runs["stopped"].data.tags[STOP_TAG]
@@ -153,8 +154,9 @@ def test_summary_artifacts_on_the_parent(uri, tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "model.pt").write_bytes(b"weights")
     (tmp_path / "trials.csv").write_text("trial_id,val_acc\na,0.7\n")
-    t.log_summary(table_csv=tmp_path / "trials.csv", best={"trial_id": "a", "val_acc": 0.7, "lr": 1e-3},
-                  best_checkpoint=str(tmp_path / "ckpt"))
+    (tmp_path / "best_config.json").write_text('{"trial_id": "a"}')
+    t.log_summary(files=[tmp_path / "trials.csv", tmp_path / "best_config.json"],
+                  best={"trial_id": "a", "val_acc": 0.7, "lr": 1e-3}, best_checkpoint=str(tmp_path / "ckpt"))
     t.close(interrupted=False)
     c = MlflowClient(uri)
     run_id = t.parent_run_id
@@ -166,7 +168,9 @@ def test_summary_artifacts_on_the_parent(uri, tmp_path):
 
 def test_numeric_metrics_keep_trainer_values_only():
     m = tracking.numeric_metrics(_result(3, oom=1, val_loss=math.nan))
-    assert m["epoch"] == 3.0 and m["oom"] == 1.0 and math.isnan(m["val_loss"])
+    assert math.isnan(m["val_loss"]) and m["lr_current"] == 1e-3 and "lr" not in m
+    # constants are params or tags, not metrics: the epoch is the step, batch size a param
+    assert not {"epoch", "oom", "batch_size", "reader_failures"} & set(m)
     assert "node_id" not in m and "training_iteration" not in m and "config" not in m
 
 

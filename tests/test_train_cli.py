@@ -169,3 +169,126 @@ def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_sessio
     assert code == 1 and "gone.mp4" in err
     scores = [float(x) for x in re.findall(r": P\(Fight\) max ([0-9.]+)", out)]
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores), out
+
+
+# --config: retrain a search's best trial from its best_config.json; flags override the file.
+
+def _best_config(path: Path, train_config: TrainConfig, **row) -> Path:
+    """A best_config.json as the search writes it (tune.tracking.Tracker.log_summary): the best
+    trial's row, the objective, and that trial's full TrainConfig."""
+    import json
+
+    doc = {"trial_id": "a1b2c_00003", "name": "t03-bs16-lr1.5e-4", "search": "vidtune-search-demo",
+           "batch_size": train_config.batch_size,
+           "lr": train_config.lr, "weight_decay": train_config.weight_decay, "val_acc": 0.875, "val_f1": 0.86,
+           "clips_per_s": 41.5, "epoch_time_s": 3.2, "epochs": train_config.epochs, "status": "DONE",
+           "checkpoint": "/tmp/ray/ckpt", "objective": "val_acc", "train_config": train_config.to_dict(), **row}
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
+    return path
+
+
+def _searched(root) -> TrainConfig:
+    return TrainConfig(data=DataConfig(root=str(root), height=64, width=64, num_frames=8, loader_workers=1,
+                                       clip_cache=False),
+                       model="tiny", epochs=5, batch_size=16, lr=1.5e-4, weight_decay=0.01, grad_accum_steps=2,
+                       precision="fp32", seed=7)
+
+
+def _from_cli(argv) -> TrainConfig:
+    return train.config_from_args(train.parse_args(argv))
+
+
+def test_config_best_config_json_flags_override(tmp_path):
+    searched = _searched(tmp_path / "videos")
+    file = _best_config(tmp_path / "best_config.json", searched)
+    assert _from_cli(["--config", str(file)]) == searched
+    assert _from_cli(["--config", str(file), "--epochs", "1", "--batch-size", "2"]) == \
+        searched.with_overrides(epochs=1, batch_size=2)
+    # the data root comes from the file unless --data is given; the file's other data fields stay
+    other = _from_cli(["--config", str(file), "--data", str(tmp_path / "elsewhere"), "--cache-dir", "/tmp/c"])
+    assert other.data == DataConfig(**{**searched.data.to_dict(), "root": str(tmp_path / "elsewhere"),
+                                       "clip_cache_dir": "/tmp/c"})
+    assert other.with_overrides(data=searched.data) == searched
+
+
+def test_config_flat_flag_keys_toml_and_nested_yaml(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'data = "{tmp_path}"\nbatch-size = 4\ngrad-accum = 3\nlr = 1\nno-cache = true\n'
+                    'height = 48\nwidth = 48\nprecision = "bf16"\nchannels-last = true\n')
+    cfg = _from_cli(["--config", str(toml), "--lr", "0.01"])
+    assert cfg == TrainConfig(data=DataConfig(root=str(tmp_path), clip_cache=False, height=48, width=48),
+                              batch_size=4, grad_accum_steps=3, lr=0.01, precision="bf16", channels_last=True)
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"epochs: 2\nweight_decay: 0\ndata:\n  root: {tmp_path}\n  clip_cache_format: raw\n")
+    cfg = _from_cli(["--config", str(yaml_file)])
+    assert (cfg.epochs, cfg.weight_decay, cfg.data.root, cfg.data.clip_cache_format) == (2, 0.0, str(tmp_path), "raw")
+    assert cfg.batch_size == TrainConfig().batch_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"train_config": {"batch_size": 8, "dropout": 0.1, "data": {"root": "d", "fps": 5}}}',
+         ["train_config.dropout", "train_config.data.fps"]),
+        ('{"batch_size": "eight"}', ["batch_size", "give an integer"]),
+        ('{"data": {"clip_cache": "yes"}}', ["data.clip_cache", "give true or false"]),
+        ('{"batch-size": 4, "batch_size": 8}', ["batch-size and batch_size", "--batch-size", "keep one"]),
+        ('{"trial_id": "x", "batch_size": 8}', ["'trial_id'", "train_config"]),
+        ('{"train_config": "bs=8"}', ["train_config must be an object"]),
+        ('{"lr": 3e-4,', ["cannot be read as JSON"]),
+        ('[1, 2]', ["must hold an object"]),
+    ],
+)
+def test_config_bad_file_exits_2_naming_file_and_key(tmp_path, capsys, text, expected):
+    file = tmp_path / "best_config.json"
+    file.write_text(text)
+    assert train.main(["--config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --config: {file}"), err
+    assert all(x in err for x in expected), err
+
+
+def test_config_missing_or_unknown_type_exits_2(tmp_path, capsys):
+    assert train.main(["--config", str(tmp_path / "nowhere.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --config: ") and "nowhere.json is not a file" in err
+    ini = tmp_path / "run.ini"
+    ini.write_text("[x]\n")
+    assert train.main(["--config", str(ini)]) == 2
+    assert "use .json, .toml, .yaml or .yml" in capsys.readouterr().err
+
+
+def test_config_prints_the_trial_and_blames_the_file_for_its_values(tmp_path, capsys):
+    """The start line names the trial and search; a value the file set that fails a check names
+    the key and file (before Ray: the data folder is checked before anything starts)."""
+    file = _best_config(tmp_path / "best_config.json", _searched(tmp_path / "gone"))
+    assert train.main(["--config", str(file)]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search vidtune-search-demo, "
+                          "val_acc 0.875)"), out
+    assert err.startswith("error: --data: ") and "does not exist" in err, err
+    assert f"set by train_config.data.root in {file}" in err, err
+    file = _best_config(tmp_path / "best_config.json", _searched(tmp_path).with_overrides(batch_size=0))
+    assert train.main(["--config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --batch-size: got 0") and f"train_config.batch_size in {file}" in err, err
+    # a flag given is blamed as a flag
+    assert train.main(["--config", str(file), "--batch-size", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size: got -1" in err and str(file) not in err, err
+
+
+@pytest.mark.slow
+def test_cli_retrains_the_best_trial_from_best_config(ray_session, synthetic_root, tmp_path, capsys):
+    """`--config best_config.json` alone (plus where it runs) retrains the search's best trial."""
+    import re
+
+    searched = TrainConfig(data=DataConfig(root=str(synthetic_root), loader_workers=1), model="tiny", epochs=1,
+                           batch_size=8, lr=1e-3, precision="fp32")
+    file = _best_config(tmp_path / "best_config.json", searched)
+    code = train.main(["--config", str(file), "--storage", str(tmp_path), "--name", "again", "--loader-workers", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search vidtune-search-demo"), out
+    assert re.search(r"^epoch 1/1  train_loss ", out, flags=re.M), out
+    assert re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): \S+$", out, flags=re.M), out

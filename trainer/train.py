@@ -1,11 +1,14 @@
 """One fine-tuning run without a search, on Ray Train (one or more workers, GPUs when present).
 
     python -m trainer.train --data DIR --model tiny --epochs 3 --batch-size 8 --lr 3e-4
+    python -m trainer.train --config best_config.json --epochs 10    # retrain a search's best trial
 
 Prints one line per epoch as it ends and, at the end, the best checkpoint (by val_acc), which
 `python -m trainer.predict --checkpoint PATH VIDEO...` uses. Rerunning with the same --name and
---storage resumes after the last finished epoch. Exit codes: 0 done, 1 training failed or ran
-out of memory, 2 bad input (reported before Ray starts).
+--storage resumes after the last finished epoch. `--config` reads a search's best_config.json
+(its "train_config") or a JSON/TOML/YAML file of TrainConfig fields; flags given override it.
+Exit codes: 0 done, 1 training failed or ran out of memory, 2 bad input (reported before Ray
+starts).
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ import queue as stdlib_queue
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Sequence
 
-
-from datasets.flags import ConfigError, add_flags, build, join_negative_values
+from datasets.config import DataConfig
+from datasets.flags import ConfigError, FlagSpec, add_flags, build, coerce, join_negative_values
 from trainer.config import TrainConfig
 from trainer.launch import TRAIN_FLAGS
 
@@ -30,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0])
     add_flags(p, TRAIN_FLAGS, group_of=lambda s: GROUPS[s.owner.__name__])
     g = p.add_argument_group("where it runs")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON best_config.json written by a search (its train_config), or a JSON/TOML/YAML file "
+                   "of TrainConfig fields; flags given on the command line override it")
     g.add_argument("--workers", type=int, default=1, metavar="N",
                    help="Ray Train workers, data-parallel replicas (default 1)")
     g.add_argument("--gpus-per-worker", type=float, default=None, metavar="G",
@@ -48,10 +56,159 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(join_negative_values(argv, TRAIN_FLAGS))
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of the flags given (the generated flags' dests are the fields' paths)."""
-    paths = {s.path for s in TRAIN_FLAGS}
-    return build(TrainConfig, {k: v for k, v in vars(args).items() if k in paths})
+SEARCH_NAME_KEYS = ("search", "search_name", "experiment")   # best_config.json's key naming its search
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A `--config` file read: `values` {dotted path: value} in the fields' types, `keys` {dotted
+    path: the key as written in the file}, and `best` the search's best_config.json document
+    (trial_id, val_acc, ...) when the file is one."""
+
+    file: Path
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    best: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        """The line printed at start: the file and, for a search's best_config.json, which trial."""
+        if self.best is None:
+            return f"config: {self.file}"
+        trial = self.best.get("name") or self.best.get("trial_id")      # the row's name: the trial's
+        search = next((self.best[k] for k in SEARCH_NAME_KEYS if self.best.get(k)), None)
+        what = "the best trial" + (f" {trial}" if trial else "")
+        what += f" of search {search}" if search else " of a search"
+        acc = self.best.get("val_acc")
+        if isinstance(acc, (int, float)) and not isinstance(acc, bool) and math.isfinite(acc):
+            what += f", val_acc {acc:.3f}"
+        return f"config: {self.file} ({what})"
+
+
+_SPEC_BY_PATH = {s.path: s for s in TRAIN_FLAGS}
+_SPEC_BY_KEY = {k: s for s in TRAIN_FLAGS for k in s.keys}
+_TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"data"}
+_DATA_FIELDS = {f.name for f in fields(DataConfig)}
+
+
+def _read_document(file: Path) -> Any:
+    """The parsed JSON (.json), TOML (.toml) or YAML (.yaml/.yml) file; ConfigError when it cannot be."""
+    if not file.is_file():
+        raise ConfigError("--config", f"{file} is not a file; pass a search's best_config.json (download it from "
+                          "the search's MLflow run or its experiment folder) or a .json/.toml/.yaml file of options")
+    suffix = file.suffix.lower()
+    if suffix not in (".json", ".toml", ".yaml", ".yml"):
+        raise ConfigError("--config", f"{file}: unknown file type {file.suffix or '(none)'!r}; use .json, .toml, "
+                          ".yaml or .yml")
+    try:
+        text = file.read_text(encoding="utf-8")
+        if suffix == ".json":
+            import json
+
+            return json.loads(text)
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    except Exception as e:  # OSError, UnicodeDecodeError, JSONDecodeError, TOMLDecodeError, YAMLError
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError("--config", f"{file} cannot be read as {suffix[1:].upper()}: {detail}; fix the file "
+                          "or pass another") from None
+
+
+def _typed(spec: FlagSpec, value: Any, where: str) -> Any:
+    """The value in the field's type, or ConfigError("--config") naming the file and key."""
+    if value is None and not spec.optional:
+        raise ConfigError("--config", f"{where}: got null; give a value, or leave the key out for the default")
+    if spec.kind == "str" and isinstance(value, (bool, list, dict)):
+        raise ConfigError("--config", f"{where}: got {value!r}; give a string")
+    try:
+        return coerce(spec, value, where)
+    except ConfigError as e:
+        raise ConfigError("--config", str(e)) from None
+
+
+def load_config_file(path: str) -> ConfigFile:
+    """Read `--config`: (a) a search's best_config.json, whose "train_config" (TrainConfig.to_dict())
+    is used and the rest (the trial's row) only described; (b) an object of TrainConfig fields in
+    to_dict() form, the data fields in a "data" table; (c) keys named like the flags without their
+    dashes (`batch-size`, `grad-accum`, `data` = the dataset path, `no-cache`), which may be mixed
+    with (b). Unknown keys, keys given twice and values of the wrong type raise ConfigError
+    naming the file; the bounds are checked later, with the flags (trainer.launch.validate_config)."""
+    file = Path(path).expanduser()
+    raw = _read_document(file)
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", f"{file} must hold an object of options (key: value), not "
+                          f"{type(raw).__name__}")
+    best, prefix = None, ""
+    if "train_config" in raw:
+        best, prefix = raw, "train_config."
+        raw = raw["train_config"]
+        if not isinstance(raw, dict):
+            raise ConfigError("--config", f"{file}: train_config must be an object of TrainConfig fields, not "
+                              f"{type(raw).__name__}; use the best_config.json the search wrote")
+
+    values: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    unknown: list[str] = []
+
+    def put(spec: FlagSpec, label: str, value: Any, *, flag_key: bool) -> None:
+        where = f"{file}: {label}"
+        value = _typed(spec, value, where)
+        key = label.rsplit(".", 1)[-1] if flag_key else None
+        if flag_key and spec.negated and key in spec.keys[:2]:   # `no-cache = true` is clip_cache false
+            value = not value
+        if spec.path in values:
+            raise ConfigError("--config", f"{file}: {keys[spec.path]} and {label} both set {spec.flag}; keep one")
+        values[spec.path], keys[spec.path] = value, label
+
+    for key, value in raw.items():
+        key = str(key)
+        label = prefix + key
+        if key == "data" and isinstance(value, dict):              # to_dict() form: DataConfig's fields
+            for k, v in value.items():
+                k = str(k)
+                if k in _DATA_FIELDS and f"data.{k}" in _SPEC_BY_PATH:
+                    put(_SPEC_BY_PATH[f"data.{k}"], f"{label}.{k}", v, flag_key=False)
+                else:
+                    unknown.append(f"{label}.{k}")
+        elif key in _TRAIN_FIELDS and key in _SPEC_BY_PATH:         # to_dict() form: a TrainConfig field
+            put(_SPEC_BY_PATH[key], label, value, flag_key=False)
+        elif key in _SPEC_BY_KEY:                                    # a flag's name without its dashes
+            put(_SPEC_BY_KEY[key], label, value, flag_key=True)
+        else:
+            unknown.append(label)
+    if unknown:
+        hint = ("; a search's best_config.json needs its \"train_config\" (written by searches since it was added): "
+                "pass the trial's --batch-size and --lr as flags instead"
+                if best is None and {"trial_id", "objective"} & set(raw) else "")
+        raise ConfigError("--config", f"{file}: unknown option(s) {', '.join(map(repr, unknown))}{hint}; known: "
+                          "TrainConfig's fields (the data's in a \"data\" table), as in a best_config.json's "
+                          "train_config, or the flags of `python -m trainer.train --help` without their dashes")
+    return ConfigFile(file=file, values=values, keys=keys, best=best)
+
+
+def config_from_args(args: argparse.Namespace, loaded: ConfigFile | None = None) -> TrainConfig:
+    """The TrainConfig of the defaults, then the `--config` file (`loaded`, read here when not
+    given), then the flags given (the generated flags' dests are the fields' paths; flags not
+    given are absent from `args`)."""
+    if loaded is None and getattr(args, "config", None):
+        loaded = load_config_file(args.config)
+    values = dict(loaded.values) if loaded else {}
+    values.update({k: v for k, v in vars(args).items() if k in _SPEC_BY_PATH})
+    return build(TrainConfig, values)
+
+
+def _blame_file(e: ConfigError, loaded: ConfigFile | None, args: argparse.Namespace) -> ConfigError:
+    """A bound or path error of a value the `--config` file set (not a flag) names the file and key."""
+    spec = next((s for s in TRAIN_FLAGS if s.flag == e.flag), None)
+    if loaded is None or spec is None or spec.path not in loaded.keys or spec.path in vars(args):
+        return e
+    message = str(e)[len(e.flag) + 2:]
+    return ConfigError(e.flag, f"{message} (set by {loaded.keys[spec.path]} in {loaded.file}: correct it there, "
+                       f"or override it with {e.flag})")
 
 
 def check_inputs(cfg: TrainConfig, args: argparse.Namespace):
@@ -175,8 +332,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        cfg = config_from_args(args)
-        index = check_inputs(cfg, args)
+        loaded = load_config_file(args.config) if args.config else None
+        if loaded:
+            print(loaded.describe(), flush=True)
+        cfg = config_from_args(args, loaded)
+        try:
+            index = check_inputs(cfg, args)
+        except ConfigError as e:
+            raise _blame_file(e, loaded, args) from None
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ from trainer.checkpointing import load_checkpoint, restore_training_state, save_
 from trainer.config import TrainConfig
 from trainer.launch import INDEX_CONFIG_KEY
 from trainer.history import read_history, write_history
+from trainer.utilization import DeviceUtilization
 from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from trainer.metrics import all_reduce_floats, steady_state
@@ -33,11 +34,12 @@ from trainer.precision import is_out_of_memory
 # concurrent_trainings: most trainings on this trial's devices at once during the epoch (lease).
 # device_wait_s: time this run waited for its device before its first epoch (0 after).
 # epoch_start_ts / epoch_end_ts: unix time the epoch's training started / its scoring ended.
+# device_util_pct: the device's utilisation over the epoch, mean over workers (trainer.utilization).
 # resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
 #   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
-               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch")
+               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch", "device_util_pct")
 
 
 class ShardSampler(Sampler[int]):
@@ -97,6 +99,7 @@ class _Run:
     speed_by_epoch: dict[int, float] | None = None   # clips_per_s of each epoch trained, for steady_state
     resumed_from_epoch: int = 0                      # the checkpoint's epoch this run started after
     history: dict[int, dict] | None = None           # every epoch's report so far (trainer.history)
+    device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -122,9 +125,12 @@ def train_loop_per_worker(config: dict) -> None:
         if run.slot.settings is not None:   # the same on every rank: the key gather is a collective
             run.slot.acquire(_all_device_keys(run))
         _use_device_threads(run)
+        utilization = DeviceUtilization(run.device)
         for epoch in range(start_epoch, run.cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
+            utilization.start()
             outputs = _train_and_evaluate(run, epoch)
+            run.device_util_pct = utilization.stop()
             window = _epoch_window(started_ts, time.time())
             if _any_rank(outputs is None):
                 outputs = None  # drop this rank's results too: every rank reports the same OOM
@@ -371,6 +377,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
         reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
         steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
         **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
+        device_util_pct=all_reduce_floats([run.device_util_pct])[0] / run.world,
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -415,6 +422,6 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, fl
         "data_wait_frac": 0.0, "peak_mem_mb": float(peak), "lr": _current_lr(run),
         "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
         "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
-        "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch,
+        "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch, "device_util_pct": math.nan,
     }
     ray.train.report(metrics)

@@ -124,6 +124,10 @@ class SearchOptions:
                               "2 trials, 1 epoch, batch size 4, one loader process")
     dry_run: bool = option(False, flag="--dry-run", group="run",
                            help="validate everything, print the resolved configuration, run nothing")
+    verbose: bool = option(False, flag="--verbose", group="run", help="also show Ray's own output (its progress "
+                           "tables, the workers' logs) instead of writing it to the search's log file")
+    quiet: bool = option(False, flag="--quiet", group="run",
+                         help="print only the summary at the end (and errors)")
 
     @property
     def demo(self) -> bool:
@@ -264,6 +268,8 @@ def validate(o: SearchOptions) -> None:
             abs(r.gpus_per_worker * r.workers_per_trial - r.gpus_per_trial) > 1e-9:
         raise ConfigError("--gpus-per-trial", f"{r.gpus_per_trial:g} disagrees with --gpus-per-worker "
                           f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one of the two")
+    if o.verbose and o.quiet:
+        raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):
         raise ConfigError("--optuna-storage", f"{o.optuna_storage}: give a database URL such as sqlite:///optuna.db")
     if not o.demo and not Path(o.train.data.root).expanduser().exists():

@@ -2,6 +2,7 @@
 Tuner with the MLflow writer and the resource releaser, then report."""
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from dataclasses import replace
@@ -11,7 +12,8 @@ from typing import Any
 from datasets.flags import ConfigError
 from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from trainer.lease import start_lease
-from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver
+from tune.console import SearchConsole
+from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver, short_name
 
 
 def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
@@ -143,7 +145,7 @@ def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool) -> Any:
     spec = get_spec(base.model)
     height, width = d.height or spec.height, d.width or spec.width
     videos = list(index.train) + list(index.val)
-    print(f"clip cache: decoding each of the {len(videos)} videos once at {height}x{width} before the first trial")
+    # Every video decoded once at the model's size before the first trial (its summary says so).
     print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
     return base
 
@@ -207,18 +209,25 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 metric=objective.metric, mode=objective.mode, num_samples=opts.num_samples,
                 search_alg=space.build_searcher(opts, objective, study_name=plan.name),
                 scheduler=space.build_scheduler(opts), max_concurrent_trials=concurrency,
+                # One readable name per trial: console, table, MLflow, trial and checkpoint folders.
+                trial_name_creator=short_name, trial_dirname_creator=short_name,
                 # A trial driver's process (Python, Ray, Tune, this package: ~3 s to start) serves
                 # the next trial too; the driver keeps no state between trials.
                 reuse_actors=True),
             run_config=tune.RunConfig(
-                name=plan.name, storage_path=plan.storage, verbose=1,
+                # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
+                name=plan.name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
                 # A trial is not rerun by Tune: its Train run already restarted a dead worker group
                 # (--max-failures), and out of memory is an answer, not a failure.
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
-                           faults.InterruptWatch()]),
+                           faults.InterruptWatch(),
+                           SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
+                                         objective=opts.objective, concurrency=concurrency,
+                                         quiet=opts.quiet)]),
         )
     results, failure = None, None
+    announce_mlflow(tracker)
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
     try:
         results = tuner.fit()
@@ -284,7 +293,13 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
     is pending when the store cannot be reached. Exit code: 0 with a best trial, 1 without, 130
     when interrupted. The last lines printed say how to compare, resume or flush. `failed`: the
     search ended in an exception, which the caller reports (no resume hint here)."""
+    import functools
+    import sys
+
     from tune import faults, ray_internals, report
+
+    # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
+    say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
 
     rows: list[report.TrialRow] = []
     pairs: list[tuple[report.TrialRow, Any, str]] = []   # (row, Tune result, Train run folder)
@@ -294,42 +309,85 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
         for (trial_id, status), result in zip(states, results):
             # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
             finished = status in ray_internals.FINISHED_STATES and not faults.trial_unfinished(trial_id)
-            train_run = f"{plan.experiment_path}/train_runs/{trial_id}"
+            name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
+            train_run = f"{plan.experiment_path}/train_runs/{name}"
             row = report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
-                                         train_run=train_run)
+                                         train_run=train_run, name=name)
             rows.append(row)
             pairs.append((row, result, train_run))
     interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
     if results is not None and not interrupted and len(rows) < opts.num_samples:
         # Tune ended with nothing left to run: a resume would not add the missing trials.
-        print(f"\nnote: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
+        say(f"\nnote: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
               "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
     best = report.best_trial(rows, opts.objective)
     if rows:
-        print("\ntrials:\n" + report.format_table(rows, show_wd=opts.space.search_weight_decay))
-    if best:
-        print(f"\nbest trial ({opts.objective}): {best.trial_id}  batch_size={best.batch_size}  lr={best.lr:.3g}"
-              f"{f'  weight_decay={best.weight_decay:.3g}' if best.weight_decay is not None else ''}  "
-              f"val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f}  clips/s={best.clips_per_s:.1f} (steady state)")
-        print(f"best checkpoint: {best.checkpoint or 'none kept'}")
+        say("\ntrials:\n" + report.format_table(report.ranked(rows, opts.objective),
+                                                 show_wd=opts.space.search_weight_decay))
     if opts.objective == "pareto" and rows:
         front = report.pareto_front(rows)
-        print("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.space.search_weight_decay))
-    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, interrupted=interrupted)
-    print("\n" + mlflow_hint(opts.tracking.mlflow_uri))
+        say("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.space.search_weight_decay))
+    folder = results_folder(plan)
+    files = write_results(plan, opts, rows, best, folder)
+    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted)
     resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
               f"{'' if opts.tracking.mlflow_uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + opts.tracking.mlflow_uri}")
+    if best:
+        wd = f"  weight_decay={best.weight_decay:.3g}" if best.weight_decay is not None else ""
+        say(f"\nbest trial ({opts.objective}): {best.name or best.trial_id}  batch_size={best.batch_size}  "
+            f"lr={best.lr:.3g}{wd}  val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f} (epoch {best.best_epoch})  "
+            f"clips/s={best.clips_per_s:.1f} (steady state)")
+        say(f"best checkpoint: {best.checkpoint or 'none kept'}")
+        if "best_config" in files and folder is not None:
+            say(f"train it again: python -m trainer.train --config {files['best_config']}")
+    if folder is not None:
+        say(f"results: {folder} (trials.csv, best_config.json, plots)")
+    say(mlflow_lines(opts, tracker, pending))
     if pending:
-        print(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
-              f"{plan.experiment_path}. Once the store answers, write it with:\n  {resume}")
+        say(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
+            f"{plan.experiment_path}. Once the store answers, write it with:\n  {resume}")
     if interrupted and not failed:
-        print(f"search interrupted; continue it with:\n  {resume}")
+        say(f"search interrupted; continue it with:\n  {resume}")
         return 130
     return 0 if best else 1
 
 
+def results_folder(plan: Any) -> Path | None:
+    """Where trials.csv, best_config.json and the plots are written: the experiment folder (None
+    on remote storage: they are in MLflow only)."""
+    if "://" in plan.experiment_path:
+        return None
+    folder = Path(plan.experiment_path)
+    return folder if folder.is_dir() else None
+
+
+def write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, folder: Path | None) -> dict[str, Path]:
+    """The search's results as files: trials.csv (ranked by the objective), best_config.json
+    (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
+    the two plots. In `folder`, or a temporary folder when None (MLflow gets them either way)."""
+    from tune import report
+
+    target = folder or Path(tempfile.mkdtemp(prefix="vidtune-results-"))
+    files = {"trials_csv": report.write_csv(rows, target / "trials.csv", objective=opts.objective)}
+    try:
+        files["scatter"] = report.plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name)
+        files["params"] = report.plot_objective_vs_params(rows, target / "objective_vs_params.png",
+                                                          objective=opts.objective, title=plan.name)
+    except OSError as e:   # a full disk must not cost the summary
+        print(f"note: the plots could not be written ({e})")
+    if best:
+        doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
+               "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
+                                                        **({"weight_decay": best.weight_decay}
+                                                           if best.weight_decay is not None else {})).to_dict()}
+        path = target / "best_config.json"
+        path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
+        files["best_config"] = path
+    return {k: v for k, v in files.items() if v}
+
+
 def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, pairs: list, states: list,
-                     best: Any, *, interrupted: bool) -> str | None:
+                     best: Any, files: dict[str, Path], *, interrupted: bool) -> str | None:
     """Reconcile the child runs with Tune's results, log the parent's summary and end every run.
     Returns None when MLflow is up to date, else why it is not (the store failed)."""
     from tune import report
@@ -343,15 +401,10 @@ def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, p
         written = tracker.reconcile(pairs)
         if written:
             print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
-        with tempfile.TemporaryDirectory() as tmp:
-            csv_path = report.write_csv(rows, Path(tmp) / "trials.csv")
-            png = report.plot_scatter(rows, Path(tmp) / "accuracy_vs_speed.png", title=plan.name)
-            best_doc = None
-            if best:
-                best_doc = {**best.__dict__, "objective": opts.objective,
-                            "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr).to_dict()}
-            tracker.log_summary(table_csv=csv_path, plot_png=png, best=best_doc,
-                                best_checkpoint=best.checkpoint if best else None)
+        tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
+                            best_checkpoint=best.checkpoint if best else None)
+        tracker.publish_view(table_markdown=report.format_markdown(report.ranked(rows, opts.objective)),
+                             best_trial_id=best.trial_id if best else None, objective=opts.objective)
         tracker.close(interrupted=interrupted)
     except Exception as e:   # the store is down or full: the search's own results stand
         reason = " ".join(str(e).split())[:300] or type(e).__name__
@@ -359,10 +412,31 @@ def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, p
     return None
 
 
-def mlflow_hint(uri: str) -> str:
+def announce_mlflow(tracker: Any) -> None:
+    """Create (or find) the parent run now and print where the runs table is, so it can be
+    opened while the search runs. A store that fails here is retried by the tracker later."""
+    try:
+        tracker.open_parent()
+    except Exception as e:
+        print(f"MLflow: cannot reach {tracker.tracking_uri} yet ({' '.join(str(e).split())[:200]}); "
+              "the runs are written when it answers")
+        return
+    print(f"MLflow runs table: {tracker.runs_table_url()}{ui_hint(tracker.tracking_uri)}", flush=True)
+
+
+def ui_hint(uri: str) -> str:
     from tune.tracking import sqlite_path
 
     path = sqlite_path(uri)
-    if path is not None:
-        return f"compare the trials in MLflow:  mlflow ui --backend-store-uri sqlite:///{path}"
-    return f"compare the trials in MLflow: open {uri}"
+    return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
+
+
+def mlflow_lines(opts: SearchOptions, tracker: Any, pending: str | None) -> str:
+    """The summary's last lines: the runs table and the parent run, ready to compare."""
+    try:
+        if pending or not getattr(tracker, "experiment_id", None):
+            raise RuntimeError
+        return (f"compare the trials in MLflow: {tracker.runs_table_url()}{ui_hint(opts.tracking.mlflow_uri)}\n"
+                f"  the search's run (trials table, best run, plots): {tracker.run_url(tracker.parent_run_id)}")
+    except Exception:
+        return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{ui_hint(opts.tracking.mlflow_uri)}"

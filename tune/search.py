@@ -70,6 +70,13 @@ class Plan:
 
 
 def run(opts: SearchOptions) -> int:
+    if opts.quiet and not opts.dry_run:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):   # the summary writes to the real stdout
+            plan = prepare(opts)
+            return execute(plan)
     plan = prepare(opts)
     if opts.dry_run:
         print(describe(plan))
@@ -183,7 +190,15 @@ def execute(plan: Plan) -> int:
     # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    started = init_ray(address=plan.opts.resources.address)
+    log_options = {}
+    if not plan.opts.verbose:
+        from tune.console import log_file_for, quiet_libraries
+
+        log = quiet_libraries(log_file_for(plan.experiment_path, plan.name))
+        print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)", flush=True)
+        log_options = {"log_to_driver": False, "configure_logging": False}
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
+    started = init_ray(address=plan.opts.resources.address, **log_options)
     try:
         return run_search(plan)
     finally:

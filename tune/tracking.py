@@ -16,12 +16,10 @@ of every trial in the experiment folder, and `reconcile` (at the end of the sear
 from __future__ import annotations
 
 import functools
-import json
 import math
 import numbers
 import os
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -46,9 +44,18 @@ RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the st
 INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 # Tune's bookkeeping keys and the checkpoint path are not training metrics.
 # The epoch's start/end are unix times, kept in Tune's results for timelines, not metrics to chart.
+# Constants of a run are params or tags, not metrics to chart: the epoch is each point's step,
+# batch_size a param, oom and resumed_from_epoch tags (FAILURE_TAG, RESUMED_TAG), reader
+# failures a tag when there are any. The schedule's learning rate is logged as `lr_current`
+# (`lr` is the param: the peak the trial was given).
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
                                         "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
-                                        "resumed_from_epoch"}   # a tag (RESUMED_TAG), not a metric
+                                        "resumed_from_epoch", "epoch", "batch_size", "oom", "reader_failures"}
+RENAMED = {"lr": "lr_current"}
+STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has
+OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | failed | interrupted
+BEST_TAG = "vidtune.best"
+READER_TAG = "vidtune.reader_failures"
 
 
 # -- checks before anything starts ---------------------------------------------------------------
@@ -112,7 +119,7 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
         if key in _NOT_METRICS or isinstance(value, bool) or type(value).__name__ == "bool_" \
                 or not isinstance(value, numbers.Real):
             continue
-        out[key] = float(value)
+        out[RENAMED.get(key, key)] = float(value)
     return out
 
 
@@ -223,7 +230,9 @@ class MLflowTracker(Callback):
     # Tune hooks ----------------------------------------------------------------------------
     @_guarded
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.start_child(trial.trial_id, trial.config)
+        from tune.trial import short_name
+
+        self.start_child(trial.trial_id, trial.config, name=short_name(trial))
 
     @_guarded
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
@@ -244,18 +253,20 @@ class MLflowTracker(Callback):
         self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: _error_reason(trial)})
 
     # the work ------------------------------------------------------------------------------
-    def start_child(self, trial_id: str, config: dict[str, Any]) -> str:
+    def start_child(self, trial_id: str, config: dict[str, Any], *, name: str | None = None) -> str:
+        """The trial's child run (created, or found again on resume), named `name` (the trial's
+        short name; its Tune id is the `vidtune.trial_id` tag)."""
         c = self.client
         parent = self.open_parent()
         run_id = self.child_runs.get(trial_id)
         if run_id:                          # resumed trial: same run, running again
             c.update_run(run_id, status="RUNNING")
             # Epochs already logged are not logged twice (a resumed trial re-reports its last one).
-            steps = [m.step for m in c.get_metric_history(run_id, "epoch")]
+            steps = [m.step for m in c.get_metric_history(run_id, STEP_METRIC)]
             self._last_step[trial_id] = max(steps, default=0)
             return run_id
-        tags = {PARENT_TAG: parent, TRIAL_ID_TAG: trial_id, "mlflow.runName": trial_id}
-        run = c.create_run(self.experiment_id, tags=tags, run_name=trial_id)
+        tags = {PARENT_TAG: parent, TRIAL_ID_TAG: trial_id, "mlflow.runName": name or trial_id}
+        run = c.create_run(self.experiment_id, tags=tags, run_name=name or trial_id)
         run_id = run.info.run_id
         self.child_runs[trial_id] = run_id
         _log_params(c, run_id, {**self.child_params, **config})
@@ -280,6 +291,11 @@ class MLflowTracker(Callback):
             self._node_tagged.add(trial_id)
 
     def _tag_restart(self, run_id: str, result: dict[str, Any]) -> None:
+        """Per-epoch facts kept as tags: a restart from a checkpoint, unreadable videos."""
+        failures = int(result.get("reader_failures") or 0)
+        if failures > 0:
+            self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch {result.get('epoch')}; "
+                                "each was replaced by another clip of the same class")
         resumed = int(result.get("resumed_from_epoch") or 0)
         if resumed > 0:
             self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a worker "
@@ -335,8 +351,9 @@ class MLflowTracker(Callback):
         self.open_parent()
         written = 0
         for row, result, train_run in trials:
-            run_id = self.child_runs.get(row.trial_id) or self.start_child(row.trial_id, dict(result.config or {}))
-            have = {m.step for m in c.get_metric_history(run_id, "epoch")}
+            run_id = self.child_runs.get(row.trial_id) or self.start_child(
+                row.trial_id, dict(result.config or {}), name=getattr(row, "name", "") or None)
+            have = {m.step for m in c.get_metric_history(run_id, STEP_METRIC)}
             records = {**(latest_history(train_run) if train_run else {}), **_epochs(result)}
             for epoch, record in sorted(records.items()):
                 if epoch in have:
@@ -349,6 +366,7 @@ class MLflowTracker(Callback):
                 self._tag_restart(run_id, record)
             self._last_step[row.trial_id] = max([self._last_step.get(row.trial_id, 0), *records])
             status, tags = self._final_status(row, result)
+            tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
             run = c.get_run(run_id)
             for key in (STOP_TAG, FAILURE_TAG):
                 if key in run.data.tags and key not in tags:
@@ -390,24 +408,64 @@ class MLflowTracker(Callback):
             lost.append(trial_id)
         return lost
 
-    def log_summary(self, *, table_csv: Path | None = None, plot_png: Path | None = None,
-                    best: dict[str, Any] | None = None, best_checkpoint: str | None = None) -> None:
-        """Summary artifacts on the parent run: trials table, scatter plot, best config, best checkpoint."""
+    def log_summary(self, *, files: list[Path] = (), best: dict[str, Any] | None = None,
+                    best_checkpoint: str | None = None) -> None:
+        """Summary on the parent run: the result files as artifacts (trials.csv, best_config.json,
+        the plots), the best trial's metrics as `best_*`, and its checkpoint."""
         c, run_id = self.client, self.open_parent()
-        for path in (table_csv, plot_png):
+        for path in files:
             if path and Path(path).exists():
                 c.log_artifact(run_id, str(path))
         if best is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                f = Path(tmp) / "best_config.json"
-                f.write_text(json.dumps(best, indent=2, sort_keys=True, default=str))
-                c.log_artifact(run_id, str(f))
             for key in ("val_acc", "val_f1", "clips_per_s", "compute_clips_per_s"):
                 value = best.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     c.log_metric(run_id, f"best_{key}", float(value))
         if best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://")) and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
+
+
+    # the view ----------------------------------------------------------------------------------
+    def ui_base(self) -> str:
+        """Where the MLflow UI of this store answers: the tracking server itself, or the address
+        `mlflow ui --backend-store-uri ...` serves a SQLite store on by default."""
+        if urlparse(self.tracking_uri).scheme in ("http", "https"):
+            return self.tracking_uri.rstrip("/")
+        return "http://127.0.0.1:5000"
+
+    def runs_table_url(self) -> str:
+        """The experiment's runs table (MLflow 3 opens an experiment on its GenAI overview)."""
+        return f"{self.ui_base()}/#/experiments/{self.experiment_id}/runs"
+
+    def run_url(self, run_id: str) -> str:
+        return f"{self.ui_base()}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
+    def publish_view(self, *, table_markdown: str, best_trial_id: str | None, objective: str) -> None:
+        """The parent run's description (MLflow's note, markdown): the trials table, a link to the
+        best child run and which columns to add; the best child run gets `vidtune.best`."""
+        c, parent = self.client, self.open_parent()
+        best_run = self.child_runs.get(best_trial_id) if best_trial_id else None
+        for run_id in self.child_runs.values():
+            if run_id == best_run:
+                c.set_tag(run_id, BEST_TAG, "true")
+            elif BEST_TAG in c.get_run(run_id).data.tags:
+                c.delete_tag(run_id, BEST_TAG)
+        best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]({self.run_url(best_run)}) "
+                     f"(tag `{BEST_TAG}`)." if best_run else "No trial produced a usable result.")
+        note = "\n".join([
+            f"**vidtune search** `{Path(self.experiment_path).name}` ({self.experiment_path})", "",
+            best_line, "", table_markdown, "",
+            f"In the runs table, add the columns `{OUTCOME_TAG}` (done, stopped early (ASHA), out of memory, "
+            f"failed, interrupted), `{BEST_TAG}`, and the params `batch_size`, `lr`; KILLED runs are stopped early "
+            "or interrupted, FAILED ones ran out of memory or raised (see `vidtune.stop_reason` / "
+            "`vidtune.failure_reason`). Metrics are per epoch (step = epoch); `lr_current` is the schedule's "
+            "learning rate, the param `lr` its peak.",
+        ])
+        c.set_tag(parent, "mlflow.note.content", note[:60000])
+
+
+OUTCOMES = {"DONE": "done", "STOPPED": "stopped early (ASHA)", "OOM": "out of memory", "ERROR": "failed",
+            "UNFINISHED": "interrupted"}
 
 
 def _epochs(result: Any) -> dict[int, dict[str, Any]]:

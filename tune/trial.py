@@ -58,6 +58,32 @@ class TrialResources:
         return res
 
 
+def short_lr(lr: float) -> str:
+    """1e-4 -> '1e-4', 0.00025 -> '2.5e-4' (two significant digits, no exponent padding)."""
+    mantissa, exponent = f"{float(lr):.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def short_name(trial: Any) -> str:
+    """A Tune trial's one name everywhere (console, table, trials.csv, MLflow run name, trial and
+    checkpoint folders): `t03-bs8-lr2.5e-4`, the trial's number in the search, its batch size and
+    learning rate (plus `-wd1e-2` when weight decay is searched). The number comes from Tune's
+    experiment tag (`3_batch_size=8,...`); the Tune id stays in MLflow's `vidtune.trial_id` tag.
+    Tune's `trial_name_creator` and `trial_dirname_creator` (public API) call it."""
+    tag = str(getattr(trial, "experiment_tag", "") or "")
+    number = tag.split("_", 1)[0]
+    head = f"t{int(number):02d}" if number.isdigit() else f"t-{trial.trial_id}"
+    cfg = dict(getattr(trial, "config", None) or {})
+    parts = [head]
+    if "batch_size" in cfg:
+        parts.append(f"bs{int(cfg['batch_size'])}")
+    if "lr" in cfg:
+        parts.append(f"lr{short_lr(cfg['lr'])}")
+    if "weight_decay" in cfg:
+        parts.append(f"wd{short_lr(cfg['weight_decay'])}")
+    return "-".join(parts)
+
+
 def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
     """The base configuration with the sampled values (batch_size, lr, weight_decay) put in."""
     unknown = set(sampled) - set(SAMPLED_KEYS)
@@ -78,7 +104,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
                       ) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
-    `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder per trial id).
+    `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
+    the trial, `short_name`).
     `registry_name`: the `tune.cleanup` registry its placement group is recorded in (None: none).
     `lease_name`: the search's `trainer.lease` actor; the trial's workers train only while they
     hold their devices (None: no lease, trials may share a device).
@@ -99,12 +126,13 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         factory = trainer_factory
         if factory is None:
             from trainer.launch import build_torch_trainer as factory
-        trial_id = tune.get_context().get_trial_id()
+        context = tune.get_context()
+        trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
         cfg = trial_config(TrainConfig.from_dict(base_dict), config)
         callbacks: list[Any] = [TuneReportCallback()]
         if registry_name:
             callbacks.append(PlacementGroupRecorder(registry_name, trial_id))
-        run_path = f"{train_storage.rstrip('/')}/{trial_id}"
+        run_path = f"{train_storage.rstrip('/')}/{trial_name}"
         finished = finished_run_metrics(run_path, cfg.epochs)
         if finished is not None:
             # Resumed after the driver died between the last epoch and Tune recording it: Train
@@ -114,7 +142,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         lease = LeaseSettings(lease_name, trial_id) if lease_name else None
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
-            resources_per_worker=resources.per_worker(), name=trial_id,
+            resources_per_worker=resources.per_worker(), name=trial_name,
             storage_path=train_storage, callbacks=callbacks, device_lease=lease, index=index,
         )
         trainer.fit()

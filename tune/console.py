@@ -1,0 +1,179 @@
+"""The search's console: what a person reads while it runs, and where everything else goes.
+
+`quiet_libraries` sends Ray's, Tune's, Train's and the libraries' log records and warnings to a
+log file (the console keeps only vidtune's lines; `--verbose` skips it). `SearchConsole` is the
+Tune callback that prints, per trial, one line when it starts and one per epoch, then an overall
+line (trials done / running / to start, the best so far, the time left), and a line when it ends
+(with the last lines of its error when it failed). `--quiet` keeps only the summary.
+
+Every line is plain text (no redraw), so a log file or CI output reads the same as a terminal.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+from ray.tune import Callback
+
+# Loggers whose records go to the log file, not the console.
+LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "matplotlib")
+LOG_FILE = "search.log"
+
+
+def log_file_for(experiment_path: str, name: str) -> Path:
+    """The search's log file: in its experiment folder, or ./vidtune-logs/NAME.log when the
+    experiment is on remote storage (s3://)."""
+    if "://" in experiment_path:
+        return Path("vidtune-logs") / f"{name}.log"
+    return Path(experiment_path) / LOG_FILE
+
+
+def quiet_libraries(log_path: Path) -> Path:
+    """Send the libraries' log records (INFO and up) and Python warnings to `log_path`, none to
+    the console. Call before `ray.init` (with `configure_logging=False`, `log_to_driver=False`)."""
+    # Each configures its loggers when imported: import them first, then redirect.
+    import mlflow  # noqa: F401
+    import optuna
+    import ray  # noqa: F401
+
+    optuna.logging.disable_default_handler()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    # On the root logger: `ray.init` empties the "ray" logger's handlers, and its records then
+    # reach the root (a handler on "ray" itself would be gone, and Python's last-resort handler
+    # would print its warnings on the console).
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.setLevel(logging.INFO)
+        logger.propagate = True
+    logging.captureWarnings(True)
+    warnings.simplefilter("default")
+    return log_path
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class SearchConsole(Callback):
+    """Prints a search's progress (see the module docstring). `concurrency`: trials at once,
+    for the time estimate. Holds nothing Tune cannot pickle (it is saved with the experiment)."""
+
+    def __init__(self, *, num_samples: int, epochs: int, objective: str, concurrency: int, quiet: bool = False):
+        self.num_samples = num_samples
+        self.epochs = epochs
+        self.metric = "val_acc" if objective == "pareto" else objective
+        self.concurrency = max(1, concurrency)
+        self.quiet = quiet
+        self._started_at: float | None = None
+        self._epochs_done: dict[str, int] = {}
+        self._best: tuple[float, str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_started_at"] = None   # a resumed search measures its own pace
+        return state
+
+    # Tune hooks -----------------------------------------------------------------------------
+    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._started_at = self._started_at or time.monotonic()
+        name = _name(trial)
+        number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
+        cfg = trial.config or {}
+        extra = f", weight decay {cfg['weight_decay']:.3g}" if "weight_decay" in cfg else ""
+        self._print(f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name} started: batch size "
+                    f"{cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        self._started_at = self._started_at or time.monotonic()
+        epoch = int(result.get("epoch") or 0)
+        if epoch < 1:
+            return
+        self._epochs_done[trial.trial_id] = epoch
+        if int(result.get("oom", 0) or 0):
+            self._print(f"{_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
+                        f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
+        else:
+            value = float(result.get(self.metric, math.nan))
+            if math.isfinite(value) and (self._best is None or value > self._best[0]):
+                self._best = (value, _name(trial))
+            self._print(f"{_name(trial)}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
+                        f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
+                        f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
+        self._print(self.overall(trials))
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        from tune.faults import trial_unfinished
+
+        last = trial.last_result or {}
+        epoch = int(last.get("epoch") or 0)
+        if trial_unfinished(trial.trial_id):
+            how = f"interrupted after epoch {epoch}"
+        elif int(last.get("oom", 0) or 0):
+            how = "ended: out of memory (recorded as infeasible)"
+        elif epoch < self.epochs:
+            how = f"stopped early by ASHA after epoch {epoch}/{self.epochs}"
+        else:
+            how = f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})"
+        self._print(f"{_name(trial)} {how}")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        path = getattr(trial, "error_file", None)
+        lines: list[str] = []
+        try:
+            if path and Path(path).exists():
+                lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()][-6:]
+        except OSError:
+            pass
+        body = "".join(f"\n    {ln}" for ln in lines)
+        self._print(f"{_name(trial)} FAILED (full traceback: {path or 'see the log'}){body}")
+
+    # text -----------------------------------------------------------------------------------
+    def overall(self, trials: list) -> str:
+        """`2/6 trials done, 1 running, 3 to start; best t02-bs8-lr1e-3 val_acc 0.812; about 3m10s left`."""
+        done = sum(1 for t in trials if t.status in ("TERMINATED", "ERROR"))
+        running = sum(1 for t in trials if t.status == "RUNNING")
+        to_start = max(0, self.num_samples - done - running)
+        best = f"; best {self._best[1]} {self.metric} {self._best[0]:.3f}" if self._best else ""
+        return f"  {done}/{self.num_samples} trials done, {running} running, {to_start} to start{best}{self._eta(trials)}"
+
+    def _eta(self, trials: list) -> str:
+        """Time left at the pace so far: epochs still to train (at most every trial's last epoch;
+        ASHA may stop some sooner) over epochs trained per second."""
+        if self._started_at is None:
+            return ""
+        elapsed = time.monotonic() - self._started_at
+        trained = sum(self._epochs_done.values())
+        if trained < 1 or elapsed <= 0:
+            return ""
+        finished = {t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")}
+        left = sum(self.epochs - e for tid, e in self._epochs_done.items() if tid not in finished)
+        left += self.epochs * max(0, self.num_samples - len(self._epochs_done))
+        return f"; about {_duration(left * elapsed / trained)} left" if left else ""
+
+    def _print(self, line: str, stream: TextIO | None = None) -> None:
+        if not self.quiet:
+            print(line, file=stream or sys.stdout, flush=True)
+
+
+def _name(trial: Any) -> str:
+    from tune.trial import short_name
+
+    return short_name(trial)
