@@ -10,8 +10,10 @@ Every line is plain text (no redraw), so a log file or CI output reads the same 
 """
 from __future__ import annotations
 
+import io
 import logging
 import math
+import re
 import sys
 import time
 import warnings
@@ -59,6 +61,50 @@ def quiet_libraries(log_path: Path) -> Path:
     logging.captureWarnings(True)
     warnings.simplefilter("default")
     return log_path
+
+
+# What Ray prints on the driver's own streams, bypassing logging: the raylet's warnings and the
+# workers' lines, prefixed `(raylet)` or `(Name pid=123)` (with colour codes on a terminal).
+RAY_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*\((raylet|[\w.]*\s*pid=\d+[^)]*)\)")
+
+
+class RayLinesToLog(io.TextIOBase):
+    """A stdout/stderr stand-in that sends Ray's prefixed lines (see RAY_PREFIX) to the log file
+    and everything else to the console."""
+
+    def __init__(self, console: TextIO, log: TextIO):
+        self.console, self.log, self._partial = console, log, ""
+
+    def write(self, text: str) -> int:
+        self._partial += text
+        *lines, self._partial = self._partial.split("\n")
+        for line in lines:
+            (self.log if RAY_PREFIX.match(line) else self.console).write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial and not RAY_PREFIX.match(self._partial):
+            self.console.write(self._partial)
+            self._partial = ""
+        self.console.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return self.console.isatty()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.console, "encoding", "utf-8")
+
+
+def keep_ray_lines_off_the_console(log_path: Path) -> None:
+    """Replace sys.stdout/sys.stderr by `RayLinesToLog` filters writing Ray's lines to `log_path`."""
+    log = open(log_path, "a", encoding="utf-8", buffering=1)
+    sys.stdout = RayLinesToLog(sys.stdout, log)
+    sys.stderr = RayLinesToLog(sys.stderr, log)
 
 
 def _duration(seconds: float) -> str:
