@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,10 +183,10 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 400
-        # Tune's console says when a trial completed (reading the MLflow store while the search
+        # The console says when a trial is done (reading the MLflow store while the search
         # creates its schema would race with the migration).
         while time.monotonic() < deadline and proc.poll() is None:
-            if " completed after " in (tmp_path / "first.log").read_text(errors="replace"):
+            if re.search(r"^t\d\d-\S+ done \(", (tmp_path / "first.log").read_text(errors="replace"), re.M):
                 time.sleep(3)                      # let the driver write the child run's end
                 break
             time.sleep(1)

@@ -58,6 +58,9 @@ def quiet_libraries(log_path: Path) -> Path:
         logger.handlers[:] = []
         logger.setLevel(logging.INFO)
         logger.propagate = True
+    # The log may sit on a disk that fills up (--storage): a record that cannot be written is
+    # dropped, not reported with a traceback on the console.
+    logging.raiseExceptions = False
     logging.captureWarnings(True)
     warnings.simplefilter("default")
     return log_path
@@ -79,15 +82,27 @@ class RayLinesToLog(io.TextIOBase):
         self._partial += text
         *lines, self._partial = self._partial.split("\n")
         for line in lines:
-            (self.log if RAY_PREFIX.match(line) else self.console).write(line + "\n")
+            if RAY_PREFIX.match(line):
+                self._to_log(line + "\n")
+            else:
+                self.console.write(line + "\n")
         return len(text)
+
+    def _to_log(self, text: str) -> None:
+        try:
+            self.log.write(text)
+        except (OSError, ValueError):   # a full disk (or a closed log) must not stop the search
+            pass
 
     def flush(self) -> None:
         if self._partial and not RAY_PREFIX.match(self._partial):
             self.console.write(self._partial)
             self._partial = ""
         self.console.flush()
-        self.log.flush()
+        try:
+            self.log.flush()
+        except (OSError, ValueError):
+            pass
 
     def isatty(self) -> bool:
         return self.console.isatty()

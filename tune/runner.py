@@ -338,10 +338,10 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
             f"lr={best.lr:.3g}{wd}  val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f} (epoch {best.best_epoch})  "
             f"clips/s={best.clips_per_s:.1f} (steady state)")
         say(f"best checkpoint: {best.checkpoint or 'none kept'}")
-        if "best_config" in files and folder is not None:
+        if "best_config" in files:
             say(f"train it again: python -m trainer.train --config {files['best_config']}")
-    if folder is not None:
-        say(f"results: {folder} (trials.csv, best_config.json, plots)")
+    if files:
+        say(f"results: {files['trials_csv'].parent} (trials.csv, best_config.json, plots)")
     say(mlflow_lines(opts, tracker, pending))
     if pending:
         say(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
@@ -364,17 +364,23 @@ def results_folder(plan: Any) -> Path | None:
 def write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, folder: Path | None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
-    the two plots. In `folder`, or a temporary folder when None (MLflow gets them either way)."""
+    the two plots. In `folder`, or a temporary folder when None or when `folder` cannot take
+    them (a full disk): MLflow gets them either way."""
+    if folder is not None:
+        try:
+            return _write_results(plan, opts, rows, best, folder)
+        except OSError as e:
+            print(f"note: the results could not be written to {folder} ({e.strerror or e}); they go to MLflow only")
+    return _write_results(plan, opts, rows, best, Path(tempfile.mkdtemp(prefix="vidtune-results-")))
+
+
+def _write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, target: Path) -> dict[str, Path]:
     from tune import report
 
-    target = folder or Path(tempfile.mkdtemp(prefix="vidtune-results-"))
-    files = {"trials_csv": report.write_csv(rows, target / "trials.csv", objective=opts.objective)}
-    try:
-        files["scatter"] = report.plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name)
-        files["params"] = report.plot_objective_vs_params(rows, target / "objective_vs_params.png",
-                                                          objective=opts.objective, title=plan.name)
-    except OSError as e:   # a full disk must not cost the summary
-        print(f"note: the plots could not be written ({e})")
+    files = {"trials_csv": report.write_csv(rows, target / "trials.csv", objective=opts.objective),
+             "scatter": report.plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
+             "params": report.plot_objective_vs_params(rows, target / "objective_vs_params.png",
+                                                       objective=opts.objective, title=plan.name)}
     if best:
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
