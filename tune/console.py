@@ -6,7 +6,8 @@ Tune callback that prints, per trial, one line when it starts and one per epoch,
 line (trials done / running / to start, the best so far, the time left), and a line when it ends
 (with the last lines of its error when it failed). `--quiet` keeps only the summary.
 
-Every line is plain text (no redraw), so a log file or CI output reads the same as a terminal.
+Every line is plain text (no redraw), so a log file or CI output reads the same as a terminal;
+on a terminal the overall line starts with a bar of the epochs trained so far.
 """
 from __future__ import annotations
 
@@ -213,7 +214,11 @@ class SearchConsole(Callback):
         running = sum(1 for t in trials if t.status == "RUNNING")
         to_start = max(0, self.num_samples - done - running)
         best = f"; best {self._best[1]} {self.metric} {self._best[0]:.3f}" if self._best else ""
-        return f"  {done}/{self.num_samples} trials done, {running} running, {to_start} to start{best}{self._eta(trials)}"
+        line = f"{done}/{self.num_samples} trials done, {running} running, {to_start} to start{best}{self._eta(trials)}"
+        if sys.stdout.isatty():   # a bar of epochs trained out of at most every trial's epochs
+            share = min(1.0, sum(self._epochs_done.values()) / max(1, self.num_samples * self.epochs))
+            return f"  [{'#' * round(20 * share):<20}] {line}"
+        return f"  {line}"
 
     def _eta(self, trials: list) -> str:
         """Time left at the pace so far: epochs still to train (at most every trial's last epoch;

@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     file and the presets can fill them; the defaults shown are the fields'."""
     p = argparse.ArgumentParser(
         prog="python tune/search.py",
-        description="Search batch size and learning rate (Ray Tune + Optuna) for fine-tuning a "
-        "video transformer; every trial is a Ray Train run recorded in MLflow. With no arguments "
-        "it runs a short demo on generated data on the CPU.",
+        description="Search batch size and learning rate (Ray Tune + Optuna) for fine-tuning a video\n"
+        "transformer; every trial is a Ray Train run recorded in MLflow. With no arguments it runs\n"
+        "a short demo on generated data on the CPU (see the presets at the end).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, SPECS, group_of=lambda s: GROUPS.get(s.owner, "search"))
     return p
