@@ -38,10 +38,10 @@ def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True)   # its own process group, as a terminal's job
 
 
-def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str) -> None:
-    """Until some trial has checkpointed epoch 1 (its Train run's `epoch_0001` folder)."""
+def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str, epoch: int = 1) -> None:
+    """Until some trial has checkpointed `epoch` (its Train run's `epoch_NNNN` folder)."""
     deadline = time.monotonic() + WAIT_S
-    while not list((storage / name / "train_runs").glob("*/epoch_0001")):
+    while not list((storage / name / "train_runs").glob(f"*/epoch_{epoch:04d}")):
         assert proc.poll() is None, f"the search ended early with {proc.returncode}"
         assert time.monotonic() < deadline, "no epoch was trained in time"
         time.sleep(0.5)
@@ -179,12 +179,16 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     log = tmp_path / "search.log"
-    epochs = 6                                         # time to kill it mid-run (an epoch takes seconds)
+    epochs = 20                          # time to kill it mid-run: an epoch takes under a second here
     proc = _start(["--data", str(synthetic_root), *SMALL, "--num-samples", "1", "--epochs", str(epochs),
                    "--storage", str(storage), "--mlflow-uri", uri, "--name", "w"], tmp_path, log)
-    _wait_for_first_epoch(proc, storage, "w")
+    # Epoch 3's folder: epochs 1 and 2 are surely registered with Train's checkpoint manager (a
+    # folder appears before its report is processed), so the restart has a checkpoint to resume.
+    _wait_for_first_epoch(proc, storage, "w", epoch=3)
     workers = _train_workers(proc.pid)
     assert workers, "no RayTrainWorker process found"
+    last = storage / "w" / "train_runs"
+    assert not list(last.glob(f"*/epoch_{epochs:04d}")), "the trial ended before the kill: raise epochs"
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
     out = _finish(proc, log)
