@@ -171,6 +171,9 @@ def test_numeric_metrics_keep_trainer_values_only():
     assert math.isnan(m["val_loss"]) and m["lr_current"] == 1e-3 and "lr" not in m
     # constants are params or tags, not metrics: the epoch is the step, batch size a param
     assert not {"epoch", "oom", "batch_size", "reader_failures"} & set(m)
+    # a row of Tune's per-epoch dataframe (what reconcile backfills from) flattens the config
+    row = tracking.numeric_metrics({**_result(2), "config/batch_size": 4, "config/lr": 1e-3})
+    assert not any(k.startswith("config") for k in row) and row["val_acc"] == 0.7
     assert "node_id" not in m and "training_iteration" not in m and "config" not in m
 
 

@@ -112,12 +112,14 @@ def git_commit(repo: Path) -> str | None:
 # -- the writer ----------------------------------------------------------------------------------
 
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
-    """The training metrics of one Tune result: every int/float the trainer reported."""
+    """The training metrics of one Tune result (a live result, or a row of Tune's per-epoch
+    dataframe): every int/float the trainer reported."""
     out = {}
     for key, value in result.items():
-        # numbers.Real: Tune's dataframes hold numpy scalars; bool (and numpy's bool_) are not metrics
-        if key in _NOT_METRICS or isinstance(value, bool) or type(value).__name__ == "bool_" \
-                or not isinstance(value, numbers.Real):
+        # numbers.Real: Tune's dataframes hold numpy scalars; bool (and numpy's bool_) are not metrics.
+        # A dataframe row also flattens the trial's config into `config/<name>` columns: params.
+        if key in _NOT_METRICS or key.startswith("config/") or isinstance(value, bool) \
+                or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
             continue
         out[RENAMED.get(key, key)] = float(value)
     return out
@@ -346,6 +348,7 @@ class MLflowTracker(Callback):
         from mlflow.entities import Metric
 
         from trainer.history import latest_history
+        from tune.report import epoch_records
 
         c = self.client
         self.open_parent()
@@ -354,7 +357,7 @@ class MLflowTracker(Callback):
             run_id = self.child_runs.get(row.trial_id) or self.start_child(
                 row.trial_id, dict(result.config or {}), name=getattr(row, "name", "") or None)
             have = {m.step for m in c.get_metric_history(run_id, STEP_METRIC)}
-            records = {**(latest_history(train_run) if train_run else {}), **_epochs(result)}
+            records = {**(latest_history(train_run) if train_run else {}), **epoch_records(result)}
             for epoch, record in sorted(records.items()):
                 if epoch in have:
                     continue
@@ -466,23 +469,6 @@ class MLflowTracker(Callback):
 
 OUTCOMES = {"DONE": "done", "STOPPED": "stopped early (ASHA)", "OOM": "out of memory", "ERROR": "failed",
             "UNFINISHED": "interrupted"}
-
-
-def _epochs(result: Any) -> dict[int, dict[str, Any]]:
-    """{epoch: that epoch's last report} from a Tune Result's `metrics_dataframe` (a resumed trial
-    re-reports an epoch: the later report wins), plus its last result."""
-    out: dict[int, dict[str, Any]] = {}
-    df = getattr(result, "metrics_dataframe", None)
-    if df is not None and "epoch" in getattr(df, "columns", ()):
-        for record in df.to_dict("records"):
-            epoch = record.get("epoch")
-            if isinstance(epoch, numbers.Real) and math.isfinite(float(epoch)) and epoch >= 1:
-                out[int(epoch)] = record
-    last = dict(getattr(result, "metrics", None) or {})
-    epoch = last.get("epoch")
-    if isinstance(epoch, numbers.Real) and epoch >= 1:
-        out.setdefault(int(epoch), last)
-    return out
 
 
 def _q(text: str) -> str:
