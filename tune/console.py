@@ -183,17 +183,15 @@ class SearchConsole(Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         from tune.faults import trial_unfinished
+        from tune.report import trial_status
 
         last = trial.last_result or {}
         epoch = int(last.get("epoch") or 0)
-        if trial_unfinished(trial.trial_id):
-            how = f"interrupted after epoch {epoch}"
-        elif int(last.get("oom", 0) or 0):
-            how = "ended: out of memory (recorded as infeasible)"
-        elif epoch < self.epochs:
-            how = f"stopped early by ASHA after epoch {epoch}/{self.epochs}"
-        else:
-            how = f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})"
+        status = trial_status(last, epochs=self.epochs, finished=not trial_unfinished(trial.trial_id))
+        how = {"UNFINISHED": f"interrupted after epoch {epoch}",
+               "OOM": "ended: out of memory (recorded as infeasible)",
+               "STOPPED": f"stopped early by ASHA after epoch {epoch}/{self.epochs}"}.get(
+            status, f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})")
         self._print(f"{_name(trial)} {how}")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:

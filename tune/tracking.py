@@ -243,12 +243,12 @@ class MLflowTracker(Callback):
     @_guarded
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         from tune.faults import trial_unfinished
+        from tune.report import trial_status
 
-        if trial_unfinished(trial.trial_id):   # stopped by Ctrl-C / SIGTERM, not finished
-            self.end_child(trial.trial_id, "KILLED", {STOP_TAG: INTERRUPTED_REASON})
-            return
-        status, tags = self.completion_status(trial.last_result or {})
-        self.end_child(trial.trial_id, status, tags)
+        last = trial.last_result or {}
+        # A trial Tune ends on Ctrl-C / SIGTERM is UNFINISHED, not done or stopped early.
+        status = trial_status(last, epochs=self.epochs, finished=not trial_unfinished(trial.trial_id))
+        self.end_child(trial.trial_id, *self.mlflow_status(status, last))
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
@@ -303,16 +303,17 @@ class MLflowTracker(Callback):
             self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a worker "
                                 "died and Ray Train restarted the group, or the search was resumed)")
 
-    def completion_status(self, last: dict[str, Any]) -> tuple[str, dict[str, str]]:
-        """The MLflow status of a trial Tune completed (`tune.report.trial_status`): FAILED for
-        out of memory, KILLED when stopped before the last epoch, else FINISHED."""
-        from tune.report import trial_status
-
-        status = trial_status(last, epochs=self.epochs)
+    def mlflow_status(self, status: str, last: dict[str, Any], error: Any = None) -> tuple[str, dict[str, str]]:
+        """The MLflow status and reason tag of a trial's `tune.report.trial_status`: FAILED for
+        out of memory or an error, KILLED when stopped early or interrupted, else FINISHED."""
         if status == "OOM":
             return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
                                            f"(epoch {last.get('epoch')}, peak {last.get('peak_mem_mb', float('nan')):.0f} MB); "
                                            "recorded as infeasible, not retried"}
+        if status == "ERROR":
+            return "FAILED", {FAILURE_TAG: (" ".join(str(error).split())[-1000:] if error else "trial errored")}
+        if status == "UNFINISHED":
+            return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
         if status == "STOPPED":
             epoch = int(last.get("epoch") or 0)
             return "KILLED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
@@ -368,7 +369,7 @@ class MLflowTracker(Callback):
                     written += 1
                 self._tag_restart(run_id, record)
             self._last_step[row.trial_id] = max([self._last_step.get(row.trial_id, 0), *records])
-            status, tags = self._final_status(row, result)
+            status, tags = self.mlflow_status(row.status, dict(result.metrics or {}), getattr(result, "error", None))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
             run = c.get_run(run_id)
             for key in (STOP_TAG, FAILURE_TAG):
@@ -380,15 +381,6 @@ class MLflowTracker(Callback):
             if run.info.status != status:
                 c.set_terminated(run_id, status=status)
         return written
-
-    def _final_status(self, row: Any, result: Any) -> tuple[str, dict[str, str]]:
-        """The MLflow status and tags of a trial's final `TrialRow` status."""
-        if row.status == "UNFINISHED":
-            return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
-        if row.status == "ERROR":
-            reason = getattr(result, "error", None)
-            return "FAILED", {FAILURE_TAG: (" ".join(str(reason).split())[-1000:] if reason else "trial errored")}
-        return self.completion_status(dict(result.metrics or {}))
 
     def retire_lost_runs(self, trial_ids: set[str]) -> list[str]:
         """Child runs of trials the Tune experiment does not know: started just before the driver
