@@ -342,21 +342,21 @@ def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
 
 # The DataConfig fields the indexing CLIs expose (declared once in datasets.config).
 INDEX_FIELDS = ("layout", "positive_class", "val_fraction", "split_seed", "min_frames", "probe_timeout_s")
+INDEX_FLAGS = tuple(s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS)
 
 
 def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     """The dataset's positional ROOT and layout flags, shared by the CLIs that index a dataset
     (the flags generated from `DataConfig`'s declarations, as in the search and trainer.train)."""
     p.add_argument("root", help="dataset folder (RWF-2000 or class-folder layout) or a CSV manifest file")
-    specs = [s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS]
-    add_flags(p, specs, group_of=lambda s: "dataset", suppress=False)
+    add_flags(p, INDEX_FLAGS, group_of=lambda s: "dataset", suppress=False)
 
 
 def dataset_config(args: argparse.Namespace, **more: Any) -> DataConfig:
     """The DataConfig of the flags `add_dataset_arguments` added (plus `more` fields); bounds are
     checked (ConfigError naming the flag)."""
     cfg = DataConfig(root=args.root, **{name: getattr(args, name) for name in INDEX_FIELDS}, **more)
-    check_bounds(cfg, [s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS])
+    check_bounds(cfg, INDEX_FLAGS)
     return cfg
 
 

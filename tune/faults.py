@@ -85,6 +85,11 @@ class InterruptWatch(Callback):
         STATE.trials = trials
 
 
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (at most `limit` characters), for a message to a person."""
+    return " ".join(str(error).split())[:limit] or type(error).__name__
+
+
 # -- the disk under --storage -------------------------------------------------------------------
 
 class DiskFullError(RuntimeError):

@@ -12,6 +12,7 @@ from typing import Any
 from datasets.flags import ConfigError
 from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from trainer.lease import start_lease
+from tune import faults
 from tune.console import SearchConsole
 from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver, short_name
 
@@ -155,7 +156,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
     from ray import tune
 
-    from tune import cleanup, faults, space
+    from tune import cleanup, space
 
     opts, concurrency, local_gpu = check_cluster(plan.opts)
     if plan.opts.space.batch_sizes is None and plan.index is not None:
@@ -259,7 +260,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
 
 
 def unreadable_state(plan: Any, error: BaseException) -> str:
-    reason = " ".join(str(error).split())[:300] or type(error).__name__
+    reason = faults.one_line(error)
     return (f"the saved state of the search at {plan.experiment_path} cannot be read ({type(error).__name__}: "
             f"{reason}); it was damaged, e.g. by a full disk or a copy cut short. Nothing was restarted. "
             "Start a new search under another --name; this search's runs stay in MLflow as they are")
@@ -298,7 +299,7 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
     import functools
     import sys
 
-    from tune import faults, ray_internals, report
+    from tune import ray_internals, report
 
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
@@ -415,7 +416,7 @@ def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, p
                              best_trial_id=best.trial_id if best else None, objective=opts.objective)
         tracker.close(interrupted=interrupted)
     except Exception as e:   # the store is down or full: the search's own results stand
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        reason = faults.one_line(e)
         return f"{opts.tracking.mlflow_uri} failed ({reason})"
     return None
 
@@ -426,7 +427,7 @@ def announce_mlflow(tracker: Any) -> None:
     try:
         tracker.open_parent()
     except Exception as e:
-        print(f"MLflow: cannot reach {tracker.tracking_uri} yet ({' '.join(str(e).split())[:200]}); "
+        print(f"MLflow: cannot reach {tracker.tracking_uri} yet ({faults.one_line(e, 200)}); "
               "the runs are written when it answers")
         return
     print(f"MLflow runs table: {tracker.runs_table_url()}{ui_hint(tracker.tracking_uri)}", flush=True)

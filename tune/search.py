@@ -13,6 +13,8 @@ import sys
 if __name__ == "__main__" and not __package__:
     import script_path  # noqa: F401
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -70,19 +72,15 @@ class Plan:
 
 
 def run(opts: SearchOptions) -> int:
-    if opts.quiet and not opts.dry_run:
-        import contextlib
-        import io
-
-        with contextlib.redirect_stdout(io.StringIO()):   # the summary writes to the real stdout
-            plan = prepare(opts)
-            return execute(plan)
-    plan = prepare(opts)
-    if opts.dry_run:
-        print(describe(plan))
-        print("dry run: everything checked (cluster resources are checked when the search connects); nothing ran.")
-        return 0
-    return execute(plan)
+    # --quiet: nothing before the summary, which writes to the real stdout (tune.runner.summarise)
+    quiet = opts.quiet and not opts.dry_run
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        plan = prepare(opts)
+        if opts.dry_run:
+            print(describe(plan))
+            print("dry run: everything checked (cluster resources are checked when the search connects); nothing ran.")
+            return 0
+        return execute(plan)
 
 
 def prepare(opts: SearchOptions) -> Plan:

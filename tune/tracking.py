@@ -180,7 +180,9 @@ class MLflowTracker(Callback):
         self.__dict__.update({"down_reason": None, "_failed_at": 0.0, **state})
 
     def _store_failed(self, e: BaseException) -> None:
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        from tune.faults import one_line
+
+        reason = one_line(e)
         if self.down_reason is None:
             print(f"MLflow: cannot write to {self.tracking_uri} ({reason}); the search goes on, and what "
                   "it could not record is written when the store answers again (at the end, or with --resume)",
