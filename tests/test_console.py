@@ -24,7 +24,7 @@ def test_short_names_are_readable_and_stable():
 
 
 def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
-    c = console.SearchConsole(num_samples=3, epochs=2, objective="val_acc", concurrency=1)
+    c = console.SearchConsole(num_samples=3, epochs=2, objective="val_acc")
     a, b = _trial(1, "a"), _trial(2, "b", status="PENDING")
     c.on_trial_start(0, [a, b], a)
     c.on_trial_result(0, [a, b], a, {"epoch": 1, "val_acc": 0.75, "clips_per_s": 40.0, "data_wait_frac": 0.05})
@@ -36,7 +36,7 @@ def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
     a.status, a.last_result = "TERMINATED", {"epoch": 1, "val_acc": 0.75}
     c.on_trial_complete(0, [a, b], a)
     assert "stopped early by ASHA after epoch 1/2" in capsys.readouterr().out
-    quiet = console.SearchConsole(num_samples=1, epochs=1, objective="val_acc", concurrency=1, quiet=True)
+    quiet = console.SearchConsole(num_samples=1, epochs=1, objective="val_acc", quiet=True)
     quiet.on_trial_start(0, [a], a)
     assert capsys.readouterr().out == ""
 

@@ -135,14 +135,13 @@ def _duration(seconds: float) -> str:
 
 
 class SearchConsole(Callback):
-    """Prints a search's progress (see the module docstring). `concurrency`: trials at once,
-    for the time estimate. Holds nothing Tune cannot pickle (it is saved with the experiment)."""
+    """Prints a search's progress (see the module docstring). Holds nothing Tune cannot pickle
+    (it is saved with the experiment)."""
 
-    def __init__(self, *, num_samples: int, epochs: int, objective: str, concurrency: int, quiet: bool = False):
+    def __init__(self, *, num_samples: int, epochs: int, objective: str, quiet: bool = False):
         self.num_samples = num_samples
         self.epochs = epochs
         self.metric = "val_acc" if objective == "pareto" else objective
-        self.concurrency = max(1, concurrency)
         self.quiet = quiet
         self._started_at: float | None = None
         self._epochs_done: dict[str, int] = {}
@@ -232,9 +231,9 @@ class SearchConsole(Callback):
         left += self.epochs * max(0, self.num_samples - len(self._epochs_done))
         return f"; about {_duration(left * elapsed / trained)} left" if left else ""
 
-    def _print(self, line: str, stream: TextIO | None = None) -> None:
+    def _print(self, line: str) -> None:
         if not self.quiet:
-            print(line, file=stream or sys.stdout, flush=True)
+            print(line, flush=True)
 
 
 def _name(trial: Any) -> str:

@@ -226,8 +226,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
                            faults.InterruptWatch(),
                            SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
-                                         objective=opts.objective, concurrency=concurrency,
-                                         quiet=opts.quiet)]),
+                                         objective=opts.objective, quiet=opts.quiet)]),
         )
     results, failure = None, None
     announce_mlflow(tracker)
