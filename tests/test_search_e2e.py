@@ -4,6 +4,7 @@ released at once."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -215,7 +216,9 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
 def scripted_worker(config: dict, *, oom_marker: str) -> None:
     """A Train worker loop with scripted metrics: the later a trial starts, the worse it scores,
     so ASHA (grace 1 epoch) surely stops the late ones. The first trial to claim `oom_marker`
-    (an exclusive file create, so exactly one trial whatever the sampler picks) runs out of memory."""
+    (an exclusive file create, so exactly one trial whatever the sampler picks) runs out of memory.
+    Epochs after the first take 1.5 s, and each epoch's start is written to `<oom_marker>.epochs`
+    (`<run name> <epoch>`), so a test sees how far a stopped trial's Train run went on."""
     import ray.train
 
     try:
@@ -225,7 +228,9 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
         oom = 0
     started = time.time()
     for epoch in range(1, config["epochs"] + 1):
-        time.sleep(0.5)
+        with open(f"{oom_marker}.epochs", "a") as log:
+            log.write(f"{ray.train.get_context().get_experiment_name()} {epoch}\n")
+        time.sleep(0.5 if epoch == 1 else 1.5)
         ray.train.report({"epoch": epoch, "val_acc": 0.0 if oom else 1e9 / started, "val_f1": 0.5,
                           "clips_per_s": 0.0 if oom else 10.0, "epoch_time_s": 0.5, "oom": oom,
                           "batch_size": config["batch_size"], "node_id": ray.get_runtime_context().get_node_id()})
@@ -245,7 +250,7 @@ def scripted_trainer_factory(oom_marker: Path):
                             scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                                                    resources_per_worker=resources_per_worker),
                             run_config=ray.train.RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
-                                                           failure_config=ray.train.FailureConfig(max_failures=0)))
+                                                           failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)))
     return scripted_trainer
 
 
@@ -286,3 +291,26 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
+
+    # A stopped trial's Train run ends when ASHA stops it (tune.cleanup ends its controller): it
+    # starts at most the epoch after its last reported one, never the rest of its 4 epochs.
+    started_epochs: dict[str, int] = {}
+    for line in (tmp_path / "oom-claimed.epochs").read_text().splitlines():
+        name, epoch = line.split()
+        started_epochs[name] = max(started_epochs.get(name, 0), int(epoch))
+    for run in killed:
+        reported = len(MlflowClient(uri).get_metric_history(run.info.run_id, "val_acc"))
+        assert started_epochs[run.info.run_name] <= reported + 1, (run.info.run_name, reported, started_epochs)
+    # ... and its process then serves a later trial (Tune's reuse_actors), which ends normally.
+    started_at = {r.info.run_name: r.info.start_time for r in children}     # ms, when Tune started it
+    trials_by_pid: dict[int, list[tuple[int, str]]] = {}
+    for folder in Path(plan.experiment_path).iterdir():
+        result = folder / "result.json"
+        lines = result.read_text().splitlines() if result.is_file() else []
+        if lines and folder.name in started_at:
+            pid = json.loads(lines[0])["pid"]                                 # the trial driver's process
+            trials_by_pid.setdefault(pid, []).append((started_at[folder.name], folder.name))
+    stopped = {r.info.run_name for r in killed}
+    reused_after_a_stop = [trials for trials in trials_by_pid.values()
+                           if any(name in stopped for _, name in sorted(trials)[:-1])]
+    assert reused_after_a_stop, trials_by_pid

@@ -10,12 +10,19 @@ multiple active Ray instances": the cleaner's thread dies on the ConnectionError
 trial's worker group waits for CPUs that never free up (`WorkerGroupStartupTimeoutError` every
 60 s) and the search sits idle.
 
-The fix: each trial's Train run records its placement group in a small registry actor owned by
-the search process (`PlacementGroupRecorder`, a Train worker-group callback running in the
-controller); when Tune completes, stops or fails a trial, `ReleaseTrialResources` (a Tune
-callback in the search process) removes that trial's placement groups at once, which also ends
-any worker still running in them. A trial that finished normally has already removed its own
-group (Train does that at the end of `fit()`), so this is a no-op there.
+The fix: each trial's Train run records its placement group and its controller actor in a small
+registry actor owned by the search process (`PlacementGroupRecorder`, a Train worker-group
+callback running in the controller); when Tune completes, stops or fails a trial,
+`ReleaseTrialResources` (a Tune callback in the search process) ends that trial's controller
+(its workers die with it) and removes its placement groups at once. A trial that finished
+normally has already ended both (Train does that at the end of `fit()`), so this is a no-op there.
+
+Ending the controller is what lets Tune reuse a trial driver's process for the next trial
+(`reuse_actors`, which saves the ~3 s start of a Python process with Ray, Tune and torch per
+trial): Tune hands a stopped trial's process on only once the trial's function has returned, and
+an ASHA-stopped trial's function is still inside `TorchTrainer.fit()`, which would run its
+remaining epochs (or, with its placement group removed, restart its worker group). With the
+controller gone, `fit()` raises at once; the trial driver asks `was_stopped` and returns quietly.
 """
 from __future__ import annotations
 
@@ -33,20 +40,33 @@ log = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class _PlacementGroupRegistry:
-    """trial id -> hex ids of the placement groups its Train runs created."""
+    """trial id -> the placement groups (hex ids) and Train controller actors of its Train runs,
+    and the trials whose resources were released (they were stopped, failed or finished)."""
 
     def __init__(self) -> None:
         self._groups: dict[str, list[str]] = {}
+        self._controllers: dict[str, list[Any]] = {}
+        self._released: set[str] = set()
 
-    def add(self, trial_id: str, pg_hex: str) -> None:
+    def add(self, trial_id: str, pg_hex: str, controller: Any = None) -> None:
         self._groups.setdefault(trial_id, []).append(pg_hex)
+        if controller is not None:
+            self._controllers.setdefault(trial_id, []).append(controller)
 
-    def pop(self, trial_id: str) -> list[str]:
-        return self._groups.pop(trial_id, [])
+    def pop(self, trial_id: str) -> tuple[list[str], list[Any]]:
+        """(placement groups, controllers) of the trial, forgotten here; the trial counts as released."""
+        self._released.add(trial_id)
+        return self._groups.pop(trial_id, []), self._controllers.pop(trial_id, [])
 
-    def pop_all(self) -> dict[str, list[str]]:
-        groups, self._groups = self._groups, {}
-        return groups
+    def pop_all(self) -> tuple[list[str], list[Any]]:
+        groups = [pg for pgs in self._groups.values() for pg in pgs]
+        controllers = [c for cs in self._controllers.values() for c in cs]
+        self._released.update(self._groups, self._controllers)
+        self._groups, self._controllers = {}, {}
+        return groups, controllers
+
+    def was_released(self, trial_id: str) -> bool:
+        return trial_id in self._released
 
 
 def start_registry(name: str):
@@ -56,7 +76,8 @@ def start_registry(name: str):
 
 class PlacementGroupRecorder(WorkerGroupCallback):
     """Runs inside the Train controller: tells the registry which placement group the trial's
-    worker group got. Passed in `RunConfig.callbacks` (Train appends non-user callbacks to the
+    worker group got, and which controller actor it runs in (itself: the handle from Ray's public
+    runtime context). Passed in `RunConfig.callbacks` (Train appends non-user callbacks to the
     controller's own, as its PlacementGroupCleaner does)."""
 
     def __init__(self, registry_name: str, trial_id: str):
@@ -67,7 +88,8 @@ class PlacementGroupRecorder(WorkerGroupCallback):
         try:
             pg = worker_group_placement_group(worker_group)
             registry = ray.get_actor(self.registry_name)
-            ray.get(registry.add.remote(self.trial_id, pg.id.hex()), timeout=30)
+            controller = ray.get_runtime_context().current_actor
+            ray.get(registry.add.remote(self.trial_id, pg.id.hex(), controller), timeout=30)
         except Exception as e:  # never fail a training run over bookkeeping
             log.warning("vidtune: could not record the placement group of trial %s: %s", self.trial_id, e)
 
@@ -90,10 +112,30 @@ def remove_placement_groups(pg_hexes: list[str]) -> int:
     return removed
 
 
+def was_released(registry_name: str, trial_id: str) -> bool:
+    """Whether the search already released the trial's resources (it was stopped or ended): asked
+    by a trial driver whose `fit()` raised, to tell "my controller was ended because Tune stopped
+    me" from a real failure. False when the registry cannot be asked."""
+    try:
+        return bool(ray.get(ray.get_actor(registry_name).was_released.remote(trial_id), timeout=30))
+    except Exception:
+        return False
+
+
+def end_controllers(controllers: list[Any]) -> None:
+    """Kill Train controller actors (their worker actors, which they own, die with them)."""
+    for controller in controllers:
+        try:
+            ray.kill(controller, no_restart=True)
+        except Exception as e:      # already gone: nothing to end
+            log.debug("vidtune: controller already ended: %s", e)
+
+
 class ReleaseTrialResources(Callback):
-    """Tune callback (search process): when a trial ends for any reason, remove the placement
-    groups its Train run left behind and give back its device lease (`trainer.lease`; a worker
-    killed while training never releases it itself), so the next trial can start at once."""
+    """Tune callback (search process): when a trial ends for any reason, end its Train run's
+    controller, remove the placement groups it left behind and give back its device lease
+    (`trainer.lease`; a worker killed while training never releases it itself), so the next
+    trial can start at once, in a fresh process or in this trial's (Tune's `reuse_actors`)."""
 
     def __init__(self, registry_name: str, lease_name: str | None = None):
         self.registry_name = registry_name
@@ -101,16 +143,18 @@ class ReleaseTrialResources(Callback):
         self.removed = 0
 
     def _release(self, trial_id: str) -> None:
+        try:
+            registry = ray.get_actor(self.registry_name)
+            groups, controllers = ray.get(registry.pop.remote(trial_id), timeout=30)
+            end_controllers(controllers)
+            self.removed += remove_placement_groups(groups)
+        except Exception as e:
+            log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
         if self.lease_name:
             try:
                 ray.get(ray.get_actor(self.lease_name).release.remote(trial_id), timeout=30)
             except Exception as e:
                 log.warning("vidtune: could not release the device lease of trial %s: %s", trial_id, e)
-        try:
-            registry = ray.get_actor(self.registry_name)
-            self.removed += remove_placement_groups(ray.get(registry.pop.remote(trial_id), timeout=30))
-        except Exception as e:
-            log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._release(trial.trial_id)
@@ -121,8 +165,9 @@ class ReleaseTrialResources(Callback):
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         try:
             registry = ray.get_actor(self.registry_name)
-            leftovers = ray.get(registry.pop_all.remote(), timeout=30)
-            self.removed += remove_placement_groups([h for hs in leftovers.values() for h in hs])
+            groups, controllers = ray.get(registry.pop_all.remote(), timeout=30)
+            end_controllers(controllers)
+            self.removed += remove_placement_groups(groups)
         except Exception as e:
             log.warning("vidtune: could not release leftover placement groups: %s", e)
 

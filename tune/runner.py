@@ -212,11 +212,10 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 scheduler=space.build_scheduler(opts), max_concurrent_trials=concurrency,
                 # One readable name per trial: console, table, MLflow, trial and checkpoint folders.
                 trial_name_creator=short_name, trial_dirname_creator=short_name,
-                # A fresh process per trial driver (~3 s to start, hidden behind the training
-                # trial on GPUs). Reusing them failed: Tune hands a stopped trial's process to the
-                # next trial only once its thread ends, and an ASHA-stopped trial's thread is still
-                # inside its Train run's fit(); the next trial then ended ERROR (Ray 2.60).
-                reuse_actors=False),
+                # A trial driver's process (Python, Ray, Tune, torch: ~3 s of CPU to start) serves
+                # the next trial too; the driver keeps no state between trials. A stopped trial's
+                # process is free once tune.cleanup has ended its Train run (see there).
+                reuse_actors=True),
             run_config=tune.RunConfig(
                 # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
                 name=plan.name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,

@@ -6,6 +6,7 @@ the trial id) and calls `fit()`; the workers' per-epoch reports reach Tune throu
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -13,6 +14,7 @@ from trainer.config import TrainConfig
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
+REUSE_WAIT_S = 60          # how long Tune waits for a stopped trial's function before reusing its process
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,13 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         from ray.tune.integration.ray_train import TuneReportCallback
 
         from trainer.lease import LeaseSettings
-        from tune.cleanup import PlacementGroupRecorder
+        from tune.cleanup import PlacementGroupRecorder, was_released
 
+        # Tune reuses this process for the next trial once this function has returned; it waits
+        # TUNE_FUNCTION_THREAD_TIMEOUT_S (2 s by default) for that. A stopped trial returns when
+        # the search has ended its Train run (see the except below), which can take longer on a
+        # loaded machine; past the wait, Tune would end the next trial with an error.
+        os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(REUSE_WAIT_S))
         factory = trainer_factory
         if factory is None:
             from trainer.launch import build_torch_trainer as factory
@@ -145,7 +152,14 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             resources_per_worker=resources.per_worker(), name=trial_name,
             storage_path=train_storage, callbacks=callbacks, device_lease=lease, index=index,
         )
-        trainer.fit()
+        try:
+            trainer.fit()
+        except Exception:
+            # Tune stopped this trial (ASHA, the end of the search) and the search ended its Train
+            # run (tune.cleanup): nothing failed. Returning frees this process for the next trial.
+            if registry_name and was_released(registry_name, trial_id):
+                return
+            raise
 
     return trial_driver
 
