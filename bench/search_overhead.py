@@ -37,6 +37,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from bench.common import format_table, has_module, max_overlap, union_length, write_json
+from bench.cpu_usage import CpuUsage, CpuSampler
 
 
 @dataclass(frozen=True)
@@ -226,22 +227,25 @@ def run_logged(cmd: list[str], *, env: dict, cwd: Path, timeout_s: float, verbos
 
     env = {**env, "PYTHONUNBUFFERED": "1"}
     lines: list[tuple[float, str]] = []
-    launch = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-    timers = [threading.Timer(timeout_s, proc.send_signal, [signal.SIGINT]), threading.Timer(timeout_s + 30, proc.kill)]
-    for timer in timers:
-        timer.start()
-    with open(log_path, "w") as log:
-        for line in proc.stdout:
-            lines.append((time.time(), line.rstrip("\n")))
-            log.write(f"{lines[-1][0]:.3f} {line}")
-            if verbose:
-                print(line, end="", file=sys.stderr, flush=True)
-    returncode = proc.wait()
-    done = time.time()
-    for timer in timers:
-        timer.cancel()
-    return {"launch": launch, "exit": done, "returncode": returncode, "lines": lines, "log": str(log_path)}
+    with CpuSampler() as cpu:
+        launch = time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+        timers = [threading.Timer(timeout_s, proc.send_signal, [signal.SIGINT]),
+                  threading.Timer(timeout_s + 30, proc.kill)]
+        for timer in timers:
+            timer.start()
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                lines.append((time.time(), line.rstrip("\n")))
+                log.write(f"{lines[-1][0]:.3f} {line}")
+                if verbose:
+                    print(line, end="", file=sys.stderr, flush=True)
+        returncode = proc.wait()
+        done = time.time()
+        for timer in timers:
+            timer.cancel()
+    return {"launch": launch, "exit": done, "returncode": returncode, "lines": lines, "log": str(log_path),
+            "cpu": cpu.usage}
 
 
 def search_argv(args: argparse.Namespace, data: str, tmp: Path, epochs: int, trials: int, batch: int,
@@ -439,7 +443,38 @@ def report(plain: dict, search: dict | None, *, header: list[str], target: float
             lines.append("(est.): the search reported no epoch_start_ts / epoch_end_ts; its epochs are placed from "
                          "the report times less the plain side's mean evaluation and checkpoint times")
     lines += ["", "per trial:", trial_table(plain, search)]
+    if plain["cpu"].by_kind:
+        lines += ["", cpu_table(plain["cpu"], search["cpu"] if search else None, trials=len(plain["trials"]))]
     return "\n".join(lines), rows
+
+
+def cpu_table(plain: CpuUsage, search: CpuUsage | None, *, trials: int, top: int = 14) -> str:
+    """CPU seconds of each side: the whole machine's, and per process kind (processes started,
+    CPU seconds), the kinds that used the most first; `trials`: per-trial column divisor."""
+    sides = [plain, search] if search else [plain]
+    kinds = sorted({k for side in sides for k in side.by_kind},
+                   key=lambda k: -max(side.by_kind.get(k, (0, 0.0))[1] for side in sides))
+    shown, rest = kinds[:top], kinds[top:]
+
+    def cells(side: CpuUsage | None, names: list[str]) -> list:
+        if side is None:
+            return [None, None]
+        n = sum(side.by_kind.get(k, (0, 0.0))[0] for k in names)
+        return [n, sum(side.by_kind.get(k, (0, 0.0))[1] for k in names)]
+
+    rows = [(k, *cells(plain, [k]), *cells(search, [k])) for k in shown]
+    if rest:
+        rows.append((f"{len(rest)} other kinds", *cells(plain, rest), *cells(search, rest)))
+    rows.append(("not sampled (short-lived, other load)", None, plain.machine_busy_s - plain.sampled_s,
+                 None, search.machine_busy_s - search.sampled_s if search else None))
+    rows.append(("whole machine, busy", None, plain.machine_busy_s, None, search.machine_busy_s if search else None))
+    rows.append(("  = cores busy on average", None, plain.machine_busy_s / max(plain.wall_s, 1e-9), None,
+                 search.machine_busy_s / max(search.wall_s, 1e-9) if search else None))
+    table = format_table(("CPU seconds by process kind", "plain n", "plain cpu_s", "search n", "search cpu_s"), rows)
+    note = (f"(n: processes of that kind started; {trials} trials on each side. Every Ray Train run starts its "
+            "controller, its workers and helper actors in fresh processes; a worker's DataLoader processes carry "
+            "its title, ray::RayTrainWorker.)")
+    return table + "\n" + note
 
 
 def trial_table(plain: dict, search: dict | None) -> str:
@@ -579,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             "plain_threads": plain["threads"], "load_avg": run["load"], "search_command": run["command"],
             "trials_at_once": search["overlap"]["trials_at_once"] if search else None,
             "trainings_at_once": search["overlap"]["trainings_at_once"] if search else None,
-            "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None})
+            "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None,
+            "cpu": {"plain": plain["cpu"].to_dict(), "search": search["cpu"].to_dict() if search else None}})
     return 0
 
 

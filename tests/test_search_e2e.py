@@ -314,3 +314,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     reused_after_a_stop = [trials for trials in trials_by_pid.values()
                            if any(name in stopped for _, name in sorted(trials)[:-1])]
     assert reused_after_a_stop, trials_by_pid
+    # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.launch).
+    from ray.util.state import list_actors
+
+    assert not [a for a in list_actors(limit=10_000) if a.class_name == "PreemptionWatcher"]

@@ -19,6 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver -> controller -> workers.
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
+# Train starts a PreemptionWatcher actor (a fresh process, ~1.2 s of CPU) for every run, to see a
+# cluster node being drained (spot instances, autoscaler). A Ray this process starts on its own
+# machine is never drained, so there it is switched off (bench/search_overhead.py shows the cost).
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 BUILTIN_WEIGHTS = ("none", "kinetics")
 INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
@@ -54,6 +58,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
 
     if ray.is_initialized():
         return False
+    if address is None and not os.environ.get("RAY_ADDRESS"):      # a local Ray, started here
+        os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
     runtime_env = dict(kw.pop("runtime_env", None) or {})
     env_vars = dict(runtime_env.get("env_vars") or {})
     ours = worker_env_vars()

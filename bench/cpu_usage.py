@@ -1,0 +1,153 @@
+"""Where a command's CPU time goes, by process kind (Linux `/proc`; elsewhere it reports nothing).
+
+`CpuSampler` runs beside a command (bench/search_overhead.py wraps each side in one). Every
+`interval_s` it reads, for each process started after the sampler, its cumulative CPU time
+(utime + stime) and its title; at the end each process counts under its last title's kind:
+Ray's actors and tasks name their processes `ray::<Class>` (`ray::TrainController`,
+`ray::RayTrainWorker`, ...), Ray's daemons are `raylet`, `gcs_server`, `dashboard.py`, ...
+It also reads the whole machine's busy CPU time (`/proc/stat`) over the same span, which
+counts what the samples miss: processes shorter than one interval, and anything else running.
+
+Why: on a machine whose cores are all busy, wall time follows CPU time, so "the search took
+twice as long" is explained by which processes burned the extra CPU seconds, and how many of
+them each trial started.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def available() -> bool:
+    return (PROC / "stat").is_file()
+
+
+def _ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal)."""
+    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _ticks()
+
+
+def kind(title: str) -> str:
+    """A process's kind from its title (`/proc/PID/cmdline`): `ray::TrainController.run` ->
+    `ray::TrainController`; a Python script -> its file name; a program -> its base name."""
+    title = title.strip()
+    if title.startswith("ray::"):
+        return re.split(r"[.\s]", title, maxsplit=1)[0]
+    if title.startswith("ray-dashboard-"):
+        return "ray-dashboard-" + title[len("ray-dashboard-"):].split()[0].split("-")[0]
+    words = title.split()
+    if not words:
+        return "?"
+    program = os.path.basename(words[0])
+    if program.startswith("python"):
+        args = words[1:]
+        if "-m" in args[:-1]:
+            return f"python -m {args[args.index('-m') + 1]}"
+        if "-c" in args:   # multiprocessing's spawned children run `python -c "from multiprocessing..."`
+            return "python (multiprocessing child)" if "multiprocessing" in title else f"{program} -c"
+        script = next((w for w in args if not w.startswith("-")), "")
+        return os.path.basename(script) or program
+    return program
+
+
+@dataclass
+class _Seen:
+    cpu_s: float
+    kind: str
+
+
+@dataclass
+class CpuUsage:
+    """What a `CpuSampler` saw: wall span, the machine's busy CPU seconds, and per process kind
+    how many processes of that kind started and the CPU seconds they used."""
+
+    wall_s: float = 0.0
+    machine_busy_s: float = 0.0
+    by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)   # kind -> (processes, cpu s)
+
+    @property
+    def sampled_s(self) -> float:
+        return sum(cpu for _, cpu in self.by_kind.values())
+
+    def to_dict(self) -> dict:
+        return {"wall_s": self.wall_s, "machine_busy_s": self.machine_busy_s, "sampled_s": self.sampled_s,
+                "by_kind": {k: {"processes": n, "cpu_s": c} for k, (n, c) in self.by_kind.items()}}
+
+
+class CpuSampler:
+    """Context manager: samples the processes that start while it runs (see the module doc).
+    `usage` holds the result after exit; on a system without `/proc` it stays empty."""
+
+    def __init__(self, interval_s: float = 0.25):
+        self.interval_s = interval_s
+        self.usage = CpuUsage()
+        self._seen: dict[int, _Seen] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> "CpuSampler":
+        if not available():
+            return self
+        self._tick = _ticks()
+        self._existing = dict(self._processes())   # pid -> start time: these are not counted
+        self._start_busy, self._start = machine_busy_s(), time.time()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        by_kind: dict[str, tuple[int, float]] = {}
+        for seen in self._seen.values():
+            n, cpu = by_kind.get(seen.kind, (0, 0.0))
+            by_kind[seen.kind] = (n + 1, cpu + seen.cpu_s)
+        self.usage = CpuUsage(wall_s=time.time() - self._start, machine_busy_s=machine_busy_s() - self._start_busy,
+                              by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    @staticmethod
+    def _processes():
+        """(pid, start time in ticks since boot, stat fields after the name, title) of each process."""
+        me = os.getpid()
+        for entry in PROC.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == me:
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:          # it ended between the listing and the read
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            yield int(entry.name), (int(fields[19]), fields, title)
+
+    def _sample(self) -> None:
+        for pid, (started, fields, title) in self._processes():
+            if self._existing.get(pid, (None,))[0] == started:    # running before the sampler
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / self._tick
+            previous = self._seen.get(pid)
+            name = kind(title) if title.strip() else (previous.kind if previous else "?")
+            # A Ray worker is `ray::IDLE` (or default_worker.py) until it is given an actor or task:
+            # keep the last real title.
+            if previous and name in ("ray::IDLE", "default_worker.py"):
+                name = previous.kind
+            self._seen[pid] = _Seen(cpu_s=cpu, kind=name)
