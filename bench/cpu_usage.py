@@ -29,7 +29,8 @@ def available() -> bool:
 
 
 def _ticks() -> int:
-    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    """Clock ticks per second, the unit of /proc's CPU times."""
+    return os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_s() -> float:

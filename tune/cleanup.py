@@ -131,6 +131,14 @@ def end_controllers(controllers: list[Any]) -> None:
             log.debug("vidtune: controller already ended: %s", e)
 
 
+def end_runs(groups: list[str], controllers: list[Any]) -> int:
+    """End Train runs: their controllers first (so none restarts its worker group when the
+    group's placement group goes), then the placement groups left. Returns how many groups
+    were removed."""
+    end_controllers(controllers)
+    return remove_placement_groups(groups)
+
+
 class ReleaseTrialResources(Callback):
     """Tune callback (search process): when a trial ends for any reason, end its Train run's
     controller, remove the placement groups it left behind and give back its device lease
@@ -145,9 +153,7 @@ class ReleaseTrialResources(Callback):
     def _release(self, trial_id: str) -> None:
         try:
             registry = ray.get_actor(self.registry_name)
-            groups, controllers = ray.get(registry.pop.remote(trial_id), timeout=30)
-            end_controllers(controllers)
-            self.removed += remove_placement_groups(groups)
+            self.removed += end_runs(*ray.get(registry.pop.remote(trial_id), timeout=30))
         except Exception as e:
             log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
         if self.lease_name:
@@ -165,9 +171,7 @@ class ReleaseTrialResources(Callback):
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         try:
             registry = ray.get_actor(self.registry_name)
-            groups, controllers = ray.get(registry.pop_all.remote(), timeout=30)
-            end_controllers(controllers)
-            self.removed += remove_placement_groups(groups)
+            self.removed += end_runs(*ray.get(registry.pop_all.remote(), timeout=30))
         except Exception as e:
             log.warning("vidtune: could not release leftover placement groups: %s", e)
 

@@ -23,6 +23,8 @@ from typing import Any, TextIO
 
 from ray.tune import Callback
 
+from tune.trial import short_name
+
 # Loggers whose records go to the log file, not the console.
 LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "matplotlib")
 LOG_FILE = "search.log"
@@ -155,7 +157,7 @@ class SearchConsole(Callback):
     # Tune hooks -----------------------------------------------------------------------------
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
-        name = _name(trial)
+        name = short_name(trial)
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
         extra = f", weight decay {cfg['weight_decay']:.3g}" if "weight_decay" in cfg else ""
@@ -169,29 +171,28 @@ class SearchConsole(Callback):
             return
         self._epochs_done[trial.trial_id] = epoch
         if int(result.get("oom", 0) or 0):
-            self._print(f"{_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
+            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
         else:
             value = float(result.get(self.metric, math.nan))
             if math.isfinite(value) and (self._best is None or value > self._best[0]):
-                self._best = (value, _name(trial))
-            self._print(f"{_name(trial)}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
+                self._best = (value, short_name(trial))
+            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
                         f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
                         f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
         self._print(self.overall(trials))
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.faults import trial_unfinished
-        from tune.report import trial_status
+        from tune.report import completed_trial_status
 
         last = trial.last_result or {}
         epoch = int(last.get("epoch") or 0)
-        status = trial_status(last, epochs=self.epochs, finished=not trial_unfinished(trial.trial_id))
+        status = completed_trial_status(trial, epochs=self.epochs)
         how = {"UNFINISHED": f"interrupted after epoch {epoch}",
                "OOM": "ended: out of memory (recorded as infeasible)",
                "STOPPED": f"stopped early by ASHA after epoch {epoch}/{self.epochs}"}.get(
             status, f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})")
-        self._print(f"{_name(trial)} {how}")
+        self._print(f"{short_name(trial)} {how}")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         path = getattr(trial, "error_file", None)
@@ -202,12 +203,12 @@ class SearchConsole(Callback):
         except OSError:
             pass
         body = "".join(f"\n    {ln}" for ln in lines)
-        self._print(f"{_name(trial)} FAILED (full traceback: {path or 'see the log'}){body}")
+        self._print(f"{short_name(trial)} FAILED (full traceback: {path or 'see the log'}){body}")
 
     # text -----------------------------------------------------------------------------------
     def overall(self, trials: list) -> str:
         """`2/6 trials done, 1 running, 3 to start; best t02-bs8-lr1e-3 val_acc 0.812; about 3m10s left`."""
-        done = sum(1 for t in trials if t.status in ("TERMINATED", "ERROR"))
+        done = len(_ended(trials))
         running = sum(1 for t in trials if t.status == "RUNNING")
         to_start = max(0, self.num_samples - done - running)
         best = f"; best {self._best[1]} {self.metric} {self._best[0]:.3f}" if self._best else ""
@@ -226,8 +227,8 @@ class SearchConsole(Callback):
         trained = sum(self._epochs_done.values())
         if trained < 1 or elapsed <= 0:
             return ""
-        finished = {t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")}
-        left = sum(self.epochs - e for tid, e in self._epochs_done.items() if tid not in finished)
+        ended = _ended(trials)
+        left = sum(self.epochs - e for tid, e in self._epochs_done.items() if tid not in ended)
         left += self.epochs * max(0, self.num_samples - len(self._epochs_done))
         return f"; about {_duration(left * elapsed / trained)} left" if left else ""
 
@@ -236,7 +237,6 @@ class SearchConsole(Callback):
             print(line, flush=True)
 
 
-def _name(trial: Any) -> str:
-    from tune.trial import short_name
-
-    return short_name(trial)
+def _ended(trials: list) -> set[str]:
+    """Ids of the trials Tune has ended (done, stopped, failed)."""
+    return {t.trial_id for t in trials if t.status in ("TERMINATED", "ERROR")}

@@ -74,6 +74,15 @@ def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, fini
     return "DONE"
 
 
+def completed_trial_status(trial: Any, *, epochs: int) -> str:
+    """`trial_status` of a trial Tune has just completed (a live Tune `Trial`, as its callbacks
+    get it). Tune ends the trials it stops on Ctrl-C / SIGTERM as it ends finished ones; those
+    are UNFINISHED (`tune.faults` remembers them), not done or stopped early."""
+    from tune.faults import trial_unfinished
+
+    return trial_status(trial.last_result or {}, epochs=epochs, finished=not trial_unfinished(trial.trial_id))
+
+
 def _f(x: Any) -> float:
     try:
         return float(x)

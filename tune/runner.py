@@ -439,11 +439,10 @@ def ui_hint(uri: str) -> str:
 
 
 def mlflow_lines(opts: SearchOptions, tracker: Any, pending: str | None) -> str:
-    """The summary's last lines: the runs table and the parent run, ready to compare."""
-    try:
-        if pending or not getattr(tracker, "experiment_id", None):
-            raise RuntimeError
-        return (f"compare the trials in MLflow: {tracker.runs_table_url()}{ui_hint(opts.tracking.mlflow_uri)}\n"
+    """The summary's last lines: the runs table and the parent run, ready to compare (the store's
+    URI only, when MLflow is not up to date or its experiment is unknown)."""
+    hint = ui_hint(opts.tracking.mlflow_uri)
+    if not pending and getattr(tracker, "experiment_id", None):
+        return (f"compare the trials in MLflow: {tracker.runs_table_url()}{hint}\n"
                 f"  the search's run (trials table, best run, plots): {tracker.run_url(tracker.parent_run_id)}")
-    except Exception:
-        return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{ui_hint(opts.tracking.mlflow_uri)}"
+    return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{hint}"

@@ -244,13 +244,10 @@ class MLflowTracker(Callback):
 
     @_guarded
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.faults import trial_unfinished
-        from tune.report import trial_status
+        from tune.report import completed_trial_status
 
-        last = trial.last_result or {}
-        # A trial Tune ends on Ctrl-C / SIGTERM is UNFINISHED, not done or stopped early.
-        status = trial_status(last, epochs=self.epochs, finished=not trial_unfinished(trial.trial_id))
-        self.end_child(trial.trial_id, *self.mlflow_status(status, last))
+        status = completed_trial_status(trial, epochs=self.epochs)
+        self.end_child(trial.trial_id, *self.mlflow_status(status, trial.last_result or {}))
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
@@ -394,12 +391,13 @@ class MLflowTracker(Callback):
         lost = []
         for trial_id in [t for t in self.child_runs if t not in trial_ids]:
             run_id = self.child_runs[trial_id]
-            if self.client.get_run(run_id).info.status in ("FINISHED", "FAILED"):
+            status = self.client.get_run(run_id).info.status
+            if status in ("FINISHED", "FAILED"):
                 continue
             self.child_runs.pop(trial_id)
             self.client.set_tag(run_id, STOP_TAG, "lost when the search driver died before Tune saved it; "
                                 "--resume ran this slot again as another trial")
-            if self.client.get_run(run_id).info.status == "RUNNING":
+            if status == "RUNNING":
                 self.client.set_terminated(run_id, status="KILLED")
             self.client.delete_run(run_id)
             lost.append(trial_id)
