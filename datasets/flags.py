@@ -21,6 +21,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 NO_PREFIX = "--no-"
@@ -231,6 +232,38 @@ def coerce(spec: FlagSpec, value: Any, where: str) -> Any:
     if spec.choices and str(value) not in spec.choices:
         raise ConfigError(where, f"got {value!r}; choose one of {', '.join(spec.choices)}")
     return str(value)
+
+
+FILE_FORMATS = {".json": "JSON", ".toml": "TOML", ".yaml": "YAML", ".yml": "YAML"}
+
+
+def read_options_file(file: Path, *, suffixes: tuple[str, ...], instead: str) -> Any:
+    """The parsed `--config` file: JSON, TOML or YAML by its suffix, which must be one of
+    `suffixes` (keys of FILE_FORMATS). ConfigError("--config") naming the file when it is not a
+    file (the message suggests `instead`), of another type, or cannot be parsed."""
+    if not file.is_file():
+        raise ConfigError("--config", f"{file} is not a file; pass {instead}")
+    suffix = file.suffix.lower()
+    if suffix not in suffixes:
+        raise ConfigError("--config", f"{file}: unknown file type {file.suffix or '(none)'!r}; use "
+                          f"{', '.join(suffixes[:-1])} or {suffixes[-1]}")
+    try:
+        text = file.read_text(encoding="utf-8")
+        if suffix == ".json":
+            import json
+
+            return json.loads(text)
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        import yaml
+
+        return yaml.safe_load(text) or {}
+    except Exception as e:  # OSError, UnicodeDecodeError, JSONDecodeError, TOMLDecodeError, YAMLError
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError("--config", f"{file} cannot be read as {FILE_FORMATS[suffix]}: it cannot be parsed "
+                          f"({detail}); fix the file or pass another") from None
 
 
 def build(cls: type, values: dict[str, Any], *, prefix: str = "") -> Any:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from datasets.config import DataConfig
-from datasets.flags import ConfigError, FlagSpec, add_flags, build, coerce, join_negative_values
+from datasets.flags import ConfigError, FlagSpec, add_flags, build, coerce, join_negative_values, read_options_file
 from trainer.config import TrainConfig
 from trainer.launch import TRAIN_FLAGS
 
@@ -90,34 +90,6 @@ _TRAIN_FIELDS = {f.name for f in fields(TrainConfig)} - {"data"}
 _DATA_FIELDS = {f.name for f in fields(DataConfig)}
 
 
-def _read_document(file: Path) -> Any:
-    """The parsed JSON (.json), TOML (.toml) or YAML (.yaml/.yml) file; ConfigError when it cannot be."""
-    if not file.is_file():
-        raise ConfigError("--config", f"{file} is not a file; pass a search's best_config.json (download it from "
-                          "the search's MLflow run or its experiment folder) or a .json/.toml/.yaml file of options")
-    suffix = file.suffix.lower()
-    if suffix not in (".json", ".toml", ".yaml", ".yml"):
-        raise ConfigError("--config", f"{file}: unknown file type {file.suffix or '(none)'!r}; use .json, .toml, "
-                          ".yaml or .yml")
-    try:
-        text = file.read_text(encoding="utf-8")
-        if suffix == ".json":
-            import json
-
-            return json.loads(text)
-        if suffix == ".toml":
-            import tomllib
-
-            return tomllib.loads(text)
-        import yaml
-
-        return yaml.safe_load(text) or {}
-    except Exception as e:  # OSError, UnicodeDecodeError, JSONDecodeError, TOMLDecodeError, YAMLError
-        detail = " ".join(str(e).split())[:300]
-        raise ConfigError("--config", f"{file} cannot be read as {suffix[1:].upper()}: {detail}; fix the file "
-                          "or pass another") from None
-
-
 def _typed(spec: FlagSpec, value: Any, where: str) -> Any:
     """The value in the field's type, or ConfigError("--config") naming the file and key."""
     if value is None and not spec.optional:
@@ -138,7 +110,9 @@ def load_config_file(path: str) -> ConfigFile:
     with (b). Unknown keys, keys given twice and values of the wrong type raise ConfigError
     naming the file; the bounds are checked later, with the flags (trainer.launch.validate_config)."""
     file = Path(path).expanduser()
-    raw = _read_document(file)
+    raw = read_options_file(file, suffixes=(".json", ".toml", ".yaml", ".yml"),
+                            instead="a search's best_config.json (download it from the search's MLflow run "
+                            "or its experiment folder) or a .json/.toml/.yaml file of options")
     if not isinstance(raw, dict):
         raise ConfigError("--config", f"{file} must hold an object of options (key: value), not "
                           f"{type(raw).__name__}")

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from datasets.config import DataConfig
 from datasets.flags import (ConfigError, FlagSpec, add_flags, build, check_bounds, coerce, flag_specs,
-                            join_negative_values, option)
+                            join_negative_values, option, read_options_file)
 from trainer.config import TrainConfig
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
@@ -193,24 +193,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     key and the file.
     """
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError("--config", f"{file} is not a file; pass a .toml or .yaml options file")
-    text = file.read_text(encoding="utf-8")
-    try:
-        if file.suffix == ".toml":
-            import tomllib
-
-            raw = tomllib.loads(text)
-        elif file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError("--config", f"{file}: unknown file type {file.suffix!r}; use .toml, .yaml or .yml")
-    except ConfigError:
-        raise
-    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError
-        raise ConfigError("--config", f"{file} cannot be parsed: {e}") from None
+    raw = read_options_file(file, suffixes=(".toml", ".yaml", ".yml"), instead="a .toml or .yaml options file")
     if not isinstance(raw, dict):
         raise ConfigError("--config", f"{file} must hold a table of options (key = value), not {type(raw).__name__}")
     if isinstance(raw.get("search"), dict) and len(raw) == 1:
