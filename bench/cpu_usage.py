@@ -8,6 +8,10 @@ Ray's actors and tasks name their processes `ray::<Class>` (`ray::TrainControlle
 It also reads the whole machine's busy CPU time (`/proc/stat`) over the same span, which
 counts what the samples miss: processes shorter than one interval, and anything else running.
 
+Each sample also adds a step to a timeline (the CPU seconds each kind, and the machine, used
+since the previous sample), so `CpuUsage.within(windows)` can say who used the cores during
+chosen spans, e.g. while training epochs ran.
+
 Why: on a machine whose cores are all busy, wall time follows CPU time, so "the search took
 twice as long" is explained by which processes burned the extra CPU seconds, and how many of
 them each trial started.
@@ -70,13 +74,50 @@ class _Seen:
 
 
 @dataclass
+class Step:
+    """CPU seconds used between two samples (unix seconds `start`..`end`): the machine's busy
+    time and, per process kind, the sampled processes' (a process first seen in this step counts
+    all its CPU time so far here)."""
+
+    start: float
+    end: float
+    machine_busy_s: float
+    by_kind: dict[str, float]
+
+
+@dataclass
 class CpuUsage:
     """What a `CpuSampler` saw: wall span, the machine's busy CPU seconds, and per process kind
-    how many processes of that kind started and the CPU seconds they used."""
+    how many processes of that kind started and the CPU seconds they used; `timeline`, the same
+    split per sampling step."""
 
     wall_s: float = 0.0
     machine_busy_s: float = 0.0
     by_kind: dict[str, tuple[int, float]] = field(default_factory=dict)   # kind -> (processes, cpu s)
+    timeline: list[Step] = field(default_factory=list)
+
+    def within(self, windows: list[tuple[float, float]]) -> tuple[float, float, dict[str, float]]:
+        """(seconds covered, machine busy CPU s, kind -> CPU s) during the union of `windows`
+        (unix (start, end) pairs). A step partly inside counts in proportion to its overlap,
+        so the figures are as fine as the sampling interval."""
+        merged: list[list[float]] = []
+        for a, b in sorted(w for w in windows if w[1] > w[0]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        covered, busy, by_kind = 0.0, 0.0, {}
+        for step in self.timeline:
+            length = step.end - step.start
+            inside = sum(max(0.0, min(b, step.end) - max(a, step.start)) for a, b in merged)
+            if length <= 0 or inside <= 0:
+                continue
+            share = inside / length
+            covered += inside
+            busy += share * step.machine_busy_s
+            for k, cpu in step.by_kind.items():
+                by_kind[k] = by_kind.get(k, 0.0) + share * cpu
+        return covered, busy, by_kind
 
     @property
     def sampled_s(self) -> float:
@@ -104,6 +145,8 @@ class CpuSampler:
         self._tick = _ticks()
         self._existing = dict(self._processes())   # pid -> start time: these are not counted
         self._start_busy, self._start = machine_busy_s(), time.time()
+        self._last_busy, self._last = self._start_busy, self._start
+        self._timeline: list[Step] = []
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
         self._thread.start()
         return self
@@ -119,7 +162,8 @@ class CpuSampler:
             n, cpu = by_kind.get(seen.kind, (0, 0.0))
             by_kind[seen.kind] = (n + 1, cpu + seen.cpu_s)
         self.usage = CpuUsage(wall_s=time.time() - self._start, machine_busy_s=machine_busy_s() - self._start_busy,
-                              by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])))
+                              by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])),
+                              timeline=self._timeline)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -141,6 +185,8 @@ class CpuSampler:
             yield int(entry.name), (int(fields[19]), fields, title)
 
     def _sample(self) -> None:
+        now, busy = time.time(), machine_busy_s()
+        used: dict[str, float] = {}
         for pid, (started, fields, title) in self._processes():
             if self._existing.get(pid, (None,))[0] == started:    # running before the sampler
                 continue
@@ -152,3 +198,8 @@ class CpuSampler:
             if previous and name in ("ray::IDLE", "default_worker.py"):
                 name = previous.kind
             self._seen[pid] = _Seen(cpu_s=cpu, kind=name)
+            delta = cpu - (previous.cpu_s if previous else 0.0)
+            if delta > 0:
+                used[name] = used.get(name, 0.0) + delta
+        self._timeline.append(Step(self._last, now, busy - self._last_busy, used))
+        self._last, self._last_busy = now, busy

@@ -445,6 +445,7 @@ def report(plain: dict, search: dict | None, *, header: list[str], target: float
     lines += ["", "per trial:", trial_table(plain, search)]
     if plain["cpu"].by_kind:
         lines += ["", cpu_table(plain["cpu"], search["cpu"] if search else None, trials=len(plain["trials"]))]
+        lines += ["", training_cpu_table(*while_training(plain, search))]
     return "\n".join(lines), rows
 
 
@@ -475,6 +476,46 @@ def cpu_table(plain: CpuUsage, search: CpuUsage | None, *, trials: int, top: int
             "controller, its workers and helper actors in fresh processes; a worker's DataLoader processes carry "
             "its title, ray::RayTrainWorker.)")
     return table + "\n" + note
+
+
+# The processes that train: on the plain side its one process (its DataLoader processes are forks
+# with the same title), in the search the Ray Train workers (their loader processes likewise).
+PLAIN_TRAINING_KIND = "python -m bench.search_overhead"
+SEARCH_TRAINING_KIND = "ray::RayTrainWorker"
+
+
+def training_cpu(side: dict, training_kind: str) -> dict:
+    """Cores used on average while the side's training epochs ran (each epoch's
+    start .. start + epoch_time_s): by the training processes, by every other process the side
+    started, and by the whole machine (which adds anything else running)."""
+    windows = [(e["start"], e["start"] + e["train_s"]) for t in side["trials"] for e in t["epochs"]]
+    covered, busy, by_kind = side["cpu"].within(windows)
+    if covered <= 0:
+        return {"seconds": 0.0, "training": None, "others": None, "machine": None, "others_by_kind": {}}
+    others = {k: cpu / covered for k, cpu in sorted(by_kind.items(), key=lambda kv: -kv[1]) if k != training_kind}
+    return {"seconds": covered, "training": by_kind.get(training_kind, 0.0) / covered,
+            "others": sum(others.values(), 0.0), "machine": busy / covered, "others_by_kind": others}
+
+
+def while_training(plain: dict, search: dict | None) -> tuple[dict, dict | None]:
+    """`training_cpu` of each side."""
+    return (training_cpu(plain, PLAIN_TRAINING_KIND),
+            training_cpu(search, SEARCH_TRAINING_KIND) if search else None)
+
+
+def training_cpu_table(plain: dict, search: dict | None, top: int = 6) -> str:
+    """Who used the cores while the training epochs ran, each side: training processes, the rest."""
+    sides = [plain, search] if search else [plain]
+    rows = [("the training processes (with their loader processes)", *(s["training"] for s in sides)),
+            ("every other process the run started", *(s["others"] for s in sides)),
+            ("the whole machine, busy", *(s["machine"] for s in sides))]
+    if search and search["others_by_kind"]:
+        rows += [(f"  search: {k}", *([None] if len(sides) == 2 else []), cores)
+                 for k, cores in list(search["others_by_kind"].items())[:top]]
+    head = ("cores used while training epochs ran (average)", "plain", *(["search"] if search else []))
+    note = ("(A training that uses every core slows by more than the share the other processes take: its "
+            "threads wait for each other at every parallel step. python -m bench.cpu_noise measures it.)")
+    return format_table(head, rows, digits=2) + "\n" + note
 
 
 def trial_table(plain: dict, search: dict | None) -> str:
@@ -615,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
             "trials_at_once": search["overlap"]["trials_at_once"] if search else None,
             "trainings_at_once": search["overlap"]["trainings_at_once"] if search else None,
             "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None,
-            "cpu": {"plain": plain["cpu"].to_dict(), "search": search["cpu"].to_dict() if search else None}})
+            "cpu": {"plain": plain["cpu"].to_dict(), "search": search["cpu"].to_dict() if search else None},
+            "cores_while_training": dict(zip(("plain", "search"), while_training(plain, search)))})
     return 0
 
 

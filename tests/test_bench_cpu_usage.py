@@ -40,3 +40,30 @@ def test_sampler_counts_the_processes_started_inside_it_and_their_cpu():
     assert n == 1 and cpu >= 0.4          # the busy child: one process, its ~0.6 s of CPU (last sample)
     assert usage.machine_busy_s >= cpu - 0.05
     assert usage.to_dict()["by_kind"]["python -c"]["processes"] == 1
+
+
+def test_within_counts_the_steps_inside_the_windows_in_proportion():
+    from bench.cpu_usage import CpuUsage, Step
+
+    usage = CpuUsage(timeline=[Step(0.0, 1.0, 2.0, {"train": 1.8, "ray::X": 0.2}),
+                               Step(1.0, 2.0, 1.0, {"ray::X": 1.0}),
+                               Step(2.0, 4.0, 4.0, {"train": 4.0})])
+    # [0.5, 1.0] and its overlapping twin [0.5, 0.8] count once; [3.0, 5.0] covers half the last step
+    covered, busy, by_kind = usage.within([(0.5, 1.0), (0.5, 0.8), (3.0, 5.0)])
+    assert covered == pytest.approx(1.5)
+    assert busy == pytest.approx(0.5 * 2.0 + 0.5 * 4.0)
+    assert by_kind == pytest.approx({"train": 0.9 + 2.0, "ray::X": 0.1})
+    assert usage.within([(1.2, 1.2)]) == (0.0, 0.0, {})     # an empty window counts nothing
+
+
+@pytest.mark.skipif(not available(), reason="needs Linux /proc")
+def test_the_timeline_adds_up_to_each_kinds_cpu():
+    with CpuSampler(interval_s=0.05) as sampler:
+        subprocess.run([sys.executable, "-u", "-c", BUSY, "busy-marker"], check=True)
+    usage = sampler.usage
+    steps = usage.timeline
+    assert len(steps) >= 5 and all(a.end == b.start for a, b in zip(steps, steps[1:]))
+    in_steps = sum(step.by_kind.get("python -c", 0.0) for step in steps)
+    assert in_steps == pytest.approx(usage.by_kind["python -c"][1])
+    covered, _, by_kind = usage.within([(steps[0].start, steps[-1].end)])
+    assert by_kind["python -c"] == pytest.approx(in_steps)
