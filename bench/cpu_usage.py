@@ -67,6 +67,20 @@ def kind(title: str) -> str:
     return program
 
 
+def process_kind(title: str, previous: str | None) -> str:
+    """The kind a process counts under, from its title now and the kind it had at the last sample.
+    A Ray worker is `ray::IDLE` (or default_worker.py) until it is given an actor or task, and an
+    actor's title changes with the method it runs (seen: a Train worker last titled
+    `ray::execute`): a process keeps the first actor or task kind it showed."""
+    if not title.strip():
+        return previous or "?"
+    name = kind(title)
+    if previous and (name in ("ray::IDLE", "default_worker.py")
+                     or (previous.startswith("ray::") and previous != "ray::IDLE")):
+        return previous
+    return name
+
+
 @dataclass
 class _Seen:
     cpu_s: float
@@ -192,11 +206,7 @@ class CpuSampler:
                 continue
             cpu = (int(fields[11]) + int(fields[12])) / self._tick
             previous = self._seen.get(pid)
-            name = kind(title) if title.strip() else (previous.kind if previous else "?")
-            # A Ray worker is `ray::IDLE` (or default_worker.py) until it is given an actor or task:
-            # keep the last real title.
-            if previous and name in ("ray::IDLE", "default_worker.py"):
-                name = previous.kind
+            name = process_kind(title, previous.kind if previous else None)
             self._seen[pid] = _Seen(cpu_s=cpu, kind=name)
             delta = cpu - (previous.cpu_s if previous else 0.0)
             if delta > 0:

@@ -587,11 +587,11 @@ def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
 
 def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int, tmp: Path) -> dict:
     """Data, then the search, then the plain run of the trials the search drew; their timelines."""
+    load, search = [os.getloadavg()[0]], None       # before this script's own work (data generation)
     data, data_line = prepare_data(args, preset, tmp)
     search_cache, plain_cache, cache_line = cache_setup(args.no_cache, tmp)
     argv = {side: search_argv(args, data, tmp, epochs, trials, preset.batch_size, flags)
             for side, flags in (("search", search_cache), ("plain", plain_cache))}
-    load, search = [os.getloadavg()[0]], None
     if args.plain_only:
         lrs = [1e-4 * 30 ** (i / max(1, trials - 1)) for i in range(trials)]
         chosen = [{"trial_id": f"t{i}", "batch_size": preset.batch_size, "lr": lr} for i, lr in enumerate(lrs)]
@@ -629,8 +629,11 @@ def header_lines(run: dict, args: argparse.Namespace, name: str, preset: Preset,
     if search:
         lines.insert(4, f"  at most {search['overlap']['trials_at_once']} trial(s) and "
                         f"{search['overlap']['trainings_at_once']} training epoch(s) at once")
-    if max(load) > 0.5 * (os.cpu_count() or 1):
-        lines.append("WARNING: other processes loaded the CPU during the run; both sides are slowed, unevenly")
+    # The load average after each side counts that side's own work; only the one before says the
+    # machine was busy with something else (the CPU tables' "not sampled" row says it for the run).
+    if load[0] > 0.5 * (os.cpu_count() or 1):
+        lines.append("WARNING: the machine was busy before the run (load average above half its cores); "
+                     "other processes may slow both sides, unevenly")
     return lines
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.cpu_usage import CpuSampler, available, kind
+from bench.cpu_usage import CpuSampler, available, kind, process_kind
 
 
 @pytest.mark.parametrize("title, expected", [
@@ -22,6 +22,18 @@ from bench.cpu_usage import CpuSampler, available, kind
 ])
 def test_kind_of_a_process_title(title, expected):
     assert kind(title) == expected
+
+
+@pytest.mark.parametrize("title, previous, expected", [
+    ("ray::IDLE", None, "ray::IDLE"),
+    ("ray::TrainController.run", "ray::IDLE", "ray::TrainController"),           # given an actor
+    ("ray::IDLE", "ray::TrainController", "ray::TrainController"),
+    ("ray::execute", "ray::RayTrainWorker", "ray::RayTrainWorker"),              # a method's title
+    ("", "ray::RayTrainWorker", "ray::RayTrainWorker"),                          # title unreadable
+    ("/v/bin/python -m bench.search_overhead", "python -c", "python -m bench.search_overhead"),
+])
+def test_a_process_keeps_its_first_ray_kind(title, previous, expected):
+    assert process_kind(title, previous) == expected
 
 
 BUSY = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\n"
