@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="both sides decode every clip with decord (search: --no-cache)")
     p.add_argument("--max-concurrent-trials", type=int, default=None,
                    help="passed to the search (default: the search decides)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads of every training, both sides (the search's --cpu-threads; default all "
+                   "the cores). Fewer than the cores leaves some free, as a GPU training does: the search then "
+                   "starts the next trial on them while one trains")
     p.add_argument("--plain-threads", type=int, default=None,
                    help="torch threads of the plain run (default: what the search gives a trial's worker)")
     p.add_argument("--plain-only", action="store_true", help="run only the plain side (to size a preset)")
@@ -256,6 +260,8 @@ def search_argv(args: argparse.Namespace, data: str, tmp: Path, epochs: int, tri
             "--mlflow-uri", f"sqlite:///{tmp / 'mlruns.db'}", "--experiment", EXPERIMENT, *cache_flags]
     if args.max_concurrent_trials:
         argv += ["--max-concurrent-trials", str(args.max_concurrent_trials)]
+    if args.cpu_threads:
+        argv += ["--cpu-threads", str(args.cpu_threads)]
     return argv
 
 
@@ -535,7 +541,9 @@ def trial_table(plain: dict, search: dict | None) -> str:
 # -- the run -------------------------------------------------------------------------------------
 
 def _check_args(args: argparse.Namespace, trials: int, epochs: int) -> None:
-    for flag, value in (("--trials", trials), ("--epochs", epochs), ("--timeout-s", args.timeout_s)):
+    for flag, value in (("--trials", trials), ("--epochs", epochs), ("--timeout-s", args.timeout_s),
+                        ("--cpu-threads", 1 if args.cpu_threads is None else args.cpu_threads),
+                        ("--plain-threads", 1 if args.plain_threads is None else args.plain_threads)):
         if value < 1:
             raise SystemExit(f"{flag} {value}: must be >= 1")
     if args.loader_workers < 0:
@@ -601,7 +609,8 @@ def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int
         load.append(os.getloadavg()[0])
         chosen = [{"trial_id": t["trial_id"], **t["params"]} for t in search["raw_trials"] if t["results"]]
     print(f"plain: the same {len(chosen)} training(s) in one process ...", file=sys.stderr, flush=True)
-    plain = run_plain(argv["plain"], chosen, args.plain_threads or search_trial_threads(), tmp, args)
+    threads = args.plain_threads or args.cpu_threads or search_trial_threads()
+    plain = run_plain(argv["plain"], chosen, threads, tmp, args)
     load.append(os.getloadavg()[0])
     if search:
         p_epochs = [e for t in plain["trials"] for e in t["epochs"]]

@@ -60,10 +60,11 @@ def _leaf_paths(cls, prefix=""):
 
 def test_training_options_reach_the_trials(tmp_path):
     opts = parse_options(["--grad-accum", "2", "--channels-last", "--warmup-frac", "0.2", "--label-smoothing", "0.1",
-                          "--freeze-backbone-epochs", "1", "--no-cache", "--height", "64", "--seed", "7"])
+                          "--freeze-backbone-epochs", "1", "--no-cache", "--height", "64", "--seed", "7",
+                          "--cpu-threads", "3"])
     t = opts.train
     assert (t.grad_accum_steps, t.channels_last, t.warmup_frac, t.label_smoothing, t.freeze_backbone_epochs,
-            t.data.clip_cache, t.data.height, t.seed) == (2, True, 0.2, 0.1, 1, False, 64, 7)
+            t.data.clip_cache, t.data.height, t.seed, t.cpu_threads) == (2, True, 0.2, 0.1, 1, False, 64, 7, 3)
     from tune.search import base_config
     from tune.trial import trial_config
 
@@ -132,6 +133,7 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
     (["--search-weight-decay", "--weight-decay-min", "0.5", "--weight-decay-max", "0.1"], ["--weight-decay-min/--weight-decay-max:"]),
     (["--gpus-per-worker", "1", "--gpus-per-trial", "0.5", "--workers-per-trial", "2"], ["--gpus-per-trial:", "disagrees"]),
     (["--cache-max-gb", "-1"], ["--cache-max-gb:", ">= 0"]),
+    (["--cpu-threads", "0"], ["--cpu-threads:", ">= 1"]),
     (["--cache-max-gb", "nan"], ["--cache-max-gb:"]),
     (["--cache-dir", "/proc/self/status/cache"], ["--cache-dir:", "not a folder"]),
 ])

@@ -62,6 +62,18 @@ def test_cpu_machine_runs_one_trial_at_a_time_with_the_cpu_defaults():
     assert concurrency == 3                                    # one per CPU-only node
 
 
+def test_cpu_threads_that_leave_cores_free_let_the_next_trial_start_behind_the_training():
+    _, behind, _ = _fit(_opts("--num-samples", "4", "--cpu-threads", "1"))
+    assert behind == 2                                         # 1 thread on 2 cores: one trains, one starts
+    _, all_cores, _ = _fit(_opts("--num-samples", "4", "--cpu-threads", "2"))
+    assert all_cores == 1                                      # the training uses every core
+    _, two_workers, _ = _fit(_opts("--num-samples", "4", "--cpu-threads", "1", "--workers-per-trial", "2",
+                                   "--cpus-per-worker", "0.45"))
+    assert two_workers == 1                                    # 2 workers x 1 thread: every core again
+    _, asked, _ = _fit(_opts("--num-samples", "4", "--cpu-threads", "1", "--max-concurrent-trials", "1"))
+    assert asked == 1
+
+
 def test_one_gpu_machine_is_local_mode_with_a_trial_starting_behind_the_training_one():
     from dataclasses import replace
 

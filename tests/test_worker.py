@@ -180,7 +180,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     from trainer.launch import build_torch_trainer
 
     callback, drain = _collecting_callback()
-    first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8), name="resume",
+    first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8, cpu_threads=2), name="resume",
                                 storage_path=str(tmp_path), callbacks=[callback]).fit()
     reports = drain()
     assert [m["epoch"] for m, _ in reports] == [1]
@@ -188,6 +188,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     assert set(metrics) == set(METRIC_KEYS)
     assert metrics["oom"] == 0 and metrics["batch_size"] == 8 and isinstance(metrics["node_id"], str)
     assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0 and math.isfinite(metrics["train_loss"])
+    assert metrics["torch_threads"] == 2                       # --cpu-threads, not the 1 CPU Ray reserved
     saved = load_checkpoint(first.checkpoint.path)
     assert saved["epoch"] == 1 and Path(ckpt_path).name == "epoch_0001"
 
@@ -197,6 +198,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     second_reports = drain()
     assert [m["epoch"] for m, _ in second_reports] == [2]
     assert [m["resumed_from_epoch"] for m, _ in second_reports] == [1]    # MLflow tags the restart from it
+    assert [m["torch_threads"] for m, _ in second_reports] == [1]         # default: the CPUs Ray reserved
     assert metrics["resumed_from_epoch"] == 0                              # the first run started fresh
     resumed = load_checkpoint(second.checkpoint.path)
     assert resumed["epoch"] == 2

@@ -43,6 +43,10 @@ class TrainConfig:
     channels_last: bool = option(False, flag="--channels-last",
                                  help="channels_last_3d memory format (faster convolutions on CUDA)")
     compile: bool = option(False, flag="--compile", help="torch.compile the model (slow first steps)")
+    cpu_threads: int | None = option(None, flag="--cpu-threads", metavar="N", ge=1,
+                                     help="torch threads per worker (default: training on the CPU, the node's "
+                                     "cores shared by its workers while the trial trains; else the CPUs Ray "
+                                     "reserved per worker)")
     freeze_backbone_epochs: int = option(0, flag="--freeze-backbone-epochs", metavar="N", ge=0,
                                          help="train only the classification head for the first N epochs")
     max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,

@@ -37,9 +37,12 @@ from trainer.precision import is_out_of_memory
 # device_util_pct: the device's utilisation over the epoch, mean over workers (trainer.utilization).
 # resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
 #   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
+# torch_threads: the CPU threads torch used in rank 0's training (--cpu-threads, or the default);
+#   on the CPU, clips/s follows it.
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
-               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch", "device_util_pct")
+               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch", "device_util_pct",
+               "torch_threads")
 
 
 class ShardSampler(Sampler[int]):
@@ -154,7 +157,7 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    _use_allocated_cpus()
+    _use_allocated_cpus(cfg.cpu_threads)
     device = ray.train.torch.get_device()
     policy = choose_precision(cfg.precision, device)
     configure_backends(device)
@@ -192,17 +195,19 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
     )
 
 
-def _use_allocated_cpus() -> None:
-    """Give torch as many threads as the CPUs Ray reserved for this worker (at least 1)."""
+def _use_allocated_cpus(threads: int | None) -> None:
+    """Give torch `threads` threads (--cpu-threads), by default as many as the CPUs Ray reserved
+    for this worker (at least 1)."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    torch.set_num_threads(max(1, int(cpus)))
+    torch.set_num_threads(threads or max(1, int(cpus)))
 
 
 def _use_device_threads(run: _Run) -> None:
     """Training on the CPU under the lease: the node's CPU is this trial's alone while it trains
     (other trials there only start up or wait), so its workers on this node share all its cores
-    rather than the sliver Ray reserved for each (which lets the next trial start meanwhile)."""
-    if not run.slot.held or run.device.type != "cpu":
+    rather than the sliver Ray reserved for each (which lets the next trial start meanwhile).
+    `--cpu-threads` overrides this (set once, by `_use_allocated_cpus`)."""
+    if not run.slot.held or run.device.type != "cpu" or run.cfg.cpu_threads:
         return
     node = ray.get_runtime_context().get_node_id()
     cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n.get("NodeID") == node), 1.0)
@@ -378,6 +383,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
         steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
         **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
         device_util_pct=all_reduce_floats([run.device_util_pct])[0] / run.world,
+        torch_threads=torch.get_num_threads(),
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -423,5 +429,6 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, fl
         "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
         "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
         "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch, "device_util_pct": math.nan,
+        "torch_threads": torch.get_num_threads(),
     }
     ray.train.report(metrics)

@@ -37,9 +37,11 @@ def fit_to_cluster(opts: SearchOptions, *, cpus: float, gpus: float, cpu_nodes: 
 
     Trials at once, within what Ray's resources hold: on GPUs two per training slot (a GPU
     share), one training and one starting up behind it (see `tune.trial.TrialResources` and
-    `trainer.lease`); on CPU-only nodes one per node. There the starting trial would compete for
+    `trainer.lease`); on CPU-only nodes one per node, where the starting trial would compete for
     the cores the training uses all of: measured on 2 cores (BENCHMARKS.md), trainings that
-    overlapped a start took up to 2x longer and the search as a whole gained nothing."""
+    overlapped a start took up to 2x longer and the search as a whole gained nothing. Unless
+    `--cpu-threads` leaves a node's training some cores short of all: then, as on a GPU, the next
+    trial starts on the free cores behind it."""
     opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
     r = opts.resources
     gpt = gpus_per_trial(opts)
@@ -64,9 +66,16 @@ def fit_to_cluster(opts: SearchOptions, *, cpus: float, gpus: float, cpu_nodes: 
         slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / r.workers_per_trial)
         per_slot = 2 if resources.ray_gpus_per_worker < resources.gpus_per_worker else 1
     else:
-        slots, per_slot = cpu_nodes, 1
+        slots, per_slot = cpu_nodes, 2 if leaves_cores_free(opts, cpus / max(1, cpu_nodes)) else 1
     concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
     return opts, concurrency, local_gpu
+
+
+def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
+    """A training on a CPU-only node of `node_cpus` cores leaves some of them idle: its workers'
+    torch threads (`--cpu-threads` x `--workers-per-trial`) are fewer than the cores."""
+    threads = opts.train.cpu_threads
+    return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
 
 
 def trial_resources(opts: SearchOptions) -> TrialResources:
