@@ -118,11 +118,13 @@ class RayLinesToLog(io.TextIOBase):
         return getattr(self.console, "encoding", "utf-8")
 
 
-def keep_ray_lines_off_the_console(log_path: Path) -> None:
-    """Replace sys.stdout/sys.stderr by `RayLinesToLog` filters writing Ray's lines to `log_path`."""
+def keep_ray_lines_off_the_console(log_path: Path) -> TextIO:
+    """Replace sys.stdout/sys.stderr by `RayLinesToLog` filters writing Ray's lines to `log_path`.
+    Returns that file, for the caller to close once it has put the streams back."""
     log = open(log_path, "a", encoding="utf-8", buffering=1)
     sys.stdout = RayLinesToLog(sys.stdout, log)
     sys.stderr = RayLinesToLog(sys.stderr, log)
+    return log
 
 
 def _duration(seconds: float) -> str:

@@ -188,23 +188,26 @@ def execute(plan: Plan) -> int:
     # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    log_options = {}
+    log_options, ray_lines = {}, None
     streams = sys.stdout, sys.stderr
     if not plan.opts.verbose:
         from tune.console import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 
         log = quiet_libraries(log_file_for(plan.experiment_path, plan.name))
-        keep_ray_lines_off_the_console(log)
+        ray_lines = keep_ray_lines_off_the_console(log)
         print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)", flush=True)
         log_options = {"log_to_driver": False, "configure_logging": False}
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
-    started = init_ray(address=plan.opts.resources.address, **log_options)
+    started = False
     try:
+        started = init_ray(address=plan.opts.resources.address, **log_options)
         return run_search(plan)
     finally:
         if started:
             ray.shutdown()
         sys.stdout, sys.stderr = streams
+        if ray_lines is not None:
+            ray_lines.close()
 
 
 if __name__ == "__main__":
