@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.utilization import machine_busy_s
+
 PROC = Path("/proc")
 
 
@@ -35,13 +37,6 @@ def available() -> bool:
 def _ticks() -> int:
     """Clock ticks per second, the unit of /proc's CPU times."""
     return os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal)."""
-    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / _ticks()
 
 
 def kind(title: str) -> str:

@@ -189,6 +189,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     assert metrics["oom"] == 0 and metrics["batch_size"] == 8 and isinstance(metrics["node_id"], str)
     assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0 and math.isfinite(metrics["train_loss"])
     assert metrics["torch_threads"] == 2                       # --cpu-threads, not the 1 CPU Ray reserved
+    assert 0.0 <= metrics["other_cpu_cores"] < 2.0             # measured (not NaN) on Linux
     saved = load_checkpoint(first.checkpoint.path)
     assert saved["epoch"] == 1 and Path(ckpt_path).name == "epoch_0001"
 
@@ -224,6 +225,9 @@ def test_two_worker_ddp_matches_one_worker(ray_session, synthetic_root, tmp_path
     assert abs(m1["train_loss"] - m2["train_loss"]) < 0.1, (m1, m2)
     assert abs(m1["val_loss"] - m2["val_loss"]) < 0.1, (m1, m2)
     assert abs(m1["val_acc"] - m2["val_acc"]) <= 0.3, (m1, m2)
+    # The other worker of the same run is not "other load": both workers' CPU comes off the node's
+    # (counted, the other worker would show as about a core of its own).
+    assert 0.0 <= m2["other_cpu_cores"] < 0.8, m2["other_cpu_cores"]
     # Both took the same number of optimizer steps (each DDP step = one global batch of 8).
     assert c1["optimizer"]["state"][0]["step"] == c2["optimizer"]["state"][0]["step"]
 

@@ -7,6 +7,11 @@ something; a CPU run at 50% of its cores is not using them all).
   processes are not included) as a share of the cores it may use.
 
 Either way a percentage, 0..100, or NaN when the device does not report it.
+
+`OtherCpuLoad` says what else ran meanwhile: the cores that processes other than this one and its
+children (the DataLoader's workers) kept busy on this machine during the epoch. A training's
+clips/s depends on them (another trial starting beside it, a neighbour's job); Linux `/proc`
+only, NaN elsewhere.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -64,3 +71,83 @@ class DeviceUtilization:
             return float(torch.cuda.utilization(self.device))
         except Exception:   # no nvidia-ml-py, or NVML cannot read this device
             return None
+
+
+PROC = Path("/proc")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal), from
+    /proc/stat. Raises OSError where there is no /proc."""
+    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds of process `pid` (default this one), its live children and the children it
+    has reaped (cutime, cstime), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:        # it ended between the listing and the read
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()   # fields[0] is the state, [1] the parent
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += sum(int(x) for x in fields[11:15]) / tick       # utime stime cutime cstime
+    return total
+
+
+@dataclass(frozen=True)
+class CpuWindow:
+    """One process tree's view of an epoch: the machine's busy CPU seconds, its own (with its
+    children's) and the wall seconds, all over the epoch."""
+
+    busy_s: float
+    own_s: float
+    wall_s: float
+
+
+class OtherCpuLoad:
+    """`start()` at the epoch's start, `stop() -> CpuWindow | None` at its end (None without
+    /proc). Sampled at the two ends only, so it costs nothing during the epoch."""
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float, float] | None = None
+
+    def start(self) -> None:
+        try:
+            self._start = (machine_busy_s(), process_tree_cpu_s(), time.perf_counter())
+        except (OSError, ValueError):
+            self._start = None
+
+    def stop(self) -> CpuWindow | None:
+        if self._start is None:
+            return None
+        busy0, own0, wall0 = self._start
+        try:
+            return CpuWindow(machine_busy_s() - busy0, process_tree_cpu_s() - own0, time.perf_counter() - wall0)
+        except (OSError, ValueError):
+            return None
+
+
+def other_cores(windows: dict[str, list[CpuWindow | None]]) -> float:
+    """Cores that other processes kept busy during the epoch on the busiest machine: per node
+    (key: node id; values: the windows of the run's workers there), the machine's busy time less
+    all of those workers' own, per wall second. NaN when no node could measure; 0 = nothing
+    else ran."""
+    worst = math.nan
+    for views in windows.values():
+        seen = [w for w in views if w is not None and w.wall_s > 0]
+        if not seen or len(seen) < len(views):
+            continue
+        busy = sum(w.busy_s for w in seen) / len(seen)      # each worker saw the same machine
+        wall = sum(w.wall_s for w in seen) / len(seen)
+        cores = max(0.0, busy - sum(w.own_s for w in seen)) / wall
+        worst = cores if math.isnan(worst) else max(worst, cores)
+    return worst

@@ -22,7 +22,7 @@ from trainer.checkpointing import load_checkpoint, restore_training_state, save_
 from trainer.config import TrainConfig
 from trainer.launch import INDEX_CONFIG_KEY
 from trainer.history import read_history, write_history
-from trainer.utilization import DeviceUtilization
+from trainer.utilization import DeviceUtilization, OtherCpuLoad, other_cores
 from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from trainer.metrics import all_reduce_floats, steady_state
@@ -39,10 +39,12 @@ from trainer.precision import is_out_of_memory
 #   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
 # torch_threads: the CPU threads torch used in rank 0's training (--cpu-threads, or the default);
 #   on the CPU, clips/s follows it.
+# other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
+#   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN without /proc).
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
                "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch", "device_util_pct",
-               "torch_threads")
+               "torch_threads", "other_cpu_cores")
 
 
 class ShardSampler(Sampler[int]):
@@ -103,6 +105,7 @@ class _Run:
     resumed_from_epoch: int = 0                      # the checkpoint's epoch this run started after
     history: dict[int, dict] | None = None           # every epoch's report so far (trainer.history)
     device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
+    cpu_window: Any = None                           # this rank's OtherCpuLoad view of the last epoch
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -128,12 +131,13 @@ def train_loop_per_worker(config: dict) -> None:
         if run.slot.settings is not None:   # the same on every rank: the key gather is a collective
             run.slot.acquire(_all_device_keys(run))
         _use_device_threads(run)
-        utilization = DeviceUtilization(run.device)
+        utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, run.cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
             utilization.start()
+            other_load.start()
             outputs = _train_and_evaluate(run, epoch)
-            run.device_util_pct = utilization.stop()
+            run.device_util_pct, run.cpu_window = utilization.stop(), other_load.stop()
             window = _epoch_window(started_ts, time.time())
             if _any_rank(outputs is None):
                 outputs = None  # drop this rank's results too: every rank reports the same OOM
@@ -366,6 +370,20 @@ def _lease_metrics(run: _Run, window: tuple[float, float], first: bool) -> dict[
             "epoch_start_ts": window[0], "epoch_end_ts": window[1]}
 
 
+def _other_cpu_cores(run: _Run) -> float:
+    """other_cpu_cores of the epoch: each node's busy CPU less all this run's workers there
+    (a collective when distributed: the windows are gathered by node)."""
+    mine = (ray.get_runtime_context().get_node_id(), run.cpu_window)
+    views: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized():
+        views = [None] * run.world
+        dist.all_gather_object(views, mine)
+    by_node: dict[str, list] = {}
+    for node, window in views:
+        by_node.setdefault(node, []).append(window)
+    return other_cores(by_node)
+
+
 def _current_lr(run: _Run) -> float:
     return float(max(group["lr"] for group in run.optimizer.param_groups))
 
@@ -384,6 +402,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
         **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
         device_util_pct=all_reduce_floats([run.device_util_pct])[0] / run.world,
         torch_threads=torch.get_num_threads(),
+        other_cpu_cores=_other_cpu_cores(run),
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -429,6 +448,6 @@ def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, fl
         "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
         "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
         "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch, "device_util_pct": math.nan,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "other_cpu_cores": math.nan,
     }
     ray.train.report(metrics)
