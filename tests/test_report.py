@@ -151,7 +151,8 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     shared = _row("shared", 0.5, 8.0, shared=2.0)
     unknown = _row("unknown", 0.5, 8.0, shared=math.nan)
     oom = report.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
-    lines = report.format_table([alone, shared, unknown, oom]).splitlines()
+    *lines, legend = report.format_table([alone, shared, unknown, oom]).splitlines()
+    assert legend.startswith("* shared its device")                   # what the mark means, once
     assert lines[0].split() == ["trial", "batch", "lr", "val_acc", "val_f1", "clips/s", "compute/s", "epoch_s",
                                 "epochs", "status"]
     assert set(lines[1].replace(" ", "")) == {"-"}
@@ -163,6 +164,23 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     with_wd = report.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
     assert with_wd[0].split()[3] == "wd" and with_wd[2].split()[3] == "-"
     assert report.format_table([]).splitlines()[0].split()[0] == "trial"
+
+
+def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
+    # epoch 1 ran while the next trial started beside it (1.2 cores); epochs 2.. had the machine
+    quiet = report.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=1.2), _epoch(2, 9.0, other_cpu_cores=0.1),
+                                            _epoch(3, 9.0, other_cpu_cores=0.2)]), trial_id="q", epochs=3, finished=True)
+    assert quiet.other_cpu_cores == pytest.approx(0.15) and report.speed_marks(quiet) == ""
+    busy = report.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1), _epoch(2, 4.0, other_cpu_cores=0.9),
+                                           _epoch(3, 4.5, other_cpu_cores=0.7)]), trial_id="b", epochs=3, finished=True)
+    assert busy.other_cpu_cores == pytest.approx(0.8) and report.speed_marks(busy) == "~"
+    unmeasured = report.row_from_result(_result([_epoch(1, 5.0)]), trial_id="u", epochs=1, finished=True)
+    assert math.isnan(unmeasured.other_cpu_cores) and report.speed_marks(unmeasured) == ""
+    *table, legend = report.format_table([quiet, busy, unmeasured]).splitlines()
+    assert "4.2~" in table[3] and legend.startswith("~ other processes")
+    assert "4.2~" in report.format_markdown([busy])
+    assert report.csv_record(busy)["other_cpu_cores"] == "0.80"
+    assert "~" not in report.format_table([quiet])                   # no mark, no legend
 
 
 def test_write_csv_round_trip(tmp_path):

@@ -18,6 +18,7 @@ trials, OOM and ERROR, and those without a value last):
   epochs         epochs trained (the last epoch reported)
   clips_per_s, compute_clips_per_s, epoch_time_s   steady-state speed (2 decimals; nan for OOM)
   concurrent_trainings   most trainings sharing its device in any epoch (1 = alone)
+  other_cpu_cores        cores other processes kept busy on its machine, steady state like the speed
   node_id, checkpoint    where it ran; its best checkpoint that still exists (empty when none)
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class TrialRow:
     node_id: str | None = None
     compute_clips_per_s: float = math.nan   # steady state of clips / time not waiting for data
     concurrent_trainings: float = math.nan  # most trainings on its device at once, any epoch (1 = alone)
+    other_cpu_cores: float = math.nan       # steady state of the cores other processes kept busy beside it
     name: str = ""          # short readable name (e.g. t03-bs8-lr2.5e-4); "" reads as the trial_id
     best_epoch: int = 0     # the best epoch by val_acc: val_acc, val_f1 and checkpoint are its (0: none)
 
@@ -123,6 +125,7 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
         epochs=_epoch_of(m.get("epoch")), status=status, checkpoint=best_checkpoint(train_run, result),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
+        other_cpu_cores=speed["other_cpu_cores"],
     )
 
 
@@ -158,11 +161,15 @@ def best_epoch_record(result: Any) -> tuple[int, dict[str, Any]] | None:
 
 
 SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
+# Steady-state other_cpu_cores from which the table marks a trial's speed with "~": half a core
+# of other work slows a training on every core by ~5-15 % (bench/cpu_noise.py).
+OTHER_LOAD_MARK = 0.5
 
 
 def steady_speeds(result: Any) -> dict[str, float]:
     """A trial's steady-state speed (`trainer.metrics.steady_state` of each of SPEED_KEYS over
-    its reported epochs) and the most trainings that shared its device in any epoch.
+    its reported epochs, and of other_cpu_cores: what ran beside those epochs) and the most
+    trainings that shared its device in any epoch.
 
     Read from every epoch Tune recorded (`epoch_records`: a resumed trial re-reports an epoch,
     the last report of an epoch wins), falling back to the last result alone. An out-of-memory
@@ -171,12 +178,15 @@ def steady_speeds(result: Any) -> dict[str, float]:
 
     m = dict(result.metrics or {})
     if int(m.get("oom", 0) or 0) == 1:
-        return {**{k: math.nan for k in SPEED_KEYS}, "concurrent_trainings": _f(m.get("concurrent_trainings"))}
+        return {**{k: math.nan for k in SPEED_KEYS}, "concurrent_trainings": _f(m.get("concurrent_trainings")),
+                "other_cpu_cores": math.nan}
     records = epoch_records(result)
     by_epoch = {k: {e: _f(rec[k]) for e, rec in records.items() if k in rec}
-                for k in (*SPEED_KEYS, "concurrent_trainings")}
+                for k in (*SPEED_KEYS, "other_cpu_cores", "concurrent_trainings")}
     shared = [v for v in by_epoch["concurrent_trainings"].values() if math.isfinite(v)]
+    other = {e: v for e, v in by_epoch["other_cpu_cores"].items() if math.isfinite(v)}
     return {**{k: steady_state(by_epoch[k]) for k in SPEED_KEYS},
+            "other_cpu_cores": steady_state(other) if other else math.nan,
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
@@ -245,21 +255,38 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
     """Plain-text table: trial (its name), batch size, lr, (weight decay), val_acc and val_f1 (of
     the best epoch by val_acc), steady clips/s (end to end, and compute only), steady epoch time,
-    epochs trained, status. A `*` after clips/s marks a trial that shared its device with another
-    training (its speed is not its own)."""
+    epochs trained, status. After clips/s, `*` marks a trial that shared its device with another
+    training and `~` one that trained beside other work on its machine (`speed_marks`), with a
+    line saying so under the table: their speed is not the model's alone."""
     head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
         ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs", "status"]
     body = []
     for r in rows:
-        # "*": the trial shared its device with another training in some epoch (packed trials)
-        shared = "*" if math.isfinite(r.concurrent_trainings) and r.concurrent_trainings > 1 else ""
         body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
                     ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
-                    [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1) + shared,
+                    [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1) + speed_marks(r),
                      _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs), r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    marks = "".join(speed_marks(r) for r in rows)
+    legend = [text for mark, text in MARK_LEGEND if mark in marks]
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
+
+
+MARK_LEGEND = (
+    ("*", "* shared its device with another training in some epoch: its speed is not its own"),
+    ("~", f"~ other processes kept >= {OTHER_LOAD_MARK:g} cores busy on its machine while it trained "
+          "(other_cpu_cores): its speed is not the model's alone"),
+)
+
+
+def speed_marks(r: TrialRow) -> str:
+    """What follows a trial's clips/s in the tables: `*` when it shared its device with another
+    training in some epoch (packed trials), `~` when other processes kept at least
+    OTHER_LOAD_MARK cores busy on its machine over its steady-state epochs."""
+    shared = "*" if math.isfinite(r.concurrent_trainings) and r.concurrent_trainings > 1 else ""
+    busy = "~" if math.isfinite(r.other_cpu_cores) and r.other_cpu_cores >= OTHER_LOAD_MARK else ""
+    return shared + busy
 
 
 def format_markdown(rows: list[TrialRow]) -> str:
@@ -268,9 +295,8 @@ def format_markdown(rows: list[TrialRow]) -> str:
     head = "| trial | batch | lr | val_acc | val_f1 | epoch | clips/s | epochs | status |"
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        shared = "*" if math.isfinite(r.concurrent_trainings) and r.concurrent_trainings > 1 else ""
         lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | {_num(r.val_f1, 3)} | "
-                     f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{shared} | {r.epochs} | {r.status} |")
+                     f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -281,7 +307,7 @@ def _num(x: float, digits: int) -> str:
 # trials.csv's columns, in order (see the module docstring); metrics_epoch is TrialRow.best_epoch
 CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "val_acc", "val_f1",
                "metrics_epoch", "epochs", "clips_per_s", "compute_clips_per_s", "epoch_time_s",
-               "concurrent_trainings", "node_id", "checkpoint")
+               "concurrent_trainings", "other_cpu_cores", "node_id", "checkpoint")
 
 
 def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
@@ -315,6 +341,7 @@ def csv_record(r: TrialRow) -> dict[str, str]:
         "metrics_epoch": str(r.best_epoch), "epochs": str(r.epochs),
         "clips_per_s": _fixed(r.clips_per_s, 2), "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
         "epoch_time_s": _fixed(r.epoch_time_s, 2), "concurrent_trainings": _sig(r.concurrent_trainings),
+        "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
         "node_id": r.node_id or "", "checkpoint": r.checkpoint or "",
     }
 
