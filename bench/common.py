@@ -76,15 +76,21 @@ def machine_facts() -> dict[str, Any]:
             "platform": platform.platform(), "git_commit": commit, "git_dirty": dirty}
 
 
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """`(start, end)` intervals as disjoint ones in order, overlapping or touching ones joined
+    (empty ones dropped)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by `(start, end)` intervals (overlaps counted once; empty ones ignored)."""
-    total, reach = 0.0, -math.inf
-    for start, end in sorted((s, e) for s, e in intervals if e > s):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
+    return sum(end - start for start, end in merge_intervals(intervals))
 
 
 def max_overlap(intervals: Iterable[tuple[float, float]]) -> int:

@@ -23,20 +23,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from trainer.utilization import machine_busy_s
-
-PROC = Path("/proc")
+from bench.common import merge_intervals
+from trainer.utilization import PROC, clock_ticks, machine_busy_s, stat_fields
 
 
 def available() -> bool:
     return (PROC / "stat").is_file()
-
-
-def _ticks() -> int:
-    """Clock ticks per second, the unit of /proc's CPU times."""
-    return os.sysconf("SC_CLK_TCK")
 
 
 def kind(title: str) -> str:
@@ -109,12 +102,7 @@ class CpuUsage:
         """(seconds covered, machine busy CPU s, kind -> CPU s) during the union of `windows`
         (unix (start, end) pairs). A step partly inside counts in proportion to its overlap,
         so the figures are as fine as the sampling interval."""
-        merged: list[list[float]] = []
-        for a, b in sorted(w for w in windows if w[1] > w[0]):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
+        merged = merge_intervals(windows)
         covered, busy, by_kind = 0.0, 0.0, {}
         for step in self.timeline:
             length = step.end - step.start
@@ -151,7 +139,7 @@ class CpuSampler:
     def __enter__(self) -> "CpuSampler":
         if not available():
             return self
-        self._tick = _ticks()
+        self._tick = clock_ticks()
         self._existing = dict(self._processes())   # pid -> start time: these are not counted
         self._start_busy, self._start = machine_busy_s(), time.time()
         self._last_busy, self._last = self._start_busy, self._start
@@ -186,11 +174,10 @@ class CpuSampler:
             if not entry.name.isdigit() or int(entry.name) == me:
                 continue
             try:
-                stat = (entry / "stat").read_text()
+                fields = stat_fields(entry)
                 title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:          # it ended between the listing and the read
                 continue
-            fields = stat[stat.rfind(")") + 2:].split()
             yield int(entry.name), (int(fields[19]), fields, title)
 
     def _sample(self) -> None:

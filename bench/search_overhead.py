@@ -457,7 +457,7 @@ def report(plain: dict, search: dict | None, *, header: list[str], target: float
 
 def cpu_table(plain: CpuUsage, search: CpuUsage | None, *, trials: int, top: int = 14) -> str:
     """CPU seconds of each side: the whole machine's, and per process kind (processes started,
-    CPU seconds), the kinds that used the most first; `trials`: per-trial column divisor."""
+    CPU seconds), the kinds that used the most first; `trials`: how many each side ran (the note)."""
     sides = [plain, search] if search else [plain]
     kinds = sorted({k for side in sides for k in side.by_kind},
                    key=lambda k: -max(side.by_kind.get(k, (0, 0.0))[1] for side in sides))

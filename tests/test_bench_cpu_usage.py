@@ -79,3 +79,11 @@ def test_the_timeline_adds_up_to_each_kinds_cpu():
     assert in_steps == pytest.approx(usage.by_kind["python -c"][1])
     covered, _, by_kind = usage.within([(steps[0].start, steps[-1].end)])
     assert by_kind["python -c"] == pytest.approx(in_steps)
+
+
+def test_intervals_merge_once_and_their_union_length():
+    from bench.common import merge_intervals, union_length
+
+    spans = [(4.0, 5.0), (0.0, 1.0), (0.5, 2.0), (3.0, 3.0), (5.0, 6.0)]
+    assert merge_intervals(spans) == [(0.0, 2.0), (4.0, 6.0)]     # overlapping and touching joined, empty dropped
+    assert union_length(spans) == 4.0

@@ -76,28 +76,40 @@ class DeviceUtilization:
 PROC = Path("/proc")
 
 
+def clock_ticks() -> int:
+    """Clock ticks per second, the unit of /proc's CPU times."""
+    return os.sysconf("SC_CLK_TCK")
+
+
+def stat_fields(process: Path) -> list[str]:
+    """The fields of `/proc/PID/stat` after the process name (which may hold spaces): [0] the
+    state, [1] the parent, [11:15] utime stime cutime cstime, [19] the start time. OSError when
+    the process is gone."""
+    stat = (process / "stat").read_text()
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def machine_busy_s() -> float:
     """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal), from
     /proc/stat. Raises OSError where there is no /proc."""
     fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / clock_ticks()
 
 
 def process_tree_cpu_s(pid: int | None = None) -> float:
     """CPU seconds of process `pid` (default this one), its live children and the children it
     has reaped (cutime, cstime), from /proc."""
     pid = os.getpid() if pid is None else pid
-    tick = os.sysconf("SC_CLK_TCK")
+    tick = clock_ticks()
     total = 0.0
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            fields = stat_fields(entry)
         except OSError:        # it ended between the listing and the read
             continue
-        fields = stat[stat.rfind(")") + 2:].split()   # fields[0] is the state, [1] the parent
         if int(entry.name) == pid or int(fields[1]) == pid:
             total += sum(int(x) for x in fields[11:15]) / tick       # utime stime cutime cstime
     return total
@@ -141,13 +153,12 @@ def other_cores(windows: dict[str, list[CpuWindow | None]]) -> float:
     (key: node id; values: the windows of the run's workers there), the machine's busy time less
     all of those workers' own, per wall second. NaN when no node could measure; 0 = nothing
     else ran."""
-    worst = math.nan
+    per_node = []
     for views in windows.values():
         seen = [w for w in views if w is not None and w.wall_s > 0]
         if not seen or len(seen) < len(views):
             continue
         busy = sum(w.busy_s for w in seen) / len(seen)      # each worker saw the same machine
         wall = sum(w.wall_s for w in seen) / len(seen)
-        cores = max(0.0, busy - sum(w.own_s for w in seen)) / wall
-        worst = cores if math.isnan(worst) else max(worst, cores)
-    return worst
+        per_node.append(max(0.0, busy - sum(w.own_s for w in seen)) / wall)
+    return max(per_node, default=math.nan)

@@ -184,9 +184,7 @@ def steady_speeds(result: Any) -> dict[str, float]:
     by_epoch = {k: {e: _f(rec[k]) for e, rec in records.items() if k in rec}
                 for k in (*SPEED_KEYS, "other_cpu_cores", "concurrent_trainings")}
     shared = [v for v in by_epoch["concurrent_trainings"].values() if math.isfinite(v)]
-    other = {e: v for e, v in by_epoch["other_cpu_cores"].items() if math.isfinite(v)}
-    return {**{k: steady_state(by_epoch[k]) for k in SPEED_KEYS},
-            "other_cpu_cores": steady_state(other) if other else math.nan,
+    return {**{k: steady_state(by_epoch[k]) for k in (*SPEED_KEYS, "other_cpu_cores")},
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
