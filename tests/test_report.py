@@ -179,6 +179,8 @@ def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
     *table, legend = report.format_table([quiet, busy, unmeasured]).splitlines()
     assert "4.2~" in table[3] and legend.startswith("~ other processes")
     assert "4.2~" in report.format_markdown([busy])
+    assert report.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")   # its meaning
+    assert "`~`" not in report.format_markdown([quiet])
     assert report.csv_record(busy)["other_cpu_cores"] == "0.80"
     assert "~" not in report.format_table([quiet])                   # no mark, no legend
 

@@ -266,8 +266,7 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
                      _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs), r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    marks = "".join(speed_marks(r) for r in rows)
-    legend = [text for mark, text in MARK_LEGEND if mark in marks]
+    legend = [text for _, text in marks_used(rows)]
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
 
 
@@ -276,6 +275,12 @@ MARK_LEGEND = (
     ("~", f"~ other processes kept >= {OTHER_LOAD_MARK:g} cores busy on its machine while it trained "
           "(other_cpu_cores): its speed is not the model's alone"),
 )
+
+
+def marks_used(rows: list[TrialRow]) -> list[tuple[str, str]]:
+    """The (mark, what it means) of MARK_LEGEND that some row's clips/s carries."""
+    marks = "".join(speed_marks(r) for r in rows)
+    return [(mark, text) for mark, text in MARK_LEGEND if mark in marks]
 
 
 def speed_marks(r: TrialRow) -> str:
@@ -289,13 +294,15 @@ def speed_marks(r: TrialRow) -> str:
 
 def format_markdown(rows: list[TrialRow]) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
-    name, batch size, lr, val_acc and val_f1 (best epoch), steady clips/s, epochs, status."""
+    name, batch size, lr, val_acc and val_f1 (best epoch), steady clips/s, epochs, status; under
+    it, what the marks after clips/s mean (a list, when a row carries one)."""
     head = "| trial | batch | lr | val_acc | val_f1 | epoch | clips/s | epochs | status |"
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | {_num(r.val_f1, 3)} | "
                      f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} | {r.status} |")
-    return "\n".join(lines)
+    legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
+    return "\n".join(lines + ([""] + legend if legend else []))
 
 
 def _num(x: float, digits: int) -> str:
