@@ -244,16 +244,19 @@ def test_usage_error_names_its_flag():
 def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     """On the head of an autoscaling cluster, 0 GPUs at connect time is not an error when a
     worker node type can bring GPUs (cluster.yaml leaves resources for AWS to detect)."""
-    from tune.runner import autoscaler_may_add_gpus
+    from tune.cluster import ClusterCapacity, read_node_types
+
+    def may_add(cfg):
+        return ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), read_node_types(cfg)).may_add_gpus
 
     cfg = tmp_path / "ray_bootstrap_config.yaml"
-    assert not autoscaler_may_add_gpus(cfg)                      # not a cluster head
+    assert not may_add(cfg)                                      # not a cluster head
     cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}, max_workers: 0}\n"
                    "  gpu: {resources: {}, max_workers: 2}\n")
-    assert autoscaler_may_add_gpus(cfg)
+    assert may_add(cfg)
     cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}}\n"
                    "  cpu: {resources: {CPU: 8, GPU: 0}, max_workers: 4}\n  gpu: {resources: {GPU: 1}, max_workers: 0}\n")
-    assert not autoscaler_may_add_gpus(cfg)
+    assert not may_add(cfg)
 
 
 def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, capsys):

@@ -5,12 +5,17 @@ from __future__ import annotations
 from tune.trial import TrialResources
 
 
-def test_one_worker_gpu_trial_asks_ray_for_half_its_share():
+def test_one_worker_gpu_trial_asks_ray_for_a_lead_or_follower_share():
+    from trainer.lease import FOLLOW, LEAD
+
     whole = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=1.0)
-    assert whole.per_worker() == {"CPU": 2, "GPU": 0.5}        # two such trials fit on one GPU
-    assert whole.trainings_per_gpu == 1                          # but the lease lets one train
+    assert whole.overlaps and whole.trainings_per_gpu == 1       # the lease lets one train per GPU
+    lead, follow = whole.per_worker(LEAD)["GPU"], whole.per_worker(FOLLOW)["GPU"]
+    assert lead > 0.5 and lead + follow == 1.0                   # no two leads share a GPU; a follower fills one
+    assert whole.per_worker() == {"CPU": 2, "GPU": lead}
     packed = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=0.5)   # --gpus-per-trial 0.5
-    assert packed.per_worker()["GPU"] == 0.25 and packed.trainings_per_gpu == 2
+    assert not packed.overlaps and packed.trainings_per_gpu == 2
+    assert packed.per_worker(LEAD)["GPU"] == packed.per_worker(FOLLOW)["GPU"] == 0.5   # two train side by side
 
 
 def test_multi_worker_and_cpu_trials_ask_for_what_they_train_on():
@@ -48,10 +53,14 @@ def _opts(*argv):
     return parse_options(["--smoke-test", *argv])
 
 
-def _fit(opts, **cluster):
-    from tune.runner import fit_to_cluster
+def _fit(opts, *, cpus=2.0, gpus=0.0, cpu_nodes=1, node_types=()):
+    """fit_to_cluster on `cpu_nodes` nodes sharing `cpus`, the GPUs all on the last one (the first
+    node the head), and the autoscaler's `node_types`. Returns (options, concurrency, local_gpu)."""
+    from tune.cluster import ClusterCapacity, fit_to_cluster
 
-    return fit_to_cluster(opts, **{"cpus": 2.0, "gpus": 0.0, "cpu_nodes": 1, **cluster})
+    nodes = tuple((cpus / cpu_nodes, gpus if i == cpu_nodes - 1 else 0.0) for i in range(cpu_nodes))
+    fit = fit_to_cluster(opts, ClusterCapacity(nodes, nodes[0], tuple(node_types)))
+    return fit.opts, fit.concurrency, fit.local_gpu
 
 
 def test_cpu_machine_runs_one_trial_at_a_time_with_the_cpu_defaults():
@@ -84,7 +93,7 @@ def test_one_gpu_machine_is_local_mode_with_a_trial_starting_behind_the_training
     assert opts.space.batch_sizes == (8, 16, 32)               # the GPU defaults
     assert concurrency == 2                                    # one training, one starting up
     _, packed, _ = _fit(_opts("--num-samples", "6", "--gpus-per-trial", "0.5"), cpus=8.0, gpus=1.0)
-    assert packed == 4                                         # two trainings per GPU, each with one behind
+    assert packed == 2                                         # two trainings side by side, as asked
     _, four, local = _fit(_opts("--num-samples", "20", "--address", "auto"), cpus=32.0, gpus=4.0)
     assert four == 8 and not local
     _, capped, _ = _fit(_opts("--num-samples", "3"), cpus=32.0, gpus=4.0)
@@ -108,5 +117,77 @@ def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
         _fit(_opts("--workers-per-trial", "3"))
     assert e.value.flag == "--workers-per-trial/--cpus-per-worker"
     # The head of an autoscaling cluster with GPU node types: 0 GPUs now is not an error.
-    opts, _, _ = _fit(_opts("--gpus-per-trial", "1", "--address", "auto"), may_add_gpus=lambda: True)
+    from tune.cluster import NodeType
+
+    opts, _, _ = _fit(_opts("--gpus-per-trial", "1", "--address", "auto"),
+                      node_types=[NodeType("gpu", 8, None, 2)])
     assert opts.resources.gpus_per_worker == 1.0
+
+
+def test_fractional_gpus_per_worker_with_several_workers_are_refused_naming_the_flag():
+    import pytest
+
+    from datasets.flags import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _opts("--workers-per-trial", "2", "--gpus-per-trial", "1")
+    assert e.value.flag == "--gpus-per-trial" and "two ranks" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _opts("--workers-per-trial", "2", "--gpus-per-worker", "0.5")
+    assert e.value.flag == "--gpus-per-worker"
+    with pytest.raises(ConfigError) as e:
+        _opts("--gpus-per-worker", "1.5")
+    assert e.value.flag == "--gpus-per-worker" and "whole number" in str(e.value)
+    assert _opts("--workers-per-trial", "2", "--gpus-per-trial", "2").resources.gpus_per_trial == 2   # whole: fine
+
+
+# -- an autoscaling cluster: the nodes it can start count --------------------------------------
+
+def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
+    """The README's cluster: a 4-CPU head alone at first, up to 2 + 4 g5.2xlarge (8 CPUs, 1 GPU)."""
+    from tune.cluster import NodeType
+
+    types = [NodeType("gpu_ondemand", 8, 1, 2), NodeType("gpu_spot", 8, 1, 4)]
+    args = ("--address", "auto", "--num-samples", "20")
+    from dataclasses import replace
+
+    opts = _opts(*args, "--cpus-per-worker", "7")
+    opts, concurrency, _ = _fit(replace(opts, space=replace(opts.space, batch_sizes=None)), cpus=4.0, node_types=types)
+    assert concurrency == 6                                    # one trial per GPU node (7 + 7 CPUs > 8)
+    assert opts.space.batch_sizes == (8, 16, 32)               # the GPU defaults, from the node types
+    assert opts.resources.gpus_per_worker == 1.0
+    _, overlapping, _ = _fit(_opts(*args, "--cpus-per-worker", "3.5"), cpus=4.0, node_types=types)
+    assert overlapping == 12                                   # a lead and a follower per GPU node
+    from tune.cluster import ClusterCapacity, fit_to_cluster
+
+    alive = ((4.0, 0.0), (8.0, 1.0))                           # the head and one GPU node
+    fit = fit_to_cluster(_opts(*args, "--cpus-per-worker", "7"), ClusterCapacity(alive, alive[0]))
+    assert fit.concurrency == 1                                # without the node types: what is alive
+    assert fit_to_cluster(_opts(*args, "--cpus-per-worker", "7"),
+                          ClusterCapacity(alive, alive[0], tuple(types))).concurrency == 6
+
+
+def test_the_cluster_config_node_types_are_read_and_capped_by_max_workers(tmp_path):
+    from tune.cluster import NodeType, read_node_types
+
+    cfg = tmp_path / "ray_bootstrap_config.yaml"
+    assert read_node_types(cfg) == ()                          # not a cluster head
+    cfg.write_text("max_workers: 3\nhead_node_type: head\navailable_node_types:\n"
+                   "  head: {resources: {CPU: 4}, max_workers: 0}\n"
+                   "  cpu: {resources: {CPU: 16}, max_workers: 2}\n"
+                   "  gpu: {resources: {CPU: 8, GPU: 1}, max_workers: 2}\n"
+                   "  detected: {resources: {}, max_workers: 4}\n")
+    types = {t.name: t for t in read_node_types(cfg)}
+    assert set(types) == {"cpu", "gpu", "detected"}            # the head's own type is not one to start
+    assert types["gpu"] == NodeType("gpu", 8.0, 1.0, 2)        # GPU types first within max_workers 3
+    assert types["detected"].gpus is None and types["detected"].max_workers == 1
+    assert types["cpu"].max_workers == 0
+
+
+def test_a_search_that_waits_for_gpu_nodes_says_so():
+    from tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, waiting_line
+
+    capacity = ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), (NodeType("gpu_spot", 8, 1, 4),))
+    fit = fit_to_cluster(_opts("--address", "auto", "--num-samples", "8", "--cpus-per-worker", "3"), capacity)
+    assert fit.waits_for_nodes and fit.lead_slots == 4 and fit.concurrency == 8
+    assert "0 GPU(s) now" in waiting_line(capacity) and "gpu_spot up to 4 x 1 GPU" in waiting_line(capacity)

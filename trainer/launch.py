@@ -12,6 +12,7 @@ from typing import Any
 
 from datasets.flags import ConfigError, check_bounds, flag_specs
 from trainer.config import PRECISIONS, TrainConfig
+from trainer.gpus import SIMULATE_ENV, simulated_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,10 @@ def worker_env_vars() -> dict[str, str]:
     """
     existing = os.environ.get("PYTHONPATH", "")
     parts = [str(REPO_ROOT)] + [p for p in existing.split(os.pathsep) if p and p != str(REPO_ROOT)]
-    return {"PYTHONPATH": os.pathsep.join(parts)}
+    env = {"PYTHONPATH": os.pathsep.join(parts)}
+    if simulated_gpus():   # the workers train on the CPU on the GPUs Ray gives them (trainer.gpus)
+        env[SIMULATE_ENV] = os.environ[SIMULATE_ENV]
+    return env
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any) -> bool:
@@ -50,7 +54,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
     `address`: None starts a local Ray, "auto" or "ray://host:10001" joins a cluster (there the
     repository must sit at the same path on every node, as `cluster.yaml` arranges).
     Extra keyword arguments go to `ray.init`; a `runtime_env` given there is merged (its
-    env_vars win except PYTHONPATH, which gets the repository root prepended).
+    env_vars win except PYTHONPATH, which gets the repository root prepended). A local Ray gets
+    VIDTUNE_SIMULATE_GPUS GPUs when that is set (`trainer.gpus`).
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
@@ -60,6 +65,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
         return False
     if address is None and not os.environ.get("RAY_ADDRESS"):      # a local Ray, started here
         os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
+        if simulated_gpus():
+            kw["num_gpus"] = simulated_gpus()
     runtime_env = dict(kw.pop("runtime_env", None) or {})
     env_vars = dict(runtime_env.get("env_vars") or {})
     ours = worker_env_vars()
@@ -192,7 +199,8 @@ def build_torch_trainer(
     those videos instead of indexing the dataset again.
     """
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
 
     from trainer.worker import train_loop_per_worker
 
@@ -225,8 +233,11 @@ def build_torch_trainer(
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
+    # Simulated GPUs (trainer.gpus): the workers train on the CPU, where NCCL cannot run.
+    torch_config = TorchConfig(backend="gloo") if use_gpu and simulated_gpus() else None
     return TorchTrainer(
         train_loop or train_loop_per_worker,
+        torch_config=torch_config,
         train_loop_config=loop_config,
         scaling_config=scaling,
         run_config=run_config,

@@ -10,7 +10,8 @@ device, and that wait is outside its epoch times. The finished trial releases th
 as its last epoch is scored, so its checkpoint and teardown overlap the next one's training.
 
 One named actor per search (`start_lease`, owned by the search process, so it dies with it).
-Trials are the owners; a device is a key `"<node id>/gpu:<physical id>"` or `"<node id>/cpu"`.
+Trials are the owners; a device is a key `"<node id>/gpu:<physical id>"` or `"<node id>/cpu"`
+(the physical id, never a position in `CUDA_VISIBLE_DEVICES`: `device_keys`).
 A trial asks for all the keys of its workers in one `acquire` (so two multi-worker trials can
 never each hold half of what the other needs), granted first come, first served. The actor keeps
 every holding interval, so each epoch can report how many trainings shared its device
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 import ray
 
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
+LEAD, FOLLOW = "lead", "follow"       # a trial's GPU role (LeaseBook.take_role)
 
 
 class LeaseBook:
@@ -35,9 +37,11 @@ class LeaseBook:
     given (tests pass a fake one)."""
 
     def __init__(self, capacity: int = 1, cpu_capacity: int = 1,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, lead_slots: int = 0) -> None:
         self.capacity, self.cpu_capacity = int(capacity), int(cpu_capacity)
         self.clock = clock or time.time
+        self.lead_slots = int(lead_slots)        # GPUs a lead trial can have to itself (see take_role)
+        self.leads: set[str] = set()             # owners given the lead role, until their trial ends
         self.holders: dict[str, set[str]] = {}                 # key -> owners holding it now
         self.held: dict[str, tuple[str, ...]] = {}             # owner -> keys it holds
         self.queue: list[tuple[str, tuple[str, ...]]] = []     # waiting (owner, keys), arrival order
@@ -113,6 +117,24 @@ class LeaseBook:
                 self._changed.notify_all()
         return True
 
+    def take_role(self, owner: str) -> str:
+        """`LEAD` while fewer than `lead_slots` trials hold that role, else `FOLLOW` (the same
+        answer again to an owner that already leads). See `tune.trial.TrialResources`: a lead
+        asks Ray for more than half a GPU, so no two leads share one, and as long as a GPU has
+        no lead, new trials lead and Ray places them there; only when every GPU has its lead
+        does a trial follow, onto the share a lead leaves."""
+        if owner in self.leads or len(self.leads) < self.lead_slots:
+            self.leads.add(owner)
+            return LEAD
+        return FOLLOW
+
+    async def end(self, owner: str) -> bool:
+        """The owner's trial ended (Tune saw it complete, fail or stop): give back its devices and
+        its role. A worker gives back its devices itself after its last epoch (`release`); the
+        role stays until here, while the trial's Ray resources are still held."""
+        self.leads.discard(owner)
+        return await self.release(owner)
+
     def concurrent(self, owner: str, since: float, until: float) -> int:
         """Most trainings holding any of `owner`'s devices at one moment within [since, until],
         `owner` included (1 = it had its devices to itself; 0 = it held none then)."""
@@ -140,22 +162,24 @@ class LeaseBook:
 DeviceLease = ray.remote(num_cpus=0, max_concurrency=1000)(LeaseBook)
 
 
-def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1):
-    """Create the search's lease actor (owned by the caller: it ends with the search process)."""
-    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity)
+def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1, lead_slots: int = 0):
+    """Create the search's lease actor (owned by the caller: it ends with the search process).
+    `lead_slots`: GPUs the search may use at once, one lead trial each (0: no roles, CPU)."""
+    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity, lead_slots=lead_slots)
 
 
-def device_key(device: Any) -> str:
-    """This worker's device as a lease key: its node and, on a GPU, the GPU's physical id
-    (two trials with a fractional GPU each on one machine see the same id)."""
-    ctx = ray.get_runtime_context()
-    node = ctx.get_node_id()
-    if getattr(device, "type", str(device)) == "cpu":
-        return f"{node}/cpu"
-    gpu_ids = ctx.get_accelerator_ids().get("GPU") or []
-    index = getattr(device, "index", None) or 0
-    physical = gpu_ids[index] if index < len(gpu_ids) else str(index)
-    return f"{node}/gpu:{physical}"
+def device_keys(device: Any) -> list[str]:
+    """This worker's devices as lease keys: `<node>/gpu:<physical id>` for each GPU Ray gave it
+    (`trainer.gpus.physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
+    ranks their own ones; simulated GPUs too), else `<node>/cpu`. `device`: the torch device it
+    trains on (only its type is read, for the CPU case)."""
+    from trainer.gpus import physical_gpu_ids
+
+    node = ray.get_runtime_context().get_node_id()
+    gpu_ids = physical_gpu_ids()
+    if gpu_ids:
+        return [f"{node}/gpu:{gpu}" for gpu in gpu_ids]
+    return [f"{node}/{getattr(device, 'type', str(device))}"]
 
 
 @dataclass

@@ -158,7 +158,7 @@ class ReleaseTrialResources(Callback):
             log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
         if self.lease_name:
             try:
-                ray.get(ray.get_actor(self.lease_name).release.remote(trial_id), timeout=30)
+                ray.get(ray.get_actor(self.lease_name).end.remote(trial_id), timeout=30)
             except Exception as e:
                 log.warning("vidtune: could not release the device lease of trial %s: %s", trial_id, e)
 

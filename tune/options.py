@@ -73,6 +73,10 @@ class Resources:
                                            help="GPUs per training worker (default 1 if the cluster has GPUs, else 0)")
     gpus_per_trial: float | None = option(None, flag="--gpus-per-trial", metavar="G", ge=0,
                                           help="GPUs per trial, split over its workers; 0.5 packs two trials per GPU")
+    cluster_config: str | None = option(
+        None, flag="--cluster-config", metavar="FILE",
+        help="the autoscaler's cluster config, whose node types x max_workers count towards the trials at once "
+        "(with --address; default ~/ray_bootstrap_config.yaml, which `ray up` leaves on the head)")
     max_concurrent_trials: int | None = option(
         None, flag="--max-concurrent-trials", metavar="N", ge=1,
         help="trials at once (default: 2 per GPU, one training and one starting behind it; "
@@ -251,6 +255,7 @@ def validate(o: SearchOptions) -> None:
             abs(r.gpus_per_worker * r.workers_per_trial - r.gpus_per_trial) > 1e-9:
         raise ConfigError("--gpus-per-trial", f"{r.gpus_per_trial:g} disagrees with --gpus-per-worker "
                           f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one of the two")
+    _check_gpus_per_worker(r)
     if o.verbose and o.quiet:
         raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):
@@ -258,6 +263,23 @@ def validate(o: SearchOptions) -> None:
     if not o.demo and not Path(o.train.data.root).expanduser().exists():
         raise ConfigError("--data", f"{o.train.data.root} does not exist; pass the folder of videos (or a CSV "
                           "manifest), or leave --data out to run the demo")
+
+
+def _check_gpus_per_worker(r: Resources) -> None:
+    """A worker trains on a share of one GPU or on whole GPUs. With more than one worker, a share
+    would put two ranks of one trial on one GPU (NCCL: "Duplicate GPU detected")."""
+    flag = "--gpus-per-worker" if r.gpus_per_worker is not None else "--gpus-per-trial"
+    per_worker = r.gpus_per_worker if r.gpus_per_worker is not None else (
+        r.gpus_per_trial / r.workers_per_trial if r.gpus_per_trial is not None else None)
+    if per_worker is None or per_worker == 0:
+        return
+    if r.workers_per_trial > 1 and per_worker < 1:
+        raise ConfigError(flag, f"{per_worker:g} GPU per worker with --workers-per-trial {r.workers_per_trial} "
+                          "puts two ranks of one trial on one GPU, which NCCL refuses; give each worker a whole "
+                          f"GPU (--gpus-per-trial {r.workers_per_trial}) or use one worker")
+    if per_worker > 1 and not float(per_worker).is_integer():
+        raise ConfigError(flag, f"{per_worker:g} GPUs per worker: a worker takes a share of one GPU or whole GPUs; "
+                          "pass a whole number, or a share below 1")
 
 
 def with_defaults_for_hardware(o: SearchOptions, *, cluster_gpus: float) -> SearchOptions:

@@ -3,108 +3,31 @@ Tuner with the MLflow writer and the resource releaser, then report."""
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from datasets.flags import ConfigError
-from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
+from tune.options import SearchOptions
 from trainer.lease import start_lease
 from tune import faults
+from tune.cluster import AUTOSCALER_CONFIG, Fit, fit_to_cluster, read_capacity, trial_resources, waiting_line
 from tune.console import SearchConsole
-from tune.trial import DRIVER_CPUS, TrialResources, make_trial_driver, short_name
+from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
 
 
-def check_cluster(opts: SearchOptions) -> tuple[SearchOptions, int, bool]:
+def check_cluster(opts: SearchOptions) -> Fit:
     """Right after connecting, before any trial: `fit_to_cluster` on what the running Ray
-    cluster offers. Returns (options, concurrency, local_gpu)."""
-    import ray
-
-    res = ray.cluster_resources()
-    cpu_nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
-    return fit_to_cluster(opts, cpus=float(res.get("CPU", 0.0)), gpus=float(res.get("GPU", 0.0)),
-                          cpu_nodes=cpu_nodes, may_add_gpus=autoscaler_may_add_gpus)
-
-
-def fit_to_cluster(opts: SearchOptions, *, cpus: float, gpus: float, cpu_nodes: int,
-                   may_add_gpus: Any = lambda: False) -> tuple[SearchOptions, int, bool]:
-    """Fill the hardware defaults, refuse trials the cluster cannot hold (ConfigError naming the
-    flag), and decide how many trials run at once. `cpus`/`gpus`: the cluster's totals;
-    `cpu_nodes`: alive nodes with CPUs; `may_add_gpus()`: an autoscaler can still start GPU nodes.
-    Returns (options, concurrency, local_gpu).
-
-    Trials at once, within what Ray's resources hold: on GPUs two per training slot (a GPU
-    share), one training and one starting up behind it (see `tune.trial.TrialResources` and
-    `trainer.lease`); on CPU-only nodes one per node, where the starting trial would compete for
-    the cores the training uses all of: measured on 2 cores (BENCHMARKS.md), trainings that
-    overlapped a start took up to 2x longer and the search as a whole gained nothing. Unless
-    `--cpu-threads` leaves a node's training some cores short of all: then, as on a GPU, the next
-    trial starts on the free cores behind it."""
-    opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
-    r = opts.resources
-    gpt = gpus_per_trial(opts)
-    if gpt > gpus + 1e-9 and r.address is not None and may_add_gpus():
-        print(f"the Ray cluster has {gpus:g} GPU(s) now; a trial needs {gpt:g}: waiting for the autoscaler "
-              "to start GPU nodes (see its node types in the cluster config)")
-        gpus = max(gpus, gpt)
-    if gpt > gpus + 1e-9:
-        flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
-        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({r.workers_per_trial} worker(s) x "
-                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
-    cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
-    if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
-        raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
-                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
-    # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
-    local_gpu = r.local or (r.address is None and math.isclose(gpus, 1.0))
-    resources = trial_resources(opts)
-    fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
-    if gpt > 0:
-        fit = min(fit, math.floor((gpus + 1e-9) / (resources.ray_gpus_per_worker * r.workers_per_trial)))
-        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / r.workers_per_trial)
-        per_slot = 2 if resources.ray_gpus_per_worker < resources.gpus_per_worker else 1
-    else:
-        slots, per_slot = cpu_nodes, 2 if leaves_cores_free(opts, cpus / max(1, cpu_nodes)) else 1
-    concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
-    return opts, concurrency, local_gpu
-
-
-def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
-    """A training on a CPU-only node of `node_cpus` cores leaves some of them idle: its workers'
-    torch threads (`--cpu-threads` x `--workers-per-trial`) are fewer than the cores."""
-    threads = opts.train.cpu_threads
-    return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
-
-
-def trial_resources(opts: SearchOptions) -> TrialResources:
-    """What each trial asks Ray for (hardware defaults already filled in)."""
-    r = opts.resources
-    return TrialResources(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0)
-
-
-AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
-
-
-def autoscaler_may_add_gpus(config: Path = AUTOSCALER_CONFIG) -> bool:
-    """True when this is the head of an autoscaling cluster with a worker node type that can be
-    started and may have GPUs (declared, or left for the cloud provider to detect)."""
-    import yaml
-
-    path = config.expanduser()
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return False
-    head = doc.get("head_node_type")
-    for name, node in (doc.get("available_node_types") or {}).items():
-        if name == head or not node or int(node.get("max_workers", 0) or 0) < 1:
-            continue
-        resources = node.get("resources") or {}
-        if "GPU" not in resources or float(resources["GPU"]) > 0:
-            return True
-    return False
+    cluster offers, counting the nodes its autoscaler can start (on a cluster: `--address`)."""
+    config = None
+    if opts.resources.address is not None:
+        config = Path(opts.resources.cluster_config) if opts.resources.cluster_config else AUTOSCALER_CONFIG
+    capacity = read_capacity(config)
+    fit = fit_to_cluster(opts, capacity)
+    if fit.waits_for_nodes and capacity.may_add_gpus:
+        print(waiting_line(capacity), flush=True)
+    return fit
 
 
 def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
@@ -167,7 +90,8 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
 
     from tune import cleanup, space
 
-    opts, concurrency, local_gpu = check_cluster(plan.opts)
+    fit = check_cluster(plan.opts)
+    opts, concurrency, local_gpu = fit.opts, fit.concurrency, fit.local_gpu
     if plan.opts.space.batch_sizes is None and plan.index is not None:
         # The hardware's default batch sizes, now known, against the videos (explicit ones were
         # checked before Ray started).
@@ -189,7 +113,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     lease_name = f"vidtune-device-lease-{plan.name}"
     # The registry and lease actors live as long as this process holds their handles.
     registry = cleanup.start_registry(registry_name)
-    lease = start_lease(lease_name, capacity=resources.trainings_per_gpu)
+    lease = start_lease(lease_name, capacity=resources.trainings_per_gpu, lead_slots=fit.lead_slots)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,

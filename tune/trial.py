@@ -11,10 +11,20 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainer.config import TrainConfig
+from trainer.lease import LEAD
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
 REUSE_WAIT_S = 60          # how long Tune waits for a stopped trial's function before reusing its process
+
+
+# A trial's share of its GPU as Ray sees it, by role (`trainer.lease.LeaseBook.take_role`). Ray
+# places fractional GPU requests best-fit (the fullest GPU that still has room), so trials that
+# all asked for half a GPU would pile in pairs onto GPUs 0, 1, .. and leave the rest idle. A lead
+# asks for more than half: no two leads fit on one GPU, and a lead goes to a GPU without one. A
+# follower asks for what a lead leaves: it goes behind a lead, and only once every GPU has one.
+LEAD_GPU_SHARE = 0.6
+FOLLOW_GPU_SHARE = 1.0 - LEAD_GPU_SHARE
 
 
 @dataclass(frozen=True)
@@ -22,12 +32,13 @@ class TrialResources:
     """What one trial's Train run asks Ray for.
 
     `gpus_per_worker` is the share of a GPU a worker trains on (1 = a whole GPU, 0.5 = two
-    trials packed on one). With `overlap`, a one-worker trial asks Ray for half of that share,
-    so that Ray can place the next trial on the same GPU while this one trains: the next one
-    starts up (driver, Train controller, worker, data, model: ~12 s) and then waits on the
-    device lease (`trainer.lease`), which keeps the trainings themselves one at a time per share.
-    Multi-worker trials ask for whole shares: two of one trial's workers on one GPU would break
-    its process group.
+    trials packed on one). With `overlap`, a one-worker trial on a whole GPU lets the next trial
+    start on the same GPU while it trains: the next one starts up (driver, Train controller,
+    worker, data: ~12 s) and then waits on the device lease (`trainer.lease`), which keeps the
+    trainings one at a time per GPU. Ray sees the two as a lead and a follower sharing the GPU
+    (`LEAD_GPU_SHARE`), so that trainings spread over all GPUs first. Multi-worker trials ask for
+    whole GPUs (two of one trial's workers on one GPU would break its process group), and packed
+    trials for their share: they train side by side, as asked.
     """
 
     workers: int = 1
@@ -40,11 +51,9 @@ class TrialResources:
         return self.gpus_per_worker > 0
 
     @property
-    def ray_gpus_per_worker(self) -> float:
-        """The GPU share asked of Ray per worker (half the training share when overlapping)."""
-        if self.overlap and self.workers == 1 and 0 < self.gpus_per_worker <= 1:
-            return self.gpus_per_worker / 2
-        return self.gpus_per_worker
+    def overlaps(self) -> bool:
+        """Whether a second trial starts behind each training on its GPU (lead / follower)."""
+        return self.overlap and self.workers == 1 and self.gpus_per_worker == 1
 
     @property
     def trainings_per_gpu(self) -> int:
@@ -53,10 +62,17 @@ class TrialResources:
             return max(1, int(1 / self.gpus_per_worker + 1e-9))
         return 1
 
-    def per_worker(self) -> dict[str, float]:
+    def ray_gpus_per_worker(self, role: str = LEAD) -> float:
+        """The GPU share asked of Ray per worker: the lead's or follower's part of a whole GPU
+        when overlapping, else the training share itself."""
+        if self.overlaps:
+            return LEAD_GPU_SHARE if role == LEAD else FOLLOW_GPU_SHARE
+        return self.gpus_per_worker
+
+    def per_worker(self, role: str = LEAD) -> dict[str, float]:
         res = {"CPU": self.cpus_per_worker}
         if self.use_gpu:
-            res["GPU"] = self.ray_gpus_per_worker
+            res["GPU"] = self.ray_gpus_per_worker(role)
         return res
 
 
@@ -119,6 +135,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     base_dict = base.to_dict()
 
     def trial_driver(config: dict) -> None:
+        import ray
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -147,9 +164,12 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             tune.report(finished)
             return
         lease = LeaseSettings(lease_name, trial_id) if lease_name else None
+        role = LEAD
+        if lease_name and resources.overlaps:
+            role = ray.get(ray.get_actor(lease_name).take_role.remote(trial_id), timeout=60)
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
-            resources_per_worker=resources.per_worker(), name=trial_name,
+            resources_per_worker=resources.per_worker(role), name=trial_name,
             storage_path=train_storage, callbacks=callbacks, device_lease=lease, index=index,
         )
         try:

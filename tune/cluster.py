@@ -1,0 +1,213 @@
+"""What the Ray cluster offers a search, now and once its autoscaler has started every node it
+may, and how many trials run at once there.
+
+A search on a cluster started from `cluster.yaml` begins with a CPU head and few or no GPU
+nodes: sized by what is alive at that moment it would run one trial at a time, and Ray's
+autoscaler, which starts a node only for a request that waits, would never start the others.
+So the trials at once count the nodes the autoscaler can start too (its node types' resources
+x `max_workers`, from the cluster config `ray up` leaves on the head), and the trials that do
+not fit yet wait for them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from datasets.flags import ConfigError
+from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
+from tune.trial import DRIVER_CPUS, TrialResources
+
+AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
+HEAD_RESOURCE = "node:__internal_head__"                   # Ray's resource that marks the head node
+
+Node = tuple[float, float]    # (CPUs, GPUs) of one node
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """A worker node type of the autoscaler's config: its resources and how many it may start.
+    `gpus` is None when the config leaves them for the cloud provider to detect."""
+
+    name: str
+    cpus: float
+    gpus: float | None
+    max_workers: int
+
+
+@dataclass(frozen=True)
+class ClusterCapacity:
+    """`alive`: the (CPUs, GPUs) of each node alive now; `head`: the head's, or None when no
+    node is the head (a local Ray: its one node); `node_types`: what the autoscaler may start."""
+
+    alive: tuple[Node, ...]
+    head: Node | None = None
+    node_types: tuple[NodeType, ...] = field(default_factory=tuple)
+
+    @property
+    def gpus_now(self) -> float:
+        return sum(g for _, g in self.alive)
+
+    @property
+    def planned(self) -> tuple[Node, ...]:
+        """The nodes once the autoscaler has started all it may (the head and every worker type
+        x max_workers); the alive nodes when that is not more."""
+        # A type whose GPUs the cloud provider detects counts as one GPU a node (a `ray up` head's
+        # config has them filled in; a config given by hand may not).
+        planned = ((self.head,) if self.head else ()) + tuple(
+            (t.cpus, 1.0 if t.gpus is None else t.gpus) for t in self.node_types for _ in range(t.max_workers))
+        total = lambda nodes: (sum(c for c, _ in nodes), sum(g for _, g in nodes))   # noqa: E731
+        return planned if self.node_types and total(planned) > total(self.alive) else self.alive
+
+    @property
+    def may_add_gpus(self) -> bool:
+        """The autoscaler can start nodes with GPUs (declared, or left for the cloud to detect)."""
+        return any(t.max_workers > 0 and (t.gpus is None or t.gpus > 0) for t in self.node_types)
+
+
+def read_node_types(config: Path = AUTOSCALER_CONFIG) -> tuple[NodeType, ...]:
+    """The worker node types of an autoscaler cluster config (the head's type left out); () when
+    there is no such file (not a `ray up` head) or it cannot be read. The cluster-wide
+    `max_workers` caps the types' own, GPU types first (what a search asks for)."""
+    path = config.expanduser()
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ()
+    head = doc.get("head_node_type")
+    types = []
+    for name, node in (doc.get("available_node_types") or {}).items():
+        if name == head or not isinstance(node, dict):
+            continue
+        resources = node.get("resources") or {}
+        # No resources at all: the cloud provider detects them (a `ray up` head's copy has them).
+        gpus = float(resources.get("GPU", 0) or 0) if resources else None
+        types.append(NodeType(str(name), float(resources.get("CPU", 0) or 0), gpus,
+                              int(node.get("max_workers", 0) or 0)))
+    cap = doc.get("max_workers")
+    if cap is None:
+        return tuple(types)
+    left, capped = int(cap), []
+    for t in sorted(types, key=lambda t: -(1.0 if t.gpus is None else t.gpus)):
+        capped.append(NodeType(t.name, t.cpus, t.gpus, min(t.max_workers, left)))
+        left -= capped[-1].max_workers
+    return tuple(capped)
+
+
+def read_capacity(config: Path | None) -> ClusterCapacity:
+    """The running Ray cluster's capacity (Ray must be initialised); `config`: the autoscaler's
+    cluster config (None: no autoscaler)."""
+    import ray
+
+    alive, head = [], None
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources") or {}
+        node = (float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0)))
+        alive.append(node)
+        if HEAD_RESOURCE in res:
+            head = node
+    return ClusterCapacity(tuple(alive), head, read_node_types(config) if config is not None else ())
+
+
+def worker_slots(nodes: tuple[Node, ...], resources: TrialResources) -> int:
+    """Trial workers that fit on `nodes` at once, each on one node (CPUs, and GPUs by role:
+    a lead and a follower per GPU when trials overlap)."""
+    total = 0
+    for cpus, gpus in nodes:
+        slots = math.floor((cpus + 1e-9) / resources.cpus_per_worker)
+        if resources.use_gpu:
+            per_gpu = 2 if resources.overlaps else 1 / resources.gpus_per_worker
+            slots = min(slots, math.floor(gpus * per_gpu + 1e-9))
+        total += slots
+    return total
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What `fit_to_cluster` decided. `lead_slots`: GPUs a lead trial may have to itself
+    (`trainer.lease.LeaseBook.take_role`; 0 without overlap)."""
+
+    opts: SearchOptions
+    concurrency: int
+    local_gpu: bool
+    lead_slots: int = 0
+    waits_for_nodes: bool = False
+
+
+def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
+    """Fill the hardware defaults (from the node types when no GPU node is alive yet), refuse
+    trials the cluster can never hold (ConfigError naming the flag), and decide how many trials
+    run at once, counting the nodes the autoscaler can start.
+
+    Trials at once: on GPUs, with one-worker trials, two per GPU: a lead training and a follower
+    starting up behind it (see `tune.trial.TrialResources` and `trainer.lease`); on CPU-only
+    nodes one per node, where the starting trial would compete for the cores the training uses
+    all of: measured on 2 cores (BENCHMARKS.md), trainings that overlapped a start took up to 2x
+    longer and the search as a whole gained nothing. Unless `--cpu-threads` leaves a node's
+    training some cores short of all: then, as on a GPU, the next trial starts on the free
+    cores behind it."""
+    nodes = capacity.planned
+    cpus, gpus = sum(c for c, _ in nodes), sum(g for _, g in nodes)
+    opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
+    r = opts.resources
+    gpt = gpus_per_trial(opts)
+    if gpt > gpus + 1e-9:
+        flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
+        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({r.workers_per_trial} worker(s) x "
+                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
+    cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
+    if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
+        raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
+                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
+    resources = trial_resources(opts)
+    if resources.use_gpu and worker_slots(nodes, resources) < r.workers_per_trial:
+        raise ConfigError("--cpus-per-worker", f"no node has {r.cpus_per_worker:g} CPUs beside a GPU for a "
+                          f"trial's worker (nodes: {describe_nodes(nodes)}); lower it")
+    # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
+    local_gpu = r.local or (r.address is None and math.isclose(gpus, 1.0))
+    fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
+    if gpt > 0:
+        fit = min(fit, worker_slots(nodes, resources) // r.workers_per_trial)
+        slots = math.floor((gpus + 1e-9) * resources.trainings_per_gpu / r.workers_per_trial)
+        per_slot = 2 if resources.overlaps else 1
+    else:
+        cpu_nodes = sum(1 for c, _ in nodes if c > 0)
+        slots = cpu_nodes
+        per_slot = 2 if leaves_cores_free(opts, cpus / max(1, cpu_nodes)) else 1
+    concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
+    lead_slots = math.floor(gpus + 1e-9) if resources.overlaps else 0
+    waits = gpt > 0 and capacity.gpus_now + 1e-9 < gpt
+    return Fit(opts, concurrency, local_gpu, lead_slots, waits)
+
+
+def trial_resources(opts: SearchOptions) -> TrialResources:
+    """What each trial asks Ray for (hardware defaults already filled in)."""
+    r = opts.resources
+    return TrialResources(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0)
+
+
+def describe_nodes(nodes: tuple[Node, ...]) -> str:
+    """'2 x (8 CPU, 1 GPU), 1 x (4 CPU)' for a list of nodes."""
+    counts: dict[Node, int] = {}
+    for node in nodes:
+        counts[node] = counts.get(node, 0) + 1
+    return ", ".join(f"{n} x ({c:g} CPU{f', {g:g} GPU' if g else ''})" for (c, g), n in counts.items())
+
+
+def waiting_line(capacity: ClusterCapacity) -> str:
+    """One line for a search that starts before the GPU nodes it needs have joined."""
+    types = ", ".join(f"{t.name} up to {t.max_workers} x {'? (detected)' if t.gpus is None else f'{t.gpus:g}'} GPU"
+                      for t in capacity.node_types if t.max_workers > 0 and (t.gpus is None or t.gpus > 0))
+    return (f"the Ray cluster has {capacity.gpus_now:g} GPU(s) now: the trials wait for the autoscaler to start "
+            f"GPU nodes ({types})")
+
+
+def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
+    """A training on a CPU-only node of `node_cpus` cores leaves some of them idle: its workers'
+    torch threads (`--cpu-threads` x `--workers-per-trial`) are fewer than the cores."""
+    threads = opts.train.cpu_threads
+    return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
