@@ -191,3 +191,35 @@ def test_a_search_that_waits_for_gpu_nodes_says_so():
     fit = fit_to_cluster(_opts("--address", "auto", "--num-samples", "8", "--cpus-per-worker", "3"), capacity)
     assert fit.waits_for_nodes and fit.lead_slots == 4 and fit.concurrency == 8
     assert "0 GPU(s) now" in waiting_line(capacity) and "gpu_spot up to 4 x 1 GPU" in waiting_line(capacity)
+
+
+def test_a_folder_or_weights_file_that_another_node_lacks_is_refused(tmp_path):
+    """Two nodes: this one (the real view of its paths) and another that sees what it is told."""
+    from pathlib import Path
+
+    import pytest
+
+    from datasets.flags import ConfigError
+    from tune.cluster import check_paths_on_every_node
+
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"x")
+
+    def two_nodes(other_sees_storage: bool, other_has_weights: bool):
+        def views(marker, weights_path):
+            assert marker is None or Path(marker).exists()       # the driver wrote the marker first
+            here = {"node": "10.0.0.1", "storage": marker is None or Path(marker).exists(),
+                    "weights": weights_path is None or Path(weights_path).is_file()}
+            return [here, {"node": "10.0.0.2", "storage": marker is None or other_sees_storage,
+                           "weights": weights_path is None or other_has_weights}]
+        return views
+
+    storage = tmp_path / "results"
+    check_paths_on_every_node(str(storage), str(weights), views=two_nodes(True, True))   # shared: fine
+    assert list(storage.iterdir()) == []                                                # the marker is gone
+    with pytest.raises(ConfigError) as e:
+        check_paths_on_every_node(str(storage), "none", views=two_nodes(False, True))
+    assert e.value.flag == "--storage" and "10.0.0.2" in str(e.value) and "s3://" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_paths_on_every_node("s3://bucket/x", str(weights), views=two_nodes(False, False))
+    assert e.value.flag == "--weights" and "10.0.0.2" in str(e.value) and "every node" in str(e.value)

@@ -211,3 +211,68 @@ def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
     torch threads (`--cpu-threads` x `--workers-per-trial`) are fewer than the cores."""
     threads = opts.train.cpu_threads
     return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
+
+
+def driver_node_gpus() -> float:
+    """GPUs of the node this process (the search driver) runs on."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return next((float((n.get("Resources") or {}).get("GPU", 0.0)) for n in ray.nodes() if n.get("NodeID") == me), 0.0)
+
+
+def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
+    """What one node sees of the driver's paths: its address, whether the `marker` file (in
+    --storage) exists there and whether --weights is a file there. Run on each node."""
+    import ray
+
+    return {"node": ray.util.get_node_ip_address(),
+            "storage": marker is None or Path(marker).exists(),
+            "weights": weights is None or Path(weights).is_file()}
+
+
+def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[str, object]]:
+    """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0)(node_view)
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(marker, weights) for n in ray.nodes() if n.get("Alive")]
+    return ray.get(refs, timeout=120)
+
+
+def check_paths_on_every_node(storage: str, weights: str | None, *, views=views_of_every_node) -> None:
+    """On a cluster of more than one node, every node must see the same --storage folder (each
+    trial's checkpoints are written by the node it trains on and read back by the driver) and
+    the --weights file at the same path. A local --storage that other nodes do not share, or a
+    weights file missing on a node, raises ConfigError naming the flag, the node and the fix.
+    Checked on the nodes alive now; nodes the autoscaler starts later run the same setup.
+    `views`: how the nodes' views are gathered (`views_of_every_node`)."""
+    import uuid
+
+    local_storage = "://" not in storage
+    weights_file = weights if weights and weights not in ("none", "kinetics") else None
+    marker = Path(storage).expanduser() / f".vidtune-node-check-{uuid.uuid4().hex}" if local_storage else None
+    if marker is None and weights_file is None:
+        return
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    try:
+        seen = views(str(marker) if marker else None, str(Path(weights_file).expanduser()) if weights_file else None)
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    if len(seen) < 2:
+        return
+    blind = [v["node"] for v in seen if not v["storage"]]
+    if blind:
+        raise ConfigError("--storage", f"{storage} is a folder of this machine only: node(s) {', '.join(map(str, blind))} "
+                          "of the Ray cluster do not see it, and trials there would keep their checkpoints on their "
+                          "own disks; pass an s3:// URI or a folder shared by every node (NFS/EFS, same path)")
+    missing = [v["node"] for v in seen if not v["weights"]]
+    if missing:
+        raise ConfigError("--weights", f"{weights} is not a file on node(s) {', '.join(map(str, missing))}; the "
+                          "weights file must exist at the same path on every node (copy it there in the cluster's "
+                          "setup_commands, or put it on shared storage)")

@@ -12,7 +12,8 @@ from datasets.flags import ConfigError
 from tune.options import SearchOptions
 from trainer.lease import start_lease
 from tune import faults
-from tune.cluster import AUTOSCALER_CONFIG, Fit, fit_to_cluster, read_capacity, trial_resources, waiting_line
+from tune.cluster import (AUTOSCALER_CONFIG, Fit, check_paths_on_every_node, driver_node_gpus, fit_to_cluster,
+                          read_capacity, trial_resources, waiting_line)
 from tune.console import SearchConsole
 from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
 
@@ -58,11 +59,12 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
     return replace(opts, space=replace(opts.space, batch_sizes=kept))
 
 
-def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool) -> Any:
+def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool, trains_here: bool = True) -> Any:
     """Decode every indexed video once into this node's clip cache before the first trial, so no
     trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read).
-    Returns `base` with the cache format resolved (auto: jpeg when trials train on GPUs, else
-    raw), so every worker reads the entries filled here."""
+    Not when no trial trains on this node (`trains_here` False: the CPU head of a GPU cluster):
+    the nodes that train fill their own caches. Returns `base` with the cache format resolved
+    (auto: jpeg when trials train on GPUs, else raw), so every worker reads the same format."""
     from dataclasses import replace as replace_field
 
     from datasets.cache import FrameCache, fill_cache
@@ -74,6 +76,10 @@ def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool) -> Any:
         return base
     base = base.with_overrides(data=replace_field(d, clip_cache_format=cache.format))
     if index is None:
+        return base
+    if not trains_here:
+        print(f"clip cache: no trial trains on this node; each GPU node fills its own cache ({cache.root}) "
+              "during its first epoch")
         return base
     spec = get_spec(base.model)
     height, width = d.height or spec.height, d.width or spec.width
@@ -101,7 +107,9 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                           flag="--batch-sizes", workers_flag="--workers-per-trial")
     opts = probe_batch_sizes(opts, plan.base)
     resources = trial_resources(opts)
-    base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu)
+    check_paths_on_every_node(plan.storage, opts.train.weights)
+    base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,
+                           trains_here=not resources.use_gpu or driver_node_gpus() > 0)
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
     objective = space.objective_for(opts.objective)
     print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
