@@ -1,11 +1,12 @@
-"""Batch-size probe: doubling then bisection against a simulated memory threshold."""
+"""Batch-size probe: doubling then bisection against a simulated memory threshold, keeping
+headroom."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from trainer import batch_probe
-from trainer.batch_probe import find_max_batch_size, is_out_of_memory
+from trainer.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
 
 
 class FakeMemory:
@@ -87,3 +88,35 @@ def test_real_training_step_on_cpu_reaches_the_limit(capsys):
 
 def test_cli_reports_bad_input():
     assert batch_probe.main(["--model", "tiny", "--device", "cpu", "--height", "32"]) == 2
+
+
+class SharedMemory(FakeMemory):
+    """A device of 100 clips: a step of b clips uses b% of its memory; above 100 it runs out."""
+
+    def __init__(self):
+        super().__init__(threshold=100)
+
+    def __call__(self, batch_size: int) -> float:
+        super().__call__(batch_size)
+        return batch_size / 100
+
+
+def test_headroom_keeps_a_share_of_the_memory_free():
+    """By default a size fits only when its step leaves 10% free: 90 of the 100 that would run.
+    The probe says what it kept and the smallest size it turned down for it."""
+    fake = SharedMemory()
+    probe = probe_batch_size("tiny", device="cpu", try_batch=fake)
+    assert (probe.batch_size, probe.peak_share, probe.tight, probe.headroom) == (90, 0.90, 91, 0.10)
+    assert fake.tried == [2, 4, 8, 16, 32, 64, 128, 96, 80, 88, 92, 90, 91]
+    assert "at most 90 clips per GPU fit with 10% of its memory kept free" in probe.describe()
+    assert "91 ran but would leave less" in probe.describe()
+    assert find_max_batch_size("tiny", device="cpu", try_batch=SharedMemory()) == 90     # the int, as before
+    assert find_max_batch_size("tiny", device="cpu", try_batch=SharedMemory(), headroom=0.0) == 100
+    assert find_max_batch_size("tiny", device="cpu", try_batch=SharedMemory(), headroom=0.25) == 75
+
+
+def test_even_the_smallest_batch_leaves_too_little_headroom():
+    with pytest.raises(ValueError, match=r"even batch size 2 leaves less than 10% of the memory free"):
+        probe_batch_size("tiny", device="cpu", try_batch=lambda b: 0.95)
+    with pytest.raises(ValueError, match=r"headroom must be a share of the memory in \[0, 1\)"):
+        probe_batch_size("tiny", device="cpu", try_batch=SharedMemory(), headroom=1.0)

@@ -6,8 +6,10 @@ BatchSizeFinder ("binsearch") and accelerate's find_executable_batch_size. Each 
 forward + backward + AdamW step under the chosen precision on random uint8 clips converted on
 the device, so autocast, GradScaler and the optimizer state all count.
 
-The answer is the exact largest size for that step; real training also holds the DataLoader's
-pinned batches and allocator fragmentation, so leave some headroom (e.g. use ~90% of it).
+Real training holds more than that one step (the next batches in flight, allocator
+fragmentation over many steps, other processes' CUDA contexts), so a size counts as fitting
+only when its step leaves HEADROOM (10%) of the device's memory free: its allocator's peak
+reserved memory stays <= 90% of the total. `probe_batch_size` says how much it used.
 
 CLI: `python -m trainer.batch_probe --model mvit_v2_s --precision auto`
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,7 +27,33 @@ from trainer import precision as prec
 from trainer.precision import is_out_of_memory  # also used by bench/gpu_precision.py
 from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec
 
-TryBatch = Callable[[int], None]    # runs one step at that batch size; raises torch.OutOfMemoryError
+# Runs one step at that batch size and returns the peak share of the device's memory it used
+# (None: unknown, e.g. on the CPU); raises torch.OutOfMemoryError when it does not fit.
+TryBatch = Callable[[int], float | None]
+HEADROOM = 0.10   # share of the device's memory a probed step must leave free (module docstring)
+
+
+@dataclass(frozen=True)
+class BatchProbe:
+    """What `probe_batch_size` found."""
+
+    batch_size: int              # the largest size that fits with `headroom` of the memory left free
+    headroom: float              # share of the device's memory kept free, in [0, 1)
+    peak_share: float | None     # peak share of the memory a step at batch_size used (None: unknown)
+    memory_gib: float | None     # the device's memory (None off CUDA)
+    tight: int | None = None     # the smallest size that ran but left less than `headroom` free
+
+    def describe(self) -> str:
+        """One line, e.g. `at most 24 clips per GPU fit with 10% of its 79 GiB kept free (a step
+        of 24 peaks at 84%; 26 would leave less)`."""
+        memory = f" {self.memory_gib:.0f} GiB" if self.memory_gib is not None else " memory"
+        line = f"at most {self.batch_size} clips per GPU fit with {self.headroom:.0%} of its{memory} kept free"
+        notes = []
+        if self.peak_share is not None:
+            notes.append(f"a step of {self.batch_size} peaks at {self.peak_share:.0%}")
+        if self.tight is not None:
+            notes.append(f"{self.tight} ran but would leave less")
+        return line + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: torch.device,
@@ -38,7 +67,8 @@ def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: to
     mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1, 1)
     std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1, 1)
 
-    def try_batch(batch_size: int) -> None:
+    def try_batch(batch_size: int) -> float | None:
+        prec.reset_peak_memory(device)
         try:
             clips = torch.randint(0, 256, (batch_size, num_frames, height, width, 3), dtype=torch.uint8, device=device)
             x = (clips.permute(0, 4, 1, 2, 3).float() / 255 - mean) / std
@@ -51,15 +81,28 @@ def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: to
             prec.synchronize(device)   # sync point: an asynchronous OOM must surface here
         finally:
             optimizer.zero_grad(set_to_none=True)
+        return prec.peak_reserved_share(device)
 
     return try_batch
 
 
 def find_max_batch_size(model_name: str, *, precision: str = "auto", device: torch.device | str | None = None,
                         num_frames: int | None = None, height: int | None = None, width: int | None = None,
-                        start: int = 2, limit: int = 256, try_batch: TryBatch | None = None) -> int:
-    """Largest batch size in [start, limit] whose training step fits in memory on `device`
-    (default: the first GPU, else the CPU, where the answer is normally `limit`).
+                        start: int = 2, limit: int = 256, try_batch: TryBatch | None = None,
+                        headroom: float = HEADROOM) -> int:
+    """Largest batch size in [start, limit] whose training step fits in memory on `device` with
+    `headroom` of it left free: `probe_batch_size(...).batch_size`."""
+    return probe_batch_size(model_name, precision=precision, device=device, num_frames=num_frames, height=height,
+                            width=width, start=start, limit=limit, try_batch=try_batch, headroom=headroom).batch_size
+
+
+def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.device | str | None = None,
+                     num_frames: int | None = None, height: int | None = None, width: int | None = None,
+                     start: int = 2, limit: int = 256, try_batch: TryBatch | None = None,
+                     headroom: float = HEADROOM) -> BatchProbe:
+    """The largest batch size in [start, limit] whose training step fits in memory on `device`
+    (default: the first GPU, else the CPU, where the answer is normally `limit`) and leaves
+    `headroom` (a share in [0, 1)) of its memory free, with the peak share it used.
 
     `num_frames`/`height`/`width` default to the model's spec. `try_batch(b)` replaces the real
     step (tests simulate a memory threshold with it). Raises ValueError when even `start` does
@@ -67,6 +110,8 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
     """
     if start < 1 or limit < start:
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
+    if not 0.0 <= headroom < 1.0:
+        raise ValueError(f"headroom must be a share of the memory in [0, 1), got {headroom}")
     device = torch.device(device) if device is not None else prec.default_device()
     spec = get_spec(model_name)
     size = (num_frames or spec.num_frames, height or spec.height, width or spec.width)
@@ -76,11 +121,13 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
         prec.configure_backends(device)
         try_batch = make_step_trial(model_name, policy=policy, device=device, num_frames=size[0],
                                     height=size[1], width=size[2])
+    peaks: dict[int, float | None] = {}   # the sizes that fitted, with their peak share
+    tight: list[int] = []                 # the sizes that ran but used more than 1 - headroom
 
     def fits(batch_size: int) -> bool:
         ok = True
         try:
-            try_batch(batch_size)
+            peak = try_batch(batch_size)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
@@ -89,11 +136,17 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
             # Outside the except block: until it ends, the traceback's frames hold the step's
             # tensors. A step that fitted freed its tensors on return (no gc.collect: ~0.3 s).
             prec.free_memory(device)
-        return ok
+            return False
+        if peak is not None and peak > 1.0 - headroom:
+            tight.append(batch_size)
+            return False
+        peaks[batch_size] = peak
+        return True
 
     if not fits(start):
+        problem = (f"leaves less than {headroom:.0%} of the memory free" if tight else "runs out of memory")
         raise ValueError(
-            f"even batch size {start} runs out of memory for {model_name} at {size[0]}x{size[1]}x{size[2]} "
+            f"even batch size {start} {problem} for {model_name} at {size[0]}x{size[1]}x{size[2]} "
             f"({policy.name}) on {device}; use smaller clips (--num-frames/--height/--width), "
             f"a smaller model, or bf16/fp16 precision")
     good, bad = start, None
@@ -109,7 +162,8 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
             good = mid
         else:
             bad = mid
-    return good
+    return BatchProbe(batch_size=good, headroom=headroom, peak_share=peaks[good],
+                      memory_gib=prec.device_memory_gib(device), tight=min(tight) if tight else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,19 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=None, help="frame width (default: the model's)")
     p.add_argument("--start", type=int, default=2, help="first batch size tried")
     p.add_argument("--limit", type=int, default=256, help="largest batch size tried")
+    p.add_argument("--headroom", type=float, default=HEADROOM,
+                   help=f"share of the device's memory a step must leave free (default {HEADROOM})")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        best = find_max_batch_size(args.model, precision=args.precision, device=args.device,
-                                   num_frames=args.num_frames, height=args.height, width=args.width,
-                                   start=args.start, limit=args.limit)
+        probe = probe_batch_size(args.model, precision=args.precision, device=args.device,
+                                 num_frames=args.num_frames, height=args.height, width=args.width,
+                                 start=args.start, limit=args.limit, headroom=args.headroom)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(best)
+    print(probe.describe(), file=sys.stderr)   # stdout keeps the bare number, for scripts
+    print(probe.batch_size)
     return 0
 
 

@@ -153,6 +153,22 @@ def peak_allocated_mb(device: torch.device | str) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def peak_reserved_share(device: torch.device | str) -> float | None:
+    """Peak memory reserved by torch's CUDA allocator since the last `reset_peak_memory`, as a
+    share of the device's total memory (what an allocation can grow into, fragmentation
+    included); None off CUDA."""
+    if not is_cuda(device):
+        return None
+    return torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
+
+
+def device_memory_gib(device: torch.device | str) -> float | None:
+    """The device's total memory in GiB; None off CUDA."""
+    if not is_cuda(device):
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def collective_device() -> torch.device:
     """Where tensors for torch.distributed collectives must live: the current CUDA device for
     NCCL, the CPU for gloo."""
