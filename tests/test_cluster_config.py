@@ -6,8 +6,12 @@ AWS), and the pinned `ray start` / `mlflow server` command-line parsers. No AWS,
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +154,72 @@ def test_head_starts_ray_then_mlflow_server_on_the_readme_port(prepared):
     assert f"ray attach cluster.yaml -p {port}" in modes
     assert f":{port}" in _readme_section("mlflow")
 
+
+
+# -- the GPU nodes' own check of their driver and torch's CUDA -----------------------------------
+
+VENV_PYTHON = "/home/ubuntu/venv/bin/python"
+TORCH_CUDA_CHECK = 'python -c "import torch; assert torch.cuda.is_available()"'
+
+
+def _gpu_checks(commands: list[str]) -> list[str]:
+    return [c for c in commands if "nvidia-smi" in c or "torch.cuda.is_available" in c]
+
+
+def test_gpu_nodes_check_the_driver_and_torch_cuda_and_the_head_does_not(prepared):
+    worker_checks = _gpu_checks(prepared["worker_setup_commands"])
+    assert any(c.startswith("nvidia-smi ") for c in worker_checks), worker_checks
+    assert any(TORCH_CUDA_CHECK in c for c in worker_checks), worker_checks
+    # After the install (the venv's torch must exist), before Ray starts on the node.
+    install_at = next(i for i, c in enumerate(prepared["worker_setup_commands"]) if "pip install" in c and "-e ." in c)
+    assert all(prepared["worker_setup_commands"].index(c) > install_at for c in worker_checks)
+    # The head has no GPU: the same check there would fail every `ray up`.
+    assert not _gpu_checks(prepared["head_setup_commands"] + prepared["head_start_ray_commands"])
+    # No node type overrides the global list (that would drop the check for that type).
+    assert not any("worker_setup_commands" in t for t in prepared["available_node_types"].values())
+
+
+def _run_gpu_checks(raw_config: dict, tmp_path: Path, nvidia_smi: str,
+                    python: str) -> list[subprocess.CompletedProcess]:
+    """Run the worker's check commands here, as bash on the node would, with stub `nvidia-smi`
+    (a shell body) and `python` standing in for the venv's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "nvidia-smi"
+    stub.write_text(f"#!/bin/sh\n{nvidia_smi}\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return [subprocess.run(["bash", "-c", cmd.replace(VENV_PYTHON, python)], capture_output=True, text=True,
+                           env=env, timeout=120)
+            for cmd in _gpu_checks(raw_config["worker_setup_commands"])]
+
+
+FAKE_SMI = ('case "$1" in --query-gpu=*) echo 580.95.05;; *) echo "| NVIDIA-SMI 580.95.05  '
+            'Driver Version: 580.95.05  CUDA Version: 13.0 |";; esac')
+
+
+def test_gpu_check_fails_loudly_without_a_driver(raw_config, tmp_path):
+    smi, _ = _run_gpu_checks(raw_config, tmp_path, "echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9", "true")
+    assert smi.returncode != 0
+    assert f"GPU node {socket.gethostname()} FAILED" in smi.stderr and "nvidia-smi does not run" in smi.stderr
+    assert "NVIDIA-SMI has failed: no driver" in smi.stderr     # what nvidia-smi said, passed on
+
+
+def test_gpu_check_fails_loudly_when_torch_cannot_use_cuda(raw_config, tmp_path):
+    """This machine's torch has no GPU: exactly the node whose driver is too old for torch's CUDA."""
+    import torch
+
+    smi, torch_check = _run_gpu_checks(raw_config, tmp_path, FAKE_SMI, sys.executable)
+    assert smi.returncode == 0, smi.stderr
+    assert torch_check.returncode != 0
+    message = " ".join(torch_check.stderr.split())
+    assert f"GPU node {socket.gethostname()} FAILED: torch.cuda.is_available() is False" in message
+    assert f"torch {torch.__version__} reports CUDA {torch.version.cuda or 'none'}" in message
+    assert "the NVIDIA driver here is 580.95.05 (CUDA Version: 13.0)" in message
+    assert "must support the CUDA version torch reports" in message
+
+
+def test_gpu_check_passes_on_a_working_gpu_node(raw_config, tmp_path):
+    checks = _run_gpu_checks(raw_config, tmp_path, FAKE_SMI, "true")   # `true`: torch sees its GPU
+    assert [c.returncode for c in checks] == [0, 0], [c.stderr for c in checks]
+    assert not any(c.stderr for c in checks)
