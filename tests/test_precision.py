@@ -112,6 +112,31 @@ def test_configure_backends_sets_cuda_flags_only_for_cuda():
     assert flags() == before
 
 
+TF32_API_SINCE = (2, 9)    # torch.backends.cuda.matmul.fp32_precision / cudnn.conv.fp32_precision
+
+
+def _floor(requirement: str) -> tuple[int, int]:
+    match = re.search(r">=\s*(\d+)\.(\d+)", requirement)
+    assert match, f"{requirement!r} has no >= floor"
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_torch_floor_has_the_tf32_api_configure_backends_uses():
+    """pyproject.toml must not admit a torch that lacks what configure_backends sets (an
+    AttributeError on the first GPU trial), nor a torchvision built for an older torch."""
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    by_name = {re.match(r"[A-Za-z0-9_.\-]+", d).group(0).lower(): d for d in deps}
+    torch_floor, vision_floor = _floor(by_name["torch"]), _floor(by_name["torchvision"])
+    assert torch_floor >= TF32_API_SINCE, by_name["torch"]
+    # torchvision 0.(x+15) is the one built for torch 2.x (0.24 for 2.9).
+    assert vision_floor >= (0, torch_floor[1] + 15), (by_name["torch"], by_name["torchvision"])
+    # The attributes configure_backends sets exist in the installed (pinned) torch.
+    assert torch.backends.cuda.matmul.fp32_precision and torch.backends.cudnn.conv.fp32_precision
+
+
 def test_helpers_are_no_ops_on_cpu():
     assert precision.peak_allocated_mb("cpu") is None
     assert not precision.supports_fused_optimizer("cpu") and precision.supports_fused_optimizer("cuda:0")
