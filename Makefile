@@ -27,5 +27,14 @@ test-fast: install
 demo: install
 	$(PY) tune/search.py
 
+# On a machine with one GPU (under 5 minutes): the precision table of bench/gpu_precision.py,
+# then a 4-trial mvit_v2_s search on generated videos, checked in the MLflow store it wrote
+# (see bench/gpu_check.py). Refuses with exit 2 where torch sees no GPU. Its flags go in
+# GPU_CHECK_ARGS, e.g. make gpu-check GPU_CHECK_ARGS="--json gpu-check.json --keep /tmp/gpu-check".
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check: install
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -50,9 +50,13 @@ from trainer.precision import is_out_of_memory
 
 # Peak dense (no sparsity) tensor-core TFLOP/s from NVIDIA's datasheets, per autocast precision;
 # "tf32" is what fp32 rows use (TF32 on), "fp32" the plain CUDA-core rate. Matched as a substring
-# of torch.cuda.get_device_name(), longest key first ("H100 PCIe" before "H100").
+# of torch.cuda.get_device_name(), longest key first ("H200 NVL" before "H200", "H100 PCIe"
+# before "H100"). The NVL (PCIe) cards run at a lower clock and power than the SXM ones: their
+# datasheets give 1,671 bf16 TFLOP/s with sparsity, so 835 dense, against the SXM's 989.
 PEAK_TFLOPS = {
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
     "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
     "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
@@ -141,7 +145,7 @@ def forward_flops_per_clip(model_cpu: torch.nn.Module, spec: Any, device: torch.
     x = torch.zeros(1, 3, spec.num_frames, spec.height, spec.width, device=device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(x)
-    del model
+    del model, x
     prec.free_memory(device)
     return float(counter.get_total_flops())
 
@@ -224,35 +228,52 @@ def batches(row: Row, spec: Any, device: torch.device, corpus: Corpus | None, wo
 
 def measure(model_cpu: torch.nn.Module, row: Row, spec: Any, device: torch.device, source: Iterator,
             warmup_steps: int, steps: int) -> dict[str, float] | str:
-    """clips/s, ms/step, data_wait_frac, peak MiB of `row`; the string "OOM" when it does not fit."""
-    policy = prec.choose_precision(row.precision, device)
+    """clips/s, ms/step, data_wait_frac, peak MiB of `row`; the string "OOM" when it does not fit.
+    Whatever the row put on the device is freed before this returns, out of memory or not."""
     result: dict[str, float] | str = "OOM"
-    model = optimizer = None
     with prec.backend_flags(device, cudnn_benchmark=row.cudnn_benchmark):
         try:
-            model = prepare_model_memory_format(copy.deepcopy(model_cpu).to(device), row.channels_last)
-            if row.compile:
-                model = torch.compile(model)
-            transform = prepare_input_transform(ClipTransform(spec.mean, spec.std, train=True).to(device),
-                                                row.channels_last)
-            optimizer = make_optimizer(model, lr=1e-4, weight_decay=0.05, device=device)
-            run = dict(transform=transform, optimizer=optimizer, policy=policy, device=device,
-                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                       scaler=policy.make_scaler())
-            prec.reset_peak_memory(device)
-            train_one_epoch(model, itertools.islice(source, warmup_steps), **run)
-            stats = train_one_epoch(model, itertools.islice(source, steps), **run)
-            busy = stats.data_wait_s + stats.step_time_s
-            result = {"clips_per_s": stats.clips / stats.epoch_time_s,
-                      "ms_per_step": 1000 * stats.epoch_time_s / max(1, stats.steps),
-                      "data_wait_frac": stats.data_wait_s / busy if busy > 0 else 0.0,
-                      "peak_mib": prec.peak_allocated_mb(device) or math.nan}
+            result = _train_row(model_cpu, row, spec, device, source, warmup_steps, steps)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
-    model = optimizer = None  # noqa: F841 - release before the next row
-    prec.free_memory(device)
+    # Here, not in the except block: until it ends, the traceback keeps _train_row's frame (the
+    # model, optimizer state, activations) alive, and empty_cache could return none of it.
+    release(device, compiled=row.compile)
     return result
+
+
+def _train_row(model_cpu: torch.nn.Module, row: Row, spec: Any, device: torch.device, source: Iterator,
+               warmup_steps: int, steps: int) -> dict[str, float]:
+    """Train `row` (warm-up, then timed steps); its device state lives in this frame only."""
+    policy = prec.choose_precision(row.precision, device)
+    model = prepare_model_memory_format(copy.deepcopy(model_cpu).to(device), row.channels_last)
+    if row.compile:
+        model = torch.compile(model)
+    transform = prepare_input_transform(ClipTransform(spec.mean, spec.std, train=True).to(device),
+                                        row.channels_last)
+    optimizer = make_optimizer(model, lr=1e-4, weight_decay=0.05, device=device)
+    run = dict(transform=transform, optimizer=optimizer, policy=policy, device=device,
+               scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+               scaler=policy.make_scaler())
+    prec.reset_peak_memory(device)
+    train_one_epoch(model, itertools.islice(source, warmup_steps), **run)
+    stats = train_one_epoch(model, itertools.islice(source, steps), **run)
+    busy = stats.data_wait_s + stats.step_time_s
+    return {"clips_per_s": stats.clips / stats.epoch_time_s,
+            "ms_per_step": 1000 * stats.epoch_time_s / max(1, stats.steps),
+            "data_wait_frac": stats.data_wait_s / busy if busy > 0 else 0.0,
+            "peak_mib": prec.peak_allocated_mb(device) or math.nan}
+
+
+def release(device: torch.device, *, compiled: bool = False) -> None:
+    """Between rows: collect the last row's objects (reference cycles too), return the cached
+    blocks to the driver and reset the peak, so the next row's figures are its own. Call it
+    after the row's frames and any exception from them are gone."""
+    if compiled:
+        torch.compiler.reset()   # dynamo's cache holds the compiled graph and its parameters
+    prec.free_memory(device)
+    prec.reset_peak_memory(device)
 
 
 def run_row(model_cpu: torch.nn.Module, row: Row, spec: Any, device: torch.device, corpus: Corpus | None,
@@ -342,7 +363,7 @@ def run_rows(rows: list[Row], model: torch.nn.Module, spec: Any, device: torch.d
         except Exception as e:  # noqa: BLE001
             print(f"  {row.label()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             result = f"ERROR {type(e).__name__}"
-            prec.free_memory(device)
+        release(device, compiled=row.compile)   # after the except block: its traceback held the row's tensors
         done.append((row, with_mfu(result, row, flops_fwd, device, args.peak_tflops)))
         last_row_s = time.perf_counter() - t0
         print(f"  done: {row.label()} ({time.perf_counter() - STARTED:.0f} s)", file=sys.stderr, flush=True)

@@ -1,0 +1,384 @@
+"""`make gpu-check`: one check, under 5 minutes on one GPU, that the GPU path does what the design
+says. It needs a CUDA device and refuses without one (exit 2).
+
+  1. the precision table of bench/gpu_precision.py (mvit_v2_s, synthetic batches, batch 8,
+     bf16 / fp16 / fp32 with cudnn.benchmark on and off; --bench-seconds budget);
+  2. on this GPU, the two calls every Train worker makes before training: `choose_precision
+     ("auto", device)` gives bf16 on sm 8.0+ (fp16 below) and `configure_backends(device)` turns
+     cudnn.benchmark on. The workers report neither, so nothing in MLflow can show them;
+  3. a real 4-trial search on the GPU: `python tune/search.py --model mvit_v2_s --weights none
+     --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
+     MLflow store (SQLite), Ray storage and clip cache in the work folder;
+  4. that store, read back with MlflowClient: every trial's child run FINISHED with all its
+     epochs and param precision=auto; one training at a time on each GPU (`concurrent_trainings`
+     == 1 in every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0.
+
+Prints a table of the checks; the first that fails ends the run with a line saying what failed
+(exit 1).
+
+    make gpu-check                                     # or:
+    python -m bench.gpu_check --json gpu-check.json    # --keep DIR keeps the search's files
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "mvit_v2_s"
+EXPERIMENT = "gpu-check"
+GPU_IDS_TAG = "gpu_ids"      # the physical GPU id(s) a trial trained on (issue 16 item 4; tune/tracking.py)
+PARENT_TAG = "mlflow.parentRunId"
+EPOCH_METRICS = ("clips_per_s", "peak_mem_mb", "concurrent_trainings")
+NO_GPU_EXIT = 2
+
+
+class CheckFailed(AssertionError):
+    """One check's assertion, with the line to print."""
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class TrialRun:
+    """One trial's MLflow child run, as read back from the store."""
+
+    name: str
+    status: str                                   # FINISHED | FAILED | KILLED | RUNNING
+    params: dict[str, str]
+    tags: dict[str, str]
+    history: dict[str, list[float]] = field(default_factory=dict)   # metric -> value per epoch, in order
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-samples", type=int, default=4, help="trials of the search (default 4)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per trial (default 2)")
+    p.add_argument("--batch-sizes", default="8,16", help="the search's batch sizes (default 8,16)")
+    p.add_argument("--videos", type=int, default=64, help="generated videos, 112 px, 3 s (default 64)")
+    p.add_argument("--bench-seconds", type=float, default=60,
+                   help="time budget of the precision table (its --max-seconds; default 60)")
+    p.add_argument("--search-timeout-s", type=float, default=200,
+                   help="the search is interrupted past this (default 200)")
+    p.add_argument("--keep", metavar="DIR", default=None,
+                   help="work folder to keep (videos, MLflow store, Ray results, logs); default: a temporary one")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the checks and figures as JSON")
+    return p
+
+
+def validate(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--num-samples", args.num_samples, 1), ("--epochs", args.epochs, 1),
+                               ("--videos", args.videos, 8), ("--bench-seconds", args.bench_seconds, 1),
+                               ("--search-timeout-s", args.search_timeout_s, 1)):
+        if value < least:
+            raise SystemExit(f"gpu-check: {flag} {value:g}: must be >= {least}")
+
+
+def no_gpu_reason() -> str | None:
+    """One line saying why this machine cannot run the check; None when it has a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f"gpu-check: refused: torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'}) "
+            "sees no CUDA device here; this check needs one GPU (nothing was run)")
+
+
+# -- running the steps ---------------------------------------------------------------------------
+
+def run_logged(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, str], cwd: Path) -> int:
+    """Run `cmd` with its output in `log_path`; past `timeout_s` interrupt it (SIGINT: the search
+    closes its runs and Ray), kill it 30 s later. Returns the exit code."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return -1
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else ["(no output)"]
+    return "\n    ".join(text[-lines:])
+
+
+def search_argv(args: argparse.Namespace, data: Path, work: Path, name: str = EXPERIMENT) -> list[str]:
+    """The search's flags: mvit_v2_s at its own clip size (16 x 224 x 224: torchvision's MViT takes
+    no other), random weights (the GPU machine has no internet), everything in `work`; `name`:
+    the search's folder under `work`/results (a new one per run: a --keep folder may hold others)."""
+    return ["--data", str(data), "--model", MODEL, "--weights", "none", "--epochs", str(args.epochs),
+            "--num-samples", str(args.num_samples), "--batch-sizes", args.batch_sizes, "--no-early-stop",
+            "--seed", "0", "--storage", str(work / "results"), "--name", name,
+            "--mlflow-uri", mlflow_uri(work), "--experiment", EXPERIMENT, "--cache-dir", str(work / "clips")]
+
+
+def mlflow_uri(work: Path) -> str:
+    return f"sqlite:///{work / 'mlruns.db'}"
+
+
+def child_env(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "VIDTUNE_SIMULATE_GPUS"}   # the real GPU, not simulated ones
+    return {**env, "XDG_CACHE_HOME": str(work / "xdg-cache"), "PYTHONUNBUFFERED": "1"}
+
+
+def load_trial_runs(uri: str, experiment: str) -> list[TrialRun]:
+    """The child runs (one per trial) of the newest search parent run in `experiment`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise CheckFailed(f"no MLflow experiment {experiment!r} in {uri}")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = sorted((r for r in runs if PARENT_TAG not in r.data.tags), key=lambda r: r.info.start_time)
+    if not parents:
+        raise CheckFailed(f"no parent run in experiment {experiment!r} of {uri}")
+    parent = parents[-1].info.run_id
+    out = []
+    for r in sorted((r for r in runs if r.data.tags.get(PARENT_TAG) == parent), key=lambda r: r.info.start_time):
+        history = {k: [m.value for m in sorted(client.get_metric_history(r.info.run_id, k), key=lambda m: m.step)]
+                   for k in EPOCH_METRICS}
+        out.append(TrialRun(r.info.run_name or r.info.run_id, r.info.status, dict(r.data.params),
+                            dict(r.data.tags), history))
+    return out
+
+
+# -- the checks ----------------------------------------------------------------------------------
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def check_precision_table(doc: dict[str, Any]) -> str:
+    rows = doc.get("rows") or []
+    measured = [r for r in rows if "error" not in r]
+    errors = [f"{r['precision']} batch {r['batch_size']}: {r['error']}" for r in rows
+              if str(r.get("error", "")).startswith("ERROR")]
+    require(not errors, f"rows failed: {'; '.join(errors)}")
+    require(bool(measured), f"no row measured ({len(rows)} rows, {len(doc.get('skipped') or [])} skipped)")
+    require(all(r["clips_per_s"] > 0 for r in measured), "a row measured 0 clips/s")
+    best = max(measured, key=lambda r: r["clips_per_s"])
+    return (f"{len(measured)} rows on {doc.get('device')}; fastest {best['precision']} batch {best['batch_size']} "
+            f"{best['clips_per_s']:.0f} clips/s, peak {best['peak_mib']:.0f} MiB"
+            + (f"; {len(doc['skipped'])} skipped (budget)" if doc.get("skipped") else ""))
+
+
+def check_trials(runs: list[TrialRun], trials: int, epochs: int) -> str:
+    require(len(runs) == trials, f"{len(runs)} child runs in MLflow, expected {trials} (one per trial)")
+    why = lambda r: r.tags.get("vidtune.failure_reason") or r.tags.get("vidtune.stop_reason") or ""  # noqa: E731
+    unfinished = [f"{r.name} {r.status}: {why(r)}" for r in runs if r.status != "FINISHED"]
+    require(not unfinished, "not FINISHED: " + "; ".join(unfinished))
+    short = [f"{r.name} ({len(r.history.get('clips_per_s', []))})" for r in runs
+             if len(r.history.get("clips_per_s", [])) != epochs]
+    require(not short, f"runs without {epochs} epochs of clips_per_s: {', '.join(short)}")
+    return f"{trials} child runs FINISHED, {epochs} epochs each"
+
+
+def check_auto_precision(capability: tuple[int, int], resolved: str) -> str:
+    expected = "bf16" if tuple(capability) >= (8, 0) else "fp16"
+    require(resolved == expected, f"choose_precision('auto') gave {resolved} on sm {capability[0]}.{capability[1]}, "
+                                  f"expected {expected}")
+    return (f"sm {capability[0]}.{capability[1]}: choose_precision('auto') -> {resolved}, as each worker calls it "
+            "(no worker reports the precision it resolved)")
+
+
+def check_precision_param(runs: list[TrialRun]) -> str:
+    asked = sorted({r.params.get("precision", "(none)") for r in runs})
+    require(asked == ["auto"], f"child runs' precision param {asked}, expected ['auto']")
+    return "every child run's param precision = auto (resolved on its GPU as above)"
+
+
+def check_cudnn_benchmark(benchmark_on: bool) -> str:
+    require(benchmark_on, "torch.backends.cudnn.benchmark is False after configure_backends(cuda)")
+    return "on after configure_backends(cuda), which every worker calls (no worker reports it)"
+
+
+def check_one_training_per_gpu(runs: list[TrialRun]) -> str:
+    bad = [f"{r.name}: {r.history.get('concurrent_trainings') or 'not logged'}" for r in runs
+           if not r.history.get("concurrent_trainings") or any(v != 1 for v in r.history["concurrent_trainings"])]
+    require(not bad, "concurrent_trainings != 1 in some epoch: " + "; ".join(map(str, bad)))
+    return f"concurrent_trainings == 1 in all {sum(len(r.history['concurrent_trainings']) for r in runs)} epochs"
+
+
+def check_gpu_ids(runs: list[TrialRun]) -> str:
+    missing = [r.name for r in runs if not r.tags.get(GPU_IDS_TAG, "").strip()]
+    require(not missing, f"tag {GPU_IDS_TAG!r} missing or empty on: {', '.join(missing)}")
+    return f"tag {GPU_IDS_TAG} on every run: " + ", ".join(sorted({r.tags[GPU_IDS_TAG] for r in runs}))
+
+
+def check_positive(runs: list[TrialRun], metric: str, unit: str) -> str:
+    values = {r.name: r.history.get(metric) or [] for r in runs}
+    bad = [f"{name}: {v or 'not logged'}" for name, v in values.items()
+           if not v or not all(math.isfinite(x) and x > 0 for x in v)]
+    require(not bad, f"{metric} not > 0 in every epoch: " + "; ".join(map(str, bad)))
+    flat = [x for v in values.values() for x in v]
+    return f"{metric} {min(flat):.0f}-{max(flat):.0f} {unit} over {len(flat)} epochs"
+
+
+def mlflow_steps(runs: list[TrialRun], trials: int, epochs: int) -> list[tuple[str, Callable[[], str]]]:
+    """The checks of what the search wrote to MLflow, in order."""
+    return [("trials in MLflow", lambda: check_trials(runs, trials, epochs)),
+            ("precision param", lambda: check_precision_param(runs)),
+            ("one training per GPU", lambda: check_one_training_per_gpu(runs)),
+            ("gpu_ids tag", lambda: check_gpu_ids(runs)),
+            ("clips/s", lambda: check_positive(runs, "clips_per_s", "clips/s")),
+            ("peak memory", lambda: check_positive(runs, "peak_mem_mb", "MB"))]
+
+
+def run_checks(steps: Iterable[tuple[str, Callable[[], str]]]) -> list[Check]:
+    """Run `steps` in order until one fails: raises CheckFailed, or anything else (a store that
+    cannot be read, a JSON file cut short), which is reported as the failure with its type."""
+    done: list[Check] = []
+    for name, step in steps:
+        try:
+            detail = step()
+        except Exception as e:  # noqa: BLE001 - the table and the one line must still come out
+            done.append(Check(name, False, str(e) if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"))
+            break
+        done.append(Check(name, True, detail))
+    return done
+
+
+def format_checks(checks: list[Check]) -> str:
+    """One line per check (the first line of its detail), left-aligned."""
+    width = max((len(c.name) for c in checks), default=5)
+    lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
+    lines += [f"{c.name:<{width}}  {'PASS' if c.passed else 'FAIL':<6}  {c.detail.splitlines()[0] if c.detail else ''}"
+              for c in checks]
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+class GpuCheck:
+    """The steps of one run, sharing the work folder and what earlier steps produced."""
+
+    def __init__(self, args: argparse.Namespace, work: Path):
+        from trainer.precision import default_device
+
+        self.args, self.work, self.figures = args, work, {}
+        self.device = default_device()          # the first GPU (main refused to run without one)
+        self.runs: list[TrialRun] = []
+
+    def precision_table(self) -> str:
+        out, log = self.work / "precision.json", self.work / "precision.log"
+        cmd = [sys.executable, "-m", "bench.gpu_precision", "--model", MODEL, "--batch-sizes", "8", "--no-data",
+               "--warmup-steps", "3", "--steps", "5", "--max-seconds", f"{self.args.bench_seconds:g}",
+               "--json", str(out)]
+        code = run_logged(cmd, log_path=log, timeout_s=self.args.bench_seconds + 120, env=child_env(self.work),
+                          cwd=REPO_ROOT)
+        require(code == 0 and out.is_file(), f"bench.gpu_precision exited {code}:\n    {tail(log)}")
+        print(log.read_text(errors="replace"), flush=True)
+        self.figures["precision_table"] = doc = json.loads(out.read_text())
+        return check_precision_table(doc)
+
+    def search(self) -> str:
+        from datasets.synthetic import generate
+
+        t0 = time.perf_counter()
+        data = generate(self.work / "videos", videos=self.args.videos, size=112, seed=0,
+                        workers=min(os.cpu_count() or 1, 16), overwrite=True)
+        made = time.perf_counter() - t0
+        log = self.work / "search.log"
+        name = f"{EXPERIMENT}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cmd = [sys.executable, str(REPO_ROOT / "tune" / "search.py"), *search_argv(self.args, data, self.work, name)]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        t1 = time.perf_counter()
+        code = run_logged(cmd, log_path=log, timeout_s=self.args.search_timeout_s, env=child_env(self.work),
+                          cwd=self.work)
+        took = time.perf_counter() - t1
+        self.figures["search"] = {"exit": code, "seconds": took, "videos_s": made, "argv": cmd[2:]}
+        require(code == 0, (f"interrupted after {self.args.search_timeout_s:g} s" if code == -1 else f"exited {code}")
+                + f"; the end of its output ({log}):\n    {tail(log)}")
+        print(log.read_text(errors="replace"), flush=True)
+        self.runs.extend(load_trial_runs(mlflow_uri(self.work), EXPERIMENT))
+        self.figures["trials"] = [asdict(r) for r in self.runs]
+        return f"{self.args.num_samples} trials in {took:.0f} s ({self.args.videos} videos made in {made:.0f} s)"
+
+    def auto_precision(self) -> str:
+        import torch
+
+        from trainer.precision import choose_precision
+
+        capability = torch.cuda.get_device_capability(self.device)
+        return check_auto_precision(capability, choose_precision("auto", self.device).name)
+
+    def cudnn_benchmark(self) -> str:
+        import torch
+
+        from trainer.precision import configure_backends
+
+        torch.backends.cudnn.benchmark = False
+        configure_backends(self.device)
+        return check_cudnn_benchmark(torch.backends.cudnn.benchmark)
+
+    def steps(self) -> list[tuple[str, Callable[[], str]]]:
+        a = self.args
+        return [("precision table", self.precision_table),
+                ("precision auto", self.auto_precision),
+                ("cudnn.benchmark", self.cudnn_benchmark),
+                (f"{a.num_samples}-trial search", self.search),
+                *mlflow_steps(self.runs, a.num_samples, a.epochs)]   # self.runs: filled by the search step
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    validate(args)
+    reason = no_gpu_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return NO_GPU_EXIT
+    import torch
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="vidtune-gpu-check-") as tmp:
+        work = Path(args.keep).resolve() if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        check = GpuCheck(args, work)
+        checks = run_checks(check.steps())
+        elapsed = time.perf_counter() - started
+        major, minor = torch.cuda.get_device_capability(check.device)
+        gpu = f"{torch.cuda.get_device_name(check.device)} (sm {major}.{minor})"
+        print(f"\ngpu-check on {gpu}, torch {torch.__version__} (CUDA {torch.version.cuda}), {elapsed:.0f} s")
+        print(format_checks(checks))
+        failed = next((c for c in checks if not c.passed), None)
+        if failed and "\n" in failed.detail:
+            print("\n" + failed.detail)
+        if args.json:
+            from bench.common import write_json
+
+            write_json(args.json, {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+                                   "elapsed_s": elapsed, "passed": failed is None,
+                                   "checks": [asdict(c) for c in checks], **check.figures})
+    if failed:
+        print(f"gpu-check FAILED: {failed.name}: {failed.detail.splitlines()[0]}", file=sys.stderr)
+        return 1
+    print("gpu-check passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The GPU benchmarks' CPU-runnable parts: bench/gpu_check.py (arguments, its refusal without a GPU,
+the search it would run, the MLflow checks on a store like the one the search writes) and
+bench/gpu_precision.py (which peak a device name matches; a row's tensors are freed before the
+next row, also after out of memory or an error)."""
+from __future__ import annotations
+
+import argparse
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_check, gpu_precision
+from trainer import precision
+
+# -- bench/gpu_check.py -----------------------------------------------------------------------------
+
+
+def test_refuses_in_one_line_with_exit_2_without_a_gpu(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--json", str(tmp_path / "out.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "refused" in err and "needs one GPU" in err and f"torch {torch.__version__}" in err
+    assert not (tmp_path / "out.json").exists()          # nothing was run
+
+
+def test_arguments_and_their_bounds():
+    args = gpu_check.build_parser().parse_args([])
+    assert (args.num_samples, args.epochs, args.json) == (4, 2, None)
+    with pytest.raises(SystemExit, match="--epochs 0: must be >= 1"):
+        gpu_check.validate(gpu_check.build_parser().parse_args(["--epochs", "0"]))
+
+
+def test_the_search_it_runs_is_one_the_search_cli_accepts(tmp_path):
+    """The flags gpu_check passes parse into the search the issue asks for (no Ray, no GPU)."""
+    from tune.options import parse_options
+
+    data = tmp_path / "videos"
+    data.mkdir()
+    argv = gpu_check.search_argv(gpu_check.build_parser().parse_args([]), data, tmp_path, "gpu-check-1")
+    opts = parse_options(argv)
+    assert (opts.train.model, opts.train.weights, opts.train.epochs, opts.num_samples) == ("mvit_v2_s", "none", 2, 4)
+    assert opts.train.precision == "auto" and not opts.early_stop
+    assert opts.tracking.mlflow_uri == f"sqlite:///{tmp_path / 'mlruns.db'}"
+    assert opts.train.data.clip_cache_dir == str(tmp_path / "clips") and opts.storage == str(tmp_path / "results")
+
+
+def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurrent=None, gpu_ids=None,
+                        status: str = "FINISHED") -> None:
+    """A store shaped like tune/tracking.py's: one parent run, one child run per trial (params,
+    per-epoch metrics at step=epoch), the `gpu_ids` tag."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment(gpu_check.EXPERIMENT)
+    parent = client.create_run(exp, run_name="search").info.run_id
+    for t in range(trials):
+        tags = {gpu_check.PARENT_TAG: parent}
+        ids = (gpu_ids or {}).get(t, "0")
+        if ids is not None:
+            tags[gpu_check.GPU_IDS_TAG] = ids
+        run = client.create_run(exp, tags=tags, run_name=f"t{t:02d}").info.run_id
+        client.log_param(run, "precision", "auto")
+        metrics = []
+        for epoch in range(1, epochs + 1):
+            values = {"clips_per_s": 40.0 + epoch, "peak_mem_mb": 9000.0,
+                      "concurrent_trainings": (concurrent or {}).get((t, epoch), 1.0)}
+            metrics += [Metric(k, v, 1000 * epoch, epoch) for k, v in values.items()]
+        client.log_batch(run, metrics=metrics)
+        client.set_terminated(run, status=status if t == trials - 1 else "FINISHED")
+    client.set_terminated(parent)
+
+
+def _check(tmp_path: Path, **store) -> list:
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    _write_search_store(uri, **store)
+    runs = gpu_check.load_trial_runs(uri, gpu_check.EXPERIMENT)
+    return gpu_check.run_checks(gpu_check.mlflow_steps(runs, 4, 2))
+
+
+def test_mlflow_checks_pass_on_a_store_like_the_search_writes(tmp_path):
+    checks = _check(tmp_path)
+    assert [c.passed for c in checks] == [True] * 6, gpu_check.format_checks(checks)
+    assert "concurrent_trainings == 1 in all 8 epochs" in gpu_check.format_checks(checks)
+
+
+@pytest.mark.parametrize("store, failed, says", [
+    ({"concurrent": {(2, 2): 2.0}}, "one training per GPU", "t02: [1.0, 2.0]"),
+    ({"gpu_ids": {1: None}}, "gpu_ids tag", "missing or empty on: t01"),
+    ({"status": "FAILED"}, "trials in MLflow", "not FINISHED: t03 FAILED"),
+])
+def test_mlflow_checks_stop_at_the_first_failure_and_say_what(tmp_path, store, failed, says):
+    checks = _check(tmp_path, **store)
+    assert checks[-1].name == failed and not checks[-1].passed and says in checks[-1].detail
+    assert all(c.passed for c in checks[:-1])
+
+
+def test_an_unexpected_error_is_the_failed_check_and_nothing_runs_after_it():
+    def broken():
+        raise ValueError("database is locked")
+
+    checks = gpu_check.run_checks([("first", lambda: "ok"), ("second", broken), ("third", lambda: "never")])
+    assert [(c.name, c.passed, c.detail) for c in checks] == [
+        ("first", True, "ok"), ("second", False, "ValueError: database is locked")]
+
+
+def test_device_checks_expect_bf16_from_sm80_and_cudnn_benchmark_on():
+    assert "-> bf16" in gpu_check.check_auto_precision((9, 0), "bf16")
+    assert "-> fp16" in gpu_check.check_auto_precision((7, 5), "fp16")     # T4
+    with pytest.raises(gpu_check.CheckFailed, match="expected bf16"):
+        gpu_check.check_auto_precision((8, 0), "fp16")
+    with pytest.raises(gpu_check.CheckFailed, match="cudnn.benchmark is False"):
+        gpu_check.check_cudnn_benchmark(False)
+
+
+def test_precision_table_check_fails_on_an_errored_row():
+    row = {"precision": "bf16", "batch_size": 8, "clips_per_s": 120.0, "peak_mib": 5000.0}
+    assert "120 clips/s" in gpu_check.check_precision_table({"rows": [row], "device": "H200"})
+    with pytest.raises(gpu_check.CheckFailed, match="bf16 batch 8: ERROR RuntimeError"):
+        gpu_check.check_precision_table({"rows": [{**row, "error": "ERROR RuntimeError"}]})
+
+
+# -- bench/gpu_precision.py -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, key, bf16", [
+    ("NVIDIA H200 NVL", "H200 NVL", 835.0),     # its own entry, not the SXM's 989
+    ("NVIDIA H200", "H200", 989.0),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.0),
+    ("NVIDIA H100 80GB HBM3", "H100", 989.0),
+])
+def test_peak_flops_matches_the_most_specific_device_name(monkeypatch, name, key, bf16):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak, source = gpu_precision.peak_flops(torch.device("cuda"), "bf16", None)
+    assert peak == bf16 * 1e12 and source == f"PEAK_TFLOPS[{key!r}]['bf16']"
+
+
+@pytest.fixture
+def row_setup():
+    """The tiny model, a CPU row, and a spy on free_memory that records whether any parameter of
+    the row's model copy was still alive when the clean-up ran."""
+    from trainer.models import build_model, get_spec
+
+    alive_at_cleanup: list[bool] = []
+    params: list[weakref.ref] = []
+
+    def spy(device):
+        gc.collect()
+        alive_at_cleanup.append(any(ref() is not None for ref in params))
+
+    return build_model("tiny"), get_spec("tiny"), params, alive_at_cleanup, spy
+
+
+def _failing_step(params: list, error: type[BaseException], message: str):
+    """A train_one_epoch that notes the model's parameters, then raises a new `error` (a new one
+    each time: an instance kept here would keep its traceback, and the frames, alive)."""
+    def train_one_epoch(model, batches, **run):
+        params.extend(weakref.ref(p) for p in model.parameters())
+        raise error(message)
+    return train_one_epoch
+
+
+def test_out_of_memory_frees_the_rows_model_and_optimizer_before_the_clean_up(monkeypatch, row_setup):
+    model, spec, params, alive_at_cleanup, spy = row_setup
+    monkeypatch.setattr(gpu_precision, "train_one_epoch",
+                        _failing_step(params, torch.OutOfMemoryError, "CUDA out of memory"))
+    monkeypatch.setattr(precision, "free_memory", spy)
+    row = gpu_precision.Row("synthetic", "fp32", True, 2)
+    with gpu_precision.batches(row, spec, torch.device("cpu"), None, 0, 4) as source:
+        assert gpu_precision.measure(model, row, spec, torch.device("cpu"), source, 1, 1) == "OOM"
+    assert params and alive_at_cleanup == [False]
+
+
+def test_a_failed_row_is_freed_after_its_traceback_is_gone(monkeypatch, row_setup):
+    model, spec, params, alive_at_cleanup, spy = row_setup
+    monkeypatch.setattr(gpu_precision, "train_one_epoch", _failing_step(params, ValueError, "decoder broke"))
+    monkeypatch.setattr(precision, "free_memory", spy)
+    args = argparse.Namespace(warmup_steps=1, steps=1, loader_workers=0, max_seconds=1e9, peak_tflops=None)
+    done, skipped = gpu_precision.run_rows([gpu_precision.Row("synthetic", "fp32", True, 2)], model, spec,
+                                           torch.device("cpu"), None, 1e9, args)
+    assert done[0][1] == "ERROR ValueError" and not skipped
+    assert params and alive_at_cleanup == [False]
