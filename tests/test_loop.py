@@ -1,4 +1,5 @@
-"""train_one_epoch / evaluate on small random problems; accumulation, clipping order, schedule."""
+"""train_one_epoch / evaluate on small random problems; accumulation, clipping order, schedule,
+stopping at a non-finite loss."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from datasets.transforms import ClipTransform
-from trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
+from trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
 from trainer.models import build_model, get_spec
 from trainer.precision import choose_precision
 
@@ -304,3 +305,55 @@ def test_optimizer_groups_skip_decay_for_biases_and_norms():
     assert decay["weight_decay"] == 0.05 and [p.dim() for p in decay["params"]] == [2]
     assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
     assert not decay["fused"]                       # fused AdamW only on CUDA
+
+
+# ---------------------------------------------------------------- divergence
+
+def _batches(n: int = 16, size: int = 2) -> list:
+    clips, labels = _data(n)
+    return [(clips[i:i + size], labels[i:i + size]) for i in range(0, n, size)]
+
+
+def test_a_non_finite_loss_stops_the_epoch_at_the_next_check():
+    """One NaN weight makes every loss NaN: the epoch stops at the first check (after step 3 of
+    8) with a NaN loss_sum, and finite_parameters sees the weight; without checks (0) the epoch
+    trains on to the end, and only its loss_sum tells."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    assert finite_parameters(model)
+    with torch.no_grad():
+        model.head.bias[0] = float("nan")
+    assert not finite_parameters(model)
+    stats = _epoch(model, _batches(), torch.optim.SGD(model.parameters(), lr=0.1), finite_check_every=3)
+    assert (stats.steps, stats.clips) == (3, 6) and math.isnan(stats.loss_sum)
+    stats = _epoch(model, _batches(), torch.optim.SGD(model.parameters(), lr=0.1), finite_check_every=0)
+    assert (stats.steps, stats.clips) == (8, 16) and math.isnan(stats.loss_sum)
+
+
+def test_a_learning_rate_of_1e6_diverges_and_the_epoch_stops_early():
+    """The real failure: AdamW at lr 1e6 (weight decay 0.05) blows the weights up within a few
+    steps; the loop stops at the first non-finite loss instead of training on NaN weights."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    optimizer = make_optimizer(model, lr=1e6, weight_decay=0.05, device="cpu")
+    stats = _epoch(model, _batches(32), optimizer, finite_check_every=1)
+    assert not math.isfinite(stats.loss_sum) and stats.steps < 16, stats
+    assert not finite_parameters(model)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before:UserWarning")   # the skipped steps
+def test_fp16_gradient_overflow_is_skipped_not_divergence():
+    """fp16 with a GradScaler whose scale overflows every gradient: the scaler skips those steps
+    (and lowers its scale), the loss stays finite and the weights unchanged: no divergence."""
+    torch.manual_seed(0)
+    policy = choose_precision("fp16", "cpu")
+    model = SmallNet()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = train_one_epoch(model, _batches(8), transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
+                            scheduler=_constant_lr(optimizer), scaler=scaler, policy=policy, device="cpu",
+                            finite_check_every=1)
+    assert stats.steps == 4 and math.isfinite(stats.loss_sum)
+    assert scaler.get_scale() < 2.0 ** 40                                  # it saw inf gradients
+    assert finite_parameters(model) and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

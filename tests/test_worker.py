@@ -1,5 +1,6 @@
 """The Ray Train worker: checkpoints resume exactly (unit and through Ray), workers import this
-project's `datasets`, 2-worker DDP matches 1 worker, out of memory is a report, not a crash."""
+project's `datasets`, 2-worker DDP matches 1 worker, out of memory (in an epoch or while the
+model is built) and divergence are reports, not crashes."""
 from __future__ import annotations
 
 import math
@@ -187,6 +188,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     metrics, ckpt_path = reports[0]
     assert set(metrics) == set(METRIC_KEYS)
     assert metrics["oom"] == 0 and metrics["batch_size"] == 8 and isinstance(metrics["node_id"], str)
+    assert metrics["diverged"] == 0 and metrics["gpu_ids"] == "" and metrics["node_ip"]   # the CPU: no GPU ids
     assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0 and math.isfinite(metrics["train_loss"])
     assert metrics["torch_threads"] == 2                       # --cpu-threads, not the 1 CPU Ray reserved
     assert 0.0 <= metrics["other_cpu_cores"] < 2.0             # measured (not NaN) on Linux
@@ -273,3 +275,56 @@ def test_out_of_memory_reports_oom_and_returns(ray_session, synthetic_root, tmp_
     assert metrics["val_acc"] == metrics["val_auc"] == metrics["clips_per_s"] == 0.0
     assert math.isnan(metrics["train_loss"]) and math.isnan(metrics["val_loss"])
     assert metrics["peak_mem_mb"] > 0
+
+
+@pytest.mark.slow
+def test_out_of_memory_while_building_the_model_is_a_report(ray_session, synthetic_root, tmp_path):
+    """A model that runs out of memory as it is built, before any epoch (as moving it to a full
+    GPU does): one oom=1 report, no checkpoint, and fit() returns normally instead of raising an
+    error that Ray would retry."""
+    from trainer.launch import build_torch_trainer
+    from trainer.worker import train_loop_per_worker
+
+    def loop_with_unbuildable_model(config):
+        # Runs in the Ray worker: register a model whose builder runs out of memory.
+        import dataclasses
+
+        from trainer import models
+
+        def build(num_classes=2):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+        models._REGISTRY["unbuildable"] = dataclasses.replace(models._REGISTRY["tiny"], builder=build)
+        train_loop_per_worker(config)
+
+    callback, drain = _collecting_callback()
+    cfg = _small(synthetic_root, epochs=2, batch_size=4).with_overrides(model="unbuildable")
+    result = build_torch_trainer(cfg, name="setup-oom", storage_path=str(tmp_path), callbacks=[callback],
+                                 train_loop=loop_with_unbuildable_model).fit()
+    reports = drain()
+    assert len(reports) == 1 and result.error is None and result.checkpoint is None
+    metrics, checkpoint = reports[0]
+    assert checkpoint is None and set(metrics) == set(METRIC_KEYS)
+    assert (metrics["oom"], metrics["diverged"], metrics["epoch"], metrics["batch_size"]) == (1, 0, 1, 4)
+    assert metrics["val_acc"] == metrics["clips_per_s"] == 0.0 and metrics["gpu_ids"] == ""
+
+
+@pytest.mark.slow
+def test_a_learning_rate_of_1e6_ends_the_run_as_diverged(ray_session, synthetic_root, tmp_path):
+    """The tiny model at lr 1e6 (fp32, no GradScaler) turns its weights to NaN in epoch 1: the run
+    reports diverged=1 once, with no accuracy, no speed and no checkpoint, and fit() returns
+    normally (no error for Ray to retry). Before, it trained on and reported the share of one
+    class as its val_acc, every epoch, with checkpoints."""
+    from trainer.launch import build_torch_trainer
+
+    callback, drain = _collecting_callback()
+    cfg = _small(synthetic_root, epochs=2, batch_size=8, lr=1e6)
+    result = build_torch_trainer(cfg, name="diverges", storage_path=str(tmp_path), callbacks=[callback]).fit()
+    reports = drain()
+    assert len(reports) == 1 and result.error is None and result.checkpoint is None
+    metrics, checkpoint = reports[0]
+    assert checkpoint is None and set(metrics) == set(METRIC_KEYS)
+    assert (metrics["diverged"], metrics["oom"], metrics["epoch"]) == (1, 0, 1)
+    assert not math.isfinite(metrics["train_loss"]) and math.isnan(metrics["val_loss"])
+    assert metrics["val_acc"] == metrics["clips_per_s"] == metrics["steady_clips_per_s"] == 0.0
+    assert metrics["gpu_ids"] == "" and isinstance(metrics["node_id"], str)

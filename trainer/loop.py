@@ -3,6 +3,10 @@
 Batches are `(clips, labels)`: clips `uint8 B x T x H x W x C` as the DataLoader gives them
 (pinned on the host), labels int64 (B,). They are moved to the device as uint8 (4x fewer bytes
 than float) and turned into `float B x C x T x H x W` there by `transform`.
+
+Divergence (a learning rate that blows the weights up to inf/NaN) is not an error here: the
+epoch stops at the first check that sees a non-finite loss and returns its NaN/inf `loss_sum`;
+the caller judges the epoch by it and by `finite_parameters`.
 """
 from __future__ import annotations
 
@@ -12,13 +16,19 @@ import time
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from datasets.video import clips_to_device
 from trainer import precision
-from trainer.metrics import EpochStats, EvalOutputs
+from trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
 from trainer.precision import PrecisionPolicy
+
+# Optimizer steps between two reads of the running loss. Each read is a CPU-GPU sync point (the
+# GPU idles while the next step is queued) plus a one-float all-reduce under DDP, so it is not
+# done every step; a diverged run wastes at most this many steps of its epoch.
+FINITE_CHECK_EVERY = 20
 
 
 def make_optimizer(model_or_params: nn.Module | Iterable[nn.Parameter], lr: float,
@@ -85,13 +95,19 @@ def _to_device(batch, transform: nn.Module, device: torch.device) -> tuple[torch
 def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
                     policy: PrecisionPolicy, device: torch.device | str, grad_accum_steps: int = 1,
-                    clip_grad_norm: float = 1.0, label_smoothing: float = 0.0) -> EpochStats:
+                    clip_grad_norm: float = 1.0, label_smoothing: float = 0.0,
+                    finite_check_every: int = FINITE_CHECK_EVERY) -> EpochStats:
     """Train `model` for one pass over `loader`; returns this worker's local sums.
 
     The optimizer (and the scheduler, once) step every `grad_accum_steps` micro-batches and
     after a last, shorter group (its gradient rescaled to a mean over the micro-batches it
     had). Under DDP the non-final micro-batches of a group skip the gradient all-reduce.
     Gradients are clipped to `clip_grad_norm` (0 = off) after unscaling.
+
+    Every `finite_check_every` optimizer steps (0: never) the loss so far is checked: when it
+    is inf or NaN on any worker, every worker stops the epoch there (`stats.loss_sum` is then
+    non-finite on at least one of them). The check sits on a step boundary, which every DDP
+    rank reaches at the same step, so no rank is left waiting in a gradient all-reduce.
     """
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -119,11 +135,29 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
             scheduler.step()
             stats.steps += 1
             pending = 0
+            if finite_check_every and stats.steps % finite_check_every == 0 and not _finite_everywhere(loss_sum):
+                break   # a non-finite loss: the weights are (or soon will be) NaN, so nothing more is learnt
     precision.synchronize(device)  # sync point: queued GPU work belongs to this epoch's time
     stats.epoch_time_s = time.perf_counter() - start
     stats.step_time_s = max(0.0, stats.epoch_time_s - stats.data_wait_s)
     stats.loss_sum = float(loss_sum.item())
     return stats
+
+
+def _finite_everywhere(loss_sum: torch.Tensor) -> bool:
+    """Whether the running loss is finite on every worker (a sync point, and a collective when
+    distributed: every rank must call it at the same step)."""
+    local_bad = float(not torch.isfinite(loss_sum).item())
+    return all_reduce_floats([local_bad], dist.ReduceOp.MAX)[0] == 0.0
+
+
+def finite_parameters(model: nn.Module) -> bool:
+    """Whether every parameter of `model` is finite: the largest |value| over all of them is
+    (inf and NaN propagate through the max). One sync point: call it once per epoch."""
+    params = [p.detach() for p in model.parameters()]
+    if not params:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(params, norm_type=math.inf)).item())
 
 
 def _optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

@@ -7,8 +7,8 @@ Prints one line per epoch as it ends and, at the end, the best checkpoint (by va
 `python -m trainer.predict --checkpoint PATH VIDEO...` uses. Rerunning with the same --name and
 --storage resumes after the last finished epoch. `--config` reads a search's best_config.json
 (its "train_config") or a JSON/TOML/YAML file of TrainConfig fields; flags given override it.
-Exit codes: 0 done, 1 training failed or ran out of memory, 2 bad input (reported before Ray
-starts).
+Exit codes: 0 done, 1 training failed, ran out of memory or diverged (its loss became inf or
+NaN: lower --lr), 2 bad input (reported before Ray starts).
 """
 from __future__ import annotations
 
@@ -212,6 +212,8 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
     head = f"epoch {m['epoch']}/{epochs}"
     if m.get("oom"):
         return f"{head}  OUT OF MEMORY at batch size {m['batch_size']} (peak {m['peak_mem_mb']:.0f} MB)"
+    if m.get("diverged"):
+        return f"{head}  DIVERGED: training loss {m['train_loss']} at lr {m['lr']:.2e}; stopped, no checkpoint"
     return (f"{head}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
             f"val_acc {m['val_acc']:.3f}  val_f1 {m['val_f1']:.3f}  val_recall {m['val_recall']:.3f}  "
             f"val_auc {m['val_auc']:.3f}  {m['clips_per_s']:.1f} clips/s  {m['epoch_time_s']:.1f} s  "
@@ -219,9 +221,24 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
             + (f"  reader_failures {m['reader_failures']}" if m.get("reader_failures") else ""))
 
 
+def failure_message(last: dict[str, Any], lr: float) -> str | None:
+    """Why a run whose last report is `last` has no result, and what to change; None when it
+    trained. `lr`: the run's --lr."""
+    if last.get("oom"):
+        return (f"out of memory at batch size {last.get('batch_size')}; lower --batch-size "
+                "(use --grad-accum to keep the effective batch), or try --precision bf16/fp16")
+    if last.get("diverged"):
+        return (f"training diverged in epoch {last.get('epoch')}: the training loss became {last.get('train_loss')} "
+                f"(inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. {lr / 10:g}), or keep "
+                "--clip-grad-norm on and --warmup-frac above 0")
+    return None
+
+
 def _epoch_printer(epochs: int):
     """A Ray Train callback (runs in the Train controller) that sends rank 0's metrics to a
-    queue, and a driver thread that prints them as they come, unprefixed by Ray's log tags."""
+    queue, and a driver thread that prints them as they come, unprefixed by Ray's log tags.
+    Its `close()` returns the last metrics reported (None without any): Train's `Result.metrics`
+    holds only reports that came with a checkpoint, which out of memory and divergence do not."""
     import ray.train
     from ray.util.queue import Empty, Queue
 
@@ -235,22 +252,27 @@ def _epoch_printer(epochs: int):
             self.queue.put(dict(metrics[0]))
 
     stop = threading.Event()
+    last: list[dict[str, Any]] = []
 
     def pump():
         while True:
             try:
-                print(format_epoch(q.get(timeout=0.5), epochs), flush=True)
+                metrics = q.get(timeout=0.5)
             except (Empty, stdlib_queue.Empty):
                 if stop.is_set():
                     return
+                continue
+            last[:] = [metrics]
+            print(format_epoch(metrics, epochs), flush=True)
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
 
-    def close():
+    def close() -> dict[str, Any] | None:
         stop.set()
         thread.join(timeout=10)
         q.shutdown()
+        return last[0] if last else None
 
     return EpochQueue(q), close
 
@@ -286,11 +308,10 @@ def run(cfg: TrainConfig, args: argparse.Namespace, index: Any = None) -> int:
         close()
         print(f"error: training failed: {e}", file=sys.stderr)
         return 1
-    close()
-    last = result.metrics or {}
-    if last.get("oom"):
-        print(f"error: out of memory at batch size {last.get('batch_size')}; lower --batch-size "
-              f"(use --grad-accum to keep the effective batch), or try --precision bf16/fp16", file=sys.stderr)
+    last = close() or result.metrics or {}
+    problem = failure_message(last, cfg.lr)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 1
     best = result.get_best_checkpoint(metric="val_acc", mode="max") if result.best_checkpoints else result.checkpoint
     if best is None:

@@ -10,7 +10,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray.train
 import ray.train.torch
@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
 from trainer.launch import INDEX_CONFIG_KEY
+from trainer.gpus import physical_gpu_ids, train_device
 from trainer.history import read_history, write_history
 from trainer.utilization import DeviceUtilization, OtherCpuLoad, other_cores
-from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_key
+from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
 from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from trainer.metrics import all_reduce_floats, steady_state
 from trainer.precision import is_out_of_memory
@@ -41,10 +42,13 @@ from trainer.precision import is_out_of_memory
 #   on the CPU, clips/s follows it.
 # other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
 #   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN without /proc).
+# oom / diverged: 1 on the run's one report when it ran out of memory / its training loss or
+#   weights became inf or NaN (then no accuracy nor speed, and no checkpoint); else 0.
+# node_id, node_ip, gpu_ids: where the run trained (`_where_it_runs`); strings.
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
-               "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
-               "epoch_start_ts", "epoch_end_ts", "node_id", "resumed_from_epoch", "device_util_pct",
-               "torch_threads", "other_cpu_cores")
+               "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
+               "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids", "resumed_from_epoch",
+               "device_util_pct", "torch_threads", "other_cpu_cores")
 
 
 class ShardSampler(Sampler[int]):
@@ -97,8 +101,8 @@ class _Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    node_id: str
     slot: TrainingSlot
+    where: dict[str, str] | None = None              # node_id, node_ip, gpu_ids (`_where_it_runs`)
     failures_seen: int = 0              # this rank's failed video reads counted in earlier epochs
     reads_seen: tuple[int, int] = (0, 0)   # this rank's (clip reads, cache hits) in earlier epochs
     speed_by_epoch: dict[int, float] | None = None   # clips_per_s of each epoch trained, for steady_state
@@ -113,36 +117,55 @@ def train_loop_per_worker(config: dict) -> None:
 
     Reports once per epoch (`METRIC_KEYS`, all-reduced so rank 0's dict covers every worker)
     with a checkpoint from rank 0; resumes after the epoch of `ray.train.get_checkpoint()`.
-    Out of memory ends the run with one `oom=1` report and a normal return (see `_report_oom`).
+    Out of memory (building the model, moving it to its device, or in an epoch) and divergence
+    (a non-finite training loss or weights) end the run with one `oom=1` / `diverged=1` report
+    and a normal return (see `_report_no_result`): answers for the search, not crashes to retry.
 
     `config["video_index"]`, when set, is the driver's `datasets.index.VideoIndex` (the videos
     it checked); without it the worker builds the index itself (from the index cache).
 
-    In a search (`config["device_lease"]` set) the run builds its data and model first, then
-    waits for its devices (`trainer.lease`), and gives them back as soon as its last epoch is
-    scored, before the final checkpoint and Train's teardown.
+    The data, model and optimiser are built on the CPU; the model goes to its device only once
+    the run holds it. In a search (`config["device_lease"]` set) the run waits for its devices
+    (`trainer.lease`) in between, while another trial may be training there with nearly all of
+    the GPU's memory, and gives them back as soon as its last epoch is scored, before the final
+    checkpoint and Train's teardown.
     """
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
     index = config.pop(INDEX_CONFIG_KEY, None)
-    run = _setup(TrainConfig.from_dict(config), TrainingSlot(lease), index)
+    cfg = TrainConfig.from_dict(config)
+    started, started_ts = time.perf_counter(), time.time()
+    run = _unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index)
+    if _any_rank(run is None):   # agreed before any other collective, so no rank waits for a lost one
+        _report_setup_oom(cfg, time.perf_counter() - started, _epoch_window(started_ts, time.time()))
+        return
     try:
-        start_epoch = _maybe_resume(run)
+        run.where = _where_it_runs()
+        start_epoch, state = _read_checkpoint(run)
         if run.slot.settings is not None:   # the same on every rank: the key gather is a collective
             run.slot.acquire(_all_device_keys(run))
+        started, started_ts = time.perf_counter(), time.time()
+        # The model (and with it, as it trains, the optimizer's state) takes device memory only
+        # now: moved before the wait, it could run out of memory beside the trial training there.
+        if _any_rank(_unless_out_of_memory(run.model.to, run.device) is None):
+            run.slot.release()
+            _report_no_result(run, start_epoch, time.perf_counter() - started,
+                              _epoch_window(started_ts, time.time()))
+            return
+        _prepare_model(run, state)
         _use_device_threads(run)
         utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, run.cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
             utilization.start()
             other_load.start()
-            outputs = _train_and_evaluate(run, epoch)
+            outcome, outputs = _train_and_evaluate(run, epoch)
             run.device_util_pct, run.cpu_window = utilization.stop(), other_load.stop()
             window = _epoch_window(started_ts, time.time())
-            if _any_rank(outputs is None):
-                outputs = None  # drop this rank's results too: every rank reports the same OOM
+            if outcome != "trained":
                 run.slot.release()
-                _report_oom(run, epoch, time.perf_counter() - started, window)
+                _report_no_result(run, epoch, time.perf_counter() - started, window,
+                                  diverged=outcome == "diverged", stats=outputs)
                 return
             if epoch == run.cfg.epochs:
                 run.slot.release()   # the next trial trains while this one checkpoints and ends
@@ -152,7 +175,21 @@ def train_loop_per_worker(config: dict) -> None:
         run.slot.release()
 
 
+def _unless_out_of_memory(step: Callable[..., Any], *args: Any) -> Any:
+    """`step(*args)`, or None when it ran out of memory (torch.OutOfMemoryError is a
+    RuntimeError). The error is dropped on return, so its traceback's tensors can be freed."""
+    try:
+        return step(*args)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+    return None
+
+
 def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
+    """Everything a run needs, with the model and optimiser on the CPU (`_prepare_model` puts
+    the model on its device later). Runs no collective: a rank that runs out of memory here
+    must not leave the others waiting in one."""
     from datasets.index import build_index
     from datasets.transforms import ClipTransform
     from trainer.loop import make_optimizer, make_scheduler
@@ -162,7 +199,7 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _use_allocated_cpus(cfg.cpu_threads)
-    device = ray.train.torch.get_device()
+    device = train_device()
     policy = choose_precision(cfg.precision, device)
     configure_backends(device)
     spec = get_spec(cfg.model)
@@ -172,14 +209,8 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
 
     torch.manual_seed(cfg.seed)  # same initial head on every rank and for every worker count
     model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last)
-    # Frozen-backbone epochs leave backbone parameters without gradients; DDP must then look
-    # for unused parameters (a graph walk per step), so it does only when freezing is asked for.
-    ddp_kwargs = {"find_unused_parameters": True} if cfg.freeze_backbone_epochs > 0 else None
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs)
-    if cfg.compile:
-        from trainer.models import maybe_compile
-
-        model = maybe_compile(model, True)
+    # Built on the CPU parameters: `module.to(device)` keeps the same Parameter objects, and
+    # the optimizer has no state yet (a checkpoint's is restored after the move).
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
     # The loop steps the optimizer (and scheduler) after every group of grad_accum_steps
     # batches and after a last, shorter group.
@@ -194,9 +225,27 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: Any = None) -> _Run:
         cfg=cfg, rank=rank, world=world, device=device, policy=policy, spec=spec,
         class_names=dict(index.class_names), train_loader=train_loader, val_loader=val_loader,
         train_transform=transform(True), val_transform=transform(False), model=model,
-        optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(),
-        node_id=_rank0_node_id(device), slot=slot, speed_by_epoch={},
+        optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(), slot=slot, speed_by_epoch={},
     )
+
+
+def _prepare_model(run: _Run, state: dict[str, Any] | None) -> None:
+    """Once the model is on its device: wrap it for DDP (a collective: rank 0's weights are
+    broadcast), compile it when asked, and restore the checkpoint's training state (the
+    optimizer's state follows the parameters to their device as it loads)."""
+    cfg = run.cfg
+    # Frozen-backbone epochs leave backbone parameters without gradients; DDP must then look
+    # for unused parameters (a graph walk per step), so it does only when freezing is asked for.
+    ddp_kwargs = {"find_unused_parameters": True} if cfg.freeze_backbone_epochs > 0 else None
+    model = ray.train.torch.prepare_model(run.model, move_to_device=run.device, parallel_strategy_kwargs=ddp_kwargs)
+    if cfg.compile:
+        from trainer.models import maybe_compile
+
+        model = maybe_compile(model, True)
+    run.model = model
+    if state is not None:
+        restore_training_state(state, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
+                               scheduler=run.scheduler)
 
 
 def _use_allocated_cpus(threads: int | None) -> None:
@@ -221,12 +270,12 @@ def _use_device_threads(run: _Run) -> None:
 
 def _all_device_keys(run: _Run) -> list[str]:
     """The lease keys of every rank's device (a collective when distributed)."""
-    mine = device_key(run.device)
+    mine = device_keys(run.device)
     if not (dist.is_available() and dist.is_initialized()):
-        return [mine]
+        return mine
     keys: list[Any] = [None] * run.world
     dist.all_gather_object(keys, mine)
-    return sorted(set(keys))
+    return sorted({key for rank_keys in keys for key in rank_keys})
 
 
 def _epoch_window(start_ts: float, end_ts: float) -> tuple[float, float]:
@@ -276,36 +325,43 @@ def _loaders(cfg: TrainConfig, spec: Any, index: Any, rank: int, world: int,
     return with_sampler(train_loader, train_sampler), with_sampler(val_loader, ShardSampler(len(val_set), rank, world))
 
 
-def _rank0_node_id(device: torch.device) -> str:
-    node_id = ray.get_runtime_context().get_node_id()
+def _where_it_runs() -> dict[str, str]:
+    """Where the run trains (a collective when distributed): `node_id`, rank 0's Ray node;
+    `node_ip`, the IPs of the nodes its workers are on; `gpu_ids`, the physical ids of the GPUs
+    Ray gave its workers (`trainer.gpus`), sorted and without repeats, each prefixed with its
+    node's IP when the workers span nodes (ids are per node); "" on the CPU. Comma-separated."""
+    mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), physical_gpu_ids())
+    views: list[Any] = [mine]
     if dist.is_available() and dist.is_initialized():
-        box = [node_id]
-        from trainer.precision import collective_device
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, mine)
+    ips = sorted({ip for _, ip, _ in views})
+    gpus = {f"{ip}:{gpu}" if len(ips) > 1 else gpu for _, ip, ids in views for gpu in ids}
+    # Shorter first: "2" before "10" for numeric ids.
+    return {"node_id": views[0][0], "node_ip": ",".join(ips),
+            "gpu_ids": ",".join(sorted(gpus, key=lambda g: (len(g), g)))}
 
-        dist.broadcast_object_list(box, src=0, device=collective_device())
-        node_id = box[0]
-    return node_id
 
-
-def _maybe_resume(run: _Run) -> int:
-    """First epoch to run: 1, or the one after the checkpoint Ray hands back on a rerun."""
+def _read_checkpoint(run: _Run) -> tuple[int, dict[str, Any] | None]:
+    """(first epoch to run, the checkpoint's state to restore) for the checkpoint Ray hands back
+    on a rerun; (1, None) without one. Read (onto the CPU) before the run holds its device;
+    `_prepare_model` restores it once the model is there."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 1
+        return 1, None
     with checkpoint.as_directory() as directory:
         state = load_checkpoint(directory)
         run.history = read_history(directory)
     history = (state.get("metrics") or {}).get("speed_by_epoch") or {}
     run.speed_by_epoch = {int(e): float(v) for e, v in history.items()}
-    start = restore_training_state(state, model=run.model, optimizer=run.optimizer,
-                                   scaler=run.scaler, scheduler=run.scheduler)
-    run.resumed_from_epoch = start - 1
-    return start
+    run.resumed_from_epoch = int(state["epoch"])
+    return run.resumed_from_epoch + 1, state
 
 
-def _train_and_evaluate(run: _Run, epoch: int):
-    """(EpochStats, EvalOutputs) of one epoch, or None when this rank ran out of memory."""
-    from trainer.loop import evaluate, train_one_epoch
+def _train_and_evaluate(run: _Run, epoch: int) -> tuple[str, Any]:
+    """One epoch, and how it ended, the same on every rank: ("trained", (EpochStats,
+    EvalOutputs)), ("diverged", EpochStats) without evaluating, or ("out of memory", None)."""
+    from trainer.loop import evaluate, finite_parameters, train_one_epoch
     from trainer.models import set_backbone_trainable, unwrap
     from trainer.precision import reset_peak_memory
 
@@ -320,21 +376,28 @@ def _train_and_evaluate(run: _Run, epoch: int):
     reset_peak_memory(run.device)
     if cfg.freeze_backbone_epochs > 0:
         set_backbone_trainable(run.model, trainable=epoch > cfg.freeze_backbone_epochs)
-    try:
-        stats = train_one_epoch(
-            run.model, run.train_loader, transform=run.train_transform, optimizer=run.optimizer,
-            scheduler=run.scheduler, scaler=run.scaler, policy=run.policy, device=run.device,
-            grad_accum_steps=cfg.grad_accum_steps, clip_grad_norm=cfg.clip_grad_norm,
-            label_smoothing=cfg.label_smoothing)
-        # The plain model: DDP's forward may sync buffers (a collective) and ranks hold
-        # different numbers of validation batches.
-        eval_out = evaluate(unwrap(run.model), run.val_loader, transform=run.val_transform,
-                            policy=run.policy, device=run.device)
-    except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError
-        if not is_out_of_memory(e):
-            raise
-        return None  # handled outside the except block, so the traceback's tensors are freed
-    return stats, eval_out
+    stats = _unless_out_of_memory(lambda: train_one_epoch(
+        run.model, run.train_loader, transform=run.train_transform, optimizer=run.optimizer,
+        scheduler=run.scheduler, scaler=run.scaler, policy=run.policy, device=run.device,
+        grad_accum_steps=cfg.grad_accum_steps, clip_grad_norm=cfg.clip_grad_norm,
+        label_smoothing=cfg.label_smoothing))
+    # fp16's GradScaler skips the steps whose gradients overflow, so an inf gradient alone is
+    # no divergence; an inf or NaN loss is (the epoch's mean then is one), and so are weights
+    # gone non-finite (bf16/fp32 have no scaler to stop a NaN step).
+    diverged = stats is not None and not (math.isfinite(stats.loss_sum) and finite_parameters(run.model))
+    out_of_memory, diverged = all_reduce_floats([float(stats is None), float(diverged)], dist.ReduceOp.MAX)
+    if out_of_memory:
+        return "out of memory", None
+    if diverged:
+        return "diverged", stats
+    # The plain model: DDP's forward may sync buffers (a collective) and ranks hold
+    # different numbers of validation batches.
+    eval_out = _unless_out_of_memory(lambda: evaluate(unwrap(run.model), run.val_loader,
+                                                      transform=run.val_transform, policy=run.policy,
+                                                      device=run.device))
+    if _any_rank(eval_out is None):
+        return "out of memory", None
+    return "trained", (stats, eval_out)
 
 
 def _any_rank(flag: bool) -> bool:
@@ -396,8 +459,8 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
     peak = all_reduce_floats([peak_memory_mb(run.device)], dist.ReduceOp.MAX)[0]
     run.speed_by_epoch[epoch] = metrics["clips_per_s"]
     metrics.update(
-        epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0,
-        reader_failures=_reader_failures(run), peak_mem_mb=float(peak), node_id=run.node_id,
+        epoch=epoch, lr=_current_lr(run), batch_size=run.cfg.batch_size, oom=0, diverged=0, **run.where,
+        reader_failures=_reader_failures(run), peak_mem_mb=float(peak),
         steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
         **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
         device_util_pct=all_reduce_floats([run.device_util_pct])[0] / run.world,
@@ -423,31 +486,64 @@ def _report(run: _Run, epoch: int, metrics: dict[str, Any]) -> None:
                          checkpoint_dir_name=f"epoch_{epoch:04d}")
 
 
-def _report_oom(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, float]) -> None:
-    """Out of memory is an answer for the search (this batch size does not fit), not a crash:
-    free what the run holds, report worst-case metrics once, no checkpoint, and let the caller
-    return normally so Ray does not retry.
+def _report_no_result(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, float], *,
+                      diverged: bool = False, stats: Any = None) -> None:
+    """Out of memory (this batch size does not fit) or divergence (this learning rate blows the
+    weights up) is an answer for the search, not a crash: free what the run holds, report
+    worst-case metrics once (`_no_result_metrics`), no checkpoint, and let the caller return
+    normally so Ray does not retry. `stats`: the diverged epoch's, for its train_loss.
 
-    Every rank agreed on the OOM first (`_any_rank`), so none waits in a collective for a rank
-    that stopped. Limitation: an OOM on one rank only, in the middle of a DDP backward, leaves
-    the others inside that step's gradient all-reduce; they fail at the collective instead.
+    Every rank agreed on the outcome first (`_any_rank`), so none waits in a collective for a
+    rank that stopped. Limitation: an OOM on one rank only, in the middle of a DDP backward,
+    leaves the others inside that step's gradient all-reduce; they fail at the collective instead.
     """
     from trainer.metrics import peak_memory_mb
     from trainer.precision import free_memory
 
+    train_loss = math.nan
+    if stats is not None:
+        loss_sum, clips = all_reduce_floats([stats.loss_sum, float(stats.clips)])
+        train_loss = loss_sum / clips if clips else math.nan
     peak = peak_memory_mb(run.device)  # measured before the memory is released
     run.optimizer.state.clear()
     run.optimizer.zero_grad(set_to_none=True)
     free_memory(run.device)
-    peak = all_reduce_floats([peak], dist.ReduceOp.MAX)[0]
+    ray.train.report(_no_result_metrics(
+        epoch=epoch, batch_size=run.cfg.batch_size, lr=_current_lr(run), elapsed_s=elapsed_s, peak_mb=peak,
+        diverged=diverged, train_loss=train_loss, where=run.where, reader_failures=_reader_failures(run),
+        cache_hit_frac=_cache_hit_frac(run), **_lease_metrics(run, window, first=True),
+        resumed_from_epoch=run.resumed_from_epoch))
+
+
+def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
+    """`_report_no_result` for a run that ran out of memory before it had a model or optimiser
+    (epoch 1, the configured lr; it never waited for a device)."""
+    from trainer.metrics import peak_memory_mb
+    from trainer.precision import free_memory
+
+    device = train_device()
+    peak = peak_memory_mb(device)
+    free_memory(device)
+    ray.train.report(_no_result_metrics(
+        epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s, peak_mb=peak, diverged=False,
+        where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, concurrent_trainings=math.nan,
+        device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1], resumed_from_epoch=0))
+
+
+def _no_result_metrics(*, epoch: int, batch_size: int, lr: float, elapsed_s: float, peak_mb: float,
+                       diverged: bool, where: dict[str, str], train_loss: float = math.nan,
+                       **measured: Any) -> dict[str, Any]:
+    """The METRIC_KEYS of an epoch without a result: `oom=1`, or `diverged=1`; no speed; an
+    accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective into a failed trial that
+    TPE ignores, where 0 with the constraint `tune.space` sets makes it an infeasible one.
+    `measured`: the keys the caller knows (reader failures, cache hits, lease times, ...)."""
+    peak = all_reduce_floats([peak_mb], dist.ReduceOp.MAX)[0]
     metrics = {
-        "epoch": epoch, "train_loss": math.nan, "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
+        "epoch": epoch, "train_loss": float(train_loss), "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
         "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "compute_clips_per_s": 0.0,
-        "steady_clips_per_s": 0.0, "epoch_time_s": float(elapsed_s),
-        "data_wait_frac": 0.0, "peak_mem_mb": float(peak), "lr": _current_lr(run),
-        "batch_size": run.cfg.batch_size, "oom": 1, "reader_failures": _reader_failures(run),
-        "cache_hit_frac": _cache_hit_frac(run), **_lease_metrics(run, window, first=True),
-        "node_id": run.node_id, "resumed_from_epoch": run.resumed_from_epoch, "device_util_pct": math.nan,
-        "torch_threads": torch.get_num_threads(), "other_cpu_cores": math.nan,
+        "steady_clips_per_s": 0.0, "epoch_time_s": float(elapsed_s), "data_wait_frac": 0.0,
+        "peak_mem_mb": float(peak), "lr": float(lr), "batch_size": batch_size, "oom": int(not diverged),
+        "diverged": int(diverged), "device_util_pct": math.nan, "torch_threads": torch.get_num_threads(),
+        "other_cpu_cores": math.nan, **where, **measured,
     }
-    ray.train.report(metrics)
+    return {key: metrics[key] for key in METRIC_KEYS}
