@@ -413,3 +413,66 @@ def test_plot_objective_vs_params(tmp_path):
     assert len(fig.axes) == 2 and "accuracy" in fig.axes[0].get_ylabel()
     assert report.plot_objective_vs_params([], tmp_path / "none.png", objective="val_acc") is None
     assert not (tmp_path / "none.png").exists()
+
+
+# --- divergence and GPU ids -----------------------------------------------------------------
+
+
+def _diverged_result():
+    """Epoch 1 trained (val_acc 0.9); epoch 2's loss went NaN: the worker's one diverged report."""
+    return _result([_epoch(1, 10.0, val_acc=0.9, gpu_ids="0"),
+                    _epoch(2, 0.0, val_acc=0.0, val_f1=0.0, diverged=1, train_loss=math.nan, gpu_ids="0")])
+
+
+def test_a_diverged_trial_has_no_accuracy_nor_speed_and_is_never_best(tmp_path):
+    row = report.row_from_result(_diverged_result(), trial_id="d", epochs=3, finished=True)
+    assert (row.status, row.val_acc, row.best_epoch, row.epochs) == ("DIVERGED", 0.0, 0, 2)
+    assert math.isnan(row.clips_per_s) and "DIVERGED" in report.STATUSES
+    # even with an accuracy above every other trial's it is never ranked, best or on the front
+    high = dataclasses.replace(row, val_acc=0.99, clips_per_s=99.0)
+    ok = _row("ok", 0.6, 10.0)
+    assert report.usable([high, ok]) == [ok]
+    for objective in ("val_acc", "val_f1", "pareto"):
+        assert report.best_trial([high, ok], objective) is ok
+    assert report.pareto_front([high, ok]) == [ok]
+    assert [r.trial_id for r in report.ranked([high, ok])] == ["ok", "d"]
+    assert report.format_table([ok, row]).splitlines()[-1].split()[-1] == "DIVERGED"
+    read = _read_csv(report.write_csv([row, ok], tmp_path / "trials.csv"))
+    assert [(r["trial_id"], r["status"]) for r in read] == [("ok", "DONE"), ("d", "DIVERGED")]
+
+
+def test_diverged_status_wins_over_unfinished_and_stopped():
+    epochs = [_epoch(1, 10.0, diverged=1)]
+    assert report.row_from_result(_result(epochs), trial_id="t", epochs=3, finished=False).status == "DIVERGED"
+    assert report.row_from_result(_result(epochs, error=RuntimeError("x")), trial_id="t", epochs=3,
+                                  finished=True).status == "ERROR"
+
+
+def test_plots_show_diverged_trials_in_the_no_result_strip():
+    rows = _search_rows() + [_named("t07-bs8-lr1e6", 0.0, math.nan, f1=0.0, status="DIVERGED", lr=1e6,
+                                    best_epoch=0)]
+    for fig in (report.scatter_figure(rows), report.params_figure(rows, objective="val_acc")):
+        legend = " ".join(_legend_texts(fig))
+        assert "DIVERGED" in legend and "OOM" in legend
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert "OOM / DIVERGED" in texts and any("t07-bs8-lr1e6" in t for t in texts)
+
+
+def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
+    row = report.row_from_result(_result([_epoch(1, 10.0, gpu_ids="2,3")]), trial_id="g", epochs=1, finished=True)
+    assert row.gpu_ids == "2,3"
+    cpu = _row("cpu", 0.5, 8.0)
+    head, _, *body = report.format_table([row, cpu]).splitlines()
+    assert head.split()[-2:] == ["gpu", "status"]
+    assert [line.split()[-2] for line in body] == ["2,3", "-"]
+    assert "| gpu |" in report.format_markdown([row, cpu]) and "| 2,3 |" in report.format_markdown([row, cpu])
+    read = _read_csv(report.write_csv([row, cpu], tmp_path / "gpu.csv"))
+    columns = list(read[0])
+    assert columns[columns.index("node_id") + 1] == "gpu_ids" and [r["gpu_ids"] for r in read] == ["2,3", ""]
+    # CPU only: no GPU column anywhere
+    assert "gpu" not in report.format_table([cpu]) and "gpu" not in report.format_markdown([cpu])
+    assert list(_read_csv(report.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(report.CSV_COLUMNS)
+    # a string metric read back from a dataframe as NaN is no GPU id
+    nan_ids = report.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
+                                     finished=True)
+    assert nan_ids.gpu_ids == ""

@@ -1,4 +1,5 @@
-"""The search space, the seeded Optuna searcher (OOM = infeasible, pareto, stored study), ASHA."""
+"""The search space, the seeded Optuna searcher (OOM and divergence = infeasible, pareto, stored
+study), ASHA."""
 from __future__ import annotations
 
 import optuna
@@ -61,8 +62,27 @@ def test_out_of_memory_trial_is_infeasible_for_optuna():
     ok, oom = optuna_study(searcher).trials
     assert oom.user_attrs == {"failure_reason": "out of memory"}
     # Optuna constraints: > 0 infeasible, <= 0 feasible (read by TPE).
-    assert oom.constraints == {space.OOM_CONSTRAINT: 1.0}
-    assert ok.constraints == {space.OOM_CONSTRAINT: 0.0}
+    assert oom.constraints == {space.OOM_CONSTRAINT: 1.0, space.DIVERGED_CONSTRAINT: 0.0}
+    assert ok.constraints == {space.OOM_CONSTRAINT: 0.0, space.DIVERGED_CONSTRAINT: 0.0}
+
+
+def test_diverged_trial_is_infeasible_for_optuna():
+    """A trial whose loss went NaN reports val_acc 0.0 and diverged=1: Optuna records it
+    COMPLETE but infeasible (not a FAIL that TPE would ignore), with its reason."""
+    from optuna.trial import TrialState
+
+    opts = _opts()
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="t")
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    searcher.suggest("ok")
+    searcher.suggest("nan")
+    searcher.on_trial_complete("ok", {"val_acc": 0.6, "oom": 0, "diverged": 0})
+    searcher.on_trial_complete("nan", {"val_acc": 0.0, "oom": 0, "diverged": 1})
+    ok, nan = optuna_study(searcher).trials
+    assert nan.state == TrialState.COMPLETE and nan.user_attrs == {"failure_reason": "diverged"}
+    assert nan.constraints == {space.OOM_CONSTRAINT: 0.0, space.DIVERGED_CONSTRAINT: 1.0}
+    # Optuna's rule: feasible when every constraint is <= 0
+    assert [t.number for t in optuna_study(searcher).trials if all(v <= 0 for v in t.constraints.values())] == [0]
 
 
 def test_pareto_searches_accuracy_and_throughput_together():

@@ -166,11 +166,56 @@ def test_summary_artifacts_on_the_parent(uri, tmp_path):
     assert c.get_run(run_id).data.metrics["best_val_acc"] == 0.7
 
 
+def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(uri):
+    """A diverged trial's run is FAILED, its reason and outcome say diverged; each run is tagged
+    with its GPU ids ("" on the CPU) and node (IP) from its first epoch, and reconcile writes
+    the same tags for a run whose live epochs MLflow missed."""
+    import pandas as pd
+
+    from tune.report import row_from_result
+
+    t = _tracker(uri, "diverged", epochs=3)
+    t.setup()
+    gpu, cpu = _trial("gpu", lr=1e6), _trial("cpu")
+    for tr in (gpu, cpu):
+        t.on_trial_start(0, [], tr)
+    first = _result(1, gpu_ids="2,3", node_ip="10.0.0.7")
+    last = _result(2, diverged=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, gpu_ids="2,3", node_ip="10.0.0.7")
+    t.on_trial_result(0, [], gpu, first)
+    t.on_trial_result(0, [], gpu, last)
+    gpu.last_result = last
+    t.on_trial_complete(0, [], gpu)
+    tags = _runs(uri, "diverged")["gpu"].data.tags
+    assert _runs(uri, "diverged")["gpu"].info.status == "FAILED"
+    assert tags[FAILURE_TAG].startswith("diverged: the training loss became nan in epoch 2")
+    assert (tags[tracking.GPU_IDS_TAG], tags[tracking.NODE_TAG], tags[NODE_ID_TAG]) == ("2,3", "10.0.0.7", "node-abc")
+    assert "diverged" not in _runs(uri, "diverged")["gpu"].data.metrics
+
+    # reconcile (end of the search): outcome tags, and where the CPU trial ran though no live epoch was logged
+    cpu_epochs = [_result(e, gpu_ids="", node_ip="10.0.0.8") for e in (1, 2, 3)]
+    rows = []
+    for trial_id, epochs in (("gpu", [first, last]), ("cpu", cpu_epochs)):
+        result = SimpleNamespace(metrics=epochs[-1], config={"batch_size": 4, "lr": 1e-3}, error=None,
+                                 metrics_dataframe=pd.DataFrame(epochs))
+        rows.append((row_from_result(result, trial_id=trial_id, epochs=3, finished=True), result, None))
+    assert [row.status for row, _, _ in rows] == ["DIVERGED", "DONE"]
+    t.reconcile(rows)
+    runs = _runs(uri, "diverged")
+    assert runs["gpu"].data.tags[tracking.OUTCOME_TAG] == "diverged" and runs["gpu"].info.status == "FAILED"
+    cpu_tags = runs["cpu"].data.tags
+    assert (cpu_tags[tracking.GPU_IDS_TAG], cpu_tags[tracking.NODE_TAG]) == ("", "10.0.0.8")
+    assert cpu_tags[tracking.OUTCOME_TAG] == "done" and runs["cpu"].info.status == "FINISHED"
+    assert not {"gpu_ids", "node_ip", "diverged"} & set(runs["cpu"].data.metrics)
+
+
 def test_numeric_metrics_keep_trainer_values_only():
     m = tracking.numeric_metrics(_result(3, oom=1, val_loss=math.nan))
     assert math.isnan(m["val_loss"]) and m["lr_current"] == 1e-3 and "lr" not in m
     # constants are params or tags, not metrics: the epoch is the step, batch size a param
     assert not {"epoch", "oom", "batch_size", "reader_failures"} & set(m)
+    # where it ran is a tag, even when a dataframe reads the GPU id "0" back as the number 0
+    assert not {"diverged", "gpu_ids", "node_ip"} & set(tracking.numeric_metrics(_result(1, diverged=0, gpu_ids=0,
+                                                                                          node_ip="10.0.0.1")))
     # a row of Tune's per-epoch dataframe (what reconcile backfills from) flattens the config
     row = tracking.numeric_metrics({**_result(2), "config/batch_size": 4, "config/lr": 1e-3})
     assert not any(k.startswith("config") for k in row) and row["val_acc"] == 0.7

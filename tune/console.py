@@ -175,6 +175,9 @@ class SearchConsole(Callback):
         if int(result.get("oom", 0) or 0):
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
+        elif int(result.get("diverged", 0) or 0):
+            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
+                        f"{float(result.get('train_loss', math.nan))} at lr {float(result.get('lr', math.nan)):.3g}")
         else:
             value = float(result.get(self.metric, math.nan))
             if math.isfinite(value) and (self._best is None or value > self._best[0]):
@@ -192,6 +195,7 @@ class SearchConsole(Callback):
         status = completed_trial_status(trial, epochs=self.epochs)
         how = {"UNFINISHED": f"interrupted after epoch {epoch}",
                "OOM": "ended: out of memory (recorded as infeasible)",
+               "DIVERGED": "ended: diverged (non-finite loss; recorded as infeasible)",
                "STOPPED": f"stopped early by ASHA after epoch {epoch}/{self.epochs}"}.get(
             status, f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})")
         self._print(f"{short_name(trial)} {how}")

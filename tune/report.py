@@ -6,20 +6,23 @@ epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are s
 (per trial, not per epoch).
 
 trials.csv (`write_csv`), one row per trial, best first by the search's objective (unusable
-trials, OOM and ERROR, and those without a value last):
+trials, OOM, DIVERGED and ERROR, and those without a value last):
   name           the trial's short readable name (e.g. t03-bs8-lr2.5e-4)
   trial_id       Tune's trial id
-  status         DONE, STOPPED, OOM, ERROR or UNFINISHED (see STATUSES)
+  status         DONE, STOPPED, OOM, DIVERGED, ERROR or UNFINISHED (see STATUSES)
   batch_size, lr, weight_decay   the trial's configuration (lr and weight decay to 3 significant
                  digits; weight_decay empty when not searched)
   val_acc, val_f1                validation accuracy and macro F1 (4 decimals; nan when none)
   metrics_epoch  val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc);
                  0 when none
   epochs         epochs trained (the last epoch reported)
-  clips_per_s, compute_clips_per_s, epoch_time_s   steady-state speed (2 decimals; nan for OOM)
+  clips_per_s, compute_clips_per_s, epoch_time_s   steady-state speed (2 decimals; nan for OOM
+                 and DIVERGED)
   concurrent_trainings   most trainings sharing its device in any epoch (1 = alone)
   other_cpu_cores        cores other processes kept busy on its machine, steady state like the speed
   node_id, checkpoint    where it ran; its best checkpoint that still exists (empty when none)
+  gpu_ids        the physical GPU ids it trained on ("0", "2,3"); a column only when some trial
+                 had a GPU
 """
 from __future__ import annotations
 
@@ -31,8 +34,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
-# of memory (infeasible); ERROR raised; UNFINISHED was interrupted (continue with --resume).
-STATUSES = ("DONE", "STOPPED", "OOM", "ERROR", "UNFINISHED")
+# of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr
+# is too high for it); ERROR raised; UNFINISHED was interrupted (continue with --resume).
+STATUSES = ("DONE", "STOPPED", "OOM", "DIVERGED", "ERROR", "UNFINISHED")
+# The statuses whose last report stands for the trial: no accuracy, no speed, never ranked.
+NO_RESULT = ("OOM", "DIVERGED")
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 
 
@@ -42,7 +48,7 @@ class TrialRow:
     batch_size: int
     lr: float
     weight_decay: float | None
-    val_acc: float          # at the best epoch by val_acc (nan when none; OOM: its report's)
+    val_acc: float          # at the best epoch by val_acc (nan when none; OOM, DIVERGED: its report's)
     val_f1: float           # at the same epoch
     clips_per_s: float      # steady state: median over epochs 2.. (epoch 1 alone when only it ran)
     epoch_time_s: float     # steady state, like clips_per_s
@@ -55,6 +61,7 @@ class TrialRow:
     other_cpu_cores: float = math.nan       # steady state of the cores other processes kept busy beside it
     name: str = ""          # short readable name (e.g. t03-bs8-lr2.5e-4); "" reads as the trial_id
     best_epoch: int = 0     # the best epoch by val_acc: val_acc, val_f1 and checkpoint are its (0: none)
+    gpu_ids: str = ""       # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
 
     @property
     def label(self) -> str:
@@ -69,6 +76,8 @@ def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, fini
         return "ERROR"
     if int(last.get("oom", 0) or 0) == 1:
         return "OOM"
+    if int(last.get("diverged", 0) or 0) == 1:
+        return "DIVERGED"
     if not finished:
         return "UNFINISHED"
     if int(last.get("epoch") or 0) < epochs:
@@ -104,13 +113,14 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
     short readable name (default: the trial id).
 
     val_acc and val_f1 are those of the best epoch by val_acc (ties: the later epoch), the
-    epoch of Ray Train's best checkpoint; an out-of-memory trial keeps its last report's."""
+    epoch of Ray Train's best checkpoint; an out-of-memory or diverged trial keeps its last
+    report's (no accuracy)."""
     m = dict(result.metrics or {})
     cfg = dict(result.config or {})
     status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
     speed = steady_speeds(result)
     val_acc, val_f1, best_epoch = _f(m.get("val_acc")), _f(m.get("val_f1")), 0
-    if status != "OOM":
+    if status not in NO_RESULT:
         best = best_epoch_record(result)
         if best is not None:
             best_epoch, record = best
@@ -125,8 +135,13 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
         epochs=_epoch_of(m.get("epoch")), status=status, checkpoint=best_checkpoint(train_run, result),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
-        other_cpu_cores=speed["other_cpu_cores"],
+        other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
     )
+
+
+def _text(x: Any) -> str:
+    """A string metric as reported; "" for a missing one (NaN in a dataframe)."""
+    return x if isinstance(x, str) else ""
 
 
 def epoch_records(result: Any) -> dict[int, dict[str, Any]]:
@@ -149,11 +164,12 @@ def epoch_records(result: Any) -> dict[int, dict[str, Any]]:
 
 def best_epoch_record(result: Any) -> tuple[int, dict[str, Any]] | None:
     """(epoch, report) of the trial's best epoch by val_acc (ties: the later epoch), among the
-    epochs that trained (not an out-of-memory report); None when no epoch has a val_acc."""
+    epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
+    val_acc."""
     best = None
     for epoch, record in sorted(epoch_records(result).items()):
         acc = _f(record.get("val_acc"))
-        if _f(record.get("oom")) == 1 or not math.isfinite(acc):
+        if _f(record.get("oom")) == 1 or _f(record.get("diverged")) == 1 or not math.isfinite(acc):
             continue
         if best is None or acc >= _f(best[1]["val_acc"]):
             best = (epoch, record)
@@ -173,11 +189,11 @@ def steady_speeds(result: Any) -> dict[str, float]:
 
     Read from every epoch Tune recorded (`epoch_records`: a resumed trial re-reports an epoch,
     the last report of an epoch wins), falling back to the last result alone. An out-of-memory
-    trial reports 0 clips/s: it has no speed (NaN)."""
+    or diverged trial reports 0 clips/s: it has no speed (NaN)."""
     from trainer.metrics import steady_state
 
     m = dict(result.metrics or {})
-    if int(m.get("oom", 0) or 0) == 1:
+    if int(m.get("oom", 0) or 0) == 1 or int(m.get("diverged", 0) or 0) == 1:
         return {**{k: math.nan for k in SPEED_KEYS}, "concurrent_trainings": _f(m.get("concurrent_trainings")),
                 "other_cpu_cores": math.nan}
     records = epoch_records(result)
@@ -214,7 +230,8 @@ def best_checkpoint(train_run: str | None, result: Any) -> str | None:
 
 
 def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
-    """Trials with results worth ranking (not OOM, not errored, with a finite accuracy)."""
+    """Trials with results worth ranking (not OOM, not diverged, not errored, with a finite
+    accuracy)."""
     return [r for r in rows if r.status in ("DONE", "STOPPED", "UNFINISHED") and math.isfinite(r.val_acc)]
 
 
@@ -253,17 +270,20 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
     """Plain-text table: trial (its name), batch size, lr, (weight decay), val_acc and val_f1 (of
     the best epoch by val_acc), steady clips/s (end to end, and compute only), steady epoch time,
-    epochs trained, status. After clips/s, `*` marks a trial that shared its device with another
-    training and `~` one that trained beside other work on its machine (`speed_marks`), with a
-    line saying so under the table: their speed is not the model's alone."""
+    epochs trained, (the GPUs it trained on, when some trial had one), status. After clips/s, `*`
+    marks a trial that shared its device with another training and `~` one that trained beside
+    other work on its machine (`speed_marks`), with a line saying so under the table: their
+    speed is not the model's alone."""
+    show_gpu = any(r.gpu_ids for r in rows)
     head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
-        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs", "status"]
+        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs"] + (["gpu"] if show_gpu else []) + ["status"]
     body = []
     for r in rows:
         body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
                     ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
                     [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1) + speed_marks(r),
-                     _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs), r.status])
+                     _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs)] +
+                    ([r.gpu_ids or "-"] if show_gpu else []) + [r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     legend = [text for _, text in marks_used(rows)]
@@ -294,13 +314,18 @@ def speed_marks(r: TrialRow) -> str:
 
 def format_markdown(rows: list[TrialRow]) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
-    name, batch size, lr, val_acc and val_f1 (best epoch), steady clips/s, epochs, status; under
-    it, what the marks after clips/s mean (a list, when a row carries one)."""
-    head = "| trial | batch | lr | val_acc | val_f1 | epoch | clips/s | epochs | status |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    name, batch size, lr, val_acc and val_f1 (best epoch), steady clips/s, epochs, (GPUs, when
+    some trial had one), status; under it, what the marks after clips/s mean (a list, when a
+    row carries one)."""
+    show_gpu = any(r.gpu_ids for r in rows)
+    gpu_head, gpu_rule = (" gpu |", "---|") if show_gpu else ("", "")
+    lines = [f"| trial | batch | lr | val_acc | val_f1 | epoch | clips/s | epochs |{gpu_head} status |",
+             f"|---|---:|---:|---:|---:|---:|---:|---:|{gpu_rule}---|"]
     for r in rows:
+        gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
         lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | {_num(r.val_f1, 3)} | "
-                     f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} | {r.status} |")
+                     f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} "
+                     f"{r.status} |")
     legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
     return "\n".join(lines + ([""] + legend if legend else []))
 
@@ -309,15 +334,24 @@ def _num(x: float, digits: int) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "-"
 
 
-# trials.csv's columns, in order (see the module docstring); metrics_epoch is TrialRow.best_epoch
+# trials.csv's columns, in order (see the module docstring); metrics_epoch is TrialRow.best_epoch;
+# gpu_ids follows node_id when some trial had a GPU (`csv_columns`)
 CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "val_acc", "val_f1",
                "metrics_epoch", "epochs", "clips_per_s", "compute_clips_per_s", "epoch_time_s",
                "concurrent_trainings", "other_cpu_cores", "node_id", "checkpoint")
 
 
+def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
+    """CSV_COLUMNS, with gpu_ids after node_id when some trial trained on a GPU."""
+    if not any(r.gpu_ids for r in rows):
+        return CSV_COLUMNS
+    at = CSV_COLUMNS.index("node_id") + 1
+    return CSV_COLUMNS[:at] + ("gpu_ids",) + CSV_COLUMNS[at:]
+
+
 def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
     """Rows best first by `objective` (val_acc or val_f1 descending; pareto: by val_acc), ties to
-    the faster trial; then the unusable ones (OOM, ERROR, no value) in the order given."""
+    the faster trial; then the unusable ones (OOM, DIVERGED, ERROR, no value) in the order given."""
     key = _objective_key(objective)
     ranked_rows = [r for r in usable(rows) if math.isfinite(getattr(r, key))]
     ranked_ids = {id(r) for r in ranked_rows}
@@ -338,7 +372,7 @@ def _sig(x: float | None, digits: int = 3) -> str:
 
 
 def csv_record(r: TrialRow) -> dict[str, str]:
-    """One TrialRow as trials.csv writes it (rounded, CSV_COLUMNS)."""
+    """One TrialRow as trials.csv writes it (rounded, `csv_columns`)."""
     return {
         "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
         "lr": _sig(r.lr), "weight_decay": _sig(r.weight_decay),
@@ -347,7 +381,7 @@ def csv_record(r: TrialRow) -> dict[str, str]:
         "clips_per_s": _fixed(r.clips_per_s, 2), "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
         "epoch_time_s": _fixed(r.epoch_time_s, 2), "concurrent_trainings": _sig(r.concurrent_trainings),
         "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
-        "node_id": r.node_id or "", "checkpoint": r.checkpoint or "",
+        "node_id": r.node_id or "", "gpu_ids": r.gpu_ids, "checkpoint": r.checkpoint or "",
     }
 
 
@@ -356,7 +390,7 @@ def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc") -> P
     are described in the module docstring. A plain CSV (csv.DictReader, pandas.read_csv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS))
+        w = csv.DictWriter(f, fieldnames=list(csv_columns(rows)), extrasaction="ignore")
         w.writeheader()
         for r in ranked(rows, objective):
             w.writerow(csv_record(r))
@@ -369,15 +403,17 @@ PLOT_DPI = 150
 # tab10 without its olive (too light, yellowish, on white), then black: one colour per batch size
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
             "#7f7f7f", "#000000")
-# how each status is drawn; OOM has no speed (and no accuracy): an x on the bottom edge
+# how each status is drawn; OOM and DIVERGED have no speed (and no accuracy): an x or a hollow
+# diamond in a shaded strip at the edge
 _STATUS_STYLE = {
     "DONE": dict(marker="o", filled=True, legend="DONE (all epochs)"),
     "STOPPED": dict(marker="o", filled=False, legend="STOPPED early (ASHA)"),
     "UNFINISHED": dict(marker="^", filled=True, legend="UNFINISHED (interrupted)"),
     "OOM": dict(marker="x", filled=True, legend="OOM: out of memory\n(no speed or accuracy)"),
+    "DIVERGED": dict(marker="D", filled=False, legend="DIVERGED: loss inf/NaN\n(no speed or accuracy)"),
 }
 _LABEL_SIZE = 6.5
-OOM_BAND = 0.12         # params plot: the bottom band (axes fraction) that holds the OOM trials
+OOM_BAND = 0.12         # params plot: the bottom band (axes fraction) that holds the OOM / DIVERGED trials
 _MARKER_S = 42          # scatter marker area (points^2)
 
 
@@ -511,8 +547,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _strip_label(rows: list[TrialRow]) -> str:
+    """The label of the strip holding the trials without a result: the statuses among them."""
+    return " / ".join(s for s in NO_RESULT if any(r.status == s for r in rows))
+
+
 def _oom_y(i: int) -> float:
-    """Where the i-th OOM trial sits in the scatter's OOM strip (axes fraction, from the top)."""
+    """Where the i-th OOM / DIVERGED trial sits in the scatter's strip (axes fraction, from the top)."""
     return max(0.9 - 0.07 * i, 0.05)
 
 
@@ -521,7 +562,7 @@ def scatter_figure(rows: list[TrialRow], *, title: str = ""):
     fig, (ax,) = _new_figure(8.6, 5.2)
     colours = _colours(rows)
     pool = [r for r in usable(rows) if math.isfinite(r.clips_per_s)]
-    oom = [r for r in rows if r.status == "OOM"]
+    oom = [r for r in rows if r.status in NO_RESULT]
     front = sorted(pareto_front(rows), key=lambda r: r.clips_per_s)
     on_front = {id(r) for r in front}
     ax.margins(x=0.12, y=0.15)
@@ -539,7 +580,7 @@ def scatter_figure(rows: list[TrialRow], *, title: str = ""):
         right = max([r.clips_per_s for r in pool], default=1.0)
         ax.set_xlim(-0.08 * right, max(ax.get_xlim()[1], 1.08 * right) if pool else 1.1 * right)
         ax.axvspan(-0.08 * right, 0.04 * right, color="#ebebeb", zorder=0, linewidth=0)
-        ax.text(-0.02 * right, 0.985, "OOM", transform=ax.get_xaxis_transform(), ha="center", va="top",
+        ax.text(-0.02 * right, 0.985, _strip_label(oom), transform=ax.get_xaxis_transform(), ha="center", va="top",
                 fontsize=7, color="#555555")
         for i, r in enumerate(oom):
             _draw_point(ax, 0.0, _oom_y(i), r, colours[r.batch_size], transform=ax.get_xaxis_transform())
@@ -559,8 +600,9 @@ def scatter_figure(rows: list[TrialRow], *, title: str = ""):
 
 def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "") -> Path | None:
     """Validation accuracy (best epoch) against steady clips/s, one labelled point per trial:
-    colour = batch size, marker = status (DONE filled, STOPPED hollow, UNFINISHED triangle, OOM
-    an x at 0 clips/s), the Pareto front dashed when it has 2 or more trials. PNG at PLOT_DPI."""
+    colour = batch size, marker = status (DONE filled, STOPPED hollow, UNFINISHED triangle; OOM
+    an x and DIVERGED a hollow diamond, at 0 clips/s in a shaded strip), the Pareto front dashed
+    when it has 2 or more trials. PNG at PLOT_DPI."""
     return _save(scatter_figure(rows, title=title), path)
 
 
@@ -581,10 +623,10 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = ""):
     fig, axes = _new_figure(3.6 * len(params) + 2.2, 4.4, ncols=len(params), sharey=True)
     colours = _colours(rows)
     pool = [r for r in usable(rows) if math.isfinite(getattr(r, key))]
-    oom = [r for r in rows if r.status == "OOM"]
+    oom = [r for r in rows if r.status in NO_RESULT]
     sizes = sorted({r.batch_size for r in pool + oom})
     # batch sizes are categories: spread the trials of one size a little apart, by value (the
-    # OOM ones, all on the bottom band, wider apart)
+    # OOM / DIVERGED ones, all on the bottom band, wider apart)
     spread: dict[int, float] = {}
     for b in sizes:
         for group, step in ((pool, 0.12), (oom, 0.3)):
@@ -607,12 +649,12 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = ""):
             if math.isfinite(x_of(r, param)):
                 _draw_point(ax, x_of(r, param), getattr(r, key), r, colours[r.batch_size])
         oom_here = [r for r in oom if math.isfinite(x_of(r, param))]
-        if oom_here:   # no value: an x in a shaded band along the bottom edge
+        if oom_here:   # no value: a mark in a shaded band along the bottom edge
             ax.margins(y=0.3)
             ax.add_patch(Rectangle((0, 0), 1, OOM_BAND, transform=ax.transAxes, color="#ebebeb", zorder=0,
                                    linewidth=0))
-            ax.text(0.01, OOM_BAND / 2, "OOM", transform=ax.transAxes, ha="left", va="center", fontsize=7,
-                    color="#555555")
+            ax.text(0.01, OOM_BAND / 2, _strip_label(oom_here), transform=ax.transAxes, ha="left", va="center",
+                    fontsize=7, color="#555555")
         for r in oom_here:
             _draw_point(ax, x_of(r, param), OOM_BAND / 2, r, colours[r.batch_size],
                         transform=ax.get_xaxis_transform())
@@ -651,8 +693,8 @@ def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str
     """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
     against each searched parameter, one subplot each: lr and weight decay (when searched) on
     log axes, batch size as categories. Points coloured by batch size, marked by status and
-    labelled like `plot_scatter`; OOM trials an x on the bottom edge. PNG at PLOT_DPI. None
-    (nothing written) without any trial."""
+    labelled like `plot_scatter`; OOM and DIVERGED trials in a band on the bottom edge. PNG at
+    PLOT_DPI. None (nothing written) without any trial."""
     if not rows:
         return None
     return _save(params_figure(rows, objective=objective, title=title), path)

@@ -18,8 +18,11 @@ from tune.ray_internals import optuna_pending_trial
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
 # which every epoch's report carries, so Optuna ranks the same speed the table shows.
 PARETO_METRICS = ("val_acc", "steady_clips_per_s")
-TIME_ATTR = "epoch"
-OOM_CONSTRAINT = "out_of_memory"            # Optuna constraint: > 0 = infeasible                           # the worker reports a 1-based epoch every epoch
+TIME_ATTR = "epoch"                         # the worker reports a 1-based epoch every epoch
+# Optuna constraints (> 0 = infeasible), one per way a trial can fail to give a result; every
+# trial with a result gets both, feasible ones 0.
+OOM_CONSTRAINT = "out_of_memory"
+DIVERGED_CONSTRAINT = "diverged"
 
 
 @dataclass(frozen=True)
@@ -59,17 +62,21 @@ def param_space(opts: SearchOptions) -> dict[str, Any]:
 
 
 class VidtuneOptunaSearch(OptunaSearch):
-    """OptunaSearch that records out of memory as an infeasible trial: Optuna constraint
-    `out_of_memory` > 0 (feasible trials get 0), so TPE learns to avoid that region instead of
-    ignoring the trial as it would a FAIL and proposing the same batch size again."""
+    """OptunaSearch that records out of memory and divergence as infeasible trials: Optuna
+    constraint `out_of_memory` or `diverged` > 0 (feasible trials get 0 for both), with the user
+    attribute `failure_reason`, so TPE learns to avoid that region (a batch size that does not
+    fit, an lr that blows up) instead of ignoring the trial as it would a FAIL and proposing the
+    same values again."""
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
         if ot_trial is not None and result:
-            oom = int(result.get("oom", 0) or 0) == 1
-            ot_trial.set_constraint(OOM_CONSTRAINT, 1.0 if oom else 0.0)
-            if oom:
-                ot_trial.set_user_attr("failure_reason", "out of memory")
+            for key, constraint, reason in (("oom", OOM_CONSTRAINT, "out of memory"),
+                                            ("diverged", DIVERGED_CONSTRAINT, "diverged")):
+                failed = int(result.get(key, 0) or 0) == 1
+                ot_trial.set_constraint(constraint, 1.0 if failed else 0.0)
+                if failed:
+                    ot_trial.set_user_attr("failure_reason", reason)
         super().on_trial_complete(trial_id, result=result, error=error)
 
 

@@ -2,7 +2,7 @@
 (driver) process: one writer (safe for SQLite), and it works on a cluster whose workers cannot
 reach the store.
 
-A run never stays RUNNING: FINISHED, FAILED (error, out of memory; reason in the tag
+A run never stays RUNNING: FINISHED, FAILED (error, out of memory, diverged; reason in the tag
 `vidtune.failure_reason`) or KILLED (stopped early by ASHA, or interrupted). A resumed search
 finds its parent run by the tag `vidtune.experiment_path` and its child runs by `vidtune.trial_id`
 under that parent, so nothing is logged twice as a new run.
@@ -35,6 +35,8 @@ from datasets.flags import ConfigError
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
 NODE_ID_TAG = "vidtune.node_id"
+NODE_TAG = "node"                            # the IPs of the nodes the trial trained on (else NODE_ID_TAG's id)
+GPU_IDS_TAG = "gpu_ids"                      # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
 FAILURE_TAG = "vidtune.failure_reason"
 STOP_TAG = "vidtune.stop_reason"
 RESUMED_TAG = "vidtune.resumed"              # the run restarted from a checkpoint (worker died, or --resume)
@@ -45,15 +47,17 @@ INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 # Tune's bookkeeping keys and the checkpoint path are not training metrics.
 # The epoch's start/end are unix times, kept in Tune's results for timelines, not metrics to chart.
 # Constants of a run are params or tags, not metrics to chart: the epoch is each point's step,
-# batch_size a param, oom and resumed_from_epoch tags (FAILURE_TAG, RESUMED_TAG), reader
-# failures a tag when there are any. The schedule's learning rate is logged as `lr_current`
+# batch_size a param, oom, diverged and resumed_from_epoch tags (FAILURE_TAG, RESUMED_TAG), reader
+# failures a tag when there are any, where it ran tags (`placement_tags`; a dataframe row may
+# hold "0" read back as a number). The schedule's learning rate is logged as `lr_current`
 # (`lr` is the param: the peak the trial was given).
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
                                         "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
-                                        "resumed_from_epoch", "epoch", "batch_size", "oom", "reader_failures"}
+                                        "resumed_from_epoch", "epoch", "batch_size", "oom", "diverged",
+                                        "reader_failures", "node_ip", "gpu_ids"}
 RENAMED = {"lr": "lr_current"}
 STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has
-OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | failed | interrupted
+OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverged | failed | interrupted
 BEST_TAG = "vidtune.best"
 READER_TAG = "vidtune.reader_failures"
 
@@ -274,7 +278,7 @@ class MLflowTracker(Callback):
         return run_id
 
     def log_result(self, trial_id: str, result: dict[str, Any]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
@@ -286,9 +290,9 @@ class MLflowTracker(Callback):
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
         self._tag_restart(run_id, result)
-        node = result.get("node_id")
-        if node and trial_id not in self._node_tagged:
-            self.client.set_tag(run_id, NODE_ID_TAG, str(node))
+        where = placement_tags(result)
+        if where and trial_id not in self._node_tagged:   # the trial's first epoch (or first since a resume)
+            self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in where.items()])
             self._node_tagged.add(trial_id)
 
     def _tag_restart(self, run_id: str, result: dict[str, Any]) -> None:
@@ -304,11 +308,16 @@ class MLflowTracker(Callback):
 
     def mlflow_status(self, status: str, last: dict[str, Any], error: Any = None) -> tuple[str, dict[str, str]]:
         """The MLflow status and reason tag of a trial's `tune.report.trial_status`: FAILED for
-        out of memory or an error, KILLED when stopped early or interrupted, else FINISHED."""
+        out of memory, divergence or an error, KILLED when stopped early or interrupted, else
+        FINISHED."""
         if status == "OOM":
             return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
                                            f"(epoch {last.get('epoch')}, peak {last.get('peak_mem_mb', float('nan')):.0f} MB); "
                                            "recorded as infeasible, not retried"}
+        if status == "DIVERGED":
+            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get('train_loss')} in epoch "
+                                           f"{last.get('epoch')} (batch size {last.get('batch_size')}); the lr is too "
+                                           "high for it; recorded as infeasible, not retried"}
         if status == "ERROR":
             return "FAILED", {FAILURE_TAG: (" ".join(str(error).split())[-1000:] if error else "trial errored")}
         if status == "UNFINISHED":
@@ -368,8 +377,10 @@ class MLflowTracker(Callback):
                     written += 1
                 self._tag_restart(run_id, record)
             self._last_step[row.trial_id] = max([self._last_step.get(row.trial_id, 0), *records])
-            status, tags = self.mlflow_status(row.status, dict(result.metrics or {}), getattr(result, "error", None))
+            last = dict(result.metrics or {})
+            status, tags = self.mlflow_status(row.status, last, getattr(result, "error", None))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
+            tags.update(placement_tags(last))
             run = c.get_run(run_id)
             for key in (STOP_TAG, FAILURE_TAG):
                 if key in run.data.tags and key not in tags:
@@ -451,16 +462,33 @@ class MLflowTracker(Callback):
             f"**vidtune search** `{Path(self.experiment_path).name}` ({self.experiment_path})", "",
             best_line, "", table_markdown, "",
             f"In the runs table, add the columns `{OUTCOME_TAG}` (done, stopped early (ASHA), out of memory, "
-            f"failed, interrupted), `{BEST_TAG}`, and the params `batch_size`, `lr`; KILLED runs are stopped early "
-            "or interrupted, FAILED ones ran out of memory or raised (see `vidtune.stop_reason` / "
+            f"diverged, failed, interrupted), `{BEST_TAG}`, `{GPU_IDS_TAG}`, `{NODE_TAG}`, and the params "
+            "`batch_size`, `lr`; KILLED runs are stopped early or interrupted, FAILED ones ran out of memory, "
+            "diverged (their loss became inf or NaN) or raised (see `vidtune.stop_reason` / "
             "`vidtune.failure_reason`). Metrics are per epoch (step = epoch); `lr_current` is the schedule's "
             "learning rate, the param `lr` its peak.",
         ])
         c.set_tag(parent, "mlflow.note.content", note[:60000])
 
 
-OUTCOMES = {"DONE": "done", "STOPPED": "stopped early (ASHA)", "OOM": "out of memory", "ERROR": "failed",
-            "UNFINISHED": "interrupted"}
+OUTCOMES = {"DONE": "done", "STOPPED": "stopped early (ASHA)", "OOM": "out of memory", "DIVERGED": "diverged",
+            "ERROR": "failed", "UNFINISHED": "interrupted"}
+
+
+def placement_tags(result: dict[str, Any]) -> dict[str, str]:
+    """The tags saying where a trial trained, from one of its reports (`trainer.worker`):
+    NODE_TAG (the nodes' IPs, else the Ray node id), GPU_IDS_TAG ("" on the CPU) and
+    NODE_ID_TAG; only those the report holds as strings."""
+    text = {k: result.get(k) for k in ("node_id", "node_ip", "gpu_ids")}
+    text = {k: v for k, v in text.items() if isinstance(v, str)}
+    tags = {}
+    if text.get("node_id"):
+        tags[NODE_ID_TAG] = text["node_id"]
+    if text.get("node_ip") or text.get("node_id"):
+        tags[NODE_TAG] = text.get("node_ip") or text["node_id"]
+    if "gpu_ids" in text:
+        tags[GPU_IDS_TAG] = text["gpu_ids"]
+    return tags
 
 
 def _q(text: str) -> str:
