@@ -54,9 +54,9 @@ def physical_gpu_ids() -> list[str]:
 def train_device() -> "torch.device":
     """The torch device this Train worker trains on.
 
-    No GPU from Ray: the CPU. A GPU from Ray: that GPU (`ray.train.torch.get_device`, the
-    position of its id in the shared `CUDA_VISIBLE_DEVICES`); under VIDTUNE_SIMULATE_GPUS, the
-    CPU. A GPU from Ray that torch cannot use raises RuntimeError saying what to check, rather
+    No GPU from Ray: the CPU. A GPU from Ray: that GPU (the position of its id in
+    `CUDA_VISIBLE_DEVICES`); under VIDTUNE_SIMULATE_GPUS, the CPU. Works in a Train worker and
+    in a plain Ray task. A GPU from Ray that torch cannot use raises RuntimeError saying what to check, rather
     than training on the CPU for hours while the search reports GPU speeds."""
     import ray
     import torch
@@ -71,6 +71,8 @@ def train_device() -> "torch.device":
             f"(CUDA {torch.version.cuda or 'none: a CPU-only build'}) cannot use CUDA there. Check "
             "`nvidia-smi` on that node (the NVIDIA driver must support this CUDA version) and that a "
             f"CUDA build of torch is installed; to try the search without GPUs set {SIMULATE_ENV}=N instead")
-    import ray.train.torch
-
-    return ray.train.torch.get_device()
+    # Ray's rule (ray.train.torch.get_device, which only a Train worker may call): the position
+    # of this worker's first GPU in CUDA_VISIBLE_DEVICES, which Ray Train shares among a run's
+    # workers on a node and a plain Ray task has to itself.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    return torch.device("cuda", visible.index(gpu_ids[0]) if gpu_ids[0] in visible else 0)

@@ -25,6 +25,7 @@ from datasets.config import DataConfig
 from datasets.flags import (ConfigError, FlagSpec, add_flags, build, check_bounds, coerce, flag_specs,
                             join_negative_values, option, read_options_file)
 from trainer.config import TrainConfig
+from trainer.gpus import simulated_gpus
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
@@ -256,6 +257,7 @@ def validate(o: SearchOptions) -> None:
         raise ConfigError("--gpus-per-trial", f"{r.gpus_per_trial:g} disagrees with --gpus-per-worker "
                           f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one of the two")
     _check_gpus_per_worker(r)
+    simulated_gpus()   # VIDTUNE_SIMULATE_GPUS, when set, is a number of GPUs (ConfigError naming it)
     if o.verbose and o.quiet:
         raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):

@@ -42,17 +42,19 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
         return opts
 
     @ray.remote(num_gpus=1)
-    def probe(model: str, precision: str, frames: Any, height: Any, width: Any, limit: int) -> int:
-        from trainer.batch_probe import find_max_batch_size
+    def probe(model: str, precision: str, frames: Any, height: Any, width: Any, limit: int) -> Any:
+        from trainer.batch_probe import probe_batch_size
+        from trainer.gpus import train_device
 
-        return find_max_batch_size(model, precision=precision, num_frames=frames, height=height,
-                                   width=width, limit=limit)
+        return probe_batch_size(model, precision=precision, device=train_device(), num_frames=frames,
+                                height=height, width=width, limit=limit)
 
     d = base.data
-    largest = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
-                                   max(opts.space.batch_sizes)))
+    found = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
+                                 max(opts.space.batch_sizes)))
+    largest = found.batch_size
     kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
-    print(f"--probe-batch-size: at most {largest} clips fit per GPU; searching batch sizes {kept}")
+    print(f"--probe-batch-size: {found.describe()}; searching batch sizes {kept}")
     if not kept:
         raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory (largest: {largest}); "
                          "pass smaller sizes or lower --num-frames/--height/--width")
