@@ -18,7 +18,7 @@ def test_train_cli_says_why_a_run_has_no_result():
     diverged = {"epoch": 2, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 9.5e5, "batch_size": 8}
     message = failure_message(diverged, lr=1e6)
     assert "diverged in epoch 2" in message and "nan" in message and "lower --lr (e.g. 100000)" in message
-    assert "DIVERGED: training loss nan at lr 9.50e+05" in format_epoch(diverged, 3)
+    assert format_epoch(diverged, 3) == "epoch 2/3  DIVERGED: training loss nan; stopped, no checkpoint"
     oom = {"epoch": 1, "oom": 1, "diverged": 0, "batch_size": 64, "peak_mem_mb": 1.0}
     assert failure_message(oom, lr=1e-3).startswith("out of memory at batch size 64; lower --batch-size")
     assert failure_message({"epoch": 3, "oom": 0, "diverged": 0, "val_acc": 0.5}, lr=1e-3) is None
@@ -28,7 +28,8 @@ def test_search_console_says_a_trial_diverged(capsys):
     c = console.SearchConsole(num_samples=2, epochs=3, objective="val_acc")
     trial = SimpleNamespace(experiment_tag="1_batch_size=8,lr=1e6", trial_id="a", status="RUNNING",
                             config={"batch_size": 8, "lr": 1e6}, last_result={}, error_file=None)
-    last = {"epoch": 1, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 1e6, "val_acc": 0.0}
+    # lr: the schedule's at the end of the epoch; the line gives the trial's
+    last = {"epoch": 1, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 0.0, "val_acc": 0.0}
     c.on_trial_result(0, [trial], trial, last)
     trial.status, trial.last_result = "TERMINATED", last
     c.on_trial_complete(0, [trial], trial)

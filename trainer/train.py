@@ -213,7 +213,7 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
     if m.get("oom"):
         return f"{head}  OUT OF MEMORY at batch size {m['batch_size']} (peak {m['peak_mem_mb']:.0f} MB)"
     if m.get("diverged"):
-        return f"{head}  DIVERGED: training loss {m['train_loss']} at lr {m['lr']:.2e}; stopped, no checkpoint"
+        return f"{head}  DIVERGED: training loss {m['train_loss']}; stopped, no checkpoint"
     return (f"{head}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
             f"val_acc {m['val_acc']:.3f}  val_f1 {m['val_f1']:.3f}  val_recall {m['val_recall']:.3f}  "
             f"val_auc {m['val_auc']:.3f}  {m['clips_per_s']:.1f} clips/s  {m['epoch_time_s']:.1f} s  "

@@ -176,8 +176,9 @@ class SearchConsole(Callback):
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
         elif int(result.get("diverged", 0) or 0):
+            lr = float((trial.config or {}).get("lr", math.nan))   # the trial's: the report's is the schedule's, ~0 at its end
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
-                        f"{float(result.get('train_loss', math.nan))} at lr {float(result.get('lr', math.nan)):.3g}")
+                        f"{float(result.get('train_loss', math.nan))} at lr {lr:.3g}")
         else:
             value = float(result.get(self.metric, math.nan))
             if math.isfinite(value) and (self._best is None or value > self._best[0]):
