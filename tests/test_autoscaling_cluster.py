@@ -1,0 +1,118 @@
+"""A search on Ray's simulated autoscaling cluster: a CPU head alone at first, and a GPU node type
+the autoscaler may start twice (Ray's fake multi-node provider runs each "node" as local
+processes with the declared resources). The search waits for the GPU nodes instead of refusing,
+its pending trials make the autoscaler start them, and the trials train on both at once.
+
+This is what `ray.cluster_utils.AutoscalingCluster` sets up, without its `ray stop --force`
+(which would end every Ray on the machine, the test session's too): the cluster gets its own
+ports and is ended by killing the processes that name its GCS address.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.test_simulated_gpus import training_windows
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SEARCH = [sys.executable, str(REPO_ROOT / "tune" / "search.py")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_config(gcs_address: str) -> dict:
+    """The fake multi-node provider's cluster config: a 1-CPU head, up to 2 GPU nodes."""
+    return {
+        "cluster_name": "vidtune-test", "max_workers": 2, "upscaling_speed": 1.0, "idle_timeout_minutes": 5,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True, "gcs_address": gcs_address},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+            "gpu_node": {"resources": {"CPU": 1, "GPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 2},
+        },
+        "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {},
+        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+        "rsync_filter": [], "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+    }
+
+
+def cluster_env() -> dict[str, str]:
+    # RAY_AUTH_MODE: the same (none) for the cluster and the search, whatever ~/.ray holds.
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def end_cluster(port: int) -> None:
+    """Kill every process of the cluster whose GCS listens on `port` (its own only)."""
+    out = subprocess.run(["pgrep", "-f", f"[:=]{port}( |$)"], capture_output=True, text=True).stdout
+    for pid in map(int, out.split()):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, tmp_path):
+    import tempfile
+
+    import ray
+
+    port = free_port()
+    ip = ray.util.get_node_ip_address()       # the fake provider's nodes join the GCS at this address
+    temp_dir = tempfile.mkdtemp(prefix="vt-ray-", dir="/tmp")   # short: Ray's socket paths must fit 107 bytes
+    config = tmp_path / "cluster.json"
+    config.write_text(json.dumps(cluster_config(f"{ip}:{port}")))
+    env = cluster_env()
+    start = ["ray", "start", "--head", f"--port={port}", "--num-cpus=1",
+             f"--autoscaling-config={config}", f"--dashboard-port={free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+             f"--temp-dir={temp_dir}"]
+    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
+    try:
+        uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+        search_env = {**env, "VIDTUNE_SIMULATE_GPUS": "1"}   # the nodes' GPUs do not exist: train on the CPU
+        search_env.pop("RAY_FAKE_CLUSTER")
+        out = subprocess.run(SEARCH + ["--address", f"{ip}:{port}", "--cluster-config", str(config),
+                                       "--data", str(synthetic_root), "--num-samples", "2", "--epochs", "2",
+                                       "--batch-sizes", "4", "--cpus-per-worker", "0.8", "--loader-workers", "0",
+                                       "--cpu-threads", "1", "--no-early-stop", "--storage", str(tmp_path / "results"),
+                                       "--mlflow-uri", uri, "--name", "autoscaled"],
+                             cwd=tmp_path, env=search_env, capture_output=True, text=True, timeout=540)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    finally:
+        end_cluster(port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    # Sized by the nodes the autoscaler can start (2 GPU nodes), not the CPU head alone: 2 at once.
+    assert "the Ray cluster has 0 GPU(s) now" in out.stdout, out.stdout
+    assert "2 trial(s), 2 at a time" in out.stdout, out.stdout
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("vidtune")
+    runs = client.search_runs([experiment.experiment_id], "tags.`mlflow.parentRunId` != ''")
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
+    assert all(r.data.tags.get("node") for r in runs)                    # where it ran (the node's IP)
+    nodes = {r.data.tags.get("vidtune.node_id") for r in runs}           # the fake nodes share one IP
+    assert len(nodes) == 2 and None not in nodes, nodes                  # one trial on each GPU node
+    assert all(r.data.tags.get("gpu_ids") == "0" for r in runs)          # each node's one GPU
+    windows = training_windows(tmp_path / "results")
+    (s1, e1), (s2, e2) = [(w[0][0], w[-1][1]) for w in windows.values()]
+    assert max(s1, s2) < min(e1, e2), windows                            # the two trained at the same time
