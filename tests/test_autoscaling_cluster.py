@@ -104,7 +104,7 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
         shutil.rmtree(temp_dir, ignore_errors=True)
     # Sized by the nodes the autoscaler can start (2 GPU nodes), not the CPU head alone: 2 at once.
     assert "the Ray cluster has 0 GPU(s) now" in out.stdout, out.stdout
-    assert "2 trial(s), 2 at a time" in out.stdout, out.stdout
+    assert "2 trial(s), 2 at a time on 2 GPU(s)" in out.stdout, out.stdout
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("vidtune")
     runs = client.search_runs([experiment.experiment_id], "tags.`mlflow.parentRunId` != ''")

@@ -40,7 +40,7 @@ def test_eight_trials_on_four_simulated_gpus_use_every_gpu_one_training_each(syn
                                    "--mlflow-uri", uri],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert "8 trial(s), 6 at a time" in out.stdout, out.stdout
+    assert "8 trial(s), 6 at a time on 4 GPU(s) (simulated: training on the CPU)" in out.stdout, out.stdout
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("vidtune")

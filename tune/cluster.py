@@ -136,6 +136,7 @@ class Fit:
     local_gpu: bool
     lead_slots: int = 0
     waits_for_nodes: bool = False
+    gpus: float = 0.0            # GPUs the trials train on (counting the nodes still to start); 0 on CPUs
 
 
 def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
@@ -181,7 +182,7 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
     lead_slots = math.floor(gpus + 1e-9) if resources.overlaps else 0
     waits = gpt > 0 and capacity.gpus_now + 1e-9 < gpt
-    return Fit(opts, concurrency, local_gpu, lead_slots, waits)
+    return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0)
 
 
 def trial_resources(opts: SearchOptions) -> TrialResources:

@@ -10,6 +10,7 @@ from typing import Any
 
 from datasets.flags import ConfigError
 from tune.options import SearchOptions
+from trainer.gpus import simulated_gpus
 from trainer.lease import start_lease
 from tune import faults
 from tune.cluster import (AUTOSCALER_CONFIG, Fit, check_paths_on_every_node, driver_node_gpus, fit_to_cluster,
@@ -114,7 +115,10 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                            trains_here=not resources.use_gpu or driver_node_gpus() > 0)
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
     objective = space.objective_for(opts.objective)
-    print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time"
+    on = ""
+    if fit.gpus:
+        on = f" on {fit.gpus:g} GPU(s){' (simulated: training on the CPU)' if simulated_gpus() else ''}"
+    print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time{on}"
           f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.space.batch_sizes)}, "
           f"lr {opts.space.lr_min:g}..{opts.space.lr_max:g}, objective {opts.objective}, "
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
