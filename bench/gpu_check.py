@@ -34,10 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from tune.tracking import GPU_IDS_TAG   # the physical GPU id(s) a trial trained on
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"
 EXPERIMENT = "gpu-check"
-GPU_IDS_TAG = "gpu_ids"      # the physical GPU id(s) a trial trained on (issue 16 item 4; tune/tracking.py)
 PARENT_TAG = "mlflow.parentRunId"
 EPOCH_METRICS = ("clips_per_s", "peak_mem_mb", "concurrent_trainings")
 NO_GPU_EXIT = 2

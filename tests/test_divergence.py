@@ -56,3 +56,15 @@ def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, t
     assert "epoch 1/2  DIVERGED: training loss nan" in out.out
     assert "error: training diverged in epoch 1" in out.err and "lower --lr (e.g. 100000)" in out.err
     assert "no checkpoint" not in out.err
+
+
+def test_a_search_without_a_usable_trial_says_why_and_what_to_change():
+    from types import SimpleNamespace
+
+    from tune.options import parse_options
+    from tune.runner import no_usable_trial
+
+    rows = [SimpleNamespace(status=s) for s in ("DIVERGED", "DIVERGED", "OOM")]
+    line = no_usable_trial(parse_options(["--smoke-test"]), rows)
+    assert line.startswith("no trial produced a usable result (2 DIVERGED, 1 OOM)")
+    assert "lower --lr-max" in line and "lower --batch-sizes" in line

@@ -7,7 +7,7 @@ others ask it (`is_cuda`, `synchronize`, `peak_allocated_mb`, ...).
 
 Choices (`auto | fp32 | fp16 | bf16`):
 - auto: CUDA compute capability >= 8.0 (A100, H100, RTX 30xx+) -> bf16 autocast, no scaler;
-  older CUDA GPUs (T4, V100) -> fp16 autocast + GradScaler; CPU and other devices -> fp32
+  older CUDA GPUs (T4) -> fp16 autocast + GradScaler; CPU and other devices -> fp32
   (bf16 autocast on a CPU is often slower; measured 28 vs 32 clips/s for tiny on 2 cores).
 - bf16 forced on CUDA below 8.0 -> error (no native bf16 there; cuBLAS would emulate it slowly).
 - fp16 forced on the CPU -> honoured: CPU fp16 autocast and `GradScaler("cpu")` both exist in

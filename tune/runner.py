@@ -297,7 +297,25 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
     if interrupted and not failed:
         say(f"search interrupted; continue it with:\n  {resume}")
         return 130
+    if not best and rows:
+        say(no_usable_trial(opts, rows))
     return 0 if best else 1
+
+
+# What to change when every trial ended one way (no_usable_trial).
+NEXT_STEP = {"DIVERGED": "lower --lr-max (the loss became inf or NaN)",
+             "OOM": "lower --batch-sizes, or pass --probe-batch-size on a GPU",
+             "ERROR": "see each run's vidtune.failure_reason tag in MLflow and the search's log"}
+
+
+def no_usable_trial(opts: SearchOptions, rows: list) -> str:
+    """Why a search ended without a best trial, and what to change: one line."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.status] = counts.get(row.status, 0) + 1
+    ended = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    steps = "; ".join(NEXT_STEP[status] for status in counts if status in NEXT_STEP)
+    return f"no trial produced a usable result ({ended}){': ' + steps if steps else ''}"
 
 
 def results_folder(plan: Any) -> Path | None:
