@@ -118,6 +118,21 @@ def check_batch_sizes(batch_sizes: Any, train_videos: int, workers: int, *, flag
                           "or add videos")
 
 
+def check_num_frames(cfg: TrainConfig, index: Any, *, flag: str = "--num-frames") -> None:
+    """An explicit clip length (`cfg.data.num_frames`) must fit in the shortest usable video of
+    `index` (a `datasets.index.VideoIndex`): a longer clip repeats frames of every short video, so
+    the model would train on stills. ConfigError naming `flag`."""
+    wanted = cfg.data.num_frames
+    videos = [*index.train, *index.val]
+    if wanted is None or not videos:
+        return
+    shortest = min(videos, key=lambda v: v.num_frames)
+    if wanted > shortest.num_frames:
+        raise ConfigError(flag, f"{wanted} frames per clip is more than the shortest usable video has "
+                          f"({shortest.path.name}: {shortest.num_frames} frames); pass {flag} "
+                          f"{shortest.num_frames} or less, or --min-frames {wanted} to leave the shorter videos out")
+
+
 def check_writable_folder(folder: str | Path, flag: str) -> None:
     """`folder` is (or can be created as) a writable folder; URIs (s3://...) are not checked."""
     if "://" in str(folder):
@@ -186,8 +201,8 @@ def build_torch_trainer(
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
-    Checkpoints are ranked by `val_acc` (the best `checkpoint_keep` are kept, plus always the
-    latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
+    Checkpoints are ranked by `val_acc` (the best `checkpoint_keep`, at least 2, are kept, plus
+    always the latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
     A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
     (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
@@ -210,8 +225,11 @@ def build_torch_trainer(
         name=name,
         storage_path=storage_path,
         callbacks=callbacks,
+        # At least two: Ray always keeps the latest on top of the best `num_to_keep` by val_acc,
+        # so with two the run holds at least one checkpoint besides the latest, which a worker
+        # falls back to when the latest is damaged (`trainer.worker._read_checkpoint`).
         checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=checkpoint_keep,
+            num_to_keep=max(2, checkpoint_keep),
             checkpoint_score_attribute="val_acc",
             checkpoint_score_order="max",
         ),

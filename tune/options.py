@@ -121,6 +121,10 @@ class SearchOptions:
                               "with --resume, the latest in --storage)")
     resume: bool = option(False, flag="--resume", group="where it runs",
                           help="continue an interrupted search (--name, or the latest one in --storage)")
+    trust_state: bool = option(False, flag="--trust-state", group="where it runs",
+                               help="with --resume: load a saved state that your state key did not sign "
+                               "(a search made by an older vidtune, or copied from elsewhere); loading it runs "
+                               "any code inside, so only for a search you made")
     tracking: Tracking = field(default_factory=Tracking)
     config: str | None = option(None, flag="--config", metavar="FILE", group="run",
                                 help="TOML or YAML file of these options (keys as the flags, e.g. lr-min or "
@@ -235,6 +239,8 @@ def parse_options(argv: Sequence[str] | None) -> SearchOptions:
             merged = {**SMOKE_TEST, **merged}
     merged.update(given)
     if not merged.get("train.data.root") and not merged.get("smoke_test"):
+        if "grace_period" not in merged and merged.get("train.epochs", DEMO["train.epochs"]) < DEMO["grace_period"]:
+            merged["grace_period"] = merged["train.epochs"]   # the preset's grace period, not above --epochs
         merged = {**DEMO, **merged}
     opts = build(SearchOptions, merged)
     validate(opts)
@@ -258,6 +264,13 @@ def validate(o: SearchOptions) -> None:
                           f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one of the two")
     _check_gpus_per_worker(r)
     simulated_gpus()   # VIDTUNE_SIMULATE_GPUS, when set, is a number of GPUs (ConfigError naming it)
+    if o.name is not None:
+        _check_name(o.name)
+    if o.grace_period > o.train.epochs:
+        raise ConfigError("--grace-period", f"{o.grace_period} is above --epochs {o.train.epochs}: a trial ends "
+                          f"before ASHA may stop it; pass --grace-period {o.train.epochs} or less, or more --epochs")
+    if o.trust_state and not o.resume:
+        raise ConfigError("--trust-state", "only with --resume (it lets a resume load a state your key did not sign)")
     if o.verbose and o.quiet:
         raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):
@@ -265,6 +278,13 @@ def validate(o: SearchOptions) -> None:
     if not o.demo and not Path(o.train.data.root).expanduser().exists():
         raise ConfigError("--data", f"{o.train.data.root} does not exist; pass the folder of videos (or a CSV "
                           "manifest), or leave --data out to run the demo")
+
+
+def _check_name(name: str) -> None:
+    """--name is one folder under --storage: never a path that leaves it (`../x`, `/etc`)."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, so "
+                          "give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
 
 
 def _check_gpus_per_worker(r: Resources) -> None:

@@ -140,7 +140,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
         try:
             check_experiment_state(plan.experiment_path)
         except ValueError as e:
-            raise ConfigError("--resume", unreadable_state(plan, e)) from None
+            raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
         for path in drop_unreadable_error_pickles(plan.experiment_path):
             print(f"resume: removed {path}, cut short (full disk?); the trial's error.txt stays")
         try:
@@ -149,7 +149,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
             tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
                                        resume_errored=True, param_space=param_space)
         except Exception as e:   # a damaged state must stop the resume, never restart the search
-            raise ConfigError("--resume", unreadable_state(plan, e)) from None
+            raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
     else:
         tuner = tune.Tuner(
             trainable, param_space=param_space,
@@ -199,14 +199,14 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                         "start a new search under another --name; the runs recorded so far stay in MLflow")
             raise faults.DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
         if opts.resume:
-            raise ConfigError("--resume", unreadable_state(plan, failure)) from failure
+            raise ConfigError("--resume", unreadable_state(plan.experiment_path, failure)) from failure
         raise failure
     return code
 
 
-def unreadable_state(plan: Any, error: BaseException) -> str:
+def unreadable_state(experiment_path: str, error: BaseException) -> str:
     reason = faults.one_line(error)
-    return (f"the saved state of the search at {plan.experiment_path} cannot be read ({type(error).__name__}: "
+    return (f"the saved state of the search at {experiment_path} cannot be read ({type(error).__name__}: "
             f"{reason}); it was damaged, e.g. by a full disk or a copy cut short. Nothing was restarted. "
             "Start a new search under another --name; this search's runs stay in MLflow as they are")
 

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from datasets.errors import DataError
 from datasets.flags import ConfigError
 from trainer.config import TrainConfig
+from tune.lock import check_not_running
 from tune.options import SearchOptions, build_parser, parse_options
 
 __all__ = ["build_parser", "main"]
@@ -88,7 +89,7 @@ def prepare(opts: SearchOptions) -> Plan:
     storage, the dataset (indexed here, and every candidate batch size checked against the
     training videos each worker gets), the experiment name. Raises ConfigError / DataError
     naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
-    from trainer.launch import check_batch_sizes, check_writable_folder, validate_config
+    from trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
     from tune.tracking import check_store_uri
 
     demo = opts.demo
@@ -114,6 +115,7 @@ def prepare(opts: SearchOptions) -> Plan:
         check_writable_folder(storage, "--storage")
     name = experiment_name(opts, storage)
     index = index_data(base)
+    check_num_frames(base, index)
     if opts.space.batch_sizes is not None:   # the defaults depend on the cluster: checked once it is up
         check_batch_sizes(opts.space.batch_sizes, len(index.train), opts.resources.workers_per_trial,
                           flag="--batch-sizes", workers_flag="--workers-per-trial")
@@ -136,19 +138,43 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
             path = f"{storage.rstrip('/')}/{o.name}"
             if not Tuner.can_restore(path):
                 raise ConfigError("--resume", f"no interrupted search to continue at {path}; check --name and --storage")
-            return o.name
-        if "://" in storage:
-            raise ConfigError("--resume", "with remote --storage, also pass --name of the search to continue")
-        found = sorted((p for p in Path(storage).glob("*") if p.is_dir() and Tuner.can_restore(str(p))),
-                       key=lambda p: p.stat().st_mtime)
-        if not found:
-            raise ConfigError("--resume", f"no interrupted search to continue in {storage}; pass --storage (and --name)")
-        return found[-1].name
+            name = o.name
+        else:
+            if "://" in storage:
+                raise ConfigError("--resume", "with remote --storage, also pass --name of the search to continue")
+            found = sorted((p for p in Path(storage).glob("*") if p.is_dir() and Tuner.can_restore(str(p))),
+                           key=lambda p: p.stat().st_mtime)
+            if not found:
+                raise ConfigError("--resume", f"no interrupted search to continue in {storage}; pass --storage (and --name)")
+            name = found[-1].name
+        check_resumable(f"{storage.rstrip('/')}/{name}", trust_state=o.trust_state)
+        return name
     if o.name:
         if "://" not in storage and (Path(storage) / o.name).exists():
+            check_not_running(f"{storage.rstrip('/')}/{o.name}", "--name")
             raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume or pick another --name")
         return o.name
     return time.strftime("vidtune-%Y%m%d-%H%M%S")
+
+
+def check_resumable(path: str, *, trust_state: bool) -> None:
+    """Before anything of a search is unpickled: no live driver holds it (tune/lock.py), Tune's
+    saved state parses, and this user's key signed every state file (tune/trust.py), unless
+    --trust-state."""
+    from tune import trust
+    from tune.ray_internals import check_experiment_state
+    from tune.runner import unreadable_state
+
+    check_not_running(path, "--resume")
+    try:
+        check_experiment_state(path)
+    except ValueError as e:
+        raise ConfigError("--resume", unreadable_state(path, e)) from None
+    if trust_state:
+        print(f"--trust-state: loading the saved state at {path} without checking who wrote it; "
+              "it is signed with your key from now on")
+        return
+    trust.verify(path)
 
 
 def index_data(base: TrainConfig) -> Any:
@@ -178,11 +204,24 @@ def describe(plan: Plan) -> str:
 
 
 def execute(plan: Plan) -> int:
-    """Start Ray, check the cluster, run (or resume) the search, report."""
+    """Lock the search (one driver per search), start Ray, check the cluster, run (or resume)
+    the search, report; the lock goes when this returns or raises."""
+    from tune.lock import SearchLock
+
+    lock = SearchLock(plan.experiment_path, flag="--resume" if plan.opts.resume else "--name")
+    lock.acquire()   # before Ray and before any file is written: a second driver stops in seconds
+    try:
+        return _execute(plan)
+    finally:
+        lock.release()
+
+
+def _execute(plan: Plan) -> int:
     import ray
 
     from trainer.launch import init_ray
     from tune.runner import run_search
+    from tune.trust import StateSigner
 
     # A tracking server that stops answering must not hold the search: MLflow's client would
     # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
@@ -198,11 +237,15 @@ def execute(plan: Plan) -> int:
         print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)", flush=True)
         log_options = {"log_to_driver": False, "configure_logging": False}
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
-    started = False
+    started, signer = False, None
     try:
         started = init_ray(address=plan.opts.resources.address, **log_options)
+        # Tags Tune's state files as it saves them, so that a later --resume trusts them (tune/trust.py)
+        signer = StateSigner(plan.experiment_path).start()
         return run_search(plan)
     finally:
+        if signer is not None:
+            signer.stop()
         if started:
             ray.shutdown()
         sys.stdout, sys.stderr = streams

@@ -1,0 +1,156 @@
+"""One driver per search (tune/lock.py) and trusted state only (tune/trust.py), without Ray:
+a second driver stops before Ray starts, a stale lock is taken over, and a planted state file
+is refused before anything unpickles it."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from datasets.flags import ConfigError
+from tune import lock, search, trust
+from tune.lock import LOCK_NAME, SearchLock
+
+
+@pytest.fixture(autouse=True)
+def own_key(tmp_path, monkeypatch):
+    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if the search gets as far as starting Ray."""
+    from trainer import launch
+
+    def refuse(*a, **kw):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(launch, "init_ray", refuse)
+
+
+def _plant_lock(folder, *, pid, host=None, started=None, heartbeat=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    doc = {"host": host or socket.gethostname(), "pid": pid, "started": started or now - 3600,
+           "heartbeat": heartbeat or now, "token": "planted", "pid_start": None}
+    (folder / LOCK_NAME).write_text(json.dumps(doc))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _plant_state(folder, payload=None):
+    """A restorable-looking experiment: tuner.pkl (holding `payload`) and an experiment state."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tuner.pkl").write_bytes(pickle.dumps(payload if payload is not None else {"ok": 1}))
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+
+
+def test_a_second_driver_stops_before_ray_naming_the_running_one(tmp_path, capsys, synthetic_root, no_ray):
+    exp = tmp_path / "s"
+    _plant_state(exp)
+    trust.sign(str(exp))
+    _plant_lock(exp, pid=os.getpid())     # this very process: alive
+    t0 = time.monotonic()
+    for extra in (["--resume"], []):      # with --resume, and the same command without it
+        assert search.main(["--data", str(synthetic_root), "--storage", str(tmp_path), "--name", "s", *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"the search at {exp} is running: driver PID {os.getpid()} on host {socket.gethostname()}" in err
+        assert f"kill {os.getpid()}" in err and "Ctrl-C" in err
+        assert "already exists" not in err    # not told to --resume a search that is still running
+    assert time.monotonic() - t0 < 30
+    assert json.loads((exp / LOCK_NAME).read_text())["token"] == "planted"   # the first driver's lock stays
+
+
+def test_a_stale_lock_is_taken_over_with_one_line_and_released(tmp_path, capsys):
+    exp = tmp_path / "s"
+    _plant_lock(exp, pid=_dead_pid())
+    with SearchLock(str(exp)) as held:
+        mine = json.loads((exp / LOCK_NAME).read_text())
+        assert mine["pid"] == os.getpid() and mine["token"] == held.holder.token
+        # while held, another driver is refused
+        with pytest.raises(ConfigError, match=f"--resume: the search at {exp} is running: driver PID {os.getpid()}"):
+            SearchLock(str(exp), flag="--resume").acquire()
+    err = capsys.readouterr().err
+    assert err.count("taking over the lock") == 1 and "is gone" in err
+    assert not (exp / LOCK_NAME).exists()
+
+
+def test_another_hosts_lock_is_stale_only_when_its_heartbeat_is_old(tmp_path, capsys):
+    exp = tmp_path / "s"
+    _plant_lock(exp, pid=1, host="elsewhere", heartbeat=time.time() - 60)
+    with pytest.raises(ConfigError, match="on host elsewhere.*`kill 1` on elsewhere"):
+        SearchLock(str(exp)).acquire()
+    _plant_lock(exp, pid=1, host="elsewhere", heartbeat=time.time() - lock.STALE_AFTER_S - 60)
+    taken = SearchLock(str(exp))
+    taken.acquire()
+    assert "elsewhere last wrote its heartbeat" in capsys.readouterr().err
+    taken.release()
+
+
+def test_the_lock_is_released_when_the_search_raises(tmp_path, monkeypatch):
+    from tune import search as s
+
+    plan = s.Plan(opts=s.parse_options(["--storage", str(tmp_path), "--name", "x"]), base=None,
+                  storage=str(tmp_path), name="x", demo=True)
+
+    def boom(plan):
+        assert (tmp_path / "x" / LOCK_NAME).exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s, "_execute", boom)
+    with pytest.raises(KeyboardInterrupt):
+        s.execute(plan)
+    assert not (tmp_path / "x" / LOCK_NAME).exists()
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return exec, (f"open({self.path!r}, 'w').close()",)
+
+
+def test_a_planted_tuner_pkl_is_refused_and_its_payload_never_runs(tmp_path, capsys, synthetic_root, no_ray):
+    marker = tmp_path / "marker"
+    exp = tmp_path / "planted"
+    _plant_state(exp, _Payload(str(marker)))
+    args = ["--data", str(synthetic_root), "--storage", str(tmp_path), "--name", "planted", "--resume"]
+    assert search.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {exp}/" in err and "has no tag of your state key" in err and "--trust-state" in err
+    assert not marker.exists()
+    # Tags of another key do not help: still refused
+    trust.sign(str(exp), key=b"k" * 32)
+    assert search.main(args) == 2
+    assert "does not match its tag" in capsys.readouterr().err and not marker.exists()
+    # The payload was live: unpickling runs it.
+    pickle.loads((exp / "tuner.pkl").read_bytes())
+    assert marker.exists()
+
+
+def test_signed_state_is_trusted_until_a_file_changes(tmp_path):
+    exp = tmp_path / "s"
+    _plant_state(exp)
+    (exp / "t01").mkdir()
+    (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("x")))
+    signer = trust.StateSigner(str(exp), period_s=0.05).start()
+    time.sleep(0.3)
+    signer.stop()
+    assert set(trust.read_tags(str(exp))) == {"tuner.pkl", "experiment_state-2026-01-01_00-00-00.json", "t01/error.pkl"}
+    trust.verify(str(exp))
+    assert oct(trust.key_path().stat().st_mode & 0o777) == "0o600"
+    (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("y")))
+    with pytest.raises(ConfigError, match=r"t01/error.pkl does not match its tag"):
+        trust.verify(str(exp))

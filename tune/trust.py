@@ -1,0 +1,204 @@
+"""Trusted state only: `--resume` loads a search's saved state only if this user's key signed it.
+
+Tune's restore unpickles the experiment's state (`tuner.pkl`, `experiment_state-*.json` with
+pickled trials inside, the searcher's `searcher-state-*.pkl`, ...) and each trial's `error.pkl`:
+a file someone else put there runs their code. Every such file gets an HMAC-SHA256 tag with a key
+that only this user can read (`key_path()`, mode 0600), kept in `TAGS_NAME` next to the state;
+the driver re-signs the files Tune rewrites while the search runs (`StateSigner`, a daemon
+thread: Tune has no hook after it saves its experiment state) and once more when it ends.
+`verify` refuses, before anything is unpickled, a file whose tag is missing or wrong.
+
+The file names are Tune's (Ray 2.60: tune/impl/tuner_internal.py, execution/tune_controller.py,
+search/searcher.py, search/search_generator.py, callback.py, experiment/trial.py); on another
+Ray a new kind of state file would go unchecked, which tune/ray_internals.py's version check
+guards against.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import sys
+import threading
+from pathlib import Path
+from typing import Iterable
+
+from datasets.flags import ConfigError
+
+TAGS_NAME = ".vidtune-state.hmac"
+STATE_PATTERNS = ("tuner.pkl", "experiment_state-*.json", "searcher-state-*.pkl", "search_gen_state-*.json",
+                  "basic-variant-state-*.json", "callback-states-*.pkl")
+TRIAL_STATE_PATTERNS = ("error.pkl",)   # in each trial's folder; the result grid unpickles it
+
+
+def key_path() -> Path:
+    """`$XDG_CONFIG_HOME/vidtune/state.key`, else `~/.config/vidtune/state.key`."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "vidtune" / "state.key"
+
+
+def load_key(create: bool = True) -> bytes:
+    """This user's signing key (32 random bytes), made with mode 0600 on first use."""
+    path = key_path()
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            pass   # made by another process meanwhile
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+    key = path.read_bytes()
+    if len(key) < 16:
+        raise ConfigError("--resume", f"{path} is not a signing key (cut short?); remove it and pass "
+                          "--trust-state once to sign your searches with a new one")
+    return key
+
+
+def _fs(experiment_path: str):
+    import pyarrow.fs
+
+    return pyarrow.fs.FileSystem.from_uri(experiment_path)
+
+
+def state_files(experiment_path: str) -> list[str]:
+    """The state files Tune's restore unpickles, relative to the experiment folder."""
+    import pyarrow.fs
+
+    fs, root = _fs(experiment_path)
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True, recursive=False))
+    except OSError:
+        return []
+    found = []
+    for info in infos:
+        name = Path(info.path).name
+        if info.type == pyarrow.fs.FileType.File and any(fnmatch.fnmatch(name, p) for p in STATE_PATTERNS):
+            found.append(name)
+        elif info.type == pyarrow.fs.FileType.Directory and name != "train_runs":
+            inner = [f"{info.path}/{p}" for p in TRIAL_STATE_PATTERNS]
+            found += [f"{name}/{Path(i.path).name}" for i in fs.get_file_info(inner)
+                      if i.type == pyarrow.fs.FileType.File]
+    return sorted(found)
+
+
+def _tag(key: bytes, data: bytes) -> str:
+    return hmac.new(key, data, hashlib.sha256).hexdigest()
+
+
+def _read(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.readall()
+
+
+def read_tags(experiment_path: str) -> dict[str, str]:
+    fs, root = _fs(experiment_path)
+    try:
+        doc = json.loads(_read(fs, f"{root}/{TAGS_NAME}"))
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
+
+
+def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | None = None) -> dict[str, str]:
+    """Tag `names` (default: every state file) and write the tags file; returns all tags."""
+    fs, root = _fs(experiment_path)
+    key = load_key() if key is None else key
+    tags = read_tags(experiment_path)
+    for name in state_files(experiment_path) if names is None else names:
+        try:
+            tags[name] = _tag(key, _read(fs, f"{root}/{name}"))
+        except OSError:   # removed meanwhile (Tune deletes older state files)
+            tags.pop(name, None)
+    present = set(state_files(experiment_path))
+    tags = {k: v for k, v in tags.items() if k in present}
+    data = (json.dumps(tags, indent=1, sort_keys=True) + "\n").encode()
+    if "://" in experiment_path:
+        with fs.open_output_stream(f"{root}/{TAGS_NAME}") as f:
+            f.write(data)
+    else:   # atomic: a driver killed mid-write must not leave every tag unreadable
+        tmp = Path(root) / f"{TAGS_NAME}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, Path(root) / TAGS_NAME)
+    return tags
+
+
+def verify(experiment_path: str) -> None:
+    """ConfigError (--resume) naming the first state file without a valid tag of this user's key."""
+    fs, root = _fs(experiment_path)
+    key = load_key()
+    tags = read_tags(experiment_path)
+    for name in state_files(experiment_path):
+        expected = tags.get(name)
+        ok = expected is not None and hmac.compare_digest(expected, _tag(key, _read(fs, f"{root}/{name}")))
+        if not ok:
+            why = "has no tag" if expected is None else "does not match its tag (changed since it was saved)"
+            raise ConfigError("--resume", untrusted_message(f"{experiment_path.rstrip('/')}/{name}", why))
+
+
+def untrusted_message(file: str, why: str) -> str:
+    return (f"{file} {why} of your state key ({key_path()}), so it was not written by a search of yours, "
+            "or was changed since. Resuming unpickles it, which runs any code inside, so nothing was loaded. "
+            "If you made this search yourself (with a vidtune older than these tags, on another machine, or "
+            "copied it), pass --trust-state to resume it anyway; it is signed with your key from then on")
+
+
+class StateSigner:
+    """Re-signs the state files Tune rewrites, every `period_s`, from a daemon thread of the
+    driver; `stop()` signs a last time. A file changed between a save and the next pass is
+    refused on a resume after a hard kill: --trust-state then (README)."""
+
+    def __init__(self, experiment_path: str, period_s: float | None = None):
+        self.experiment_path = experiment_path
+        self.period_s = period_s if period_s is not None else (10.0 if "://" in experiment_path else 1.0)
+        try:
+            self._key: bytes | None = load_key()
+        except OSError as e:   # a read-only home: the search runs, a later --resume asks for --trust-state
+            print(f"note: cannot make the state key {key_path()} ({e.strerror or e}); this search's state is "
+                  "not signed", file=sys.stderr, flush=True)
+            self._key = None
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vidtune-state-signer", daemon=True)
+
+    def start(self) -> "StateSigner":
+        if self._key is not None:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Sign what Tune saved last (after `Tuner.fit` returns)."""
+        if self._key is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self.sign_changed()
+        except OSError as e:   # a full disk: the tags file cannot be written
+            print(f"note: the search's state at {self.experiment_path} could not be signed ({e.strerror or e}); "
+                  "a --resume will name the file and ask for --trust-state", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.sign_changed()
+            except Exception:   # a full disk or a storage hiccup: the next pass tries again
+                pass
+
+    def sign_changed(self) -> None:
+        import pyarrow.fs
+
+        fs, root = _fs(self.experiment_path)
+        names = state_files(self.experiment_path)
+        stamps = {}
+        for name, info in zip(names, fs.get_file_info([f"{root}/{n}" for n in names])):
+            if info.type == pyarrow.fs.FileType.File:
+                stamps[name] = (info.mtime_ns or 0, info.size or 0)
+        changed = [n for n, s in stamps.items() if self._seen.get(n) != s]
+        if changed or set(self._seen) - set(stamps):
+            sign(self.experiment_path, changed, key=self._key)
+        self._seen = stamps
