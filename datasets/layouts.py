@@ -304,15 +304,22 @@ def _two_classes(found: dict[str, list[Path]], where: Path, layout: str, tree: s
 def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
     rows = _read_manifest(manifest)
     base = manifest.parent
-    seen: set[Path] = set()
+    seen: dict[Path, tuple[int, str, str, str]] = {}   # path -> its first row (line, raw path, label, split)
     entries: list[tuple[Path, str, str]] = []
     skipped: Counter = Counter()
     for line, raw_path, label, split in rows:
         path = _manifest_path(base, raw_path)
-        if path in seen:
+        first = seen.get(path)
+        if first is not None:
+            if (first[2], first[3]) != (label, split):
+                # Keeping either row would train on a label (or split) the other row contradicts.
+                what = "labels" if first[2] != label else "splits"
+                raise DataError(f"{manifest}: lines {first[0]} and {line} list the same video with different {what}: "
+                                f"line {first[0]}: {first[1]},{first[2]}{',' + first[3] if first[3] else ''}; "
+                                f"line {line}: {raw_path},{label}{',' + split if split else ''}; keep one of the two rows")
             skipped["duplicate manifest row"] += 1
             continue
-        seen.add(path)
+        seen[path] = (line, raw_path, label, split)
         entries.append((path, label, split))
     names = sorted({label for _, label, _ in entries})
     if len(names) != 2:

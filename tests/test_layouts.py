@@ -265,6 +265,23 @@ def test_csv_with_split_column_paths_relative_to_its_folder(tmp_path):
     assert disc.skipped == {"duplicate manifest row": 1}
 
 
+@pytest.mark.parametrize("rows, what", [("a.mp4,Fight\na.mp4,NonFight\n", "labels"),
+                                        ("a.mp4,Fight,train\n./a.mp4,Fight,val\n", "splits")])
+def test_csv_rows_that_contradict_each_other_are_named(tmp_path, rows, what):
+    """Two rows for one video with different labels (or splits) were made one, silently."""
+    for name in ("a.mp4", "b.mp4"):
+        touch(tmp_path / name)
+    header = "path,label,split\n" if "train" in rows else "path,label\n"
+    extra = "b.mp4,NonFight,train\n" if "train" in rows else "b.mp4,NonFight\n"
+    csv_file = write_csv(tmp_path / "m.csv", header + extra + rows)
+    with pytest.raises(DataError) as e:
+        discover(DataConfig(root=str(csv_file)))
+    msg = str(e.value)
+    assert msg.startswith(f"{csv_file.resolve()}: lines 3 and 4 list the same video with different {what}"), msg
+    first, second = rows.splitlines()
+    assert f"line 3: {first}" in msg and f"line 4: {second}" in msg
+
+
 def test_csv_folder_without_split_column_numeric_labels_stratified(tmp_path):
     rows = []
     for i in range(10):

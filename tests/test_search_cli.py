@@ -136,6 +136,12 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
     (["--cpu-threads", "0"], ["--cpu-threads:", ">= 1"]),
     (["--cache-max-gb", "nan"], ["--cache-max-gb:"]),
     (["--cache-dir", "/proc/self/status/cache"], ["--cache-dir:", "not a folder"]),
+    (["--name", "../../etc"], ["--name:", "'../../etc' is not a folder name"]),
+    (["--name", "a/b"], ["--name:", "'a/b' is not a folder name"]),
+    (["--name", "."], ["--name:", "'.' is not a folder name"]),
+    (["--name", ""], ["--name:", "'' is not a folder name"]),
+    (["--epochs", "3", "--grace-period", "4"], ["--grace-period:", "4 is above --epochs 3"]),
+    (["--trust-state"], ["--trust-state:", "only with --resume"]),
 ])
 def test_bad_options_fail_before_anything_runs(capsys, argv, needles):
     _fails(capsys, argv + ["--dry-run"], *needles)
@@ -206,6 +212,23 @@ def test_batch_sizes_larger_than_the_training_videos_fail_before_ray(capsys, syn
     assert f"{videos} training videos" in err and "--workers-per-trial" in err
     _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", str(videos // 2 + 1), "--workers-per-trial", "2",
                     "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:", "2 worker(s)")
+
+
+def test_num_frames_above_the_shortest_video_fails_before_ray(capsys, synthetic_root, tmp_path):
+    from datasets.config import DataConfig
+    from datasets.index import build_index
+
+    shortest = min(v.num_frames for v in build_index(DataConfig(root=str(synthetic_root))).train)
+    args = ["--data", str(synthetic_root), "--model", "swin3d_t", "--weights", "none", "--dry-run",
+            "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"]
+    _fails(capsys, args + ["--num-frames", "1000"], "--num-frames:", "1000 frames per clip is more than the shortest",
+           f"{shortest} frames", f"--min-frames 1000")
+    _fails(capsys, ["--data", str(synthetic_root), "--num-frames", "1000", "--dry-run"],   # tiny: 8 frames only
+           "--num-frames:", "takes clips of exactly 8 frames")
+
+
+def test_demo_preset_grace_period_follows_a_shorter_epochs():
+    assert parse_options(["--epochs", "2"]).grace_period == 2 and parse_options([]).grace_period == 3
 
 
 def test_read_only_storage_is_named(capsys, tmp_path, monkeypatch):

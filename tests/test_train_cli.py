@@ -71,6 +71,18 @@ def test_validate_config_refuses_weights_of_another_architecture(tmp_path):
         validate_config(_cfg(tmp_path, weights=str(junk)))
 
 
+@pytest.mark.parametrize("content, says", [(b"hello world\nnot weights\n", "it starts with 'hello world'"),
+                                           (b"", "it is empty"), (bytes(range(3, 200)), "it is neither a zip archive nor a pickle")])
+def test_a_weights_file_that_is_not_a_checkpoint_says_so(tmp_path, content, says):
+    """Was: '--weights: ... KeyError: 101' (torch reading a text file as a pickle)."""
+    text = tmp_path / "notes.txt"
+    text.write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        validate_config(_cfg(tmp_path, weights=str(text)))
+    assert str(e.value).startswith(f"--weights: weights file {text} is not a PyTorch checkpoint ({says})")
+    assert "KeyError" not in str(e.value)
+
+
 def test_validate_config_accepts_weights_of_the_same_model(tmp_path):
     from trainer.models import build_model
 

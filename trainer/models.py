@@ -203,6 +203,18 @@ _WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")
 _KEY_PREFIXES = ("module.", "_orig_mod.")    # DistributedDataParallel, torch.compile
 
 
+# torch.save writes a zip archive (PK..) since torch 1.6; before, a pickle (protocol opcode 0x80).
+_TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def _file_start(path: Path, n: int = 64) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError as e:
+        raise WeightsError(f"weights file {path} cannot be read ({e.strerror or e})") from None
+
+
 def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
     """Tensors of a `.pth`/`.pt` state dict at `path`, loaded with `weights_only=True` (no code
     runs). Accepts a plain state dict, one wrapped as {"model": ...} / {"state_dict": ...} (a
@@ -215,6 +227,13 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
         raise WeightsError(
             f"weights file {path} not found; pass --weights none, kinetics, or the path of a "
             f"saved state dict (.pth)")
+    head = _file_start(p)
+    if not head.startswith(_TORCH_FILE_STARTS):
+        shown = head.split(b"\n")[0][:24].decode("utf-8", "replace")
+        kind = ("it is empty" if not head else f"it starts with {shown!r}" if shown.isprintable() and shown
+                else "it is neither a zip archive nor a pickle")
+        raise WeightsError(f"weights file {p} is not a PyTorch checkpoint ({kind}); pass a file written by "
+                           "torch.save(model.state_dict(), path), a vidtune checkpoint, or --weights none / kinetics")
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
