@@ -12,6 +12,10 @@ Concurrency: an entry is written into ``ROOT/.tmp-*`` and renamed into place; re
 published entries, so no process sees half an entry. No fsync: after a power loss a truncated
 entry reads as damaged, which is a miss (with a warning) and is written again.
 
+Integrity: an entry holds the crc32 of its frames file, checked on a process's first read of it
+(reads the whole file; BENCHMARKS.md has the cost), trusted on later reads. A damaged entry is a
+miss: a warning names the video, which is decoded again into a new entry (`repairs` counts them).
+
 Budget (`max_gb`): before writing, the root is listed and an entry that would take the cache past
 the budget is not written: that video is decoded with decord on every read, as without a cache.
 Writers that check at the same moment can each overshoot the budget by the entry they write.
@@ -34,8 +38,8 @@ import numpy as np
 import torch
 
 from datasets.cache_fill import FillReport, fill_cache  # noqa: F401  (public here: FillReport)
-from datasets.cache_layout import (FORMATS, META_FILE, discard, entry_key, folder_bytes, load_meta, publish,
-                                   read_jpeg, read_raw, update_sizes, write_entry)
+from datasets.cache_layout import (FORMATS, META_FILE, check_crc32, discard, entry_key, folder_bytes, load_meta,
+                                   publish, read_jpeg, read_raw, update_sizes, write_entry)
 from datasets.config import CLIP_CACHE_FORMATS, DataConfig
 from datasets.errors import DataError
 from datasets.flags import ConfigError
@@ -95,7 +99,10 @@ class FrameCache:
         self.max_bytes = int(max_gb * 1e9)
         self._sizes: dict[str, int] = {}    # published entry -> bytes on disk, as last listed
         self._meta: dict[str, dict] = {}     # meta.json of entries read: published entries never change
+        self._verified: set[str] = set()     # entries whose checksum this process checked (or wrote)
         self._uncached: set[str] = set()     # entries over budget (or unwritable) in this process
+        self._told_unchecked = False         # the one warning about entries without a checksum was given
+        self.repairs = 0                     # damaged entries this process found and decoded again
 
     @classmethod
     def from_config(cls, cfg: DataConfig, *, on_gpu: bool = False) -> FrameCache | None:
@@ -129,25 +136,31 @@ class FrameCache:
         key = entry_key(info.path, self.format, height, width)
         if key in self._uncached:
             return read_frames(info.path, indices, height=height, width=width), False
-        frames = self._read_entry(key, indices, encoded)
+        frames = self._read_entry(info, key, indices, encoded)
         if frames is not None:
             return frames, True
         _, _, _, frames = self._fill(info, key, height, width, indices)
         return frames, False
 
-    def _read_entry(self, key: str, indices: list[int], encoded: bool):
-        """The frames from a published entry; None when there is none (or it was damaged)."""
+    def _read_entry(self, info: VideoInfo, key: str, indices: list[int], encoded: bool):
+        """The frames from a published entry; None when there is none (or it was damaged, or
+        has no checksum: then it is removed). The checksum is checked when frames are asked."""
         entry = self.root / key
         try:
             meta = self._meta.get(key) or load_meta(entry, self.format)
             if meta is None:
                 return None
+            if "crc32" not in meta:
+                return self._unchecked(entry)
             self._meta[key] = meta
             n = meta["num_frames"]
             if not indices:
                 return np.empty((0, meta["height"], meta["width"], 3), np.uint8)
             if not 0 <= min(indices) <= max(indices) < n:
                 raise ValueError(f"frames {min(indices)}..{max(indices)} asked, the entry holds {n}")
+            if key not in self._verified:
+                check_crc32(entry, meta, self.format)
+                self._verified.add(key)
             if self.format == "raw":
                 return read_raw(entry, meta, indices)
             jpegs = read_jpeg(entry, meta, indices)
@@ -155,14 +168,26 @@ class FrameCache:
         except FileNotFoundError:
             if not (entry / META_FILE).exists():   # removed meanwhile (cache cleared, rewritten)
                 self._meta.pop(key, None)
+                self._verified.discard(key)
                 return None
-            return self._damaged(entry, "frames file missing")
+            return self._damaged(info, entry, "frames file missing")
         except _READ_ERRORS as e:
-            return self._damaged(entry, f"{type(e).__name__}: {e}")
+            return self._damaged(info, entry, f"{type(e).__name__}: {e}")
 
-    def _damaged(self, entry: Path, reason: str) -> None:
-        log.warning("clip cache entry %s is unreadable (%s); decoding the video again", entry, reason)
+    def _damaged(self, info: VideoInfo, entry: Path, reason: str) -> None:
+        log.warning("clip cache entry of %s is damaged (%s); decoding the video again and rewriting "
+                    "the entry %s", info.path, reason, entry)
+        self.repairs += 1
         self._meta.pop(entry.name, None)
+        self._verified.discard(entry.name)
+        discard(entry, self.root)
+        return None
+
+    def _unchecked(self, entry: Path) -> None:
+        if not self._told_unchecked:
+            self._told_unchecked = True
+            log.warning("clip cache %s holds entries without a checksum (written by an older vidtune); "
+                        "each is decoded and written again once", self.root)
         discard(entry, self.root)
         return None
 
@@ -179,7 +204,7 @@ class FrameCache:
         DataError when the file cannot be stat'ed)."""
         key = entry_key(info.path, self.format, height, width)
         self._meta.pop(key, None)        # look on disk, not at what this process saw earlier
-        return self._read_entry(key, [], False) is not None
+        return self._read_entry(info, key, [], False) is not None   # the checksum waits for a read
 
     def fill_status(self, info: VideoInfo, *, height: int, width: int) -> tuple[str, int, int]:
         """`fill` with the details: (outcome, bytes written, frames written); outcome is one of
@@ -218,6 +243,7 @@ class FrameCache:
             if publish(tmp, self.root / key):
                 outcome = "written"
                 self._sizes[key] = size
+                self._verified.add(key)      # its checksum was just taken from what was written
             else:
                 outcome, size, n = "cached", 0, 0    # another process published it first: keep theirs
         except DataError:
@@ -228,7 +254,7 @@ class FrameCache:
             if tmp.exists():
                 discard(tmp, self.root)
         # Read back through the entry, so a clip is the same whether it was a hit or a miss.
-        stored = self._read_entry(key, want, False) if want else None
+        stored = self._read_entry(info, key, want, False) if want else None
         return outcome, size, n, picked if stored is None else stored
 
     def _unwritable(self, key: str, e: OSError) -> tuple[str, int, int]:

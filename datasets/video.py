@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # A clip as an item carries it: decoded uint8 T x H x W x C, or T JPEG files (1-D uint8 tensors).
 Clip = Union[torch.Tensor, list]
-_COUNTERS = ("_failures", "_reads", "_cache_hits")    # shared with loader workers (see the class doc)
+_COUNTERS = ("_failures", "_reads", "_cache_hits", "_cache_repairs")   # shared with loader workers (class doc)
 
 try:  # guarded: the module imports (and its errors explain) without decord installed
     import decord
@@ -153,9 +153,10 @@ class VideoClipDataset(Dataset):
     the training process never sees. So the counts live in ``multiprocessing.Value``s created
     here, before workers start; forked or spawned workers inherit them and add to the same shared
     integers. ``failures`` (failed reads; the trainer reports it per epoch as
-    ``reader_failures``), ``reads`` (clip reads) and ``cache_hits`` (reads served by the cache)
-    are cumulative over this process and its loader workers since the Dataset was made; per-epoch
-    figures are differences. The epoch set by ``set_epoch`` is shared the same way, so persistent
+    ``reader_failures``), ``reads`` (clip reads), ``cache_hits`` (reads served by the cache) and
+    ``cache_repairs`` (damaged cache entries found, decoded again and rewritten) are cumulative
+    over this process and its loader workers since the Dataset was made; per-epoch figures are
+    differences. The epoch set by ``set_epoch`` is shared the same way, so persistent
     workers see it; call it before iterating the epoch.
     """
 
@@ -218,6 +219,11 @@ class VideoClipDataset(Dataset):
         """Reads served from the frame cache so far, this process and its loader workers."""
         return int(self._cache_hits.value)
 
+    @property
+    def cache_repairs(self) -> int:
+        """Damaged cache entries found and decoded again so far, this process and its loader workers."""
+        return int(self._cache_repairs.value)
+
     @staticmethod
     def _add(counter, n: int = 1) -> None:
         with counter.get_lock():
@@ -235,10 +241,13 @@ class VideoClipDataset(Dataset):
         if self.cache is None:
             frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height, width=self.width)
         else:
+            repairs = self.cache.repairs      # this process's FrameCache copy counts; the shared value sums
             frames, hit = self.cache.read(self.videos[i], self.clip_indices(i), height=self.height,
                                           width=self.width, encoded=self.encoded)
             if hit:
                 self._add(self._cache_hits)
+            if self.cache.repairs > repairs:
+                self._add(self._cache_repairs, self.cache.repairs - repairs)
         return torch.from_numpy(frames) if isinstance(frames, np.ndarray) else frames
 
     def __getitem__(self, i: int) -> tuple[Clip, int]:

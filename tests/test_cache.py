@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from datasets.cache import FrameCache, default_root, fill_cache, main
-from datasets.cache_layout import FRAMES_FILE, META_FILE
+from datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
 from datasets.config import DataConfig
 from datasets.errors import DataError
 from datasets.records import VideoInfo
@@ -166,22 +166,85 @@ def test_a_zero_budget_writes_nothing(videos, tmp_path):
     assert not cache.fill(videos[1], **SIZE) and entries(cache.root) == []
 
 
-@pytest.mark.parametrize("fmt,damage", [("raw", "truncate"), ("jpeg", "truncate"), ("jpeg", "meta")])
+def damage_body(entry: Path, fmt: str, fill: str) -> None:
+    """Overwrite every frame's bytes with random bytes or zeros, keeping the size, the .npy header
+    and each JPEG's start and end markers: what size, shape and header checks let through."""
+    meta = json.loads((entry / META_FILE).read_text())
+    target = entry / FRAMES_FILE[fmt]
+    data = bytearray(target.read_bytes())
+    if fmt == "raw":
+        spans = [(len(data) - meta["num_frames"] * 32 * 32 * 3, len(data))]
+    else:
+        spans = [(a + 2, b - 2) for a, b in zip(meta["offsets"], meta["offsets"][1:])]
+    rng = np.random.default_rng(0)
+    for a, b in spans:
+        data[a:b] = rng.integers(0, 256, b - a, dtype=np.uint8).tobytes() if fill == "random" else bytes(b - a)
+    target.write_bytes(data)
+    assert load_meta(entry, fmt) is not None and len(data) == meta["bytes"]   # the header checks pass
+
+
+@pytest.mark.parametrize("fmt,damage", [("raw", "truncate"), ("jpeg", "truncate"), ("jpeg", "meta"),
+                                        ("raw", "random"), ("raw", "zeros"), ("jpeg", "random"), ("jpeg", "zeros")])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(videos, tmp_path, caplog, fmt, damage):
     cache = FrameCache(tmp_path / "cache", format=fmt, max_gb=1)
     v = videos[0]
     good, _ = cache.read(v, [4, 8], **SIZE)
     entry = cache.entry_path(v, **SIZE)
-    target = entry / (FRAMES_FILE[fmt] if damage == "truncate" else META_FILE)
-    with open(target, "r+b") as f:
-        f.truncate(target.stat().st_size // 2)
+    if damage in ("random", "zeros"):
+        damage_body(entry, fmt, damage)
+    else:
+        target = entry / (FRAMES_FILE[fmt] if damage == "truncate" else META_FILE)
+        with open(target, "r+b") as f:
+            f.truncate(target.stat().st_size // 2)
     fresh = FrameCache(cache.root, format=fmt, max_gb=1)     # as another epoch's worker would
     with caplog.at_level(logging.WARNING, logger="datasets.cache"):
-        frames, hit = fresh.read(v, [4, 8], **SIZE)
-    assert not hit and np.array_equal(frames, good)
-    assert str(entry) in caplog.text and "unreadable" in caplog.text
+        # encoded: a jpeg entry's bytes go to the device undecoded, so only the checksum stands guard
+        frames, hit = fresh.read(v, [4, 8], encoded=True, **SIZE)
+    assert not hit and np.array_equal(frames, good) and fresh.repairs == 1
+    assert str(v.path) in caplog.text and "damaged" in caplog.text and str(entry) in caplog.text
+    if fmt == "raw":
+        assert np.array_equal(frames, read_frames(v.path, [4, 8], **SIZE))    # a fresh decode
+    assert json.loads((entry / META_FILE).read_text())["crc32"] == file_crc32(entry / FRAMES_FILE[fmt])
     assert fresh.read(v, [4, 8], **SIZE)[1]                  # rewritten: a hit again
-    assert FrameCache(cache.root, format=fmt, max_gb=1).read(v, [4, 8], **SIZE)[1]
+    again = FrameCache(cache.root, format=fmt, max_gb=1)
+    frames, hit = again.read(v, [4, 8], **SIZE)
+    assert hit and np.array_equal(frames, good) and again.repairs == 0
+
+
+def test_an_intact_entry_is_checked_once_per_process_and_not_rewritten(videos, tmp_path, monkeypatch):
+    import datasets.cache as cache_module
+
+    checks = []
+    monkeypatch.setattr(cache_module, "check_crc32", lambda *a: checks.append(a[0]) or check_crc32(*a))
+    writer = FrameCache(tmp_path / "cache", format="raw", max_gb=1)
+    v = videos[0]
+    good, _ = writer.read(v, [1, 2], **SIZE)
+    assert writer.read(v, [3, 4], **SIZE)[1] and checks == []     # the writer took the checksum itself
+    entry = writer.entry_path(v, **SIZE)
+    before = [os.stat(entry / name).st_ino for name in (".", META_FILE, FRAMES_FILE["raw"])]
+    reader = FrameCache(writer.root, format="raw", max_gb=1)
+    for _ in range(3):                                           # three epochs of one loader worker
+        frames, hit = reader.read(v, [1, 2], **SIZE)
+        assert hit and np.array_equal(frames, good)
+    assert checks == [entry] and reader.repairs == 0
+    assert [os.stat(entry / name).st_ino for name in (".", META_FILE, FRAMES_FILE["raw"])] == before
+
+
+def test_an_entry_without_a_checksum_is_written_again_once(videos, tmp_path, caplog):
+    cache = FrameCache(tmp_path / "cache", format="jpeg", max_gb=1)
+    v = videos[0]
+    good, _ = cache.read(v, [0, 5], **SIZE)
+    entry = cache.entry_path(v, **SIZE)
+    meta = json.loads((entry / META_FILE).read_text())
+    del meta["crc32"]                                            # as the version before checksums wrote it
+    (entry / META_FILE).write_text(json.dumps(meta))
+    fresh = FrameCache(cache.root, format="jpeg", max_gb=1)
+    with caplog.at_level(logging.WARNING, logger="datasets.cache"):
+        frames, hit = fresh.read(v, [0, 5], **SIZE)
+    assert not hit and np.array_equal(frames, good) and fresh.repairs == 0    # an upgrade, not damage
+    assert "without a checksum" in caplog.text
+    assert "crc32" in json.loads((entry / META_FILE).read_text())
+    assert FrameCache(cache.root, format="jpeg", max_gb=1).read(v, [0, 5], **SIZE)[1]
 
 
 def test_a_broken_video_is_replaced_by_a_same_class_clip_and_counted(videos, tmp_path, caplog):
@@ -209,6 +272,22 @@ def test_hits_and_reads_are_counted_across_loader_workers(videos, tmp_path):
     n = len(videos)
     assert epochs[0] == (n, 0)                   # first epoch: all misses (each video once)
     assert epochs[1] == (2 * n, n)               # second: all hits (persistent workers, shared counts)
+
+
+def test_repairs_are_counted_across_loader_workers(videos, tmp_path):
+    cache = FrameCache(tmp_path / "cache", format="raw", max_gb=1)
+    filled = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, cache=cache, **SIZE)
+    expected = [filled[i][0] for i in range(len(videos))]
+    for v, fill in ((videos[1], "zeros"), (videos[3], "random")):
+        damage_body(cache.entry_path(v, **SIZE), "raw", fill)
+    ds = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, **SIZE,
+                          cache=FrameCache(cache.root, format="raw", max_gb=1))
+    loader = build_loader(ds, batch_size=1, train=False, num_workers=2, pin_memory=False)
+    for epoch in range(2):
+        clips = [clip[0] for clip, _ in loader]
+        assert all(torch.equal(c, e) for c, e in zip(clips, expected))
+        assert (ds.cache_repairs, ds.cache_hits) == (2, (epoch + 1) * len(videos) - 2)
+    assert filled.cache_repairs == 0
 
 
 def test_encoded_items_decode_to_the_same_frames(videos, tmp_path):
