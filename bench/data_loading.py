@@ -9,8 +9,9 @@ clip than the loader delivers waits for data.
 
 Clip cache table (`datasets.cache`): on a 240p and a 720p corpus (or --root), one thread, the same
 clips (--cache-size, --cache-frames, stride --frame-stride) read by decord directly, through a
-cold cache (decode the whole video + write the entry + read) and a warm one, for each format; then
-DataLoader throughput with 0, 1, 2 workers, warm cache vs decord; and the disk cost per format.
+cold cache (decode the whole video + write the entry + read), a process's first read of each
+written entry (checks the entry's crc32: reads its whole frames file) and a warm one (checked
+before), for each format; then DataLoader throughput with 0, 1, 2 workers, warm cache vs decord; and the disk cost per format.
 `--json FILE` writes every row, the ratios (`warm_cache_vs_decord`: the warm cache in the format
 a search on this machine stores (auto: raw on a CPU, jpeg with a GPU) vs decord on the first
 corpus; the goal is >= 10) and the disk bytes per video and frame.
@@ -195,6 +196,19 @@ def _time_reads(ds, order: list[int], min_s: float = 0.0) -> tuple[float, float]
             return done / (time.perf_counter() - t0), done / max(time.process_time() - c0, 1e-9)
 
 
+def _time_first_reads(make_dataset, order: list[int], min_s: float) -> tuple[float, float]:
+    """`_time_reads` where every read is a process's first of its entry: each pass over `order`
+    (one clip per video) reads through a new dataset and FrameCache (made outside the timing)."""
+    done, wall, cpu = 0, 0.0, 0.0
+    while wall < min_s or not done:
+        ds = make_dataset()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in order:
+            ds[i]
+        wall, cpu, done = wall + time.perf_counter() - t0, cpu + time.process_time() - c0, done + len(order)
+    return done / wall, done / max(cpu, 1e-9)
+
+
 def cache_table(args: argparse.Namespace, tmp: str) -> dict:
     """Decord vs the clip cache (cold and warm, per format) on each corpus, the same clips, one
     thread; DataLoader throughput warm vs decord on the first corpus; disk per format. Prints
@@ -215,15 +229,20 @@ def cache_table(args: argparse.Namespace, tmp: str) -> dict:
         decord = by["decord"]
         for fmt, cache in caches.items():
             warm = by[f"{fmt} warm"]
+            first = by[f"{fmt} first read (checks crc32)"]
             ratios["per_format"].setdefault(fmt, {})[corpus] = {
                 "warm_vs_decord": warm["clips_per_s"] / decord["clips_per_s"],
-                "warm_vs_decord_cpu": warm["clips_per_cpu_s"] / decord["clips_per_cpu_s"]}
+                "warm_vs_decord_cpu": warm["clips_per_cpu_s"] / decord["clips_per_cpu_s"],
+                "first_read_vs_decord": first["clips_per_s"] / decord["clips_per_s"],
+                # CPU time a process's first read of an entry adds (meta.json, the crc32 check)
+                "first_read_extra_ms": 1e3 * (1 / first["clips_per_cpu_s"] - 1 / warm["clips_per_cpu_s"])}
             used, frames = cache.usage_bytes(), sum(v.num_frames for v in videos)
             disk.setdefault(fmt, {})[corpus] = dict(bytes_per_video=used / len(videos), bytes_per_frame=used / frames)
             if k == 0 and fmt == default:
                 ratios["warm_cache_vs_decord"] = ratios["per_format"][fmt][corpus]["warm_vs_decord"]
                 ratios["warm_cache_vs_decord_cpu"] = ratios["per_format"][fmt][corpus]["warm_vs_decord_cpu"]
                 ratios["warm_cache_corpus"] = corpus
+                ratios["first_read_vs_decord"] = ratios["per_format"][fmt][corpus]["first_read_vs_decord"]
                 loader_rows = _loader_rows(args, corpus, readers["decord"], readers[f"{fmt} warm"], fmt)
         if "jpeg warm" in readers:
             ratios.setdefault("jpeg_mean_abs_error", _mean_abs_diff(readers["jpeg warm"], readers["decord"]))
@@ -238,9 +257,10 @@ def cache_table(args: argparse.Namespace, tmp: str) -> dict:
 
 
 def _measure_corpus(args: argparse.Namespace, tmp: str, corpus: str, videos: list):
-    """Rows of one corpus: each cache cold (one pass, every read a miss), then every warm reader
-    and decord in `args.rounds` interleaved rounds (a change in the machine's load hits them all
-    alike), each reporting its median round. Returns (readers by name, caches by format, rows)."""
+    """Rows of one corpus: each cache cold (one pass, every read a miss), then every warm reader,
+    each format's first reads (through a fresh FrameCache) and decord in `args.rounds`
+    interleaved rounds (a change in the machine's load hits them all alike), each reporting its
+    median round. Returns (readers by name, caches by format, rows)."""
     import statistics
 
     from datasets.cache import FrameCache
@@ -259,9 +279,13 @@ def _measure_corpus(args: argparse.Namespace, tmp: str, corpus: str, videos: lis
         if fmt == "jpeg":   # what a loader worker does when the device decodes (encoded=True)
             readers["jpeg warm, bytes only (device decodes)"] = dataset(caches[fmt], encoded=True)
     rounds: dict[str, list] = {name: [] for name in readers}
+    rounds.update({f"{fmt} first read (checks crc32)": [] for fmt in args.formats})
     for _ in range(args.rounds):
         for name, ds in readers.items():
             rounds[name].append(_time_reads(ds, order, min_s=0.5))
+        for fmt in args.formats:    # the files are in the page cache: this is the CPU cost of checking
+            fresh = lambda fmt=fmt: dataset(FrameCache(caches[fmt].root, format=fmt, max_gb=1000))  # noqa: E731
+            rounds[f"{fmt} first read (checks crc32)"].append(_time_first_reads(fresh, order, min_s=0.5))
     rows = []
 
     def row(reader: str, rates: tuple[float, float]) -> None:
@@ -270,7 +294,7 @@ def _measure_corpus(args: argparse.Namespace, tmp: str, corpus: str, videos: lis
     row("decord", tuple(statistics.median(r[i] for r in rounds["decord"]) for i in (0, 1)))
     for fmt in args.formats:
         row(f"{fmt} cold (decode all + write)", cold[fmt])
-        for name in [n for n in readers if n.startswith(f"{fmt} warm")]:
+        for name in [f"{fmt} first read (checks crc32)"] + [n for n in readers if n.startswith(f"{fmt} warm")]:
             row(name, tuple(statistics.median(r[i] for r in rounds[name]) for i in (0, 1)))
     return readers, caches, rows
 
@@ -317,6 +341,10 @@ def format_cache_table(rows: list[dict], ratios: dict, disk: dict, args: argpars
         lines.append(f"warm {ratios['default_format']} cache vs decord ({ratios['warm_cache_corpus']}): "
                      f"{ratios['warm_cache_vs_decord']:.1f}x clips/s, {ratios['warm_cache_vs_decord_cpu']:.1f}x "
                      "per CPU second (goal >= 10)")
+    for fmt, per in ratios["per_format"].items():
+        lines.append(f"first read of a {fmt} entry in a process (meta.json + crc32 of the frames file): "
+                     + "; ".join(f"{c}: +{r['first_read_extra_ms']:.2f} ms CPU vs a warm read, "
+                                 f"{r['first_read_vs_decord']:.1f}x decord" for c, r in per.items()))
     if "jpeg_mean_abs_error" in ratios:
         lines.append(f"jpeg frames vs decord: mean abs difference {ratios['jpeg_mean_abs_error']:.2f} of 255")
     return "\n".join(lines)

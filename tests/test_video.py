@@ -314,8 +314,9 @@ def test_data_loading_bench_prints_its_table(capsys, tmp_path):
     assert "jpeg warm" in out and "raw warm" in out and "KB/frame" in out
     data = json.loads(report.read_text())
     readers = {r["reader"] for r in data["rows"] if r["table"] == "cache"}
-    assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord"} <= readers
+    assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord", "raw first read (checks crc32)"} <= readers
     assert data["ratios"]["warm_cache_vs_decord"] > 0 and set(data["disk"]) == {"jpeg", "raw"}
+    assert data["ratios"]["first_read_vs_decord"] > 0 and "first read of a raw entry" in out
 
 
 @pytest.mark.gpu
