@@ -85,13 +85,19 @@ def run(opts: SearchOptions) -> int:
 
 
 def prepare(opts: SearchOptions) -> Plan:
-    """The one validation on the driver, before Ray starts: options, training config, stores,
-    storage, the dataset (indexed here, and every candidate batch size checked against the
+    """The one validation on the driver, before Ray starts: no driver already running this
+    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here, and every candidate batch size checked against the
     training videos each worker gets), the experiment name. Raises ConfigError / DataError
     naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
     from trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
     from tune.tracking import check_store_uri
 
+    storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+        check_writable_folder(storage, "--storage")
+    if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
+        check_not_running(f"{storage.rstrip('/')}/{opts.name}", "--resume" if opts.resume else "--name")
     demo = opts.demo
     if demo:
         from tune.demo import ensure_demo_data
@@ -109,10 +115,6 @@ def prepare(opts: SearchOptions) -> Plan:
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
-    storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
-        check_writable_folder(storage, "--storage")
     name = experiment_name(opts, storage)
     index = index_data(base)
     check_num_frames(base, index)
@@ -151,7 +153,6 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
         return name
     if o.name:
         if "://" not in storage and (Path(storage) / o.name).exists():
-            check_not_running(f"{storage.rstrip('/')}/{o.name}", "--name")
             raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume or pick another --name")
         return o.name
     return time.strftime("vidtune-%Y%m%d-%H%M%S")
