@@ -131,7 +131,9 @@ def test_a_planted_tuner_pkl_is_refused_and_its_payload_never_runs(tmp_path, cap
     err = capsys.readouterr().err
     assert f"--resume: {exp}/" in err and "has no tag of your state key" in err and "--trust-state" in err
     assert not marker.exists()
+    assert not trust.key_path().exists()       # checking made no key
     # Tags of another key do not help: still refused
+    trust.load_key()
     trust.sign(str(exp), key=b"k" * 32)
     assert search.main(args) == 2
     assert "does not match its tag" in capsys.readouterr().err and not marker.exists()

@@ -130,8 +130,8 @@ def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | 
 def verify(experiment_path: str) -> None:
     """ConfigError (--resume) naming the first state file without a valid tag of this user's key."""
     fs, root = _fs(experiment_path)
-    key = load_key()
-    tags = read_tags(experiment_path)
+    key = load_key() if key_path().exists() else None   # no key yet: nothing of this user's is signed
+    tags = read_tags(experiment_path) if key is not None else {}
     for name in state_files(experiment_path):
         expected = tags.get(name)
         ok = expected is not None and hmac.compare_digest(expected, _tag(key, _read(fs, f"{root}/{name}")))
