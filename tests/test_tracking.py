@@ -54,7 +54,7 @@ def _runs(uri: str, experiment: str) -> dict[str, object]:
 
 
 def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
-    t = _tracker(uri, "statuses")
+    t = _tracker(uri, "statuses", path=str(tmp_path / "search-1"))
     t.setup()
     done, stopped, oom, err = _trial("done"), _trial("stopped"), _trial("oom", batch_size=64), _trial("err")
     for tr in (done, stopped, oom, err):
@@ -78,7 +78,7 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     runs = _runs(uri, "statuses")
     parent = runs["parent"]
     assert parent.info.status == "FINISHED"
-    assert parent.data.params["batch_sizes"] == "4,8" and parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == "/results/search-1"
+    assert parent.data.params["batch_sizes"] == "4,8" and parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
     statuses = {k: r.info.status for k, r in runs.items() if k != "parent"}
     assert statuses == {"done": "FINISHED", "stopped": "KILLED", "oom": "FAILED", "err": "FAILED"}
     for name in statuses:

@@ -177,7 +177,8 @@ def test_ray_workers_import_this_projects_datasets(ray_session):
 @pytest.mark.slow
 def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synthetic_root, tmp_path):
     """A 1-epoch fit reports every metric key and a checkpoint; rerun under the same name with
-    epochs=2, the worker restores it and runs epoch 2 only."""
+    epochs=2, the worker restores it and runs epoch 2 only; with that latest checkpoint damaged,
+    a third run falls back to epoch 1's."""
     from trainer.launch import build_torch_trainer
 
     callback, drain = _collecting_callback()
@@ -208,6 +209,17 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     # training continued from the saved optimizer state (AdamW's step count goes on)
     steps_1 = saved["optimizer"]["state"][0]["step"].item()
     assert resumed["optimizer"]["state"][0]["step"].item() == 2 * steps_1
+
+    # The latest checkpoint cut short (a full disk): the rerun falls back to the epoch-1 one
+    # (two are kept) and says so in its first report; its new folder does not reuse the name.
+    latest = Path(second.checkpoint.path) / "checkpoint.pt"
+    latest.write_bytes(latest.read_bytes()[:1000])
+    callback, drain = _collecting_callback()
+    build_torch_trainer(_small(synthetic_root, epochs=2, batch_size=8), name="resume",
+                        storage_path=str(tmp_path), callbacks=[callback]).fit()
+    third_reports = drain()
+    assert [(m["epoch"], m["resumed_from_epoch"], m["damaged_checkpoints"]) for m, _ in third_reports] == [(2, 1, 1)]
+    assert Path(third_reports[0][1]).name.startswith("epoch_0002-")
 
 
 @pytest.mark.slow

@@ -4,9 +4,16 @@ config, class names), written by rank 0 at the end of every epoch.
 
 Loaded with `torch.load(weights_only=True)`: the file holds only tensors, numbers, strings and
 containers of them, so loading a checkpoint cannot run code.
+
+Beside it, `checksums.json` holds the SHA-256 of every file of the folder at save time:
+`verify_checkpoint` checks them before a checkpoint is named best, uploaded or resumed from (a
+copy cut short by a full disk or a killed upload reads as damaged, not as a model). Hashing costs
+about a second per GB, once per epoch on rank 0.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -18,6 +25,7 @@ from torch import nn
 from trainer.models import load_error_detail, refused_pickle, unwrap
 
 FILE_NAME = "checkpoint.pt"
+CHECKSUM_FILE = "checksums.json"
 FORMAT = "vidtune-checkpoint"
 VERSION = 1
 
@@ -43,6 +51,8 @@ def save_checkpoint(
 
     `spec` is the model's `ModelSpec` (a dataclass), `config` the run's `TrainConfig.to_dict()`.
     Written to a temporary name then renamed, so a crash never leaves a half-written file.
+    Then `checksums.json` covers every file of `directory` (write any other file, such as
+    `trainer.history`'s, before this call).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -63,7 +73,62 @@ def save_checkpoint(
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
+    write_checksums(directory)
     return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: str | Path) -> Path:
+    """`directory/checksums.json`: {file name: SHA-256} of every file in `directory` (not its
+    subfolders), written to a temporary name then renamed."""
+    directory = Path(directory)
+    sums = {f.name: _sha256(f) for f in sorted(directory.iterdir())
+            if f.is_file() and f.name != CHECKSUM_FILE and not f.name.endswith(".tmp")}
+    path = directory / CHECKSUM_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(sums, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def checkpoint_problem(directory: str | Path) -> str | None:
+    """Why the checkpoint folder `directory` cannot be trusted, or None when it is whole: every
+    file `checksums.json` lists is there with its SHA-256. A folder without `checksums.json`
+    (written before checksums existed) is whole when its `checkpoint.pt` loads (`weights_only`)."""
+    directory = Path(directory)
+    sums_file = directory / CHECKSUM_FILE
+    if not sums_file.is_file():
+        try:
+            load_checkpoint(directory)
+        except CheckpointError as e:
+            return str(e)
+        return None
+    try:
+        sums = json.loads(sums_file.read_text())
+        if not isinstance(sums, dict) or FILE_NAME not in sums:
+            return f"{sums_file} is damaged (it lists no {FILE_NAME})"
+    except (OSError, ValueError) as e:
+        return f"{sums_file} is damaged ({e})"
+    for name, expected in sorted(sums.items()):
+        file = directory / str(name)
+        try:
+            if _sha256(file) != expected:
+                return f"{file} does not match its checksum (truncated or overwritten)"
+        except OSError as e:
+            return f"{file} cannot be read ({e.strerror or e})"
+    return None
+
+
+def verify_checkpoint(directory: str | Path) -> bool:
+    """True when the checkpoint folder `directory` is whole (`checkpoint_problem`)."""
+    return checkpoint_problem(directory) is None
 
 
 def _plain(value: Any) -> Any:

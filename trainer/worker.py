@@ -7,6 +7,7 @@ It wires the pieces; the training step itself lives in `trainer.loop`, precision
 from __future__ import annotations
 
 import math
+import posixpath
 import tempfile
 import time
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from trainer.checkpointing import load_checkpoint, restore_training_state, save_checkpoint
+from trainer.checkpointing import (CheckpointError, checkpoint_problem, load_checkpoint, restore_training_state,
+                                   save_checkpoint)
 from trainer.config import TrainConfig
 from trainer.launch import INDEX_CONFIG_KEY
 from trainer.gpus import physical_gpu_ids, train_device
@@ -38,6 +40,10 @@ from trainer.precision import is_out_of_memory
 # device_util_pct: the device's utilisation over the epoch, mean over workers (trainer.utilization).
 # resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
 #   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
+# damaged_checkpoints: on the first epoch after a restart, the checkpoints found damaged and
+#   skipped (`_read_checkpoint`): with resumed_from_epoch > 0 the run fell back to an older one,
+#   with resumed_from_epoch 0 it started again from scratch; else 0.
+# cache_repairs: clip-cache entries found damaged and decoded again this epoch, all workers.
 # torch_threads: the CPU threads torch used in rank 0's training (--cpu-threads, or the default);
 #   on the CPU, clips/s follows it.
 # other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
@@ -48,7 +54,7 @@ from trainer.precision import is_out_of_memory
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
                "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids", "resumed_from_epoch",
-               "device_util_pct", "torch_threads", "other_cpu_cores")
+               "device_util_pct", "torch_threads", "other_cpu_cores", "damaged_checkpoints", "cache_repairs")
 
 
 class ShardSampler(Sampler[int]):
@@ -104,9 +110,12 @@ class _Run:
     slot: TrainingSlot
     where: dict[str, str] | None = None              # node_id, node_ip, gpu_ids (`_where_it_runs`)
     failures_seen: int = 0              # this rank's failed video reads counted in earlier epochs
+    repairs_seen: int = 0               # this rank's clip-cache repairs counted in earlier epochs
     reads_seen: tuple[int, int] = (0, 0)   # this rank's (clip reads, cache hits) in earlier epochs
     speed_by_epoch: dict[int, float] | None = None   # clips_per_s of each epoch trained, for steady_state
     resumed_from_epoch: int = 0                      # the checkpoint's epoch this run started after
+    damaged_checkpoints: int = 0                     # damaged checkpoints skipped at this run's start
+    checkpoint_suffix: str = ""                      # after a fallback: keeps new folder names unique
     history: dict[int, dict] | None = None           # every epoch's report so far (trainer.history)
     device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
     cpu_window: Any = None                           # this rank's OtherCpuLoad view of the last epoch
@@ -344,18 +353,66 @@ def _where_it_runs() -> dict[str, str]:
 
 def _read_checkpoint(run: _Run) -> tuple[int, dict[str, Any] | None]:
     """(first epoch to run, the checkpoint's state to restore) for the checkpoint Ray hands back
-    on a rerun; (1, None) without one. Read (onto the CPU) before the run holds its device;
-    `_prepare_model` restores it once the model is there."""
+    on a rerun (its latest); (1, None) without one. Read (onto the CPU) before the run holds its
+    device; `_prepare_model` restores it once the model is there.
+
+    A checkpoint is used only once `checkpoint_problem` finds it whole: a damaged latest one
+    gives way to the newest whole one of the run's other checkpoints (`_resume_candidates`), and
+    without any the run starts again from epoch 1; either is said in one line (to the search's
+    log) and in the first epoch's `damaged_checkpoints`."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 1, None
-    with checkpoint.as_directory() as directory:
-        state = load_checkpoint(directory)
-        run.history = read_history(directory)
-    history = (state.get("metrics") or {}).get("speed_by_epoch") or {}
-    run.speed_by_epoch = {int(e): float(v) for e, v in history.items()}
+    found, damaged = first_whole_checkpoint(_resume_candidates(checkpoint))
+    run.damaged_checkpoints = len(damaged)
+    if damaged:
+        # Ray still lists the damaged folder as its latest: new folders must not reuse its name,
+        # or Ray deleting that entry later would delete the new checkpoint.
+        run.checkpoint_suffix = f"-{int(time.time())}"
+    if found is None:
+        if run.rank == 0:
+            print(f"vidtune: no whole checkpoint to resume from ({'; '.join(damaged)}); "
+                  f"this trial starts again from epoch 1", flush=True)
+        return 1, None
+    path, state, history = found
+    if damaged and run.rank == 0:
+        print(f"vidtune: {'; '.join(damaged)}; resuming from the epoch-{int(state['epoch'])} checkpoint "
+              f"{path} instead", flush=True)
+    run.history = history
+    speeds = (state.get("metrics") or {}).get("speed_by_epoch") or {}
+    run.speed_by_epoch = {int(e): float(v) for e, v in speeds.items()}
     run.resumed_from_epoch = int(state["epoch"])
     return run.resumed_from_epoch + 1, state
+
+
+def _resume_candidates(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """`latest`, then the other checkpoint folders (`epoch_*`) of its run, newest first (by name:
+    epochs are zero-padded), on the same filesystem (local or remote)."""
+    from pyarrow import fs
+
+    here = latest.path.rstrip("/")
+    infos = latest.filesystem.get_file_info(fs.FileSelector(posixpath.dirname(here), allow_not_found=True))
+    others = sorted((i.path for i in infos if i.type == fs.FileType.Directory
+                     and posixpath.basename(i.path).startswith("epoch_") and i.path.rstrip("/") != here),
+                    key=posixpath.basename, reverse=True)
+    return [latest, *(ray.train.Checkpoint(path, filesystem=latest.filesystem) for path in others)]
+
+
+def first_whole_checkpoint(candidates: list[ray.train.Checkpoint]
+                           ) -> tuple[tuple[str, dict[str, Any], dict[int, dict]] | None, list[str]]:
+    """((path, state, history) of the first of `candidates` that is whole and loads, or None;
+    why each one before it was skipped). Remote checkpoints are downloaded to be checked."""
+    damaged: list[str] = []
+    for checkpoint in candidates:
+        with checkpoint.as_directory() as directory:
+            problem = checkpoint_problem(directory)
+            if problem is None:
+                try:
+                    return (checkpoint.path, load_checkpoint(directory), read_history(directory)), damaged
+                except CheckpointError as e:
+                    problem = str(e)
+        damaged.append(f"checkpoint {checkpoint.path} is damaged: {problem}")
+    return None, damaged
 
 
 def _train_and_evaluate(run: _Run, epoch: int) -> tuple[str, Any]:
@@ -412,6 +469,14 @@ def _reader_failures(run: _Run) -> int:
     return int(all_reduce_floats([float(local)], dist.ReduceOp.SUM)[0])
 
 
+def _cache_repairs(run: _Run) -> int:
+    """Clip-cache entries found damaged and decoded again during this epoch, all workers (0 for
+    datasets that do not count them)."""
+    total = sum(int(getattr(loader.dataset, "cache_repairs", 0)) for loader in (run.train_loader, run.val_loader))
+    local, run.repairs_seen = total - run.repairs_seen, total
+    return int(all_reduce_floats([float(local)], dist.ReduceOp.SUM)[0])
+
+
 def _cache_hit_frac(run: _Run) -> float:
     """Clip reads served by the clip cache / all clip reads during this epoch, all workers."""
     datasets = [loader.dataset for loader in (run.train_loader, run.val_loader)]
@@ -463,6 +528,7 @@ def _epoch_metrics(run: _Run, epoch: int, stats: Any, eval_out: Any, *, window: 
         reader_failures=_reader_failures(run), peak_mem_mb=float(peak),
         steady_clips_per_s=steady_state(run.speed_by_epoch), cache_hit_frac=_cache_hit_frac(run),
         **_lease_metrics(run, window, first), resumed_from_epoch=run.resumed_from_epoch if first else 0,
+        damaged_checkpoints=run.damaged_checkpoints if first else 0, cache_repairs=_cache_repairs(run),
         device_util_pct=all_reduce_floats([run.device_util_pct])[0] / run.world,
         torch_threads=torch.get_num_threads(),
         other_cpu_cores=_other_cpu_cores(run),
@@ -483,7 +549,7 @@ def _report(run: _Run, epoch: int, metrics: dict[str, Any]) -> None:
             scheduler=run.scheduler, epoch=epoch, config=run.cfg.to_dict(), spec=run.spec,
             class_names=run.class_names, metrics={**metrics, "speed_by_epoch": dict(run.speed_by_epoch)})
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=f"epoch_{epoch:04d}")
+                         checkpoint_dir_name=f"epoch_{epoch:04d}{run.checkpoint_suffix}")
 
 
 def _report_no_result(run: _Run, epoch: int, elapsed_s: float, window: tuple[float, float], *,
@@ -512,7 +578,8 @@ def _report_no_result(run: _Run, epoch: int, elapsed_s: float, window: tuple[flo
         epoch=epoch, batch_size=run.cfg.batch_size, lr=_current_lr(run), elapsed_s=elapsed_s, peak_mb=peak,
         diverged=diverged, train_loss=train_loss, where=run.where, reader_failures=_reader_failures(run),
         cache_hit_frac=_cache_hit_frac(run), **_lease_metrics(run, window, first=True),
-        resumed_from_epoch=run.resumed_from_epoch))
+        resumed_from_epoch=run.resumed_from_epoch, damaged_checkpoints=run.damaged_checkpoints,
+        cache_repairs=_cache_repairs(run)))
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
@@ -527,7 +594,8 @@ def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, f
     ray.train.report(_no_result_metrics(
         epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s, peak_mb=peak, diverged=False,
         where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, concurrent_trainings=math.nan,
-        device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1], resumed_from_epoch=0))
+        device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1], resumed_from_epoch=0,
+        damaged_checkpoints=0, cache_repairs=0))
 
 
 def _no_result_metrics(*, epoch: int, batch_size: int, lr: float, elapsed_s: float, peak_mb: float,

@@ -4,7 +4,9 @@
 log file (the console keeps only vidtune's lines; `--verbose` skips it). `SearchConsole` is the
 Tune callback that prints, per trial, one line when it starts and one per epoch, then an overall
 line (trials done / running / to start, the best so far, the time left), and a line when it ends
-(with the last lines of its error when it failed). `--quiet` keeps only the summary.
+(with the last lines of its error when it failed, and where its whole traceback is kept). Lines
+of their own say when Train restarted a trial's workers (`restart_line`) and when an epoch
+decoded damaged clip-cache entries again. `--quiet` keeps only the summary.
 
 Every line is plain text (no redraw), so a log file or CI output reads the same as a terminal;
 on a terminal the overall line starts with a bar of the epochs trained so far.
@@ -150,15 +152,18 @@ class SearchConsole(Callback):
         self._started_at: float | None = None
         self._epochs_done: dict[str, int] = {}
         self._best: tuple[float, str] | None = None
+        self._reported: set[str] = set()   # trials that reported since this process started them
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_started_at"] = None   # a resumed search measures its own pace
+        state["_reported"] = set()
         return state
 
     # Tune hooks -----------------------------------------------------------------------------
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
+        self.__dict__.setdefault("_reported", set()).discard(trial.trial_id)
         name = short_name(trial)
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
@@ -172,6 +177,15 @@ class SearchConsole(Callback):
         if epoch < 1:
             return
         self._epochs_done[trial.trial_id] = epoch
+        reported = self.__dict__.setdefault("_reported", set())   # absent from a callback saved before it existed
+        restart = restart_line(short_name(trial), result, worker_died=trial.trial_id in reported)
+        if restart:
+            self._print(restart)
+        reported.add(trial.trial_id)
+        repairs = int(result.get("cache_repairs", 0) or 0)
+        if repairs > 0:
+            self._print(f"{short_name(trial)}: {repairs} damaged clip-cache entr{'y' if repairs == 1 else 'ies'} "
+                        "decoded again")
         if int(result.get("oom", 0) or 0):
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
@@ -202,15 +216,16 @@ class SearchConsole(Callback):
         self._print(f"{short_name(trial)} {how}")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        from tune.faults import exception_line, keep_traceback, read_error_file
+
         path = getattr(trial, "error_file", None)
-        lines: list[str] = []
-        try:
-            if path and Path(path).exists():
-                lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()][-6:]
-        except OSError:
-            pass
+        text = read_error_file(path)
+        experiment = _experiment_path(trial)
+        kept = keep_traceback(experiment, short_name(trial), text) if text and experiment else None
+        lines = [ln for ln in text.splitlines() if ln.strip()][-6:]
         body = "".join(f"\n    {ln}" for ln in lines)
-        self._print(f"{short_name(trial)} FAILED (full traceback: {path or 'see the log'}){body}")
+        reason = f": {exception_line(text)}" if text else ""
+        self._print(f"{short_name(trial)} FAILED{reason} (full traceback: {kept or path or 'see the log'}){body}")
 
     # text -----------------------------------------------------------------------------------
     def overall(self, trials: list) -> str:
@@ -242,6 +257,34 @@ class SearchConsole(Callback):
     def _print(self, line: str) -> None:
         if not self.quiet:
             print(line, flush=True)
+
+
+def restart_line(name: str, result: dict[str, Any], *, worker_died: bool) -> str | None:
+    """The line for a trial's first report after its run restarted (`resumed_from_epoch` > 0, or
+    `damaged_checkpoints` > 0: see `trainer.worker.METRIC_KEYS`), else None. `worker_died`: the
+    trial had reported before in this search process, so Train restarted its worker group (not a
+    --resume)."""
+    resumed = int(result.get("resumed_from_epoch", 0) or 0)
+    damaged = int(result.get("damaged_checkpoints", 0) or 0)
+    if resumed <= 0 and damaged <= 0:
+        return None
+    why = "worker died; " if worker_died else ""
+    skipped = f" ({damaged} damaged checkpoint{'s' if damaged > 1 else ''} skipped)" if damaged else ""
+    if resumed > 0:
+        return f"{why}{name} continues from epoch {resumed}{skipped}"
+    return f"{why}{name} starts again from epoch 1: no whole checkpoint{skipped}"
+
+
+def _experiment_path(trial: Any) -> str | None:
+    """The trial's experiment folder (a URI on remote storage), or None when Tune's trial has no
+    storage to say it."""
+    storage = getattr(trial, "storage", None)
+    try:
+        if "://" in str(storage.storage_path):
+            return f"{str(storage.storage_path).rstrip('/')}/{storage.experiment_dir_name}"
+        return storage.experiment_fs_path
+    except AttributeError:
+        return None
 
 
 def _ended(trials: list) -> set[str]:

@@ -16,9 +16,11 @@ search made, and both must see the same record.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ray.tune import Callback
@@ -120,3 +122,64 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
         except OSError:
             pass
     return None
+
+
+# -- a failed trial's traceback ------------------------------------------------------------------
+
+FAILURES_FOLDER = "failures"
+# An exception's line in a traceback: `RuntimeError: ...`, `ray.exceptions.RayTaskError(...)`,
+# `torch.OutOfMemoryError: ...`; a name ending like an exception's, at the start of the line.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure)\b.*$")
+
+
+def exception_line(text: str, limit: int = 500) -> str:
+    """The innermost exception of a traceback's text as `Type: message` (its first line, at most
+    `limit` characters): the last line that starts with an exception's name; else the last
+    non-blank line. Ray nests the worker's traceback inside its own, so the last one is the cause."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    found = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    line = (found or lines or ["trial errored"])[-1]
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def failure_file(experiment_path: str, name: str) -> Path:
+    """Where a failed trial's whole traceback is kept: `<experiment>/failures/<name>.txt`, beside
+    Tune's results (Ray's session folder, where Tune's `error.txt` is, is not kept); on remote
+    storage, ./vidtune-logs/<experiment name>/failures/<name>.txt."""
+    if "://" in experiment_path:
+        return Path("vidtune-logs") / PurePosixPath(experiment_path).name / FAILURES_FOLDER / f"{name}.txt"
+    return Path(experiment_path) / FAILURES_FOLDER / f"{name}.txt"
+
+
+def keep_traceback(experiment_path: str, name: str, text: str) -> Path | None:
+    """Write `text` (a trial's whole traceback) to its `failure_file` unless one is there already
+    (the first writer, from Tune's error file, has the fullest text). None when it cannot be
+    written (a full disk): the caller points at Tune's file instead."""
+    path = failure_file(experiment_path, name)
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+    except OSError:
+        return None
+    return path
+
+
+def error_text(error: Any) -> str:
+    """The whole text of a trial's error: an exception's formatted traceback (a Ray error's
+    message holds the worker's traceback), or the text itself."""
+    import traceback
+
+    if isinstance(error, BaseException):
+        return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return str(error or "")
+
+
+def read_error_file(path: str | None) -> str:
+    """Tune's error file of a trial (`trial.error_file`); "" when it is gone or unreadable."""
+    try:
+        return Path(path).read_text(errors="replace") if path and Path(path).is_file() else ""
+    except OSError:
+        return ""

@@ -132,7 +132,7 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
-        epochs=_epoch_of(m.get("epoch")), status=status, checkpoint=best_checkpoint(train_run, result),
+        epochs=_epoch_of(m.get("epoch")), status=status, checkpoint=best_checkpoint(train_run, result, name or trial_id),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
         other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
@@ -204,11 +204,15 @@ def steady_speeds(result: Any) -> dict[str, float]:
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
-def best_checkpoint(train_run: str | None, result: Any) -> str | None:
-    """The trial's best checkpoint by val_acc (the best epoch by val_acc, whose metrics its row
-    reports): Ray Train's own pick among the checkpoints its run kept
-    (`ray.train.Result.from_path(train_run).get_best_checkpoint`). Without a readable run folder
-    (none given, or gone), the last checkpoint the trial reported, if it still exists."""
+def best_checkpoint(train_run: str | None, result: Any, name: str = "") -> str | None:
+    """The trial's best whole checkpoint by val_acc (the best epoch by val_acc, whose metrics its
+    row reports): the best of the checkpoints its Ray Train run kept
+    (`ray.train.Result.from_path(train_run).best_checkpoints`) that `checkpoint_problem` finds
+    whole, else the next best. Without a readable run folder (none given, or gone), the last
+    checkpoint the trial reported, if it still exists and is whole. None when none is; a damaged
+    one skipped is said in one line (`name`: the trial's). Remote (s3://) checkpoints are not
+    downloaded to be checked."""
+    candidates: list[str] = []
     if train_run:
         import ray.train
 
@@ -217,15 +221,37 @@ def best_checkpoint(train_run: str | None, result: Any) -> str | None:
         quiet.setLevel(logging.WARNING)
         try:
             run = ray.train.Result.from_path(train_run)
-            if run.best_checkpoints:
-                return run.get_best_checkpoint(metric="val_acc", mode="max").path
+            # Later epochs first, so that the stable sort keeps the later of equal val_acc.
+            by_epoch = sorted(run.best_checkpoints or [], key=lambda cm: _f(cm[1].get("epoch")), reverse=True)
+            candidates = [c.path for c, _ in sorted(by_epoch, key=lambda cm: _sort_acc(cm[1]), reverse=True)]
         except (RuntimeError, OSError, ValueError):
             pass   # an interrupted run may have no checkpoint manager snapshot yet
         finally:
             quiet.setLevel(level)
-    last = (result.metrics or {}).get("checkpoint_path")
-    if last and ("://" in last or Path(last).exists()):
-        return last
+    if not candidates:
+        last = (result.metrics or {}).get("checkpoint_path")
+        if last and ("://" in last or Path(last).exists()):
+            candidates = [last]
+    return _first_whole(candidates, name)
+
+
+def _sort_acc(metrics: dict[str, Any]) -> float:
+    acc = _f(metrics.get("val_acc"))
+    return acc if math.isfinite(acc) else -math.inf
+
+
+def _first_whole(paths: list[str], name: str) -> str | None:
+    """The first of `paths` that is whole (remote ones are taken as they are); a line for each
+    damaged one skipped, and for none left."""
+    from trainer.checkpointing import checkpoint_problem
+
+    who = f"{name}: " if name else ""
+    for i, path in enumerate(paths):
+        problem = None if "://" in path else checkpoint_problem(path)
+        if problem is None:
+            return path
+        after = "the next best instead" if i + 1 < len(paths) else "no whole checkpoint is left; none named best"
+        print(f"{who}checkpoint {path} is damaged ({problem}); {after}", flush=True)
     return None
 
 

@@ -3,7 +3,8 @@
 reach the store.
 
 A run never stays RUNNING: FINISHED, FAILED (error, out of memory, diverged; reason in the tag
-`vidtune.failure_reason`) or KILLED (stopped early by ASHA, or interrupted). A resumed search
+`vidtune.failure_reason`: for an error, the exception's `Type: message`, its whole traceback kept
+as the run's artifact `failure/traceback.txt` and in `<experiment>/failures/<trial name>.txt`) or KILLED (stopped early by ASHA, or interrupted). A resumed search
 finds its parent run by the tag `vidtune.experiment_path` and its child runs by `vidtune.trial_id`
 under that parent, so nothing is logged twice as a new run.
 
@@ -54,12 +55,13 @@ INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
                                         "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
                                         "resumed_from_epoch", "epoch", "batch_size", "oom", "diverged",
-                                        "reader_failures", "node_ip", "gpu_ids"}
+                                        "reader_failures", "node_ip", "gpu_ids", "damaged_checkpoints"}
 RENAMED = {"lr": "lr_current"}
 STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has
 OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverged | failed | interrupted
 BEST_TAG = "vidtune.best"
 READER_TAG = "vidtune.reader_failures"
+TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
 
 
 # -- checks before anything starts ---------------------------------------------------------------
@@ -255,7 +257,14 @@ class MLflowTracker(Callback):
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: _error_reason(trial)})
+        from tune.faults import read_error_file
+        from tune.trial import short_name
+
+        path = getattr(trial, "error_file", None)
+        text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
+        run_id = self.child_runs.get(trial.trial_id)
+        reason = self.record_failure(run_id, short_name(trial), text, fallback=path) if run_id else ""
+        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: reason})
 
     # the work ------------------------------------------------------------------------------
     def start_child(self, trial_id: str, config: dict[str, Any], *, name: str | None = None) -> str:
@@ -282,6 +291,8 @@ class MLflowTracker(Callback):
 
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
+        if _from_scratch(result):   # its checkpoints were damaged: epochs 1.. are trained (and logged) again
+            self._last_step[trial_id] = step - 1
         if step <= self._last_step.get(trial_id, 0):
             return
         self._last_step[trial_id] = step
@@ -302,9 +313,14 @@ class MLflowTracker(Callback):
             self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch {result.get('epoch')}; "
                                 "each was replaced by another clip of the same class")
         resumed = int(result.get("resumed_from_epoch") or 0)
+        damaged = int(result.get("damaged_checkpoints") or 0)
+        skipped = f"; {damaged} damaged checkpoint(s) skipped" if damaged else ""
         if resumed > 0:
             self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a worker "
-                                "died and Ray Train restarted the group, or the search was resumed)")
+                                f"died and Ray Train restarted the group, or the search was resumed){skipped}")
+        elif _from_scratch(result):
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from epoch 1: its {damaged} checkpoint(s) were "
+                                "damaged; epochs from 1 on are logged again (the later point of a step is this run's)")
 
     def mlflow_status(self, status: str, last: dict[str, Any], error: Any = None) -> tuple[str, dict[str, str]]:
         """The MLflow status and reason tag of a trial's `tune.report.trial_status`: FAILED for
@@ -319,13 +335,35 @@ class MLflowTracker(Callback):
                                            f"{last.get('epoch')} (batch size {last.get('batch_size')}); the lr is too "
                                            "high for it; recorded as infeasible, not retried"}
         if status == "ERROR":
-            return "FAILED", {FAILURE_TAG: (" ".join(str(error).split())[-1000:] if error else "trial errored")}
+            from tune.faults import error_text, exception_line
+
+            return "FAILED", {FAILURE_TAG: exception_line(error_text(error)) if error else "trial errored"}
         if status == "UNFINISHED":
             return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
         if status == "STOPPED":
             epoch = int(last.get("epoch") or 0)
             return "KILLED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
         return "FINISHED", {}
+
+    def record_failure(self, run_id: str, name: str, text: str, *, fallback: str | None = None) -> str:
+        """Keep a failed trial's whole traceback `text` (`tune.faults.keep_traceback`: the first
+        one kept wins) and upload it as the run's TRACEBACK_ARTIFACT (once); returns its reason
+        tag: the exception's `Type: message` and where the traceback is (`fallback`, Tune's error
+        file, when it could not be kept)."""
+        import tempfile
+
+        from tune.faults import exception_line, keep_traceback
+
+        kept = keep_traceback(self.experiment_path, name, text)
+        if kept is not None:
+            text = kept.read_text(errors="replace")
+        folder, file_name = TRACEBACK_ARTIFACT.rsplit("/", 1)
+        if not self.client.list_artifacts(run_id, folder):
+            with tempfile.TemporaryDirectory(prefix="vidtune-failure-") as tmp:
+                (Path(tmp) / file_name).write_text(text, encoding="utf-8")
+                self.client.log_artifacts(run_id, tmp, artifact_path=folder)
+        where = kept or fallback
+        return exception_line(text) + (f" (full traceback: {where})" if where else "")
 
     def end_child(self, trial_id: str, status: str, tags: dict[str, str] | None = None) -> None:
         run_id = self.child_runs.get(trial_id)
@@ -379,6 +417,11 @@ class MLflowTracker(Callback):
             self._last_step[row.trial_id] = max([self._last_step.get(row.trial_id, 0), *records])
             last = dict(result.metrics or {})
             status, tags = self.mlflow_status(row.status, last, getattr(result, "error", None))
+            if row.status == "ERROR" and getattr(result, "error", None) is not None:
+                from tune.faults import error_text
+
+                tags[FAILURE_TAG] = self.record_failure(run_id, getattr(row, "name", "") or row.trial_id,
+                                                        error_text(result.error))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
             tags.update(placement_tags(last))
             run = c.get_run(run_id)
@@ -503,14 +546,7 @@ def _log_params(client: Any, run_id: str, params: dict[str, Any]) -> None:
         client.log_batch(run_id, params=items)
 
 
-def _error_reason(trial: Any) -> str:
-    """The last line of the trial's error file (the exception), or a pointer to it."""
-    path = getattr(trial, "error_file", None)
-    try:
-        if path and Path(path).exists():
-            lines = [ln for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return f"{lines[-1].strip()[:1000]} (full traceback: {path})"
-    except OSError:
-        pass
-    return f"trial errored; see {path or 'the Ray logs'}"
+def _from_scratch(result: dict[str, Any]) -> bool:
+    """The report is the first epoch of a run that found every checkpoint damaged and started
+    again from epoch 1 (`trainer.worker._read_checkpoint`)."""
+    return int(result.get("damaged_checkpoints") or 0) > 0 and int(result.get("resumed_from_epoch") or 0) == 0
