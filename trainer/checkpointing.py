@@ -131,6 +131,19 @@ def verify_checkpoint(directory: str | Path) -> bool:
     return checkpoint_problem(directory) is None
 
 
+def first_whole(paths: list[str]) -> tuple[str | None, list[str]]:
+    """(the first of the checkpoint folders `paths`, best first, that is whole, or None; why
+    each one before it was skipped). Remote ones (a URI) are taken as they are: checking them
+    would mean downloading them."""
+    skipped: list[str] = []
+    for path in paths:
+        problem = None if "://" in str(path) else checkpoint_problem(path)
+        if problem is None:
+            return str(path), skipped
+        skipped.append(f"checkpoint {path} is damaged ({problem})")
+    return None, skipped
+
+
 def _plain(value: Any) -> Any:
     """Containers of Python scalars only (tuples kept), so `weights_only` loading accepts them."""
     if isinstance(value, dict):

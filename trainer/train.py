@@ -313,13 +313,26 @@ def run(cfg: TrainConfig, args: argparse.Namespace, index: Any = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    best = result.get_best_checkpoint(metric="val_acc", mode="max") if result.best_checkpoints else result.checkpoint
+    from trainer.checkpointing import first_whole
+
+    # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
+    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)), reverse=True)
+    if not ranked and result.checkpoint is not None:
+        ranked = [(result.checkpoint, last)]
+    best, skipped = first_whole([c.path for c, _ in ranked])
+    for why in skipped:
+        print(f"warning: {why}; not named best", file=sys.stderr)
     if best is None:
-        print("error: training reported no checkpoint", file=sys.stderr)
+        print("error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"), file=sys.stderr)
         return 1
-    score = next((m for c, m in (result.best_checkpoints or []) if c.path == best.path), last)
-    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): {best.path}")
+    score = next(m for c, m in ranked if c.path == best)
+    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): {best}")
     return 0
+
+
+def _acc(metrics: dict[str, Any]) -> float:
+    acc = metrics.get("val_acc", math.nan)
+    return acc if isinstance(acc, (int, float)) and math.isfinite(acc) else -math.inf
 
 
 def main(argv: Sequence[str] | None = None) -> int:

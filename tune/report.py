@@ -114,7 +114,8 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
 
     val_acc and val_f1 are those of the best epoch by val_acc (ties: the later epoch), the
     epoch of Ray Train's best checkpoint; an out-of-memory or diverged trial keeps its last
-    report's (no accuracy)."""
+    report's (no accuracy). `epochs`: the latest epoch any report reached (Tune's per-epoch
+    records, as MLflow logs them), also for a trial that failed after its last report."""
     m = dict(result.metrics or {})
     cfg = dict(result.config or {})
     status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
@@ -132,7 +133,7 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
-        epochs=_epoch_of(m.get("epoch")), status=status, checkpoint=best_checkpoint(train_run, result, name or trial_id),
+        epochs=max(epoch_records(result), default=0), status=status, checkpoint=best_checkpoint(train_run, result, name or trial_id),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
         other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
@@ -241,18 +242,16 @@ def _sort_acc(metrics: dict[str, Any]) -> float:
 
 
 def _first_whole(paths: list[str], name: str) -> str | None:
-    """The first of `paths` that is whole (remote ones are taken as they are); a line for each
-    damaged one skipped, and for none left."""
-    from trainer.checkpointing import checkpoint_problem
+    """`trainer.checkpointing.first_whole` of `paths`, with a line for each damaged one skipped
+    and for none left."""
+    from trainer.checkpointing import first_whole
 
+    found, skipped = first_whole(paths)
     who = f"{name}: " if name else ""
-    for i, path in enumerate(paths):
-        problem = None if "://" in path else checkpoint_problem(path)
-        if problem is None:
-            return path
-        after = "the next best instead" if i + 1 < len(paths) else "no whole checkpoint is left; none named best"
-        print(f"{who}checkpoint {path} is damaged ({problem}); {after}", flush=True)
-    return None
+    for i, why in enumerate(skipped):
+        after = "the next best instead" if found or i + 1 < len(skipped) else "no whole checkpoint is left; none named best"
+        print(f"{who}{why}; {after}", flush=True)
+    return found
 
 
 def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
