@@ -156,3 +156,17 @@ def test_signed_state_is_trusted_until_a_file_changes(tmp_path):
     (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("y")))
     with pytest.raises(ConfigError, match=r"t01/error.pkl does not match its tag"):
         trust.verify(str(exp))
+
+
+def test_the_heartbeat_is_rewritten_while_the_lock_is_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
+    held = SearchLock(str(tmp_path / "s"))
+    held.acquire()
+    try:
+        first = json.loads((tmp_path / "s" / LOCK_NAME).read_text())
+        time.sleep(0.3)
+        later = json.loads((tmp_path / "s" / LOCK_NAME).read_text())
+        assert later["heartbeat"] > first["heartbeat"] and later["token"] == first["token"]
+    finally:
+        held.release()
+    assert not (tmp_path / "s" / LOCK_NAME).exists()

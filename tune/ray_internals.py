@@ -31,6 +31,12 @@ The uses (checked against Ray 2.60.0):
    on the live Optuna trial before Ray's `on_trial_complete` tells the study; OptunaSearch keeps
    the Tune-trial -> Optuna-trial map and its study private and has no hook for it.
 
+4. The names of the files Tune's restore unpickles (`TUNE_STATE_FILES`, `TUNE_TRIAL_STATE_FILES`):
+   tune/trust.py signs and checks them before a `--resume` loads any (tune/impl/tuner_internal.py
+   `_TUNER_PKL`, execution/tune_controller.py, search/searcher.py, search/search_generator.py,
+   search/basic_variant.py, callback.py `CKPT_FILE_TMPL`, experiment/trial.py `error.pkl`). Tune
+   has no public list of them; a new kind of state file on another Ray would go unchecked.
+
 `ray._raylet.PlacementGroupID` (formerly imported by tune/cleanup.py) is public as
 `ray.PlacementGroupID`, so it is not here.
 """
@@ -189,8 +195,17 @@ def optuna_study(searcher: Any) -> Any:
         raise _moved("OptunaSearch._ot_study", e) from e
 
 
+# --- 4. The files Tune's restore unpickles (no public list) -------------------------------------
+TUNE_STATE_FILES = ("tuner.pkl", "experiment_state-*.json", "searcher-state-*.pkl", "search_gen_state-*.json",
+                    "basic-variant-state-*.json", "callback-states-*.pkl")
+"""In the experiment folder (fnmatch patterns)."""
+TUNE_TRIAL_STATE_FILES = ("error.pkl",)
+"""In each trial's folder: the ResultGrid unpickles it."""
+
+
 __all__ = [
-    "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "UnsupportedRayError",
+    "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
+    "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
     "WorkerGroupCallback", "check_ray_version", "optuna_pending_trial", "optuna_study", "trial_states",
     "worker_group_placement_group",
 ]

@@ -8,10 +8,8 @@ the driver re-signs the files Tune rewrites while the search runs (`StateSigner`
 thread: Tune has no hook after it saves its experiment state) and once more when it ends.
 `verify` refuses, before anything is unpickled, a file whose tag is missing or wrong.
 
-The file names are Tune's (Ray 2.60: tune/impl/tuner_internal.py, execution/tune_controller.py,
-search/searcher.py, search/search_generator.py, callback.py, experiment/trial.py); on another
-Ray a new kind of state file would go unchecked, which tune/ray_internals.py's version check
-guards against.
+The file names are Tune's, kept in tune/ray_internals.py with its other uses of Ray internals
+(its Ray version check guards against a new kind of state file going unchecked).
 """
 from __future__ import annotations
 
@@ -27,11 +25,10 @@ from pathlib import Path
 from typing import Iterable
 
 from datasets.flags import ConfigError
+from tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES
 
 TAGS_NAME = ".vidtune-state.hmac"
-STATE_PATTERNS = ("tuner.pkl", "experiment_state-*.json", "searcher-state-*.pkl", "search_gen_state-*.json",
-                  "basic-variant-state-*.json", "callback-states-*.pkl")
-TRIAL_STATE_PATTERNS = ("error.pkl",)   # in each trial's folder; the result grid unpickles it
+STATE_PATTERNS, TRIAL_STATE_PATTERNS = TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES
 
 
 def key_path() -> Path:
