@@ -197,7 +197,11 @@ def test_manifest_split_without_a_class_in_val_is_an_error(tmp_path, monkeypatch
                         "d.mp4,NonFight,val\n")
     with pytest.raises(DataError, match=r"(?s)all 1 were dropped:\n  d.mp4: file not found .*fix the paths"):
         build_index(DataConfig(root=str(manifest)), use_cache=False)
-    manifest.write_text(manifest.read_text() + "b.mp4,NonFight,val\n")    # duplicate row: the first wins
+    rows = manifest.read_text()
+    manifest.write_text(rows + "b.mp4,NonFight,val\n")    # one video in train and val: a leak, refused
+    with pytest.raises(DataError, match=r"lines 3 and 6 list the same video with different splits"):
+        build_index(DataConfig(root=str(manifest)), use_cache=False)
+    manifest.write_text(rows + "b.mp4,NonFight,train\n")  # the same row twice: the first wins
     (tmp_path / "e.mp4").write_bytes(b"x")
     manifest.write_text(manifest.read_text() + "e.mp4,NonFight,val\n")
     idx = build_index(DataConfig(root=str(manifest)), use_cache=False)
