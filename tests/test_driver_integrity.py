@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -155,6 +156,30 @@ def test_signed_state_is_trusted_until_a_file_changes(tmp_path):
     assert oct(trust.key_path().stat().st_mode & 0o777) == "0o600"
     (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("y")))
     with pytest.raises(ConfigError, match=r"t01/error.pkl does not match its tag"):
+        trust.verify(str(exp))
+
+
+def test_state_signed_in_tunes_staging_folder_is_trusted_before_and_after_its_copy(tmp_path):
+    """Tune saves its state in a staging folder and copies it to the experiment folder in the
+    background; a driver killed between the two must leave a state that --resume trusts, the
+    old version and the new one alike (the signer signs the staged files at Tune's save)."""
+    exp, staging = tmp_path / "s", tmp_path / "staging"
+    _plant_state(exp)
+    trust.sign(str(exp))
+    name = "experiment_state-2026-01-01_00-00-00.json"
+    staging.mkdir()
+    (staging / name).write_text('{"newer": true}')
+    signer = trust.StateSigner(str(exp), period_s=3600).start()
+    try:
+        trust.SignAfterSave().on_step_end(1, [SimpleNamespace(storage=SimpleNamespace(
+            experiment_driver_staging_path=str(staging)))])
+    finally:
+        trust._running = None          # the thread is left to its 3600-s sleep (a daemon)
+    trust.verify(str(exp))                                 # killed before the copy: the old version
+    (exp / name).write_bytes((staging / name).read_bytes())
+    trust.verify(str(exp))                                 # after the copy: the new one
+    (exp / name).write_text('{"planted": true}')
+    with pytest.raises(ConfigError, match="does not match its tag"):
         trust.verify(str(exp))
 
 

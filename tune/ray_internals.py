@@ -36,6 +36,10 @@ The uses (checked against Ray 2.60.0):
    `_TUNER_PKL`, execution/tune_controller.py, search/searcher.py, search/search_generator.py,
    search/basic_variant.py, callback.py `CKPT_FILE_TMPL`, experiment/trial.py `error.pkl`). Tune
    has no public list of them; a new kind of state file on another Ray would go unchecked.
+5. `experiment_staging_path`: a trial's `storage.experiment_driver_staging_path`, the local
+   folder Tune saves its state in before copying it to the experiment folder in the background;
+   tune/trust.py signs the files there, so a driver killed before the copy lands leaves nothing
+   unsigned.
 
 `ray._raylet.PlacementGroupID` (formerly imported by tune/cleanup.py) is public as
 `ray.PlacementGroupID`, so it is not here.
@@ -203,9 +207,18 @@ TUNE_TRIAL_STATE_FILES = ("error.pkl",)
 """In each trial's folder: the ResultGrid unpickles it."""
 
 
+def experiment_staging_path(trials: list) -> str | None:
+    """The local folder where Tune saves the experiment's state before its background copy to
+    the experiment folder (`StorageContext.experiment_driver_staging_path`, which Tune's
+    searchers are told to write to); None without trials. Use 5 above."""
+    storage = getattr(trials[0], "storage", None) if trials else None
+    return getattr(storage, "experiment_driver_staging_path", None) if storage is not None else None
+
+
 __all__ = [
     "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
     "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
-    "WorkerGroupCallback", "check_ray_version", "optuna_pending_trial", "optuna_study", "trial_states",
+    "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial", "optuna_study",
+    "trial_states",
     "worker_group_placement_group",
 ]

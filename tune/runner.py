@@ -16,6 +16,7 @@ from tune import faults
 from tune.cluster import (AUTOSCALER_CONFIG, Fit, check_paths_on_every_node, driver_node_gpus, fit_to_cluster,
                           read_capacity, trial_resources, waiting_line)
 from tune.console import SearchConsole
+from tune.trust import SignAfterSave
 from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
 
 
@@ -170,7 +171,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
                 # (--max-failures), and out of memory is an answer, not a failure.
                 failure_config=tune.FailureConfig(max_failures=0),
                 callbacks=[tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
-                           faults.InterruptWatch(),
+                           faults.InterruptWatch(), SignAfterSave(),
                            SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
                                          objective=opts.objective, quiet=opts.quiet)]),
         )

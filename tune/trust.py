@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Iterable
 
 from datasets.flags import ConfigError
-from tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES
+from ray.tune import Callback
+
+from tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES, experiment_staging_path
 
 TAGS_NAME = ".vidtune-state.hmac"
+KEPT_TAGS = 4     # tags kept per file: its last versions (a copy to storage may lag the signing)
 STATE_PATTERNS, TRIAL_STATE_PATTERNS = TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES
 
 
@@ -92,26 +95,38 @@ def _read(fs, path: str) -> bytes:
         return f.readall()
 
 
-def read_tags(experiment_path: str) -> dict[str, str]:
+def read_tags(experiment_path: str) -> dict[str, list[str]]:
+    """{file: its accepted tags, newest last}: the last KEPT_TAGS versions this user's driver
+    signed (a file Tune saved is signed as it is saved, while its copy in the experiment folder
+    may still hold the version before)."""
     fs, root = _fs(experiment_path)
     try:
         doc = json.loads(_read(fs, f"{root}/{TAGS_NAME}"))
     except (OSError, ValueError):
         return {}
-    return {str(k): str(v) for k, v in doc.items()} if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        return {}
+    return {str(k): [str(t) for t in (v if isinstance(v, list) else [v])] for k, v in doc.items()}
 
 
-def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | None = None) -> dict[str, str]:
-    """Tag `names` (default: every state file) and write the tags file; returns all tags."""
+def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | None = None,
+         source: str | None = None) -> dict[str, list[str]]:
+    """Tag `names` (default: every state file) and write the tags file; returns all tags.
+    `source`: read the files there instead (Tune's driver staging folder, which it copies to
+    the experiment folder in the background: signed before the copy lands, a hard kill between
+    the two leaves nothing unsigned)."""
     fs, root = _fs(experiment_path)
+    src_fs, src_root = _fs(source) if source else (fs, root)
     key = load_key() if key is None else key
     tags = read_tags(experiment_path)
-    for name in state_files(experiment_path) if names is None else names:
+    for name in state_files(source or experiment_path) if names is None else names:
         try:
-            tags[name] = _tag(key, _read(fs, f"{root}/{name}"))
+            tag = _tag(key, _read(src_fs, f"{src_root}/{name}"))
         except OSError:   # removed meanwhile (Tune deletes older state files)
-            tags.pop(name, None)
-    present = set(state_files(experiment_path))
+            continue
+        history = [t for t in tags.get(name, []) if t != tag]
+        tags[name] = (history + [tag])[-KEPT_TAGS:]
+    present = set(state_files(experiment_path)) | (set(state_files(source)) if source else set())
     tags = {k: v for k, v in tags.items() if k in present}
     data = (json.dumps(tags, indent=1, sort_keys=True) + "\n").encode()
     if "://" in experiment_path:
@@ -131,7 +146,8 @@ def verify(experiment_path: str) -> None:
     tags = read_tags(experiment_path) if key is not None else {}
     for name in state_files(experiment_path):
         expected = tags.get(name)
-        ok = expected is not None and hmac.compare_digest(expected, _tag(key, _read(fs, f"{root}/{name}")))
+        actual = _tag(key, _read(fs, f"{root}/{name}")) if expected else ""
+        ok = bool(expected) and any(hmac.compare_digest(t, actual) for t in expected)
         if not ok:
             why = "has no tag" if expected is None else "does not match its tag (changed since it was saved)"
             raise ConfigError("--resume", untrusted_message(f"{experiment_path.rstrip('/')}/{name}", why))
@@ -159,18 +175,24 @@ class StateSigner:
                   "not signed", file=sys.stderr, flush=True)
             self._key = None
         self._seen: dict[str, tuple[int, int]] = {}
+        self._staged: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()    # the thread and Tune's loop both rewrite the tags file
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vidtune-state-signer", daemon=True)
 
     def start(self) -> "StateSigner":
+        global _running
         if self._key is not None:
             self._thread.start()
+            _running = self
         return self
 
     def stop(self) -> None:
         """Sign what Tune saved last (after `Tuner.fit` returns)."""
+        global _running
         if self._key is None:
             return
+        _running = None
         self._stop.set()
         self._thread.join(timeout=10)
         try:
@@ -186,7 +208,32 @@ class StateSigner:
             except Exception:   # a full disk or a storage hiccup: the next pass tries again
                 pass
 
+    def sign_staged(self, staging: str | None) -> None:
+        """Sign what Tune has just saved in its driver staging folder (`staging`, local), before
+        its background copy reaches the experiment folder; called from Tune's loop right after
+        it saves (`callback()`). Only when a file there changed (a stat per file)."""
+        if self._key is None or not staging:
+            return
+        names = state_files(staging)
+        stamps = {}
+        for name in names:
+            try:
+                st = os.stat(Path(staging) / name)
+            except OSError:
+                continue
+            stamps[name] = (st.st_mtime_ns, st.st_size)
+        if stamps == self._staged:
+            return
+        with self._lock:
+            sign(self.experiment_path, key=self._key, source=staging)
+        self._staged = stamps
+
+
     def sign_changed(self) -> None:
+        with self._lock:
+            self._sign_changed()
+
+    def _sign_changed(self) -> None:
         import pyarrow.fs
 
         fs, root = _fs(self.experiment_path)
@@ -199,3 +246,21 @@ class StateSigner:
         if changed or set(self._seen) - set(stamps):
             sign(self.experiment_path, changed, key=self._key)
         self._seen = stamps
+
+
+class SignAfterSave(Callback):
+    """Tune callback: Tune saves its experiment state in its loop just before the callbacks'
+    `on_step_end`; this signs it there (`StateSigner.sign_staged` of the search's running
+    signer). It holds no state, so it pickles with Tune's own state and works on a resume."""
+
+    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+        signer = _running
+        if signer is None:
+            return
+        try:
+            signer.sign_staged(experiment_staging_path(trials))
+        except Exception:   # a storage hiccup: the signer's thread signs the experiment folder
+            pass
+
+
+_running: StateSigner | None = None    # the driver's signer while its search runs (SignAfterSave)
