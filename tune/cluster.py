@@ -233,13 +233,17 @@ def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
 
 
 def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[str, object]]:
-    """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each)."""
+    """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each);
+    [] on a one-node Ray."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if len(alive) < 2:   # one machine: nothing to compare, and no task to start
+        return []
     task = ray.remote(num_cpus=0)(node_view)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(marker, weights) for n in ray.nodes() if n.get("Alive")]
+    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .remote(marker, weights) for node in alive]
     return ray.get(refs, timeout=120)
 
 
