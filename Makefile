@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast lint demo bench clean
 
 install: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: install
 	$(PY) -m pytest
+
+# ruff (configured in pyproject.toml): pyflakes, pycodestyle, isort, pyupgrade, bugbear.
+# .ci/run runs it before the tests.
+lint: install
+	$(VENV)/bin/ruff check .
 
 # Unit tests only (no Ray session, no end-to-end search).
 test-fast: install

@@ -1,0 +1,204 @@
+"""The import structure: layers that only import to their left, no circles, imports at the top.
+
+The layers are datasets <- trainer <- tune <- bench: each package imports only the packages to
+its left. Two proofs that there is no import circle: the module-level import graph (read from
+the source, `if TYPE_CHECKING:` blocks included, since a type-only circle is still two modules
+that cannot be understood apart) has no cycle, and every module imports alone in a fresh
+interpreter. Function-local imports are kept for optional or heavy-at-start dependencies only,
+each with its reason on the line.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("datasets", "trainer", "tune", "bench")      # each may import only those before it
+LIBRARY = LAYERS[:3]
+MAX_LOCAL_IMPORTS = 25                                  # issue 18's target for the library
+
+
+def module_files() -> dict[str, Path]:
+    """{dotted module name: file} of every module of the four packages."""
+    out = {}
+    for package in LAYERS:
+        for file in sorted((REPO_ROOT / package).glob("*.py")):
+            name = package if file.stem == "__init__" else f"{package}.{file.stem}"
+            out[name] = file
+    return out
+
+
+MODULES = module_files()
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The project modules an import statement names (`from tune import report` names
+    tune.report; `from datasets.flags import option` names datasets.flags)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif node.level or node.module is None:
+        return []
+    else:
+        names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    found = []
+    for name in names:
+        while name and name not in MODULES:       # `import tune.report.x` -> tune.report
+            name = name.rpartition(".")[0]
+        if name and name not in found:
+            found.append(name)
+    return found
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: top-level statements, descending into
+    `if` / `try` / `with` blocks (TYPE_CHECKING included) but not into functions or classes."""
+    out: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                stack.extend(getattr(node, field, []) or [])
+        elif isinstance(node, ast.ExceptHandler):
+            stack.extend(node.body)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports at module level}, a package's own __init__ aside."""
+    graph = {}
+    for name, file in MODULES.items():
+        tree = ast.parse(file.read_text(), filename=str(file))
+        targets = {t for node in _module_level_imports(tree) for t in _imported(node)}
+        graph[name] = {t for t in targets if t != name and t not in LAYERS}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (depth-first search, colours)."""
+    colour = dict.fromkeys(graph, 0)            # 0 new, 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        colour[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if colour.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if colour.get(nxt) == 0:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        colour[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if colour[node] == 0:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_finds_a_cycle_and_accepts_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_each_layer_imports_only_the_layers_before_it():
+    wrong = []
+    for module, targets in import_graph().items():
+        allowed = LAYERS[:LAYERS.index(module.split(".")[0]) + 1]
+        wrong += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] not in allowed]
+    # function-local imports too: the layering is about what a module needs, not when
+    for name, file in MODULES.items():
+        allowed = LAYERS[:LAYERS.index(name.split(".")[0]) + 1]
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                wrong += [f"{name}:{node.lineno} imports {t}" for t in _imported(node)
+                          if t.split(".")[0] not in allowed]
+    assert not wrong, "imports that reach up a layer:\n" + "\n".join(sorted(set(wrong)))
+
+
+def local_imports() -> list[tuple[str, int, str]]:
+    """(file, line, source line) of each import inside a function of the library."""
+    out = []
+    for name, file in MODULES.items():
+        if name.split(".")[0] not in LIBRARY:
+            continue
+        lines = file.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                        out.append((str(file.relative_to(REPO_ROOT)), inner.lineno, lines[inner.lineno - 1]))
+    return sorted(set(out))
+
+
+def test_function_local_imports_are_few_and_say_why():
+    found = local_imports()
+    unexplained = [f"{f}:{n}: {line.strip()}" for f, n, line in found if "#" not in line]
+    assert not unexplained, ("a function-local import needs its reason on the line (optional or heavy "
+                             "at start), or belongs at the top:\n" + "\n".join(unexplained))
+    assert len(found) <= MAX_LOCAL_IMPORTS, (
+        f"{len(found)} function-local imports in the library (at most {MAX_LOCAL_IMPORTS}):\n"
+        + "\n".join(f"{f}:{n}: {line.strip()}" for f, n, line in found))
+
+
+# Imported before forking, so that each child pays only for the project's own modules. None of
+# them imports this project (checked in the parent): a circle among our modules still shows.
+THIRD_PARTY = ("numpy", "torch", "torchvision", "ray", "ray.train", "ray.train.torch", "ray.tune",
+               "mlflow", "optuna", "matplotlib", "matplotlib.pyplot", "pandas", "yaml", "av", "decord")
+
+ALONE = textwrap.dedent("""
+    import importlib, os, sys, traceback
+    sys.path.insert(0, {root!r})
+    for name in {third_party!r}:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    ours = [m for m in sys.modules if m.split(".")[0] in {layers!r}
+            and getattr(sys.modules[m], "__file__", "") and str(sys.modules[m].__file__).startswith({root!r})]
+    assert not ours, f"a third-party import loaded this project's modules: {{ours}}"
+    failed = []
+    for name in {modules!r}:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(name)
+    print("FAILED:", " ".join(failed))
+    sys.exit(1 if failed else 0)
+""")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    """One fresh interpreter imports the third-party libraries, then forks once per project
+    module: each child imports just that module, so a module that only imports after another
+    (a circle, or a name defined late) fails here."""
+    code = ALONE.format(root=str(REPO_ROOT), third_party=THIRD_PARTY, layers=LAYERS,
+                        modules=sorted(MODULES))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
