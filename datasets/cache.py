@@ -41,11 +41,11 @@ from datasets.cache_fill import FillReport, fill_cache  # noqa: F401  (public he
 from datasets.cache_layout import (FORMATS, META_FILE, check_crc32, discard, entry_key, folder_bytes, load_meta,
                                    publish, read_jpeg, read_raw, update_sizes, write_entry)
 from datasets.config import CLIP_CACHE_FORMATS, DataConfig
+from datasets.decode import decode_jpeg_frames, read_frames
 from datasets.errors import DataError
 from datasets.flags import ConfigError
 from datasets.index import add_dataset_arguments, build_index, dataset_config
 from datasets.records import VideoInfo
-from datasets.video import decode_jpeg_frames, read_frames
 
 log = logging.getLogger(__name__)
 

@@ -20,22 +20,15 @@ import re
 import shutil
 import time
 import uuid
-import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
-from torchvision.io import encode_jpeg
 
-# torchvision 0.29 marks its JPEG codec deprecated in favour of TorchCodec, which cannot load
-# here without system FFmpeg libraries; the codec works, so its warning (once per call) is noise.
-warnings.filterwarnings("ignore", message=r".*image decoding and encoding capabilities of TorchVision",
-                        category=DeprecationWarning)
-
+from datasets.decode import encode_jpeg_frames, read_frames
 from datasets.errors import DataError
 from datasets.records import VideoInfo
-from datasets.video import read_frames
 
 FORMAT_VERSION = 1                 # bump when the entry layout changes: old entries are no longer read
 FORMATS = ("jpeg", "raw")
@@ -129,7 +122,7 @@ def write_entry(folder: Path, info: VideoInfo, height: int, width: int, fmt: str
             if fmt == "raw":
                 out[start:stop] = frames
                 continue
-            for data in encode_jpeg(list(torch.from_numpy(frames).permute(0, 3, 1, 2)), quality=JPEG_QUALITY):
+            for data in encode_jpeg_frames(frames, quality=JPEG_QUALITY):
                 out.write(data.numpy().tobytes())
                 offsets.append(offsets[-1] + data.numel())
     finally:

@@ -18,10 +18,10 @@ import torch
 from datasets.cache import FrameCache, default_root, fill_cache, main
 from datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
 from datasets.config import DataConfig
+from datasets.decode import read_frames
 from datasets.errors import DataError
 from datasets.records import VideoInfo
-from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips,
-                            read_frames)
+from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZE = dict(height=32, width=32)
