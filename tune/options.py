@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from datasets.config import DataConfig
-from datasets.flags import (ConfigError, FlagSpec, add_flags, build, check_bounds, coerce, flag_specs,
-                            join_negative_values, option, read_options_file)
+from datasets.flags import (
+    ConfigError,
+    ConfigFile,
+    FlagSpec,
+    add_flags,
+    build,
+    check_bounds,
+    flag_of,
+    flag_specs,
+    join_negative_values,
+    option,
+    read_config_file,
+)
 from trainer.config import TrainConfig
 from trainer.gpus import simulated_gpus
 
@@ -194,47 +207,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a TOML (.toml) or YAML (.yaml/.yml) options file into {dotted path: value}.
+# Tables a search config file may hold beside its top-level keys (read like them): `[search]`,
+# and one per nested part named by its field ([train], [train.data], [space], [resources],
+# [tracking]), whose keys may also be the fields' names, as --dry-run prints them.
+CONFIG_TABLES = ("search",)
+KNOWN_KEYS = ("known options are the flags of `python tune/search.py --help` without the leading dashes "
+              "(lr-min or lr_min), at the top level or in a [search] table, or the fields' names in a table "
+              "per part as --dry-run prints them ([train], [train.data], [space], [resources], [tracking])")
+# Keys of trainer.train's config that the search draws itself.
+SEARCHED_KEYS = {"batch-size": "batch-sizes", "batch_size": "batch-sizes", "lr": "lr-min and lr-max"}
 
-    Keys are the flags without their dashes (`lr-min` or `lr_min`); a `[search]` table in TOML
-    may hold them too. Unknown keys and values of the wrong type raise ConfigError naming the
-    key and the file.
-    """
-    file = Path(path).expanduser()
-    raw = read_options_file(file, suffixes=(".toml", ".yaml", ".yml"), instead="a .toml or .yaml options file")
-    if not isinstance(raw, dict):
-        raise ConfigError("--config", f"{file} must hold a table of options (key = value), not {type(raw).__name__}")
-    if isinstance(raw.get("search"), dict) and len(raw) == 1:
-        raw = raw["search"]
-    by_key = {k: s for s in SPECS for k in s.keys if s.path != "config"}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        spec = by_key.get(str(key))
-        where = f"{key} (in {file})"
-        if spec is None:
-            searched = {"batch-size": "batch-sizes", "batch_size": "batch-sizes", "lr": "lr-min and lr-max"}
-            hint = (f"; the search chooses it: set {searched[key]} instead" if key in searched else
-                    "; known options are the flags of `python tune/search.py --help` without the leading dashes")
-            raise ConfigError(where, f"unknown option {key!r} in {file}{hint}")
-        value = coerce(spec, value, where)
-        if spec.negated and str(key) in spec.keys[:2]:      # `no-cache = true` is `cache = false`
-            value = not value
-        out[spec.path] = value
-    return out
+
+def load_config_file(path: str) -> ConfigFile:
+    """Read a `--config` file (TOML or YAML; `datasets.flags.read_config_file`, which says the
+    keys and tables) of every option but `--config` itself. ConfigError naming the file and key."""
+    return read_config_file(
+        path, [s for s in SPECS if s.path != "config"], known=KNOWN_KEYS, flag=flag_of(SPECS, "config"),
+        tables=CONFIG_TABLES, instead="a .toml or .yaml options file",
+        hints={k: f"the search chooses it: set {v} instead" for k, v in SEARCHED_KEYS.items()})
 
 
 def parse_options(argv: Sequence[str] | None) -> SearchOptions:
-    """Flags + config file + preset -> validated SearchOptions (ConfigError on bad input)."""
-    import sys
-
+    """Flags + config file + preset -> validated SearchOptions (ConfigError on bad input; a check
+    failed by a value the file set names the file and key)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     given = vars(build_parser().parse_args(join_negative_values(argv, SPECS)))
+    loaded = load_config_file(given["config"]) if given.get("config") else None
     merged: dict[str, Any] = {}
     if given.get("smoke_test"):
         merged.update(SMOKE_TEST)
-    if given.get("config"):
-        merged.update(load_config_file(given["config"]))
+    if loaded:
+        merged.update(loaded.values)
         if merged.get("smoke_test") and not given.get("smoke_test"):
             merged = {**SMOKE_TEST, **merged}
     merged.update(given)
@@ -243,7 +246,10 @@ def parse_options(argv: Sequence[str] | None) -> SearchOptions:
             merged["grace_period"] = merged["train.epochs"]   # the preset's grace period, not above --epochs
         merged = {**DEMO, **merged}
     opts = build(SearchOptions, merged)
-    validate(opts)
+    try:
+        validate(opts)
+    except ConfigError as e:
+        raise (loaded.blame(e, SPECS, given) if loaded else e) from None
     return opts
 
 
