@@ -12,11 +12,10 @@ import logging
 import multiprocessing
 from collections.abc import Sequence
 from multiprocessing.context import get_spawning_popen
-from typing import Union
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from datasets.cache import FrameCache
 from datasets.decode import decode_jpeg_frames, read_frames  # also imported from here: trainer.predict
@@ -26,8 +25,9 @@ from datasets.records import VideoInfo
 log = logging.getLogger(__name__)
 
 # A clip as an item carries it: decoded uint8 T x H x W x C, or T JPEG files (1-D uint8 tensors).
-Clip = Union[torch.Tensor, list]
-_COUNTERS = ("_failures", "_reads", "_cache_hits", "_cache_repairs")   # shared with loader workers (class doc)
+Clip = torch.Tensor | list
+# Shared with loader workers (class doc).
+_COUNTERS = ("_failures", "_reads", "_cache_hits", "_cache_repairs")
 
 
 def fitting_stride(num_available: int, num_frames: int, stride: int) -> int:
@@ -38,7 +38,8 @@ def fitting_stride(num_available: int, num_frames: int, stride: int) -> int:
     return max(1, min(stride, (num_available - 1) // (num_frames - 1)))
 
 
-def sample_indices(num_available: int, num_frames: int, stride: int, rng: np.random.Generator | None) -> np.ndarray:
+def sample_indices(num_available: int, num_frames: int, stride: int,
+                   rng: np.random.Generator | None) -> np.ndarray:
     """T = `num_frames` frame indices (int64, ascending) into a video of `num_available` frames.
 
     Frames at `stride` apart; the window start is random (`rng` given: train jitter) or centred
@@ -166,7 +167,8 @@ class VideoClipDataset(Dataset):
         on failure (no replacement)."""
         self._add(self._reads)
         if self.cache is None:
-            frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height, width=self.width)
+            frames = read_frames(self.videos[i].path, self.clip_indices(i), height=self.height,
+                                 width=self.width)
         else:
             repairs = self.cache.repairs      # this process's FrameCache copy counts; the shared value sums
             frames, hit = self.cache.read(self.videos[i], self.clip_indices(i), height=self.height,
@@ -194,7 +196,8 @@ class VideoClipDataset(Dataset):
                     log.warning("%s; using %s (same class) instead", e, nxt)
                 continue
             return clip, label
-        shown = "\n  ".join(errors[:10]) + (f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else "")
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        shown = "\n  ".join(errors[:10]) + more
         raise DataError(f"every video of class {label} failed to read ({len(errors)} files):\n  {shown}\n"
                         "The files changed or were removed after indexing; rebuild the index "
                         "(python -m datasets.index ROOT) and check the disk.")
@@ -217,27 +220,24 @@ class VideoClipDataset(Dataset):
 
 
 def build_loader(dataset: VideoClipDataset, *, batch_size: int, train: bool, num_workers: int,
-                 pin_memory: bool, seed: int = 0) -> DataLoader:
+                 pin_memory: bool, seed: int = 0, sampler: Sampler[int] | None = None) -> DataLoader:
     """Batches of ``(clips uint8 B x T x H x W x C, labels int64 B)``.
 
-    Train: shuffled (a generator seeded by `seed`, so the order is reproducible) and `drop_last`,
-    so every batch has the same shape (cudnn.benchmark re-tunes for each new shape). Val: in
-    order, every clip. Workers > 0 are persistent (decoding workers are not restarted each
+    Train: shuffled (by `sampler`, else by a generator seeded by `seed`, so the order is
+    reproducible) and `drop_last`, so every batch has the same shape (cudnn.benchmark re-tunes for
+    each new shape); a dataset (or sampler) smaller than `batch_size` gives no batch (the one
+    check is `trainer.launch.check_batch_sizes`, on the driver). Val: in `sampler`'s order, else
+    in order, every clip. Workers > 0 are persistent (decoding workers are not restarted each
     epoch) and prefetch 2 batches each. `pin_memory`: True on CUDA (faster, async copies).
-    Shuffle and drop_last are the standard DataLoader arguments, so a DistributedSampler can
-    replace the sampler (`ray.train.torch.prepare_data_loader` does) and keep the behaviour.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers}: must be >= 0 (0 = decode in the training process)")
-    if train and len(dataset) < batch_size:
-        raise DataError(f"batch size {batch_size} is larger than the {len(dataset)} training videos, so "
-                        "drop_last would leave no batch; lower --batch-size or add videos")
     extra = dict(persistent_workers=True, prefetch_factor=2) if num_workers > 0 else {}
     return DataLoader(
-        dataset, batch_size=batch_size, shuffle=train, drop_last=train, num_workers=num_workers,
-        pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed),
+        dataset, batch_size=batch_size, shuffle=train and sampler is None, sampler=sampler, drop_last=train,
+        num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed),
         collate_fn=collate_clips if getattr(dataset, "encoded", False) else None, **extra)
 
 

@@ -16,8 +16,10 @@ import torch
 from datasets.errors import DataError
 from datasets.records import VideoInfo
 from datasets.synthetic import write_video
-from datasets.video import (VideoClipDataset, build_loader, clips_to_device, collate_clips, read_frames,
-                            sample_indices)
+from datasets.decode import read_frames
+from datasets.flags import ConfigError
+from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips, sample_indices
+from trainer.launch import check_batch_sizes
 
 SMALL = dict(num_frames=4, frame_stride=2, height=32, width=32)
 
@@ -234,6 +236,16 @@ def test_train_order_is_shuffled_and_reproducible(train_infos):
     assert a[0] != a[1] and a[0] != sorted(a[0])      # a new permutation each epoch
 
 
+def test_a_given_sampler_orders_the_batches(train_infos):
+    """The loader is built once with its (distributed) sampler: train keeps drop_last, val every clip."""
+    ds = VideoClipDataset(train_infos, train=True, **SMALL)
+    picked = list(range(len(ds)))[::-1][:5]
+    loader = build_loader(ds, batch_size=2, train=True, num_workers=0, pin_memory=False, sampler=picked)
+    assert list(loader.sampler) == picked and len(loader) == 2          # 5 clips -> 2 full batches
+    val = build_loader(ds, batch_size=2, train=False, num_workers=0, pin_memory=False, sampler=picked)
+    assert len(val) == 3
+
+
 def test_read_frames_resizes_where_decord_cannot(train_infos):
     # decord 0.6 fails to resize to a 48 px width from this source; read_frames falls back.
     path = train_infos[0].path
@@ -270,8 +282,9 @@ def test_bad_dataset_and_loader_arguments(train_infos):
     with pytest.raises(DataError, match=re.escape(str(train_infos[0].path))):
         VideoClipDataset(broken, train=True, **SMALL)
     ds = VideoClipDataset(train_infos[:3], train=True, **SMALL)
-    with pytest.raises(DataError, match="batch size 4 is larger than the 3 training videos"):
-        build_loader(ds, batch_size=4, train=True, num_workers=0, pin_memory=False)
+    # The one batch-size check (on the driver): drop_last would leave no batch.
+    with pytest.raises(ConfigError, match="batch size 4 is more than the 3 training videos"):
+        check_batch_sizes((4,), len(ds), 1, flag="--batch-size", workers_flag="--workers")
     with pytest.raises(ValueError, match="batch_size=0"):
         build_loader(ds, batch_size=0, train=False, num_workers=0, pin_memory=False)
     with pytest.raises(ValueError, match="num_workers=-1"):

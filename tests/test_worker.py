@@ -13,7 +13,8 @@ from trainer.checkpointing import CheckpointError, load_checkpoint, restore_trai
 from trainer.config import TrainConfig
 from trainer.models import build_model, get_spec
 from trainer.loop import make_optimizer, make_scheduler
-from trainer.worker import METRIC_KEYS, ShardSampler
+from trainer.run import ShardSampler
+from trainer.worker import METRIC_KEYS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,7 +117,7 @@ def test_shard_sampler_covers_every_item_once():
 
 
 def test_out_of_memory_is_recognised():
-    from trainer.worker import is_out_of_memory
+    from trainer.precision import is_out_of_memory
 
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     try:

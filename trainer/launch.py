@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from datasets.flags import ConfigError, check_bounds, flag_specs
+from datasets.index import VideoIndex
 from trainer.config import PRECISIONS, TrainConfig
 from trainer.gpus import SIMULATE_ENV, simulated_gpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on a poll,
-# so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver -> controller -> workers.
+# so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver ->
+# controller -> workers.
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
 # Train starts a PreemptionWatcher actor (a fresh process, ~1.2 s of CPU) for every run, to see a
@@ -26,7 +29,6 @@ DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 BUILTIN_WEIGHTS = ("none", "kinetics")
-INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
 TRAIN_FLAGS = tuple(flag_specs(TrainConfig))
 
 __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", "check_writable_folder",
@@ -59,7 +61,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
-    import ray
+    import ray  # heavy (seconds): not for the CLIs' --help or a bad flag; after the env var Ray reads
 
     if ray.is_initialized():
         return False
@@ -80,7 +82,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
 
 def cluster_gpus() -> float:
     """GPUs the running Ray cluster offers (0.0 on a CPU machine). Ray must be initialised."""
-    import ray
+    import ray  # heavy: as in init_ray
 
     return float(ray.cluster_resources().get("GPU", 0.0))
 
@@ -105,20 +107,22 @@ def validate_config(cfg: TrainConfig) -> None:
         _check_weights_file(cfg.model, Path(cfg.weights))
 
 
-def check_batch_sizes(batch_sizes: Any, train_videos: int, workers: int, *, flag: str, workers_flag: str) -> None:
+def check_batch_sizes(batch_sizes: Iterable[int], train_videos: int, workers: int, *, flag: str,
+                      workers_flag: str) -> None:
     """Each worker of a run needs at least one full batch of training videos per epoch (the
     loader drops a last, partial batch). Raises ConfigError naming `flag` for the sizes that
-    cannot get one; the one batch-size check of both CLIs."""
+    cannot get one. The one batch-size check: both CLIs run it on the driver, before any worker
+    starts (`trainer.run.build_run` relies on it)."""
     per_worker = train_videos // max(1, workers)
     too_big = sorted(b for b in batch_sizes if b > per_worker)
     if too_big:
         sizes = ",".join(map(str, too_big))
         raise ConfigError(flag, f"batch size {sizes} is more than the {per_worker} training videos each of "
-                          f"the {workers} worker(s) gets ({train_videos} in all); lower {flag} or {workers_flag}, "
-                          "or add videos")
+                          f"the {workers} worker(s) gets ({train_videos} in all); lower {flag} or "
+                          f"{workers_flag}, or add videos")
 
 
-def check_num_frames(cfg: TrainConfig, index: Any, *, flag: str = "--num-frames") -> None:
+def check_num_frames(cfg: TrainConfig, index: VideoIndex, *, flag: str = "--num-frames") -> None:
     """An explicit clip length (`cfg.data.num_frames`) must fit in the shortest usable video of
     `index` (a `datasets.index.VideoIndex`): a longer clip repeats frames of every short video, so
     the model would train on stills. ConfigError naming `flag`."""
@@ -130,7 +134,8 @@ def check_num_frames(cfg: TrainConfig, index: Any, *, flag: str = "--num-frames"
     if wanted > shortest.num_frames:
         raise ConfigError(flag, f"{wanted} frames per clip is more than the shortest usable video has "
                           f"({shortest.path.name}: {shortest.num_frames} frames); pass {flag} "
-                          f"{shortest.num_frames} or less, or --min-frames {wanted} to leave the shorter videos out")
+                          f"{shortest.num_frames} or less, or --min-frames {wanted} to leave the shorter "
+                          "videos out")
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
@@ -145,7 +150,8 @@ def check_writable_folder(folder: str | Path, flag: str) -> None:
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        raise ConfigError(flag, f"{existing} is not writable ({e.strerror}); pass a folder you can write to") from None
+        raise ConfigError(flag, f"{existing} is not writable ({e.strerror}); "
+                          "pass a folder you can write to") from None
 
 
 def _check_data(cfg: TrainConfig) -> None:
@@ -157,10 +163,11 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 def _check_clip_size(cfg: TrainConfig) -> None:
-    from trainer.models import check_input_size, get_spec
+    from trainer.models import check_input_size, get_spec  # heavy: torch + torchvision, as in validate_config
 
     spec, d = get_spec(cfg.model), cfg.data
-    num_frames, height, width = d.num_frames or spec.num_frames, d.height or spec.height, d.width or spec.width
+    num_frames, height, width = (d.num_frames or spec.num_frames, d.height or spec.height,
+                                 d.width or spec.width)
     try:
         check_input_size(cfg.model, num_frames, height, width)
     except ValueError as e:
@@ -170,12 +177,13 @@ def _check_clip_size(cfg: TrainConfig) -> None:
 
 
 def _check_weights_file(model_name: str, path: Path) -> None:
-    from trainer.models import WeightsError, build_model
+    from trainer.models import WeightsError, build_model  # heavy: torch + torchvision, as in validate_config
 
     if not path.is_file():
         raise ConfigError(
             "--weights",
-            f"{path} is not a file; pass 'none', 'kinetics' or the path of a saved state dict / vidtune checkpoint",
+            f"{path} is not a file; pass 'none', 'kinetics' or the path of a saved state dict / "
+            "vidtune checkpoint",
         )
     try:
         # Loads the file onto a CPU model of that name: refuses another architecture (only the
@@ -195,9 +203,9 @@ def build_torch_trainer(
     storage_path: str | None = None,
     callbacks: list | None = None,
     checkpoint_keep: int = 1,
-    train_loop=None,
-    device_lease=None,
-    index=None,
+    train_loop: Callable[[dict], None] | None = None,
+    device_lease: Any = None,
+    index: VideoIndex | None = None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -213,14 +221,12 @@ def build_torch_trainer(
     `index`: the `datasets.index.VideoIndex` the driver checked; the workers train on exactly
     those videos instead of indexing the dataset again.
     """
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    import ray.train  # heavy: only once a run is built, not for the CLIs' --help or a bad flag
+    from ray.train.torch import TorchConfig, TorchTrainer  # heavy: as ray.train
 
+    from trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
+    from trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
 
-    from trainer.worker import train_loop_per_worker
-
-    if num_workers < 1:
-        raise ConfigError("--workers", f"got {num_workers}; it must be an integer >= 1")
     run_config = ray.train.RunConfig(
         name=name,
         storage_path=storage_path,
@@ -244,8 +250,6 @@ def build_torch_trainer(
     scaling = ray.train.ScalingConfig(
         num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker
     )
-    from trainer.lease import LEASE_CONFIG_KEY
-
     loop_config = cfg.to_dict()
     if device_lease is not None:
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
