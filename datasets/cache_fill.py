@@ -2,21 +2,41 @@
 
 The processes are `datasets.probe.run_pool`'s: spawned, so they are safe to start from a process
 holding torch or Ray threads, and killable, so a decoder that hangs on a file costs one timeout.
+
+This module does not import `datasets.cache` (whose CLI imports this one): it takes the cache as
+a `FillableCache`, and each pool process builds its own from the cache's class, root, format and
+budget.
 """
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Protocol
 
 from datasets.errors import DataError
 from datasets.probe import run_pool
 from datasets.records import VideoInfo
 
-if TYPE_CHECKING:
-    from datasets.cache import FrameCache
+
+class FillableCache(Protocol):
+    """What filling needs of a clip cache (`datasets.cache.FrameCache` has it): where it is, its
+    stored format, its budget, and per video whether an entry exists and filling one."""
+
+    root: Path
+    format: str                        # stored format: jpeg | raw
+    max_bytes: int                     # disk budget
+
+    def has(self, info: VideoInfo, *, height: int, width: int) -> bool:
+        """Whether a readable entry of `info` at `height` x `width` is published."""
+
+    def fill_status(self, info: VideoInfo, *, height: int, width: int) -> tuple[str, int, int]:
+        """Make sure the entry exists: (written | cached | over_budget | unwritable, bytes, frames)."""
+
+    def usage_bytes(self) -> int:
+        """Bytes of the published entries."""
 
 
 @dataclass
@@ -26,12 +46,13 @@ class FillReport:
     written: int = 0                   # entries decoded and written now
     cached: int = 0                    # entries that were already there
     over_budget: int = 0               # not written: the cache would pass --cache-max-gb (or is unwritable)
-    failed: list[tuple[Path, str]] = field(default_factory=list)   # (video, reason): will be replaced in training
+    # (video, reason): training replaces these by another video of the same class
+    failed: list[tuple[Path, str]] = field(default_factory=list)
     bytes_written: int = 0
     frames_written: int = 0
     seconds: float = 0.0
 
-    def summary(self, cache: FrameCache) -> str:
+    def summary(self, cache: FillableCache) -> str:
         """A few human-readable lines: outcome counts, disk cost per video and frame, usage."""
         lines = [f"Clip cache {cache.root} ({cache.format}): wrote {self.written} entries "
                  f"({self.bytes_written / 1e9:.3f} GB) in {self.seconds:.1f} s; {self.cached} already cached"
@@ -48,19 +69,21 @@ class FillReport:
         return "\n".join(lines)
 
 
-_WORKER_CACHES: dict[tuple, FrameCache] = {}   # per pool process: keeps its usage view between tasks
+_WORKER_CACHES: dict[tuple, FillableCache] = {}   # per pool process: keeps its usage view between tasks
 
 
-def _fill_task(root: str, fmt: str, max_bytes: int, info: VideoInfo, height: int, width: int) -> tuple[str, int, int]:
-    from datasets.cache import FrameCache   # here: datasets.cache imports this module
-
-    cache = _WORKER_CACHES.get((root, fmt, max_bytes))
+def _fill_task(cache_type: Callable[..., FillableCache], root: str, fmt: str, max_bytes: int,
+               info: VideoInfo, height: int, width: int) -> tuple[str, int, int]:
+    """In a pool process: fill `info`'s entry through this process's cache of (type, root, format,
+    budget). The class travels by reference, not the parent's cache with every meta.json it read."""
+    key = (cache_type, root, fmt, max_bytes)
+    cache = _WORKER_CACHES.get(key)
     if cache is None:
-        cache = _WORKER_CACHES[(root, fmt, max_bytes)] = FrameCache(root, format=fmt, max_gb=max_bytes / 1e9)
+        cache = _WORKER_CACHES[key] = cache_type(root, format=fmt, max_gb=max_bytes / 1e9)
     return cache.fill_status(info, height=height, width=width)
 
 
-def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: FrameCache,
+def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: FillableCache,
                workers: int | None = None, progress: Callable[[int, int], None] | None = None,
                timeout_s: float = 600.0) -> FillReport:
     """Decode every video of `videos` into `cache` at `height` x `width`, in `workers` processes
@@ -87,11 +110,12 @@ def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: Frame
         if progress:
             progress(done[0], len(videos))
 
-    tasks = [(str(cache.root), cache.format, cache.max_bytes, v, height, width) for v in todo]
-    outcomes = run_pool(_fill_task, tasks, timeout_s=timeout_s, workers=workers, on_done=on_done) if todo else []
+    tasks = [(type(cache), str(cache.root), cache.format, cache.max_bytes, v, height, width) for v in todo]
+    outcomes = (run_pool(_fill_task, tasks, timeout_s=timeout_s, workers=workers, on_done=on_done)
+                if todo else [])
     if progress and not todo:
         progress(len(videos), len(videos))
-    for video, (kind, value) in zip(todo, outcomes):
+    for video, (kind, value) in zip(todo, outcomes, strict=True):
         if kind == "ok":
             outcome, size, frames = value
             key = "over_budget" if outcome == "unwritable" else outcome
@@ -99,7 +123,8 @@ def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: Frame
             report.bytes_written += size
             report.frames_written += frames
         elif kind == "timeout":
-            report.failed.append((video.path, f"decoding took longer than {timeout_s:g} s; its worker was killed"))
+            report.failed.append((video.path, f"decoding took longer than {timeout_s:g} s; "
+                                              "its worker was killed"))
         elif kind == "crashed":
             report.failed.append((video.path, f"the decoder crashed (worker exit code {value})"))
         else:
