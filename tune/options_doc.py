@@ -96,6 +96,16 @@ def split_default(help_text: str) -> tuple[str, str | None]:
     return text, None
 
 
+def _help(action: argparse.Action, prog: str) -> str:
+    """The help as --help prints it: `%(default)s` and the like filled in, as argparse does."""
+    if "%" not in (action.help or ""):
+        return action.help or ""
+    params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
+    if params.get("choices") is not None:
+        params["choices"] = ", ".join(map(str, params["choices"]))
+    return action.help % {**params, "prog": prog}
+
+
 def _flag_cell(action: argparse.Action) -> str:
     if not action.option_strings:
         return f"`{action.metavar or action.dest}`"
@@ -146,7 +156,7 @@ def render_cli(cli: Cli) -> str:
     for title, actions in _groups(parser):
         out += [f"### {title}", "", "| option | default | meaning |", "|---|---|---|"]
         for action in actions:
-            meaning, default = split_default(action.help or "")
+            meaning, default = split_default(_help(action, parser.prog))
             out.append(f"| {_flag_cell(action)} | {_default_cell(action, default, cli.command)} | "
                        f"{_markdown_cell(meaning)} |")
         out.append("")
