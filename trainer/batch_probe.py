@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-
 from trainer import precision as prec
-from trainer.precision import is_out_of_memory  # also used by bench/gpu_precision.py
+from trainer.config import TrainConfig
+from trainer.loop import make_optimizer
 from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec
+from trainer.precision import is_out_of_memory
+from trainer.run import input_transform
 
 # Runs one step at that batch size and returns the peak share of the device's memory it used
 # (None: unknown, e.g. on the CPU); raises torch.OutOfMemoryError when it does not fit.
@@ -47,7 +49,8 @@ class BatchProbe:
         """One line, e.g. `at most 24 clips per GPU fit with 10% of its 79 GiB kept free (a step
         of 24 peaks at 84%; 26 would leave less)`."""
         memory = f" {self.memory_gib:.0f} GiB" if self.memory_gib is not None else " memory"
-        line = f"at most {self.batch_size} clips per GPU fit with {self.headroom:.0%} of its{memory} kept free"
+        line = (f"at most {self.batch_size} clips per GPU fit with {self.headroom:.0%} of its{memory} "
+                "kept free")
         notes = []
         if self.peak_share is not None:
             notes.append(f"a step of {self.batch_size} peaks at {self.peak_share:.0%}")
@@ -61,17 +64,18 @@ def make_step_trial(model_name: str, *, policy: prec.PrecisionPolicy, device: to
     """A `try_batch(b)` running one training step of `model_name` on b random clips."""
     model = build_model(model_name).to(device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=prec.supports_fused_optimizer(device) or None)
+    # The training run's optimizer and input transform (`trainer.run`): their memory counts too.
+    defaults = TrainConfig()   # the values do not change the memory a step takes
+    optimizer = make_optimizer(model, defaults.lr, defaults.weight_decay, device)
     scaler = policy.make_scaler()
-    spec = get_spec(model_name)
-    mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1, 1)
-    std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1, 1)
+    transform = input_transform(get_spec(model_name), device, train=True, channels_last=False)
 
     def try_batch(batch_size: int) -> float | None:
         prec.reset_peak_memory(device)
         try:
-            clips = torch.randint(0, 256, (batch_size, num_frames, height, width, 3), dtype=torch.uint8, device=device)
-            x = (clips.permute(0, 4, 1, 2, 3).float() / 255 - mean) / std
+            clips = torch.randint(0, 256, (batch_size, num_frames, height, width, 3), dtype=torch.uint8,
+                                  device=device)
+            x = transform(clips)
             labels = torch.randint(0, 2, (batch_size,), device=device)
             with policy.autocast():
                 loss = torch.nn.functional.cross_entropy(model(x), labels)
@@ -92,8 +96,10 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
                         headroom: float = HEADROOM) -> int:
     """Largest batch size in [start, limit] whose training step fits in memory on `device` with
     `headroom` of it left free: `probe_batch_size(...).batch_size`."""
-    return probe_batch_size(model_name, precision=precision, device=device, num_frames=num_frames, height=height,
-                            width=width, start=start, limit=limit, try_batch=try_batch, headroom=headroom).batch_size
+    probe = probe_batch_size(model_name, precision=precision, device=device, num_frames=num_frames,
+                             height=height, width=width, start=start, limit=limit, try_batch=try_batch,
+                             headroom=headroom)
+    return probe.batch_size
 
 
 def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.device | str | None = None,
@@ -168,11 +174,13 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.batch_probe",
-                                description="Print the largest per-device batch size whose training step fits in memory.")
+                                description="Print the largest per-device batch size whose training step "
+                                "fits in memory.")
     p.add_argument("--model", default="mvit_v2_s", choices=MODEL_NAMES, help="registry model name")
     p.add_argument("--precision", default="auto", choices=prec.PRECISIONS,
                    help="autocast precision of the probed step (auto: bf16/fp16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="torch device, e.g. cuda:1 or cpu (default: first GPU, else CPU)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cuda:1 or cpu (default: first GPU, else CPU)")
     p.add_argument("--num-frames", type=int, default=None, help="clip length T (default: the model's)")
     p.add_argument("--height", type=int, default=None, help="frame height (default: the model's)")
     p.add_argument("--width", type=int, default=None, help="frame width (default: the model's)")
