@@ -1,11 +1,11 @@
-"""Where a command's CPU time goes, by process kind (Linux `/proc`; elsewhere it reports nothing).
+"""Where a command's CPU time goes, by process kind (read with psutil).
 
 `CpuSampler` runs beside a command (bench/search_overhead.py wraps each side in one). Every
 `interval_s` it reads, for each process started after the sampler, its cumulative CPU time
 (utime + stime) and its title; at the end each process counts under its last title's kind:
 Ray's actors and tasks name their processes `ray::<Class>` (`ray::TrainController`,
 `ray::RayTrainWorker`, ...), Ray's daemons are `raylet`, `gcs_server`, `dashboard.py`, ...
-It also reads the whole machine's busy CPU time (`/proc/stat`) over the same span, which
+It also reads the whole machine's busy CPU time (`machine_busy_s`) over the same span, which
 counts what the samples miss: processes shorter than one interval, and anything else running.
 
 Each sample also adds a step to a timeline (the CPU seconds each kind, and the machine, used
@@ -22,18 +22,17 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import psutil
+
 from bench.common import merge_intervals
-from trainer.utilization import PROC, clock_ticks, machine_busy_s, stat_fields
-
-
-def available() -> bool:
-    return (PROC / "stat").is_file()
+from trainer.utilization import machine_busy_s
 
 
 def kind(title: str) -> str:
-    """A process's kind from its title (`/proc/PID/cmdline`): `ray::TrainController.run` ->
+    """A process's kind from its title (its command line): `ray::TrainController.run` ->
     `ray::TrainController`; a Python script -> its file name; a program -> its base name."""
     title = title.strip()
     if title.startswith("ray::"):
@@ -127,19 +126,15 @@ class CpuUsage:
 
 class CpuSampler:
     """Context manager: samples the processes that start while it runs (see the module doc).
-    `usage` holds the result after exit; on a system without `/proc` it stays empty."""
+    `usage` holds the result after exit."""
 
     def __init__(self, interval_s: float = 0.25):
         self.interval_s = interval_s
         self.usage = CpuUsage()
         self._seen: dict[int, _Seen] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "CpuSampler":
-        if not available():
-            return self
-        self._tick = clock_ticks()
+    def __enter__(self) -> CpuSampler:
         self._existing = dict(self._processes())   # pid -> start time: these are not counted
         self._start_busy, self._start = machine_busy_s(), time.time()
         self._last_busy, self._last = self._start_busy, self._start
@@ -149,8 +144,6 @@ class CpuSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._thread is None:
-            return
         self._stop.set()
         self._thread.join()
         self._sample()
@@ -158,8 +151,8 @@ class CpuSampler:
         for seen in self._seen.values():
             n, cpu = by_kind.get(seen.kind, (0, 0.0))
             by_kind[seen.kind] = (n + 1, cpu + seen.cpu_s)
-        self.usage = CpuUsage(wall_s=time.time() - self._start, machine_busy_s=machine_busy_s() - self._start_busy,
-                              by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])),
+        self.usage = CpuUsage(wall_s=time.time() - self._start,
+                              machine_busy_s=machine_busy_s() - self._start_busy, by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])),
                               timeline=self._timeline)
 
     def _run(self) -> None:
@@ -167,26 +160,22 @@ class CpuSampler:
             self._sample()
 
     @staticmethod
-    def _processes():
-        """(pid, start time in ticks since boot, stat fields after the name, title) of each process."""
+    def _processes() -> Iterator[tuple[int, tuple[float, float, str]]]:
+        """(pid, (start time, user + system CPU seconds, title)) of each process but this one."""
         me = os.getpid()
-        for entry in PROC.iterdir():
-            if not entry.name.isdigit() or int(entry.name) == me:
-                continue
-            try:
-                fields = stat_fields(entry)
-                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:          # it ended between the listing and the read
-                continue
-            yield int(entry.name), (int(fields[19]), fields, title)
+        for process in psutil.process_iter(["create_time", "cpu_times", "cmdline"]):
+            info = process.info
+            if process.pid == me or info["create_time"] is None or info["cpu_times"] is None:
+                continue             # it ended between the listing and the read, or is not ours to read
+            cpu = info["cpu_times"].user + info["cpu_times"].system
+            yield process.pid, (info["create_time"], cpu, " ".join(info["cmdline"] or ()))
 
     def _sample(self) -> None:
         now, busy = time.time(), machine_busy_s()
         used: dict[str, float] = {}
-        for pid, (started, fields, title) in self._processes():
+        for pid, (started, cpu, title) in self._processes():
             if self._existing.get(pid, (None,))[0] == started:    # running before the sampler
                 continue
-            cpu = (int(fields[11]) + int(fields[12])) / self._tick
             previous = self._seen.get(pid)
             name = process_kind(title, previous.kind if previous else None)
             self._seen[pid] = _Seen(cpu_s=cpu, kind=name)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
+import psutil
 import pytest
 
 
@@ -19,7 +19,6 @@ def test_other_cores_subtracts_every_worker_of_the_run_on_a_node():
     assert math.isnan(other_cores({"n1": [None]}))                    # no /proc: unknown
 
 
-@pytest.mark.skipif(not Path("/proc/stat").is_file(), reason="needs Linux /proc")
 def test_other_cpu_load_counts_other_processes_not_this_ones_children(tmp_path):
     import subprocess
     import sys
@@ -46,3 +45,28 @@ def test_other_cpu_load_counts_other_processes_not_this_ones_children(tmp_path):
     assert done.exists(), "the detached spinner did not finish"
     assert other.own_s < 0.5                                         # not this tree's ...
     assert other.busy_s - other.own_s >= 1.1                         # ... but the machine's: other load
+
+
+def test_a_grandchilds_cpu_time_is_this_process_trees():
+    """A process started by a child (a DataLoader worker's own helper, a shell's command) counts
+    as this tree's while it runs, not only this process's direct children."""
+    import subprocess
+    import sys
+    import time
+
+    from trainer.utilization import process_tree_cpu_s
+
+    spin = "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c",
+                              f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
+    try:
+        before = process_tree_cpu_s()
+        deadline = time.time() + 60
+        while process_tree_cpu_s() - before < 0.9 and time.time() < deadline:
+            time.sleep(0.1)
+        assert process_tree_cpu_s() - before >= 0.9      # the grandchild's second of CPU, while it lives
+    finally:
+        for process in psutil.Process(child.pid).children(recursive=True):
+            process.kill()
+        child.kill()
+        child.wait()

@@ -9,9 +9,9 @@ something; a CPU run at 50% of its cores is not using them all).
 Either way a percentage, 0..100, or NaN when the device does not report it.
 
 `OtherCpuLoad` says what else ran meanwhile: the cores that processes other than this one and its
-children (the DataLoader's workers) kept busy on this machine during the epoch. A training's
-clips/s depends on them (another trial starting beside it, a neighbour's job); Linux `/proc`
-only, NaN elsewhere.
+descendants (the DataLoader's workers) kept busy on this machine during the epoch. A training's
+clips/s depends on them (another trial starting beside it, a neighbour's job). Read with psutil;
+NaN where it cannot read them.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
+import psutil
 import torch
 
 SAMPLE_EVERY_S = 1.0
@@ -73,45 +73,29 @@ class DeviceUtilization:
             return None
 
 
-PROC = Path("/proc")
-
-
-def clock_ticks() -> int:
-    """Clock ticks per second, the unit of /proc's CPU times."""
-    return os.sysconf("SC_CLK_TCK")
-
-
-def stat_fields(process: Path) -> list[str]:
-    """The fields of `/proc/PID/stat` after the process name (which may hold spaces): [0] the
-    state, [1] the parent, [11:15] utime stime cutime cstime, [19] the start time. OSError when
-    the process is gone."""
-    stat = (process / "stat").read_text()
-    return stat[stat.rfind(")") + 2:].split()
-
-
 def machine_busy_s() -> float:
-    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal), from
-    /proc/stat. Raises OSError where there is no /proc."""
-    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / clock_ticks()
+    """CPU seconds all cores spent busy since boot (user, nice, system, irq, softirq, steal; the
+    fields a platform lacks count 0). Guest time is left out: Linux counts it in user and nice."""
+    times = psutil.cpu_times()
+    return sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    """The user + system CPU seconds of `process` and of the children it has reaped."""
+    times = process.cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def process_tree_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds of process `pid` (default this one), its live children and the children it
-    has reaped (cutime, cstime), from /proc."""
-    pid = os.getpid() if pid is None else pid
-    tick = clock_ticks()
-    total = 0.0
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
+    """CPU seconds of process `pid` (default this one) and of every live descendant (children
+    of children too), each with the children it has reaped."""
+    root = psutil.Process(pid)
+    total = _cpu_s(root)
+    for child in root.children(recursive=True):
         try:
-            fields = stat_fields(entry)
-        except OSError:        # it ended between the listing and the read
+            total += _cpu_s(child)
+        except psutil.Error:        # it ended between the listing and the read
             continue
-        if int(entry.name) == pid or int(fields[1]) == pid:
-            total += sum(int(x) for x in fields[11:15]) / tick       # utime stime cutime cstime
     return total
 
 
@@ -126,8 +110,8 @@ class CpuWindow:
 
 
 class OtherCpuLoad:
-    """`start()` at the epoch's start, `stop() -> CpuWindow | None` at its end (None without
-    /proc). Sampled at the two ends only, so it costs nothing during the epoch."""
+    """`start()` at the epoch's start, `stop() -> CpuWindow | None` at its end (None when the
+    CPU times cannot be read). Sampled at the two ends only, so it costs nothing during the epoch."""
 
     def __init__(self) -> None:
         self._start: tuple[float, float, float] | None = None
@@ -135,7 +119,7 @@ class OtherCpuLoad:
     def start(self) -> None:
         try:
             self._start = (machine_busy_s(), process_tree_cpu_s(), time.perf_counter())
-        except (OSError, ValueError):
+        except (OSError, psutil.Error):
             self._start = None
 
     def stop(self) -> CpuWindow | None:
@@ -143,8 +127,9 @@ class OtherCpuLoad:
             return None
         busy0, own0, wall0 = self._start
         try:
-            return CpuWindow(machine_busy_s() - busy0, process_tree_cpu_s() - own0, time.perf_counter() - wall0)
-        except (OSError, ValueError):
+            return CpuWindow(machine_busy_s() - busy0, process_tree_cpu_s() - own0,
+                             time.perf_counter() - wall0)
+        except (OSError, psutil.Error):
             return None
 
 

@@ -63,7 +63,7 @@ INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker'
 # torch_threads: the CPU threads torch used in rank 0's training (--cpu-threads, or the default);
 #   on the CPU, clips/s follows it.
 # other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
-#   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN without /proc).
+#   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN when unreadable).
 # oom / diverged: 1 on the run's one report when it ran out of memory / its training loss or
 #   weights became inf or NaN (then no accuracy nor speed, and no checkpoint); else 0.
 # node_id, node_ip, gpu_ids: where the run trained (`_where_it_runs`); strings.
