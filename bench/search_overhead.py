@@ -23,21 +23,38 @@ report times where the code reports none); the plain side times itself the same 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import torch
 
-from bench.common import format_table, has_module, max_overlap, union_length, write_json
-from bench.cpu_usage import CpuUsage, CpuSampler
+from bench.common import format_table, max_overlap, union_length, write_json
+from bench.cpu_usage import CpuSampler, CpuUsage
+from datasets.config import DataConfig
+from datasets.index import VideoIndex, build_index
+from datasets.synthetic import generate
+from trainer.config import TrainConfig
+from trainer.metrics import reduce_epoch
+from trainer.precision import default_device, is_cuda
+from trainer.run import TRAINED, Run, build_run, data_counts, place_model, run_epoch, save_run_checkpoint
+from tune.options import build_parser as search_parser
+from tune.options import parse_options
+from tune.runner import fill_clip_cache
+from tune.search import base_config
+from tune.trial import trial_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -102,120 +119,55 @@ def plain_process(spec_path: str) -> int:
     """The plain side, in its own process: the trials of `spec_path` one after another; writes
     their timeline next to it (`<spec>.out.json`)."""
     spec = json.loads(Path(spec_path).read_text())
-    import torch
-
-    from datasets.index import build_index
-    from trainer import precision as prec
-    from tune.options import parse_options
-    from tune.search import base_config
-    from tune.trial import trial_config
-
     torch.set_num_threads(spec["threads"])
     base = base_config(parse_options(spec["argv"]))
     index = build_index(base.data)
     print(index.summary(), flush=True)      # the same console markers as the search's
-    device = prec.default_device()
-    base = _frame_cache(base, index, device)
-    cached = has_module("datasets.cache") and bool(getattr(base.data, "clip_cache", False))
+    device = default_device()
+    # The clip cache filled before the first trial as the search does, its `auto` format resolved.
+    base = fill_clip_cache(base, index, on_gpu=is_cuda(device))
     trials = []
     for trial in spec["trials"]:
         sampled = {k: trial[k] for k in ("batch_size", "lr", "weight_decay") if k in trial}
         row = _plain_trial(trial_config(base, sampled), index, device, spec["checkpoints"])
         trials.append({"trial_id": f"plain:{trial['trial_id']}", **row})
-    out = {"trials": trials, "cache": cached, "threads": torch.get_num_threads(), "device": str(device)}
+    out = {"trials": trials, "cache": base.data.clip_cache, "threads": torch.get_num_threads(),
+           "device": str(device)}
     Path(spec_path + ".out.json").write_text(json.dumps(out))
     return 0
 
 
-def _frame_cache(base, index, device):
-    """Fill the clip cache before the first trial as the search does (`tune.runner.fill_clip_cache`,
-    the `auto` format resolved for `device`); returns `base` with the resolved format. A checkout
-    without the cache returns `base` unchanged (its datasets decode every read)."""
-    if not has_module("datasets.cache"):
-        return base
-    from trainer.precision import is_cuda
-    from tune.runner import fill_clip_cache
-
-    return fill_clip_cache(base, index, on_gpu=is_cuda(device))
-
-
-def _plain_loaders(cfg, spec, index, device):
-    """Train / val loaders of the data a trial reads (`trainer.worker.clip_datasets`; one worker,
-    so no sampler to swap). An older checkout without it decodes every read with decord."""
-    import trainer.worker as worker
-    from datasets.video import VideoClipDataset, build_loader
-
-    d = cfg.data
-    if hasattr(worker, "clip_datasets"):
-        datasets = worker.clip_datasets(cfg, spec, index, device)
-    else:
-        kw = dict(num_frames=d.num_frames or spec.num_frames, frame_stride=d.frame_stride,
-                  height=d.height or spec.height, width=d.width or spec.width, seed=cfg.seed)
-        datasets = tuple(VideoClipDataset(videos, train=train, **kw)
-                         for videos, train in ((index.train, True), (index.val, False)))
-    common = dict(num_workers=d.loader_workers, pin_memory=device.type != "cpu", seed=cfg.seed)
-    return tuple(build_loader(ds, batch_size=cfg.batch_size, train=ds.train, **common) for ds in datasets)
-
-
-def _plain_trial(cfg, index, device, checkpoints: str) -> dict:
-    import gc
-
-    import torch
-
-    from datasets.transforms import ClipTransform
-    from trainer.loop import make_optimizer, make_scheduler
-    from trainer.models import build_model, get_spec, prepare_input_transform, prepare_model_memory_format
-    from trainer.precision import choose_precision, configure_backends
-
+def _plain_trial(cfg: TrainConfig, index: VideoIndex, device: torch.device, checkpoints: str) -> dict:
+    """One training built and run as a trial's worker does (`trainer.run`), without Ray; like a
+    trial, it ends at an epoch that diverged or ran out of memory."""
     start = time.time()
-    spec = get_spec(cfg.model)
-    policy = choose_precision(cfg.precision, device)
-    configure_backends(device)
-    loaders = _plain_loaders(cfg, spec, index, device)
-    torch.manual_seed(cfg.seed)
-    model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last).to(device)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
-    steps = math.ceil(len(loaders[0]) / cfg.grad_accum_steps)
-    run = dict(cfg=cfg, spec=spec, class_names=dict(index.class_names), policy=policy, device=device, model=model,
-               optimizer=optimizer,
-               scheduler=make_scheduler(optimizer, cfg.epochs * steps, cfg.warmup_frac),
-               scaler=policy.make_scaler(), loaders=loaders, checkpoints=checkpoints,
-               transforms=[prepare_input_transform(ClipTransform(spec.mean, spec.std, train=t).to(device),
-                                                   cfg.channels_last) for t in (True, False)])
-    epochs = [_plain_epoch(run, epoch) for epoch in range(1, cfg.epochs + 1)]
-    reads = sum(getattr(ld.dataset, "reads", 0) for ld in loaders)
-    hits = sum(getattr(ld.dataset, "cache_hits", 0) for ld in loaders)
-    run.clear()
-    del loaders                 # stops the persistent loader processes: part of the trial's end
+    run = build_run(cfg, index, device=device)
+    place_model(run)
+    epochs = []
+    for epoch in range(1, cfg.epochs + 1):
+        row = _plain_epoch(run, epoch, checkpoints)
+        if row is None:
+            break
+        epochs.append(row)
+    reads, hits, _, _ = data_counts(run)
+    del run                     # stops the persistent loader processes: part of the trial's end
     gc.collect()
     return {"batch_size": cfg.batch_size, "lr": cfg.lr, "start": start,
             "end": time.time(), "epochs": epochs, "cache_hit_frac": hits / reads if reads else None}
 
 
-def _plain_epoch(run: dict, epoch: int) -> dict:
-    import torch
-
-    from trainer.checkpointing import save_checkpoint
-    from trainer.loop import evaluate, train_one_epoch
-    from trainer.metrics import reduce_epoch
-
-    cfg, (train_loader, val_loader), (train_tf, val_tf) = run["cfg"], run["loaders"], run["transforms"]
-    for loader in (train_loader, val_loader):
-        loader.dataset.set_epoch(epoch)
-    torch.manual_seed(cfg.seed + epoch)
+def _plain_epoch(run: Run, epoch: int, checkpoints: str) -> dict | None:
+    """`run_epoch` and a checkpoint, timed; None when the epoch did not train to the end."""
     start = time.time()
-    stats = train_one_epoch(run["model"], train_loader, transform=train_tf, optimizer=run["optimizer"],
-                            scheduler=run["scheduler"], scaler=run["scaler"], policy=run["policy"],
-                            device=run["device"], grad_accum_steps=cfg.grad_accum_steps,
-                            clip_grad_norm=cfg.clip_grad_norm, label_smoothing=cfg.label_smoothing)
-    eval_out = evaluate(run["model"], val_loader, transform=val_tf, policy=run["policy"], device=run["device"])
+    result = run_epoch(run, epoch)
     end = time.time()
-    metrics = reduce_epoch(stats, eval_out)
-    with tempfile.TemporaryDirectory(dir=run["checkpoints"]) as directory:
-        save_checkpoint(directory, model=run["model"], optimizer=run["optimizer"], scaler=run["scaler"],
-                        scheduler=run["scheduler"], epoch=epoch, config=cfg.to_dict(), spec=run["spec"],
-                        class_names=run["class_names"], metrics=metrics)
-    return {"epoch": epoch, "start": start, "train_s": stats.epoch_time_s, "end": end, "exact": True,
+    if result.outcome != TRAINED:
+        print(f"plain: {result.outcome} in epoch {epoch} (lr {run.cfg.lr:.2e})", file=sys.stderr, flush=True)
+        return None
+    metrics = reduce_epoch(result.stats, result.eval_out)
+    with tempfile.TemporaryDirectory(dir=checkpoints) as directory:
+        save_run_checkpoint(run, directory, epoch=epoch, metrics=metrics)
+    return {"epoch": epoch, "start": start, "train_s": result.stats.epoch_time_s, "end": end, "exact": True,
             "checkpoint_s": time.time() - end, "clips_per_s": metrics["clips_per_s"], "val_acc": metrics["val_acc"]}
 
 
@@ -226,9 +178,6 @@ def run_logged(cmd: list[str], *, env: dict, cwd: Path, timeout_s: float, verbos
     """Run `cmd`, time-stamping each output line as it arrives (unbuffered child). Returns
     {launch, exit, returncode, lines: [(unix s, text)]}. Past `timeout_s` it is interrupted
     (SIGINT: the search closes its runs and Ray), then killed 30 s later."""
-    import signal
-    import threading
-
     env = {**env, "PYTHONUNBUFFERED": "1"}
     lines: list[tuple[float, str]] = []
     with CpuSampler() as cpu:
@@ -267,12 +216,8 @@ def search_argv(args: argparse.Namespace, data: str, tmp: Path, epochs: int, tri
 
 def cache_setup(no_cache: bool, tmp: Path) -> tuple[list[str], list[str], str]:
     """(the search's cache flags, the plain side's, what the table says about the frame cache)."""
-    from tune.options import build_parser as search_parser
-
     text = search_parser().format_help()
     has_dir, has_off = "--cache-dir" in text, "--no-cache" in text
-    if not has_module("datasets.cache"):
-        return [], [], "off in both: this code has no frame cache (datasets/cache.py); both decode with decord"
     if no_cache:
         flags = ["--no-cache"] if has_off else []
         note = "" if has_off else " (WARNING: the search has no --no-cache flag; it may still use its cache)"
@@ -284,14 +229,9 @@ def cache_setup(no_cache: bool, tmp: Path) -> tuple[list[str], list[str], str]:
 
 
 def search_trial_threads() -> int:
-    """Torch threads a search trial trains with on the CPU: with the device lease
-    (trainer/lease.py: one training at a time per node CPU) all the node's cores, else the whole
-    CPUs Ray reserved for the worker (trainer/worker.py: int(--cpus-per-worker), at least 1)."""
-    from tune.options import SearchOptions
-
-    if has_module("trainer.lease"):
-        return os.cpu_count() or 1
-    return max(1, int(SearchOptions().resources.cpus_per_worker))
+    """Torch threads a search trial trains with on the CPU: all the node's cores, since the device
+    lease (trainer/lease.py) lets one training at a time use the node's CPU."""
+    return os.cpu_count() or 1
 
 
 # -- reading the search's results ----------------------------------------------------------------
@@ -312,7 +252,7 @@ def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
     """trial id -> (start, end) unix s of its MLflow child run (opened / closed by the search's
     driver when Tune starts / ends the trial; millisecond resolution)."""
     try:
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # heavy (seconds): only once the search has ended
 
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(EXPERIMENT)
@@ -555,10 +495,6 @@ def _check_args(args: argparse.Namespace, trials: int, epochs: int) -> None:
 def prepare_data(args: argparse.Namespace, preset: Preset, tmp: Path) -> tuple[str, str]:
     """(dataset root, one-line description); generated unless --data. Indexed once here, so
     both sides read the same index cache."""
-    from datasets.config import DataConfig
-    from datasets.index import build_index
-    from datasets.synthetic import generate
-
     root = args.data or str(generate(tmp / "data", videos=preset.videos, size=preset.size, seed=0))
     index = build_index(DataConfig(root=root))
     made = "" if args.data else f"generated, {preset.size} px, 3 s at 15 fps"
