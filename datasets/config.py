@@ -25,14 +25,16 @@ class DataConfig:
     (see `trainer.models.ModelSpec`); set them to override.
     """
 
-    root: str = option("", flag="--data", metavar="PATH", help="dataset folder (RWF-2000 or class folders) or "
-                       "CSV manifest; the search without it runs the embedded demo on generated videos")
+    root: str = option("", flag="--data", metavar="PATH", help="dataset folder (RWF-2000 or class folders) "
+                       "or CSV manifest; the search without it runs the embedded demo on generated videos")
     layout: str = option("auto", flag="--layout", choices=LAYOUT_CHOICES,
                          help="how the videos are organised; auto detects it from what is on disk")
     positive_class: str | None = option(None, flag="--positive-class", metavar="NAME",
-                                        help="name of the violent class, label 1 (default: inferred, e.g. Fight)")
+                                        help="name of the violent class, label 1 "
+                                        "(default: inferred, e.g. Fight)")
     val_fraction: float = option(0.2, flag="--val-fraction", metavar="F", gt=0, lt=1,
-                                 help="share of each class held out for validation when the layout gives no split")
+                                 help="share of each class held out for validation when the layout "
+                                 "gives no split")
     split_seed: int = option(0, flag="--split-seed", metavar="N",
                              help="seed of that stratified train/val split (same seed, same split)")
     num_frames: int | None = option(None, flag="--num-frames", metavar="T", ge=1,
@@ -48,7 +50,8 @@ class DataConfig:
     loader_workers: int = option(2, flag="--loader-workers", metavar="N", ge=0,
                                  help="DataLoader processes per training worker")
     probe_timeout_s: float = option(30.0, flag="--probe-timeout-s", metavar="S", gt=0,
-                                    help="seconds allowed to probe one file (decord can hang on broken files)")
+                                    help="seconds allowed to probe one file "
+                                    "(decord can hang on broken files)")
     cache_dir: str | None = option(None, flag="--index-cache-dir", metavar="DIR",
                                    help="where the dataset index (probe results) is cached "
                                    "(default: ROOT/.vidtune-index.json if writable, else ~/.cache/vidtune)")
@@ -59,7 +62,8 @@ class DataConfig:
                                         "~/.cache/vidtune/clips; python -m datasets.cache fills it ahead)")
     # RWF-2000 (300k frames) at 224 px takes ~4 GB as jpeg, 45 GB raw
     clip_cache_max_gb: float = option(50.0, flag="--cache-max-gb", metavar="GB", ge=0,
-                                      help="clip cache disk budget; past it the rest is decoded on every read")
+                                      help="clip cache disk budget; past it the rest is decoded on "
+                                      "every read")
     clip_cache_format: str = option("auto", flag="--cache-format", choices=CLIP_CACHE_FORMATS,
                                     help="how cached frames are stored: jpeg (~12 KB a 224 px frame, decoded "
                                     "on the GPU), raw uint8 (150 KB, fastest on a CPU), or auto: jpeg when "
@@ -69,7 +73,7 @@ class DataConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DataConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

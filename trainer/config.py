@@ -22,9 +22,12 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: str = option("tiny", flag="--model", metavar="NAME", help=f"model: {MODEL_CHOICES_HELP}")
     weights: str = option("none", flag="--weights", metavar="W",
-                          help="none, kinetics (torchvision's pretrained), or a state-dict / vidtune checkpoint file")
-    epochs: int = option(3, flag="--epochs", metavar="N", ge=1, help="training epochs (per trial in a search)")
-    batch_size: int = option(8, flag="--batch-size", metavar="B", ge=1, help="clips per optimizer step, per worker")
+                          help="none, kinetics (torchvision's pretrained), or a state-dict / vidtune "
+                          "checkpoint file")
+    epochs: int = option(3, flag="--epochs", metavar="N", ge=1,
+                         help="training epochs (per trial in a search)")
+    batch_size: int = option(8, flag="--batch-size", metavar="B", ge=1,
+                             help="clips per optimizer step, per worker")
     lr: float = option(3e-4, flag="--lr", metavar="LR", gt=0, help="AdamW peak learning rate (after warmup)")
     weight_decay: float = option(0.05, flag="--weight-decay", metavar="WD", ge=0,
                                  help="AdamW weight decay (in a search: its value when not searched)")
@@ -33,20 +36,20 @@ class TrainConfig:
     label_smoothing: float = option(0.0, flag="--label-smoothing", metavar="S", ge=0, lt=1,
                                     help="cross-entropy label smoothing")
     grad_accum_steps: int = option(1, flag="--grad-accum", metavar="N", ge=1,
-                                   help="batches accumulated per optimizer step (effective batch = batch size x "
-                                   "this x workers)")
+                                   help="batches accumulated per optimizer step (effective batch = batch "
+                                   "size x this x workers)")
     clip_grad_norm: float = option(1.0, flag="--clip-grad-norm", metavar="N", ge=0,
                                    help="gradient norm limit, applied after unscaling (0 disables)")
     precision: str = option("auto", flag="--precision", choices=PRECISIONS,
-                            help="autocast precision; auto = bf16 on recent GPUs, fp16 on older ones, fp32 on CPU "
-                            "(default auto)")
+                            help="autocast precision; auto = bf16 on recent GPUs, fp16 on older ones, fp32 "
+                            "on CPU (default auto)")
     channels_last: bool = option(False, flag="--channels-last",
                                  help="channels_last_3d memory format (faster convolutions on CUDA)")
     compile: bool = option(False, flag="--compile", help="torch.compile the model (slow first steps)")
     cpu_threads: int | None = option(None, flag="--cpu-threads", metavar="N", ge=1,
-                                     help="torch threads per worker (default: training on the CPU, the node's "
-                                     "cores shared by its workers while the trial trains; else the CPUs Ray "
-                                     "reserved per worker)")
+                                     help="torch threads per worker (default: training on the CPU, the "
+                                     "node's cores shared by its workers while the trial trains; else the "
+                                     "CPUs Ray reserved per worker)")
     freeze_backbone_epochs: int = option(0, flag="--freeze-backbone-epochs", metavar="N", ge=0,
                                          help="train only the classification head for the first N epochs")
     max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,
@@ -59,7 +62,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
@@ -69,5 +72,5 @@ class TrainConfig:
         data = data if isinstance(data, DataConfig) else DataConfig.from_dict(data)
         return cls(data=data, **d)
 
-    def with_overrides(self, **changes: Any) -> "TrainConfig":
+    def with_overrides(self, **changes: Any) -> TrainConfig:
         return replace(self, **changes)

@@ -69,7 +69,8 @@ class RunOptions:
     cpus_per_worker: float = option(1.0, flag="--cpus-per-worker", metavar="C", gt=0,
                                     help="CPUs Ray reserves per worker")
     storage: str | None = option(None, flag="--storage", metavar="PATH",
-                                 help="where checkpoints go (default ~/ray_results; shared storage on a cluster)")
+                                 help="where checkpoints go (default ~/ray_results; shared storage on a "
+                                 "cluster)")
     name: str | None = option(None, flag="--name", metavar="NAME",
                               help="run name (default vidtune-train-TIMESTAMP); reuse it to resume")
     address: str | None = option(None, flag="--address", metavar="ADDR",
@@ -86,8 +87,8 @@ DOCUMENT_TABLE = "train_config"
 KNOWN_KEYS = ("known: the flags of `python -m trainer.train --help` without their dashes (batch-size or "
               "batch_size, no-cache), or TrainConfig's fields as a search's best_config.json writes them in "
               "its train_config (the data's in a \"data\" table)")
-BEST_CONFIG_HINT = ("a search's best_config.json needs its \"train_config\" (written by searches since it was "
-                    "added): pass the trial's --batch-size and --lr as flags instead")
+BEST_CONFIG_HINT = ("a search's best_config.json needs its \"train_config\" (written by searches since it "
+                    "was added): pass the trial's --batch-size and --lr as flags instead")
 SEARCH_NAME_KEYS = ("search", "search_name", "experiment")   # best_config.json's key naming its search
 
 
@@ -112,7 +113,8 @@ def load_config_file(path: str) -> ConfigFile:
     as TrainConfig's fields (`grad_accum_steps`, a `data` table of DataConfig's). ConfigError
     naming the file and key; the bounds are checked later, with the flags (`check_inputs`)."""
     return read_config_file(
-        path, [s for s in ALL_FLAGS if s.path != "config"], known=KNOWN_KEYS, flag=flag_of(RUN_FLAGS, "config"),
+        path, [s for s in ALL_FLAGS if s.path != "config"], known=KNOWN_KEYS,
+        flag=flag_of(RUN_FLAGS, "config"),
         document=DOCUMENT_TABLE, suffixes=(".json", *CONFIG_SUFFIXES),
         instead="a search's best_config.json (download it from the search's MLflow run or its experiment "
         "folder) or a .json/.toml/.yaml file of options",
@@ -181,7 +183,8 @@ def format_epoch(m: dict[str, Any], epochs: int) -> str:
     return (f"{head}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
             f"val_acc {m['val_acc']:.3f}  val_f1 {m['val_f1']:.3f}  val_recall {m['val_recall']:.3f}  "
             f"val_auc {m['val_auc']:.3f}  {m['clips_per_s']:.1f} clips/s  {m['epoch_time_s']:.1f} s  "
-            f"data_wait {100 * m['data_wait_frac']:.0f}%  peak_mem {m['peak_mem_mb']:.0f} MB  lr {m['lr']:.2e}"
+            f"data_wait {100 * m['data_wait_frac']:.0f}%  peak_mem {m['peak_mem_mb']:.0f} MB  "
+            f"lr {m['lr']:.2e}"
             + (f"  reader_failures {m['reader_failures']}" if m.get("reader_failures") else ""))
 
 
@@ -192,9 +195,9 @@ def failure_message(last: dict[str, Any], lr: float) -> str | None:
         return (f"out of memory at batch size {last.get('batch_size')}; lower --batch-size "
                 "(use --grad-accum to keep the effective batch), or try --precision bf16/fp16")
     if last.get("diverged"):
-        return (f"training diverged in epoch {last.get('epoch')}: the training loss became {last.get('train_loss')} "
-                f"(inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. {lr / 10:g}), or keep "
-                "--clip-grad-norm on and --warmup-frac above 0")
+        return (f"training diverged in epoch {last.get('epoch')}: the training loss became "
+                f"{last.get('train_loss')} (inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. "
+                f"{lr / 10:g}), or keep --clip-grad-norm on and --warmup-frac above 0")
     return None
 
 
@@ -278,17 +281,20 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
     from trainer.checkpointing import first_whole  # heavy: torch, not before the flags are checked
 
     # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
-    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)), reverse=True)
+    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)),
+                    reverse=True)
     if not ranked and result.checkpoint is not None:
         ranked = [(result.checkpoint, last)]
     best, skipped = first_whole([c.path for c, _ in ranked])
     for why in skipped:
         print(f"warning: {why}; not named best", file=sys.stderr)
     if best is None:
-        print("error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"), file=sys.stderr)
+        print("error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"),
+              file=sys.stderr)
         return 1
     score = next(m for c, m in ranked if c.path == best)
-    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): {best}")
+    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): "
+          f"{best}")
     return 0
 
 

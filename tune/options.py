@@ -66,8 +66,9 @@ class SearchSpace:
                                      help="lower weight-decay bound")
     weight_decay_max: float = option(0.1, flag="--weight-decay-max", metavar="WD", gt=0,
                                      help="upper weight-decay bound")
-    probe_batch_size: bool = option(False, flag="--probe-batch-size", help="drop batch sizes above the largest "
-                                    "that fits in GPU memory (measured once on a GPU before the search)")
+    probe_batch_size: bool = option(False, flag="--probe-batch-size", help="drop batch sizes above the "
+                                    "largest that fits in GPU memory (measured once on a GPU before the "
+                                    "search)")
 
 
 @dataclass(frozen=True)
@@ -82,15 +83,18 @@ class Resources:
                                     help="Ray Train workers (data-parallel replicas) per trial")
     # A core less the trial driver's 0.1 (tune/trial.py): N trials fit on N cores.
     cpus_per_worker: float = option(0.9, flag="--cpus-per-worker", metavar="C", gt=0,
-                                    help="CPUs reserved per training worker (a core less the trial driver's 0.1)")
+                                    help="CPUs reserved per training worker "
+                                    "(a core less the trial driver's 0.1)")
     gpus_per_worker: float | None = option(None, flag="--gpus-per-worker", metavar="G", ge=0,
-                                           help="GPUs per training worker (default 1 if the cluster has GPUs, else 0)")
+                                           help="GPUs per training worker (default 1 if the cluster has "
+                                           "GPUs, else 0)")
     gpus_per_trial: float | None = option(None, flag="--gpus-per-trial", metavar="G", ge=0,
-                                          help="GPUs per trial, split over its workers; 0.5 packs two trials per GPU")
+                                          help="GPUs per trial, split over its workers; 0.5 packs two trials "
+                                          "per GPU")
     cluster_config: str | None = option(
         None, flag="--cluster-config", metavar="FILE",
-        help="the autoscaler's cluster config, whose node types x max_workers count towards the trials at once "
-        "(with --address; default ~/ray_bootstrap_config.yaml, which `ray up` leaves on the head)")
+        help="the autoscaler's cluster config, whose node types x max_workers count towards the trials at "
+        "once (with --address; default ~/ray_bootstrap_config.yaml, which `ray up` leaves on the head)")
     max_concurrent_trials: int | None = option(
         None, flag="--max-concurrent-trials", metavar="N", ge=1,
         help="trials at once (default: 2 per GPU, one training and one starting behind it; "
@@ -103,7 +107,8 @@ class Tracking:
                              help="MLflow tracking URI: sqlite:///FILE or http(s)://server "
                              "(default sqlite:///mlruns.db in the working folder)")
     experiment: str = option("vidtune", flag="--experiment", metavar="NAME",
-                             help="MLflow experiment that holds the search's runs (not --name, the search's folder)")
+                             help="MLflow experiment that holds the search's runs "
+                             "(not --name, the search's folder)")
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,11 @@ class SearchOptions:
 
     train: TrainConfig = field(default_factory=TrainConfig)
     space: SearchSpace = field(default_factory=SearchSpace)
-    num_samples: int = option(4, flag="--num-samples", metavar="N", ge=1, group="search", help="number of trials")
+    num_samples: int = option(4, flag="--num-samples", metavar="N", ge=1, group="search",
+                              help="number of trials")
     objective: str = option("val_acc", flag="--objective", choices=OBJECTIVES, group="search",
-                            help="what to maximise: val_acc, val_f1, or pareto (accuracy and clips/s together, "
-                            "reports the Pareto front) (default val_acc)")
+                            help="what to maximise: val_acc, val_f1, or pareto (accuracy and clips/s "
+                            "together, reports the Pareto front) (default val_acc)")
     early_stop: bool = option(True, flag="--no-early-stop", group="search", help="never stop trials early "
                               "(ASHA is on by default when --epochs >= 3, off with pareto)")
     grace_period: int = option(1, flag="--grace-period", metavar="E", ge=1, group="search",
@@ -130,24 +136,25 @@ class SearchOptions:
                                  help="results and checkpoints: a local folder, NFS or s3:// (shared on a "
                                  "cluster) (default ./vidtune-results)")
     name: str | None = option(None, flag="--name", metavar="NAME", group="where it runs",
-                              help="the search's name, its folder under --storage (default vidtune-<date-time>; "
-                              "with --resume, the latest in --storage)")
+                              help="the search's name, its folder under --storage (default "
+                              "vidtune-<date-time>; with --resume, the latest in --storage)")
     resume: bool = option(False, flag="--resume", group="where it runs",
                           help="continue an interrupted search (--name, or the latest one in --storage)")
     trust_state: bool = option(False, flag="--trust-state", group="where it runs",
                                help="with --resume: load a saved state that your state key did not sign "
-                               "(a search made by an older vidtune, or copied from elsewhere); loading it runs "
-                               "any code inside, so only for a search you made")
+                               "(a search made by an older vidtune, or copied from elsewhere); loading it "
+                               "runs any code inside, so only for a search you made")
     tracking: Tracking = field(default_factory=Tracking)
     config: str | None = option(None, flag="--config", metavar="FILE", group="run",
                                 help="TOML or YAML file of these options (keys as the flags, e.g. lr-min or "
                                 "lr_min); flags override it")
-    smoke_test: bool = option(False, flag="--smoke-test", group="run", help="shrink everything for a first run: "
-                              "2 trials, 1 epoch, batch size 4, one loader process")
+    smoke_test: bool = option(False, flag="--smoke-test", group="run", help="shrink everything for a first "
+                              "run: 2 trials, 1 epoch, batch size 4, one loader process")
     dry_run: bool = option(False, flag="--dry-run", group="run",
                            help="validate everything, print the resolved configuration, run nothing")
-    verbose: bool = option(False, flag="--verbose", group="run", help="also show Ray's own output (its progress "
-                           "tables, the workers' logs) instead of writing it to the search's log file")
+    verbose: bool = option(False, flag="--verbose", group="run", help="also show Ray's own output (its "
+                           "progress tables, the workers' logs) instead of writing it to the search's log "
+                           "file")
     quiet: bool = option(False, flag="--quiet", group="run",
                          help="print only the summary at the end (and errors)")
 
@@ -242,8 +249,9 @@ def parse_options(argv: Sequence[str] | None) -> SearchOptions:
             merged = {**SMOKE_TEST, **merged}
     merged.update(given)
     if not merged.get("train.data.root") and not merged.get("smoke_test"):
-        if "grace_period" not in merged and merged.get("train.epochs", DEMO["train.epochs"]) < DEMO["grace_period"]:
-            merged["grace_period"] = merged["train.epochs"]   # the preset's grace period, not above --epochs
+        epochs = merged.get("train.epochs", DEMO["train.epochs"])
+        if "grace_period" not in merged and epochs < DEMO["grace_period"]:
+            merged["grace_period"] = epochs   # the preset's grace period, not above --epochs
         merged = {**DEMO, **merged}
     opts = build(SearchOptions, merged)
     try:
@@ -263,34 +271,39 @@ def validate(o: SearchOptions) -> None:
                           f"--lr-max {s.lr_max:g}; pass the smaller value as --lr-min")
     if s.search_weight_decay and s.weight_decay_min > s.weight_decay_max:
         raise ConfigError("--weight-decay-min/--weight-decay-max", f"the bounds are inverted: "
-                          f"{s.weight_decay_min:g} > {s.weight_decay_max:g}; pass the smaller value as the minimum")
+                          f"{s.weight_decay_min:g} > {s.weight_decay_max:g}; pass the smaller value as the "
+                          "minimum")
     if r.gpus_per_worker is not None and r.gpus_per_trial is not None and \
             abs(r.gpus_per_worker * r.workers_per_trial - r.gpus_per_trial) > 1e-9:
         raise ConfigError("--gpus-per-trial", f"{r.gpus_per_trial:g} disagrees with --gpus-per-worker "
-                          f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one of the two")
+                          f"{r.gpus_per_worker:g} x --workers-per-trial {r.workers_per_trial}; give only one "
+                          "of the two")
     _check_gpus_per_worker(r)
     simulated_gpus()   # VIDTUNE_SIMULATE_GPUS, when set, is a number of GPUs (ConfigError naming it)
     if o.name is not None:
         _check_name(o.name)
     if o.grace_period > o.train.epochs:
-        raise ConfigError("--grace-period", f"{o.grace_period} is above --epochs {o.train.epochs}: a trial ends "
-                          f"before ASHA may stop it; pass --grace-period {o.train.epochs} or less, or more --epochs")
+        raise ConfigError("--grace-period", f"{o.grace_period} is above --epochs {o.train.epochs}: a trial "
+                          f"ends before ASHA may stop it; pass --grace-period {o.train.epochs} or less, or "
+                          "more --epochs")
     if o.trust_state and not o.resume:
-        raise ConfigError("--trust-state", "only with --resume (it lets a resume load a state your key did not sign)")
+        raise ConfigError("--trust-state", "only with --resume (it lets a resume load a state your key did "
+                          "not sign)")
     if o.verbose and o.quiet:
         raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):
-        raise ConfigError("--optuna-storage", f"{o.optuna_storage}: give a database URL such as sqlite:///optuna.db")
+        raise ConfigError("--optuna-storage", f"{o.optuna_storage}: give a database URL such as "
+                          "sqlite:///optuna.db")
     if not o.demo and not Path(o.train.data.root).expanduser().exists():
-        raise ConfigError("--data", f"{o.train.data.root} does not exist; pass the folder of videos (or a CSV "
-                          "manifest), or leave --data out to run the demo")
+        raise ConfigError("--data", f"{o.train.data.root} does not exist; pass the folder of videos (or a "
+                          "CSV manifest), or leave --data out to run the demo")
 
 
 def _check_name(name: str) -> None:
     """--name is one folder under --storage: never a path that leaves it (`../x`, `/etc`)."""
     if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
-        raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, so "
-                          "give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
+        raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, "
+                          "so give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
 
 
 def _check_gpus_per_worker(r: Resources) -> None:
@@ -302,12 +315,13 @@ def _check_gpus_per_worker(r: Resources) -> None:
     if per_worker is None or per_worker == 0:
         return
     if r.workers_per_trial > 1 and per_worker < 1:
-        raise ConfigError(flag, f"{per_worker:g} GPU per worker with --workers-per-trial {r.workers_per_trial} "
-                          "puts two ranks of one trial on one GPU, which NCCL refuses; give each worker a whole "
-                          f"GPU (--gpus-per-trial {r.workers_per_trial}) or use one worker")
+        raise ConfigError(flag, f"{per_worker:g} GPU per worker with --workers-per-trial "
+                          f"{r.workers_per_trial} puts two ranks of one trial on one GPU, which NCCL "
+                          f"refuses; give each worker a whole GPU (--gpus-per-trial {r.workers_per_trial}) "
+                          "or use one worker")
     if per_worker > 1 and not float(per_worker).is_integer():
-        raise ConfigError(flag, f"{per_worker:g} GPUs per worker: a worker takes a share of one GPU or whole GPUs; "
-                          "pass a whole number, or a share below 1")
+        raise ConfigError(flag, f"{per_worker:g} GPUs per worker: a worker takes a share of one GPU or whole "
+                          "GPUs; pass a whole number, or a share below 1")
 
 
 def with_defaults_for_hardware(o: SearchOptions, *, cluster_gpus: float) -> SearchOptions:
