@@ -1,12 +1,17 @@
 """A node-local cache of decoded frames: decode each video once, read its frames every epoch after.
 
-decord decodes ~25 clips/s per core from 240p files and ~5 from 720p ones, and every epoch of
-every trial used to decode every video again. Now the first read of a video decodes *all* its
-frames at the decode size (H x W) into an entry (jpeg or raw; files in `datasets.cache_layout`);
-later reads, in any epoch, trial or search on this node, take the frames from it. Every frame is
-kept because the train jitter starts its window anywhere: one entry serves every window, stride
-and clip length. The entry key holds the source's size and mtime, so a changed file is decoded
-again (the old entry stays until the cache is cleared; no eviction beyond the budget rule).
+Decoding with decord costs far more than reading stored frames, and every epoch of every trial
+used to decode every video again (BENCHMARKS.md, "clip cache", has the measured clips/s and disk
+per frame of each format). Now the first read of a video decodes *all* its frames at the decode
+size (H x W) into an entry (jpeg or raw; files in `datasets.cache_layout`); later reads, in any
+epoch, trial or search on this node, take the frames from it. Every frame is kept because the
+train jitter starts its window anywhere: one entry serves every window, stride and clip length.
+The entry key holds the source's size and mtime, so a changed file is decoded again (the old
+entry stays until the cache is cleared; no eviction beyond the budget rule).
+
+Formats: `auto` picks jpeg when training runs on GPUs: the loader ships JPEG bytes
+(VideoClipDataset(encoded=True)), the device decodes them, and a budget holds 12-20x more videos
+than raw. On the CPU, where the loader must decode, it picks raw, the fastest to read.
 
 Concurrency: an entry is written into ``ROOT/.tmp-*`` and renamed into place; readers only open
 published entries, so no process sees half an entry. No fsync: after a power loss a truncated
@@ -20,7 +25,8 @@ Budget (`max_gb`): before writing, the root is listed and an entry that would ta
 the budget is not written: that video is decoded with decord on every read, as without a cache.
 Writers that check at the same moment can each overshoot the budget by the entry they write.
 
-Fill before a search:  python -m datasets.cache ROOT --model mvit_v2_s
+Fill before a search:  python -m datasets.cache ROOT --height 224 --width 224
+(or at a model's input size:  python -m trainer.fill_cache ROOT --model mvit_v2_s)
 """
 from __future__ import annotations
 
@@ -29,36 +35,37 @@ import logging
 import os
 import sys
 import tempfile
-import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
-
 
 import numpy as np
 import torch
 
-from datasets.cache_fill import FillReport, fill_cache  # noqa: F401  (public here: FillReport)
-from datasets.cache_layout import (FORMATS, META_FILE, check_crc32, discard, entry_key, folder_bytes, load_meta,
-                                   publish, read_jpeg, read_raw, update_sizes, write_entry)
+from datasets.cache_fill import fill_cache
+from datasets.cache_layout import (
+    FORMATS,
+    META_FILE,
+    check_crc32,
+    discard,
+    entry_key,
+    folder_bytes,
+    load_meta,
+    publish,
+    read_jpeg,
+    read_raw,
+    update_sizes,
+    write_entry,
+)
 from datasets.config import CLIP_CACHE_FORMATS, DataConfig
 from datasets.decode import decode_jpeg_frames, read_frames
 from datasets.errors import DataError
-from datasets.flags import ConfigError
-from datasets.index import add_dataset_arguments, build_index, dataset_config
+from datasets.flags import ConfigError, add_flags, flag_specs, option
+from datasets.index import add_dataset_arguments, build_index, dataset_config, progress_printer, read_options
 from datasets.records import VideoInfo
 
 log = logging.getLogger(__name__)
 
-# The format, measured by bench/data_loading.py on a 2-core machine (one thread, the same
-# 16-frame clips at 224 x 224, stride 2; BENCHMARKS.md has the table):
-#   240p source: decord 43 clips/s, warm jpeg 412 (9.5x), warm raw 1,462 (34x)
-#   720p source: decord 4.2 clips/s, warm jpeg 438 (104x), warm raw 1,686 (400x)
-#   jpeg, bytes only (the GPU decodes them): 9,600 clips/s per core (222x decord at 240p)
-#   disk per 224 px frame: jpeg 7.4 KB (synthetic; ~12 KB on real footage), raw 150 KB (20x more)
-# So `auto` picks jpeg when training runs on GPUs: the loader ships JPEG bytes
-# (VideoClipDataset(encoded=True)) and the device decodes them, and a budget holds 12-20x more
-# videos (RWF-2000 at 224 px: ~4 GB vs 45 GB). On the CPU, where the loader must decode, it
-# picks raw: 3.5x faster than jpeg to read, and CPU training uses small frames (64 px: 12 KB).
 _READ_ERRORS = (OSError, ValueError, KeyError, TypeError, RuntimeError)  # what a damaged entry raises
 
 
@@ -67,7 +74,7 @@ FORMAT_CHOICES = CLIP_CACHE_FORMATS   # "auto" and the stored FORMATS
 
 def resolve_format(fmt: str, *, on_gpu: bool) -> str:
     """The stored format for `fmt` (auto | jpeg | raw): auto is jpeg when training on a GPU
-    (decoded there), else raw (the fastest read on a CPU); see the measurement above."""
+    (decoded there), else raw (the fastest read on a CPU); see the module doc."""
     if fmt == "auto":
         return "jpeg" if on_gpu else "raw"
     if fmt not in FORMATS:
@@ -270,92 +277,99 @@ class FrameCache:
 
 
 # ----------------------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    d = DataConfig()
+PROG = "python -m datasets.cache"
+MODEL_CLI = "python -m trainer.fill_cache"     # the same CLI with --model looked up in trainer.models
+
+
+@dataclass(frozen=True)
+class FillOptions:
+    """The cache CLI's own flags (the dataset's are `datasets.index.add_dataset_arguments`')."""
+
+    model: str | None = option(None, flag="--model", metavar="NAME",
+                               help="decode at this model's input size (trainer.models names; with "
+                               f"{MODEL_CLI}, which knows the models)")
+    height: int | None = option(None, flag="--height", metavar="PX", ge=1,
+                                help="decode height in pixels (with --width; not with --model)")
+    width: int | None = option(None, flag="--width", metavar="PX", ge=1,
+                               help="decode width in pixels (with --height)")
+    cache_dir: str | None = option(None, flag="--cache-dir", metavar="DIR",
+                                   help="clip cache folder (default: $XDG_CACHE_HOME/vidtune/clips, else "
+                                   "~/.cache/vidtune/clips)")
+    # > 0, unlike training's budget (where 0 means "write nothing"): filling into no room is a mistake
+    cache_max_gb: float = option(DataConfig.clip_cache_max_gb, flag="--cache-max-gb", metavar="GB", gt=0,
+                                 help="disk budget of the clip cache in GB; entries past it are not written")
+    format: str = option(DataConfig.clip_cache_format, flag="--format", choices=CLIP_CACHE_FORMATS,
+                         help="jpeg: 12-20x smaller, decoded on the GPU in training; raw: fastest on a CPU; "
+                         "auto: jpeg when this machine has a GPU, else raw, as the search picks")
+    workers: int | None = option(None, flag="--workers", metavar="N", ge=1,
+                                 help="processes probing and decoding in parallel (default: one per core, "
+                                 "at most 8)")
+
+
+FILL_FLAGS = tuple(flag_specs(FillOptions))
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m datasets.cache",
+        prog=prog,
         description="Decode every video of a dataset once into the clip cache, before a search, so that no "
-                    "trial pays for decoding. Give the model (its input size) or the decode size.")
+                    "trial pays for decoding. Give the decode size (--height/--width), or, with "
+                    f"{MODEL_CLI}, the model.")
     add_dataset_arguments(p)
-    p.add_argument("--model", default=None, help="decode at this model's input size (trainer.models names)")
-    p.add_argument("--height", type=int, default=None, help="decode height in pixels (with --width; not with --model)")
-    p.add_argument("--width", type=int, default=None, help="decode width in pixels (with --height)")
-    p.add_argument("--cache-dir", default=d.clip_cache_dir,
-                   help="clip cache folder (default: $XDG_CACHE_HOME/vidtune/clips, else ~/.cache/vidtune/clips)")
-    p.add_argument("--cache-max-gb", type=float, default=d.clip_cache_max_gb,
-                   help="disk budget of the clip cache in GB; entries past it are not written (default %(default)s)")
-    p.add_argument("--format", choices=FORMAT_CHOICES, default=d.clip_cache_format,
-                   help="jpeg: 12-20x smaller, decoded on the GPU in training; raw: fastest on a CPU; "
-                   "auto: jpeg when this machine has a GPU, else raw, as the search picks (default %(default)s)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="processes probing and decoding in parallel (default: one per core, at most 8)")
+    add_flags(p, FILL_FLAGS, group_of=lambda s: "clip cache", suppress=False)
     return p
 
 
-def _decode_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, int]:
-    """(height, width) from --model or --height/--width; usage errors (exit 2) name the flag."""
-    if args.model is not None:
-        if args.height is not None or args.width is not None:
-            p.error("--model sets the decode size: give either --model or --height/--width, not both")
-        from trainer.models import get_spec   # lazy: the data layer does not import trainer
+def _decode_size(opts: FillOptions, clip_size_of: Callable[[str], tuple[int, int]] | None) -> tuple[int, int]:
+    """(height, width) from --model (looked up with `clip_size_of`) or --height/--width; a
+    ConfigError names the flag."""
+    if opts.model is not None:
+        if opts.height is not None or opts.width is not None:
+            raise ConfigError("--model", "it sets the decode size: give either --model or --height/--width, "
+                              "not both")
+        if clip_size_of is None:   # the data layer does not know the models (trainer.models does)
+            raise ConfigError(f"--model {opts.model}", f"{PROG} takes the decode size from --height and "
+                              f"--width; for a model's input size run {MODEL_CLI} --model {opts.model} "
+                              "with the same arguments")
         try:
-            spec = get_spec(args.model)
+            return clip_size_of(opts.model)
         except ValueError as e:
-            p.error(f"--model {args.model}: {e}")
-        return spec.height, spec.width
-    if args.height is None or args.width is None:
-        p.error("give the decode size: --model NAME, or both --height H and --width W")
-    for flag, value in (("--height", args.height), ("--width", args.width)):
-        if value < 1:
-            p.error(f"{flag} {value}: must be a positive number of pixels")
-    return args.height, args.width
-
-
-def _progress(stream) -> Callable[[int, int], None]:
-    """A bar redrawn in place on a terminal; otherwise a plain line every 2 s."""
-    tty, last = stream.isatty(), [0.0]
-
-    def show(done: int, total: int) -> None:
-        now = time.monotonic()
-        if tty:
-            bar = "#" * (30 * done // max(total, 1))
-            print(f"\rcache [{bar:<30}] {done}/{total} videos", end="\n" if done == total else "",
-                  file=stream, flush=True)
-        elif done == total or now - last[0] > 2.0:
-            last[0] = now
-            print(f"cache: {done}/{total} videos done", file=stream, flush=True)
-    return show
+            raise ConfigError(f"--model {opts.model}", str(e)) from None
+    if opts.height is None or opts.width is None:
+        raise ConfigError("--width" if opts.width is None else "--height",
+                          "give the decode size: both --height H and --width W (or --model NAME with "
+                          f"{MODEL_CLI})")
+    return opts.height, opts.width
 
 
 def _has_gpu() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
+def main(argv: list[str] | None = None, *, clip_size_of: Callable[[str], tuple[int, int]] | None = None,
+         prog: str = PROG) -> int:
+    """The CLI. `clip_size_of(model name) -> (height, width)` resolves --model (trainer.fill_cache
+    passes trainer.models' lookup; ValueError for an unknown name); without it --model is refused.
+    Exit 0 filled, 1 the data cannot be used, 2 a bad flag."""
+    p = build_parser(prog)
     args = p.parse_args(argv)
-    height, width = _decode_size(p, args)
-    if args.workers is not None and args.workers < 1:
-        p.error(f"--workers {args.workers}: must be at least 1")
-    if not args.cache_max_gb > 0:
-        p.error(f"--cache-max-gb {args.cache_max_gb}: must be positive (it is the room for the decoded frames)")
     try:
-        cfg = dataset_config(args, clip_cache_dir=args.cache_dir, clip_cache_max_gb=args.cache_max_gb,
-                             clip_cache_format=args.format)
+        opts = read_options(FillOptions, FILL_FLAGS, args)
+        height, width = _decode_size(opts, clip_size_of)
+        cfg = dataset_config(args, clip_cache_dir=opts.cache_dir, clip_cache_max_gb=opts.cache_max_gb,
+                             clip_cache_format=opts.format)
     except ConfigError as e:
         p.error(str(e))
     cache = FrameCache.from_config(cfg, on_gpu=_has_gpu())
     try:
-        index = build_index(cfg, workers=args.workers)
+        index = build_index(cfg, workers=opts.workers)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     videos = index.train + index.val
     print(f"Decoding {len(videos)} videos of {index.root} at {height} x {width}", file=sys.stderr)
-    report = fill_cache(videos, height=height, width=width, cache=cache, workers=args.workers,
-                        progress=_progress(sys.stderr))
+    report = fill_cache(videos, height=height, width=width, cache=cache, workers=opts.workers,
+                        progress=progress_printer("cache", sys.stderr))
     print(report.summary(cache))
     return 0
 

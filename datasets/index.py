@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -20,16 +21,18 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, TextIO, TypeVar
 
+from tqdm import tqdm
 
 from datasets.config import DataConfig
 from datasets.errors import DataError
-from datasets.flags import ConfigError, add_flags, check_bounds, flag_specs
+from datasets.flags import ConfigError, FlagSpec, add_flags, build, check_bounds, flag_specs, option
 from datasets.layouts import OWN_FILE_PREFIX, discover
-from datasets.probe import probe_video, run_pool  # noqa: F401  (probe_video re-exported)
+from datasets.probe import probe_video, run_pool
 from datasets.records import DroppedVideo, VideoInfo
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,8 @@ CACHE_VERSION = 1
 CACHE_FILE = OWN_FILE_PREFIX + ".json"   # in the dataset folder, hidden from discovery
 _MAX_LISTED = 25                         # dropped files named in one error message
 _PROBE_KEYS = ("num_frames", "claimed_frames", "fps", "width", "height")
+_PLAIN_EVERY_S = 2.0                     # progress off a terminal: a line this often, not one per file
+T = TypeVar("T")
 
 
 
@@ -59,7 +64,8 @@ def _probe_files(paths: list[Path], *, timeout_s: float, workers: int,
             results.append(value)
         elif kind == "timeout":
             results.append({"error": f"probe timed out after {timeout_s:g}s (the decoder hangs on this "
-                                     "file; re-encode it, or raise --probe-timeout-s)", "timeout_s": timeout_s})
+                                     "file; re-encode it, or raise --probe-timeout-s)",
+                            "timeout_s": timeout_s})
         elif kind == "crashed":
             results.append({"error": f"the decoder crashed on this file (worker exit code {value})"})
         else:
@@ -169,12 +175,13 @@ class VideoIndex:
                          + ", ".join(f"{s} ({n})" for s, n in sizes))
         total = len(usable) + len(self.dropped)
         if self.dropped:
-            lines.append(f"\nDropped {len(self.dropped)} of {_plural(total, 'video')} (left out; the rest are used):")
+            lines.append(f"\nDropped {len(self.dropped)} of {_plural(total, 'video')} "
+                         "(left out; the rest are used):")
             lines += [f"  {self._rel(d.path)}: {d.reason}" for d in self.dropped]
         if self.overstated:
             verb = "decodes" if len(self.overstated) == 1 else "decode"
-            lines.append(f"\n{_plural(len(self.overstated), 'video')} {verb} fewer frames than the container claims "
-                         "(the decodable count is used):")
+            lines.append(f"\n{_plural(len(self.overstated), 'video')} {verb} fewer frames than the "
+                         "container claims (the decodable count is used):")
             lines += [f"  {self._rel(p)}: {n} of {claimed} frames" for p, claimed, n in self.overstated]
         if self.skipped:
             lines.append("\nSkipped (not used): " + ", ".join(
@@ -214,7 +221,8 @@ def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool 
     Unreadable files and files with fewer than `cfg.min_frames` decodable frames are left out
     and listed in `.dropped`; a DataError is raised only when a split or class ends up empty
     (naming the files dropped from it and why). Where vidtune makes the split (class folders, a
-    manifest without a split column) it is drawn after probing, over the usable videos only. `progress(done, total)` is called per probe.
+    manifest without a split column) it is drawn after probing, over the usable videos only.
+    `progress(done, total)` is called per probe.
     """
     n_workers = _check_options(cfg, workers)
     disc = discover(cfg)
@@ -244,7 +252,7 @@ def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool 
     cached = len(probes) - sum(p not in stats for p in probes)
     if todo:
         for path, result in zip(todo, _probe_files(todo, timeout_s=cfg.probe_timeout_s,
-                                                   workers=n_workers, progress=progress)):
+                                                   workers=n_workers, progress=progress), strict=True):
             probes[path] = result
     cache_path = None
     if candidates and (todo or not cache):
@@ -291,22 +299,24 @@ def _assemble(disc, probes: dict[Path, dict], cfg: DataConfig, **counts) -> Vide
         infos.append(VideoInfo(item.path, item.label, item.split, r["num_frames"], fps, r["width"],
                                r["height"], r["num_frames"] / fps if fps > 0 else 0.0))
     index = VideoIndex(disc.layout, disc.class_names, [v for v in infos if v.split == "train"],
-                       [v for v in infos if v.split == "val"], dropped, disc.root, disc.manifest, disc.skipped,
-                       overstated, **counts)
+                       [v for v in infos if v.split == "val"], dropped, disc.root, disc.manifest,
+                       disc.skipped, overstated, **counts)
     _check_no_empty_cell(index, disc, item_of)
     return index
 
 
-def _check_enough_to_split(disc, usable: dict[Path, dict], dropped: list[DroppedVideo], item_of: dict) -> None:
+def _check_enough_to_split(disc, usable: dict[Path, dict], dropped: list[DroppedVideo],
+                           item_of: dict) -> None:
     """DataError when a class has fewer than 2 usable videos to split, naming the files dropped from it."""
     for label, name in disc.class_names.items():
         n = sum(item_of[p].label == label for p in usable)
         if n >= 2:
             continue
         lost = [d for d in dropped if item_of[d.path].label == label]
-        raise DataError(f"only {n} usable {name} video{'' if n == 1 else 's'} left in {disc.manifest or disc.root}; "
-                        f"at least 2 are needed (one for training, one for validation); {len(lost)} "
-                        f"{'was' if len(lost) == 1 else 'were'} dropped:\n" + _listing(lost, disc.root))
+        raise DataError(f"only {n} usable {name} video{'' if n == 1 else 's'} left in "
+                        f"{disc.manifest or disc.root}; at least 2 are needed (one for training, one for "
+                        f"validation); {len(lost)} {'was' if len(lost) == 1 else 'were'} dropped:\n"
+                        + _listing(lost, disc.root))
 
 
 def _listing(lost: list[DroppedVideo], root: Path | None) -> str:
@@ -333,8 +343,9 @@ def _check_no_empty_cell(index: VideoIndex, disc, item_of: dict) -> None:
             if not lost:
                 raise DataError(f"no {name} videos in the {split} split of {disc.manifest or disc.root}: "
                                 f"add some (both classes are needed in train and val)")
-            raise DataError(f"no usable {name} videos left in the {split} split of {disc.manifest or disc.root}: "
-                            f"all {len(lost)} were dropped:\n" + _listing(lost, index.root))
+            raise DataError(f"no usable {name} videos left in the {split} split of "
+                            f"{disc.manifest or disc.root}: all {len(lost)} were dropped:\n"
+                            + _listing(lost, index.root))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,45 +371,77 @@ def dataset_config(args: argparse.Namespace, **more: Any) -> DataConfig:
     return cfg
 
 
+def read_options(cls: type[T], specs: Sequence[FlagSpec], args: argparse.Namespace) -> T:
+    """The frozen dataclass `cls` of a CLI's own flags (`specs`, added with `add_flags(...,
+    suppress=False)`) from the parsed `args`; bounds checked (ConfigError naming the flag)."""
+    opts = build(cls, {s.path: getattr(args, s.path) for s in specs})
+    check_bounds(opts, specs)
+    return opts
+
+
+def progress_printer(desc: str, stream: TextIO) -> Callable[[int, int], None]:
+    """`progress(done, total)` of the indexing and cache CLIs: on a terminal a tqdm bar redrawn
+    in place; elsewhere (a log file, CI) tqdm's meter as a plain line every `_PLAIN_EVERY_S`
+    seconds and at the end, so a log holds lines instead of carriage returns."""
+    if stream.isatty():
+        bar: list[tqdm] = []
+
+        def redraw(done: int, total: int) -> None:
+            if not bar:
+                bar.append(tqdm(total=total, desc=desc, unit="video", file=stream, dynamic_ncols=True))
+            bar[0].update(done - bar[0].n)
+            if done >= total:
+                bar[0].close()
+        return redraw
+    start, last = time.monotonic(), [-math.inf]
+
+    def line(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last[0] >= _PLAIN_EVERY_S:
+            last[0] = now
+            meter = tqdm.format_meter(done, total, now - start, prefix=desc, unit="video", ascii=True)
+            print(meter, file=stream, flush=True)
+    return line
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    """The index CLI's own flags (the dataset's are `add_dataset_arguments`', the index cache's
+    folder is `DataConfig.cache_dir`). Named --index-*: --cache-dir / --no-cache are the clip
+    cache's everywhere else."""
+
+    workers: int | None = option(None, flag="--workers", metavar="N", ge=1,
+                                 help="probe worker processes (default: the number of CPU cores, at most 8)")
+    index_cache: bool = option(True, flag="--no-index-cache",
+                               help="probe every file again and do not read or write the index cache")
+
+
+INDEX_CLI_FLAGS = tuple(flag_specs(IndexOptions))
+INDEX_CACHE_DIR_FLAG = tuple(s for s in flag_specs(DataConfig) if s.path == "cache_dir")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = DataConfig()
     p = argparse.ArgumentParser(
         prog="python -m datasets.index",
         description="Find and check the videos of a dataset before a long search: prints the layout, "
                     "counts per split and class, and every file left out with the reason. Exits 1 "
                     "(with the reason) when the data cannot be used.")
     add_dataset_arguments(p)
-    p.add_argument("--workers", type=int, default=None,
-                   help="probe worker processes (default: the number of CPU cores, at most 8)")
-    p.add_argument("--cache-dir", default=d.cache_dir,
-                   help="folder for the index cache (default: ROOT/.vidtune-index.json if writable, "
-                        "else ~/.cache/vidtune)")
-    p.add_argument("--no-cache", action="store_true",
-                   help="probe every file again and do not read or write the index cache")
+    add_flags(p, INDEX_CACHE_DIR_FLAG + INDEX_CLI_FLAGS, group_of=lambda s: "index", suppress=False)
     return p
-
-
-def _progress_printer(stream) -> Callable[[int, int], None]:
-    last = [0.0]
-
-    def show(done: int, total: int) -> None:
-        now = time.monotonic()
-        if done == total or now - last[0] > 2.0:   # a line every 2 s, not one per file
-            last[0] = now
-            print(f"probed {done}/{total} videos", file=stream, flush=True)
-    return show
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        opts = read_options(IndexOptions, INDEX_CLI_FLAGS, args)
         cfg = dataset_config(args, cache_dir=args.cache_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        index = build_index(cfg, workers=args.workers, use_cache=not args.no_cache,
-                            progress=_progress_printer(sys.stderr))
+        index = build_index(cfg, workers=opts.workers, use_cache=opts.index_cache,
+                            progress=progress_printer("probe", sys.stderr))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

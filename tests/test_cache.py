@@ -22,6 +22,8 @@ from datasets.decode import read_frames
 from datasets.errors import DataError
 from datasets.records import VideoInfo
 from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips
+from trainer import fill_cache as fill_cache_cli
+from trainer.models import get_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZE = dict(height=32, width=32)
@@ -341,8 +343,8 @@ def test_fill_cache_reports_written_cached_and_failed(videos, tmp_path):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["--height", "0", "--width", "32"], "--height 0"),
-    (["--height", "32", "--width", "-1"], "--width -1"),
+    (["--height", "0", "--width", "32"], "--height: got 0"),
+    (["--height", "32", "--width", "-1"], "--width: got -1"),
     (["--model", "no_such_model"], "--model no_such_model"),
     (["--model", "tiny", "--height", "32"], "--model"),
     (["--height", "32"], "--width"),
@@ -354,6 +356,27 @@ def test_cli_bad_input_exits_2_naming_the_flag(tmp_path, capsys, argv, flag):
     with pytest.raises(SystemExit) as exc:
         main([str(tmp_path), "--cache-dir", str(tmp_path / "c"), *argv])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_cli_model_needs_trainer_fill_cache_which_looks_it_up(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    argv = [str(tmp_path / "empty"), "--cache-dir", str(tmp_path / "c")]
+    with pytest.raises(SystemExit) as exc:      # the data layer does not know the models
+        main([*argv, "--model", "tiny"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "python -m trainer.fill_cache --model tiny" in err and "--height" in err and "--width" in err
+
+    asked = []
+    assert main([*argv, "--model", "m"], clip_size_of=lambda name: asked.append(name) or (32, 32)) == 1
+    assert asked == ["m"]                       # looked up, then the empty dataset is refused
+
+    spec = get_spec("tiny")
+    assert fill_cache_cli.clip_size("tiny") == (spec.height, spec.width)
+    assert fill_cache_cli.main([*argv, "--model", "tiny"]) == 1
+    with pytest.raises(SystemExit) as exc:
+        fill_cache_cli.main([*argv, "--model", "no_such_model"])
+    assert exc.value.code == 2 and "--model no_such_model" in capsys.readouterr().err
 
 
 def test_cli_unusable_dataset_exits_1(tmp_path, capsys):

@@ -246,18 +246,18 @@ def test_bad_options_are_errors(messy):
 
 
 def test_cli_prints_the_report_and_exits_1_when_the_data_cannot_be_used(messy, tmp_path, capsys):
-    assert main([str(messy), "--cache-dir", str(tmp_path), "--workers", "2"]) == 0
+    assert main([str(messy), "--index-cache-dir", str(tmp_path), "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "(layout rwf2000)" in out and "Dropped 3 of 11 videos" in out
     assert "train/Fight/empty.avi: empty file (0 bytes)" in out and "train/NonFight/short.MP4: only 4" in out
 
-    assert main([str(messy), "--cache-dir", str(tmp_path), "--min-frames", "13"]) == 1
+    assert main([str(messy), "--index-cache-dir", str(tmp_path), "--min-frames", "13"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: no usable") and "fewer than min_frames=13" in err and "lower --min-frames" in err
 
-    assert main([str(tmp_path / "missing"), "--no-cache"]) == 1
+    assert main([str(tmp_path / "missing"), "--no-index-cache"]) == 1
     assert f"{tmp_path / 'missing'} does not exist" in capsys.readouterr().err
-    assert main([str(messy), "--positive-class", "Riot", "--no-cache"]) == 1
+    assert main([str(messy), "--positive-class", "Riot", "--no-index-cache"]) == 1
     assert "'Fight', 'NonFight'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main([str(messy), "--layout", "bogus"])
