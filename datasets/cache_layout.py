@@ -47,10 +47,12 @@ def entry_key(path: str | Path, fmt: str, height: int, width: int) -> str:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise DataError(f"Failed to read video {path}: file not found (moved or deleted after indexing?)") from None
+        raise DataError(f"Failed to read video {path}: file not found (moved or deleted after "
+                        "indexing?)") from None
     except OSError as e:
         raise DataError(f"Failed to read video {path}: cannot stat it ({e.strerror})") from e
-    parts = [FORMAT_VERSION, fmt, str(Path(path).resolve()), st.st_size, st.st_mtime_ns, int(height), int(width)]
+    parts = [FORMAT_VERSION, fmt, str(Path(path).resolve()), st.st_size, st.st_mtime_ns, int(height),
+             int(width)]
     return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:32]
 
 
@@ -92,7 +94,8 @@ def load_meta(entry: Path, fmt: str) -> dict | None:
         meta = json.loads((entry / META_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None          # not published: a reader never looks inside .tmp- folders
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION or meta.get("format") != fmt:
+    if (not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION
+            or meta.get("format") != fmt):
         raise ValueError(f"meta.json is not a {fmt} entry of format version {FORMAT_VERSION}")
     size = os.stat(entry / FRAMES_FILE[fmt]).st_size
     if size != meta["bytes"] or meta["num_frames"] < 1:
@@ -182,10 +185,11 @@ def read_jpeg(entry: Path, meta: dict, indices: list[int]) -> list[torch.Tensor]
     buf = np.empty(sum(lengths), np.uint8)
     pos = 0
     with open(entry / FRAMES_FILE["jpeg"], "rb") as f:
-        for i, n in zip(indices, lengths):
+        for i, n in zip(indices, lengths, strict=True):
             part = buf[pos:pos + n]
             f.seek(offsets[i])
-            if f.readinto(part) != n or part[:2].tobytes() != b"\xff\xd8" or part[-2:].tobytes() != b"\xff\xd9":
+            if (f.readinto(part) != n or part[:2].tobytes() != b"\xff\xd8"
+                    or part[-2:].tobytes() != b"\xff\xd9"):
                 raise ValueError(f"frame {i} is not a whole JPEG file")
             pos += n
     return list(torch.from_numpy(buf).split(lengths))

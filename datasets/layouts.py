@@ -21,9 +21,9 @@ import hashlib
 import os
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
-from typing import Collection
 
 from datasets.config import LAYOUT_CHOICES, DataConfig
 from datasets.errors import DataError
@@ -111,7 +111,8 @@ def discover(cfg: DataConfig) -> Discovery:
         return _discover_csv(root, cfg)
     if not any(not p.name.startswith(".") for p in root.iterdir()):
         raise DataError(f"dataset folder {root} is empty: put the videos in it, e.g. "
-                        f"{root}/Violence/*.mp4 and {root}/NonViolence/*.mp4 (see README: Using your own dataset)")
+                        f"{root}/Violence/*.mp4 and {root}/NonViolence/*.mp4 "
+                        "(see README: Using your own dataset)")
     root = _unwrap(root)
     if layout == "auto":
         layout = _detect_layout(root)
@@ -210,7 +211,8 @@ def _scan_videos(folder: Path, skipped: Counter) -> list[Path]:
     """Every video file under `folder` (recursive, sorted); other files are counted in `skipped`."""
     videos = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        hidden = sum(len(fs) for d in dirnames if d.startswith(".") for _, _, fs in os.walk(Path(dirpath) / d))
+        hidden = sum(len(fs) for d in dirnames if d.startswith(".")
+                     for _, _, fs in os.walk(Path(dirpath) / d))
         if hidden:
             skipped["file in a hidden folder"] += hidden
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -259,7 +261,8 @@ def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
             raise DataError(f"--layout rwf2000: {root} has no {split}/ folder; expected {tree} "
                             "(or use --layout class_folders and let vidtune make the split)")
         if len(dirs) > 1:
-            raise DataError(f"{root} has several {split} folders ({', '.join(d.name for d in dirs)}); keep one")
+            raise DataError(f"{root} has several {split} folders ({', '.join(d.name for d in dirs)}); "
+                            "keep one")
     per_split: dict[str, dict[str, list[Path]]] = {}
     for split in ("train", "val"):
         sdir = splits[split][0]
@@ -314,9 +317,10 @@ def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
             if (first[2], first[3]) != (label, split):
                 # Keeping either row would train on a label (or split) the other row contradicts.
                 what = "labels" if first[2] != label else "splits"
-                raise DataError(f"{manifest}: lines {first[0]} and {line} list the same video with different {what}: "
-                                f"line {first[0]}: {first[1]},{first[2]}{',' + first[3] if first[3] else ''}; "
-                                f"line {line}: {raw_path},{label}{',' + split if split else ''}; keep one of the two rows")
+                raise DataError(f"{manifest}: lines {first[0]} and {line} list the same video with "
+                                f"different {what}: line {first[0]}: {first[1]},{first[2]}"
+                                f"{',' + first[3] if first[3] else ''}; line {line}: {raw_path},{label}"
+                                f"{',' + split if split else ''}; keep one of the two rows")
             skipped["duplicate manifest row"] += 1
             continue
         seen[path] = (line, raw_path, label, split)
@@ -336,7 +340,8 @@ def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
                          class_names=_class_names(labels))
         return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped),
                          val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
-    items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries), key=lambda it: str(it.path))
+    items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries),
+                   key=lambda it: str(it.path))
     return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped))
 
 
@@ -439,13 +444,15 @@ def _unsplit(pairs: list[tuple[Path, int]], cfg: DataConfig, *, root: Path,
 def _check_split(pairs: list[tuple[Path, int]], *, val_fraction: float, root: Path,
                  class_names: dict[int, str] | None) -> None:
     if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction (--val-fraction) must be between 0 and 1 (exclusive); got {val_fraction}")
+        raise DataError("val_fraction (--val-fraction) must be between 0 and 1 (exclusive); "
+                        f"got {val_fraction}")
     names = class_names or {}
     for label in sorted(set(names) | {lab for _, lab in pairs}):
         n = sum(lab == label for _, lab in pairs)
         if n < 2:
             raise DataError(f"class {names.get(label, label)!r} in {root} has only {n} video"
-                            f"{'' if n == 1 else 's'}; at least 2 are needed (one for training, one for validation)")
+                            f"{'' if n == 1 else 's'}; at least 2 are needed (one for training, one for "
+                            "validation)")
 
 
 def stratified_split(pairs: list[tuple[Path, int]], *, val_fraction: float, seed: int, root: Path,

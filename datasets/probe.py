@@ -10,9 +10,13 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
-from typing import Any, Callable
+from typing import Any
+
+import av
+import decord
 
 from datasets.errors import decoder_reason
 
@@ -32,7 +36,6 @@ def probe_video(path: str) -> dict[str, Any]:
     size = os.stat(path).st_size
     if size == 0:
         return {"error": "empty file (0 bytes)"}
-    import decord
 
     def open_reader():
         return decord.VideoReader(path, num_threads=1)
@@ -78,8 +81,6 @@ def _no_video_stream(path: str) -> str | None:
     stream with wanted index: -1"), e.g. "has no video stream (audio only)"; None when the file
     has a video stream or FFmpeg cannot read it at all (decord's own reason is kept then)."""
     try:
-        import av
-
         with av.open(path) as container:
             if container.streams.video:
                 return None

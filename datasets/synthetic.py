@@ -30,11 +30,12 @@ import multiprocessing
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
+import av
 import numpy as np
 
 from datasets.errors import DataError
@@ -175,7 +176,7 @@ def _draw(frame: np.ndarray, fig: _Figure, px: np.ndarray, py: np.ndarray, shift
     alpha = _segment_alpha(px, py, top, bottom, 0.14 * h)                      # body
     head = np.array([x, y - 0.55 * h])
     alpha = np.maximum(alpha, np.clip(0.13 * h - np.hypot(px - head[0], py - head[1]) + 0.5, 0, 1))
-    for side, ang in zip((-1, 1), fig.arm):                                    # arms from shoulders
+    for side, ang in zip((-1, 1), fig.arm, strict=True):                        # arms from shoulders
         shoulder = np.array([x + side * 0.08 * h, y - 0.28 * h])
         hand = shoulder + 0.45 * h * np.array([side * math.sin(ang), math.cos(ang)])
         alpha = np.maximum(alpha, _segment_alpha(px, py, shoulder, hand, 0.08 * h))
@@ -230,12 +231,13 @@ def _walk_motion(rng, figs, frames, size, fps):
             heading = rng.uniform(0, 2 * math.pi)
         elif i:   # side by side, close together: clustered figures are not a fight cue
             f.pos = figs[0].pos + rng.normal(0, 0.12 * size, size=2)
-        f.vel = rng.uniform(*speed) * size / 112 * per_frame * np.array([math.cos(heading), 0.4 * math.sin(heading)])
+        direction = np.array([math.cos(heading), 0.4 * math.sin(heading)])
+        f.vel = rng.uniform(*speed) * size / 112 * per_frame * direction
         f.arm_vel = np.array([rng.uniform(0.05, 0.2), rng.uniform(0, 2 * math.pi)])  # swing freq, phase
     amp = 1.0 if style == "gesture" else 0.35   # slow wide gestures cover the same arm poses as fights
     base = [f.arm.copy() for f in figs]
     for t in range(frames):
-        for f, b in zip(figs, base):
+        for f, b in zip(figs, base, strict=True):
             f.pos = f.pos + f.vel
             for axis in (0, 1):   # turn back at the edges instead of leaving the scene
                 if not 0.1 * size <= f.pos[axis] <= 0.9 * size:
@@ -263,7 +265,8 @@ def render_clip(label: int, rng: np.random.Generator, *, frames: int, size: int,
     py, px = np.mgrid[0:size, 0:size].astype(np.float32)
     out = np.empty((frames, size, size, 3), np.uint8)
     for t, state in enumerate(motion(rng, figs, frames, size, fps)):
-        dx, dy = np.round(shake * np.sin(2 * math.pi * shake_f * t * np.array([1.0, 1.3]) + shake_phase)).astype(int)
+        wobble = np.sin(2 * math.pi * shake_f * t * np.array([1.0, 1.3]) + shake_phase)
+        dx, dy = np.round(shake * wobble).astype(int)
         frame = bg[margin + dy:margin + dy + size, margin + dx:margin + dx + size].copy()
         for f in state:
             _draw(frame, f, px, py, shift=(dx, dy))
@@ -280,8 +283,6 @@ def write_video(path: Path, frames: np.ndarray, *, fps: int, codec: str = "libx2
     codec: "libx264" (.mp4, yuv420p, `crf`), "mpeg4" (MPEG-4 part 2, fixed quantiser 2) or
     "mjpeg" (quality 2); the last two go in an AVI container.
     """
-    import av
-
     fmt = "mp4" if codec == "libx264" else "avi"
     with av.open(str(path), mode="w", format=fmt) as container:
         stream = container.add_stream(codec, rate=fps)
@@ -298,7 +299,8 @@ def write_video(path: Path, frames: np.ndarray, *, fps: int, codec: str = "libx2
         # output can depend on its thread count (PyAV's default is one per core).
         stream.codec_context.thread_count = 1
         for arr in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(arr), format="rgb24")
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -366,15 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m datasets.synthetic",
         description="Write a small learnable violence-like dataset (RWF-2000 layout) of real video files.")
     p.add_argument("out", metavar="OUT", help="output folder (created; becomes the dataset root)")
-    p.add_argument("--videos", type=int, default=d.videos, help="total clips, classes balanced (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same frames (default %(default)s)")
+    p.add_argument("--videos", type=int, default=d.videos,
+                   help="total clips, classes balanced (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="random seed; same seed, same frames (default %(default)s)")
     p.add_argument("--fps", type=int, default=d.fps, help="frames per second (default %(default)s)")
-    p.add_argument("--seconds", type=float, default=d.seconds, help="clip length in seconds (default %(default)s)")
-    p.add_argument("--size", type=int, default=d.size, help="square frame side in pixels, even (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=d.seconds,
+                   help="clip length in seconds (default %(default)s)")
+    p.add_argument("--size", type=int, default=d.size,
+                   help="square frame side in pixels, even (default %(default)s)")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="share of each class written to val/ (default %(default)s)")
     p.add_argument("--avi-every", type=int, default=d.avi_every,
-                   help="every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = all .mp4 (default %(default)s)")
+                   help="every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = all .mp4 "
+                   "(default %(default)s)")
     p.add_argument("--odd-name-every", type=int, default=d.odd_name_every,
                    help="every k-th clip gets a name with spaces / non-ASCII; 0 = none (default %(default)s)")
     p.add_argument("--crf", type=int, default=d.crf,
@@ -395,8 +402,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    counts = {f"{s}/{c}": sum(1 for _ in (root / s / c).iterdir()) for s in SPLITS for c in CLASS_DIRS.values()}
-    print(f"wrote {sum(counts.values())} videos to {root}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    counts = {f"{s}/{c}": sum(1 for _ in (root / s / c).iterdir())
+              for s in SPLITS for c in CLASS_DIRS.values()}
+    print(f"wrote {sum(counts.values())} videos to {root}: "
+          + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
 
 

@@ -6,7 +6,7 @@ float, augmented and normalised here, batched, on the training device.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,8 @@ class ClipTransform(nn.Module):
 
     def forward(self, clips: torch.Tensor) -> torch.Tensor:
         if clips.dim() != 5 or clips.shape[-1] != 3:
-            raise ValueError(f"ClipTransform expects uint8 B x T x H x W x 3 clips, got shape {tuple(clips.shape)}")
+            raise ValueError("ClipTransform expects uint8 B x T x H x W x 3 clips, got shape "
+                             f"{tuple(clips.shape)}")
         if clips.dtype != torch.uint8:
             raise ValueError(f"ClipTransform expects uint8 clips (0..255), got {clips.dtype}")
         # B x T x H x W x C -> B x C x T x H x W; float32 even under autocast (the model casts).
