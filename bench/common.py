@@ -8,8 +8,9 @@ import math
 import os
 import platform
 import subprocess
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, digit
 
     def line(values: Sequence[str]) -> str:
         first, rest = values[0], values[1:]
-        return "  ".join([f"{first:<{widths[0]}}", *(f"{v:>{w}}" for v, w in zip(rest, widths[1:]))]).rstrip()
+        return "  ".join([f"{first:<{widths[0]}}", *(f"{v:>{w}}" for v, w in zip(rest, widths[1:], strict=False))]).rstrip()
 
     return "\n".join([line([str(h) for h in headers]), "  ".join("-" * w for w in widths), *map(line, cells)])
 

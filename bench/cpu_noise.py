@@ -74,7 +74,7 @@ class Background:
         self.processes = processes
         self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Background":
+    def __enter__(self) -> Background:
         if self.args:
             self.procs = [subprocess.Popen([sys.executable, "-c", NOISE, *map(str, self.args)])
                           for _ in range(self.processes)]

@@ -152,7 +152,8 @@ class CpuSampler:
             n, cpu = by_kind.get(seen.kind, (0, 0.0))
             by_kind[seen.kind] = (n + 1, cpu + seen.cpu_s)
         self.usage = CpuUsage(wall_s=time.time() - self._start,
-                              machine_busy_s=machine_busy_s() - self._start_busy, by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])),
+                              machine_busy_s=machine_busy_s() - self._start_busy,
+                              by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1][1])),
                               timeline=self._timeline)
 
     def _run(self) -> None:

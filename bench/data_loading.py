@@ -213,11 +213,10 @@ def cache_table(args: argparse.Namespace, tmp: str) -> dict:
     """Decord vs the clip cache (cold and warm, per format) on each corpus, the same clips, one
     thread; DataLoader throughput warm vs decord on the first corpus; disk per format. Prints
     the table, returns {"rows", "ratios", "disk", "settings"}."""
-    from datasets.config import DataConfig
-
     import torch
 
     from datasets.cache import resolve_format
+    from datasets.config import DataConfig
 
     # The format a search on this machine would store (auto: jpeg when training on a GPU, else raw).
     default = resolve_format(DataConfig().clip_cache_format, on_gpu=torch.cuda.is_available())

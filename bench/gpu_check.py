@@ -30,11 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from tune.tracking import GPU_IDS_TAG   # the physical GPU id(s) a trial trained on
+from tune.tracking import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"
@@ -140,7 +141,8 @@ def mlflow_uri(work: Path) -> str:
 
 
 def child_env(work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "VIDTUNE_SIMULATE_GPUS"}   # the real GPU, not simulated ones
+    # the real GPU, not simulated ones
+    env = {k: v for k, v in os.environ.items() if k != "VIDTUNE_SIMULATE_GPUS"}
     return {**env, "XDG_CACHE_HOME": str(work / "xdg-cache"), "PYTHONUNBUFFERED": "1"}
 
 

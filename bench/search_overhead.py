@@ -23,6 +23,7 @@ report times where the code reports none); the plain side times itself the same 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -265,6 +267,11 @@ def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
             for r in runs if TRIAL_ID_TAG in r.data.tags}
 
 
+def _reported(results: list[dict], key: str) -> list[float]:
+    """The values `results` report for `key` (results without it left out)."""
+    return [float(r[key]) for r in results if r.get(key) is not None]
+
+
 def search_timeline(trials: list[dict], spans: dict, est: dict[str, float]) -> list[dict]:
     """The search's trials in the plain side's timeline format. Epoch positions come from the
     reported epoch_start_ts / epoch_end_ts where present; otherwise from the report time
@@ -287,7 +294,7 @@ def search_timeline(trials: list[dict], spans: dict, est: dict[str, float]) -> l
             epochs.append({"epoch": r["epoch"], "start": end - est["eval_s"] - train, "train_s": train, "end": end,
                            "exact": False})
         end = span[1] if span and span[1] else (res[-1]["timestamp"] if res else start)
-        values = lambda key: [float(r[key]) for r in res if r.get(key) is not None]  # noqa: E731
+        values = functools.partial(_reported, res)
         out.append({"trial_id": t["trial_id"], "batch_size": t["params"].get("batch_size"),
                     "lr": t["params"].get("lr"), "start": start, "end": end, "epochs": epochs,
                     "device_wait_s": sum(values("device_wait_s")) if values("device_wait_s") else None,
@@ -308,7 +315,7 @@ def stage_times(side: dict) -> dict[str, float]:
     marks = console_markers(side["lines"])
     points = [("launch", side["launch"])] + [(n, marks[n]) for n, _ in CONSOLE_MARKERS if n in marks and marks[n] < first]
     points = sorted(dict.fromkeys(points), key=lambda p: p[1]) + [("first trial starts", first)]
-    return {f"{a} -> {b}".replace("_", " "): tb - ta for (a, ta), (b, tb) in zip(points, points[1:])}
+    return {f"{a} -> {b}".replace("_", " "): tb - ta for (a, ta), (b, tb) in pairwise(points)}
 
 
 def console_markers(lines: list[tuple[float, str]]) -> dict[str, float]:
@@ -338,7 +345,7 @@ def side_summary(launch: float, exit_: float, trials: list[dict]) -> dict[str, f
         "after_last_trial_s": exit_ - last,
         "training_s": sum(e["train_s"] for e in epochs),
         "evaluation_s": sum(e["end"] - e["start"] - e["train_s"] for e in epochs),
-        "between_epochs_s": 0.0 + sum(b["start"] - a["end"] for t in ran for a, b in zip(t["epochs"], t["epochs"][1:])),
+        "between_epochs_s": 0.0 + sum(b["start"] - a["end"] for t in ran for a, b in pairwise(t["epochs"])),
         "trial_start_to_first_epoch_s": mean([t["epochs"][0]["start"] - t["start"] for t in ran]),
         "last_epoch_to_trial_end_s": mean([t["end"] - t["epochs"][-1]["end"] for t in ran]),
         "no_training_s": (exit_ - launch) - union_length((e["start"], e["start"] + e["train_s"]) for e in epochs),
@@ -605,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainings_at_once": search["overlap"]["trainings_at_once"] if search else None,
             "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None,
             "cpu": {"plain": plain["cpu"].to_dict(), "search": search["cpu"].to_dict() if search else None},
-            "cores_while_training": dict(zip(("plain", "search"), while_training(plain, search)))})
+            "cores_while_training": dict(zip(("plain", "search"), while_training(plain, search), strict=True))})
     return 0
 
 

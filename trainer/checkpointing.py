@@ -168,7 +168,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     when it is missing, unreadable, or not a vidtune checkpoint."""
     file = checkpoint_file(path)
     if not file.is_file():
-        raise CheckpointError(f"checkpoint {file} not found; pass the checkpoint directory printed at the end of training")
+        raise CheckpointError(f"checkpoint {file} not found; pass the checkpoint directory printed at the "
+                              "end of training")
     try:
         state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as e:  # pickle, zip and torch errors all mean the same to the user
@@ -176,11 +177,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if reason is not None:
             raise CheckpointError(f"checkpoint {file} {reason}; vidtune's own checkpoints hold none, so this "
                                   "file was not written by trainer.train or a search") from None
-        raise CheckpointError(f"checkpoint {file} cannot be read ({load_error_detail(e)}); it is damaged or not a torch file") from None
+        raise CheckpointError(f"checkpoint {file} cannot be read ({load_error_detail(e)}); it is damaged or "
+                              "not a torch file") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a vidtune checkpoint (no '{FORMAT}' marker); pass a directory written by trainer.train or a search")
+        raise CheckpointError(f"{file} is not a vidtune checkpoint (no '{FORMAT}' marker); pass a directory "
+                              "written by trainer.train or a search")
     if state.get("version", 0) > VERSION:
-        raise CheckpointError(f"checkpoint {file} has format version {state['version']}; this vidtune reads up to {VERSION}, upgrade it")
+        raise CheckpointError(f"checkpoint {file} has format version {state['version']}; this vidtune reads "
+                              f"up to {VERSION}, upgrade it")
     return state
 
 

@@ -51,7 +51,7 @@ def physical_gpu_ids() -> list[str]:
     return [str(i) for i in ids]
 
 
-def train_device() -> "torch.device":
+def train_device() -> torch.device:
     """The torch device this Train worker trains on.
 
     No GPU from Ray: the CPU. A GPU from Ray: that GPU (the position of its id in

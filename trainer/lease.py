@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 
@@ -140,7 +141,7 @@ class LeaseBook:
         `owner` included (1 = it had its devices to itself; 0 = it held none then)."""
         mine = {k for o, keys, _, _ in self.intervals if o == owner for k in keys}
         events: list[tuple[float, int]] = []
-        for o, keys, start, end in self.intervals:
+        for _, keys, start, end in self.intervals:
             if not mine & set(keys):
                 continue
             lo, hi = max(start, since), min(end if end is not None else until, until)
@@ -165,7 +166,8 @@ DeviceLease = ray.remote(num_cpus=0, max_concurrency=1000)(LeaseBook)
 def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1, lead_slots: int = 0):
     """Create the search's lease actor (owned by the caller: it ends with the search process).
     `lead_slots`: GPUs the search may use at once, one lead trial each (0: no roles, CPU)."""
-    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity, lead_slots=lead_slots)
+    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity,
+                                                                     lead_slots=lead_slots)
 
 
 def device_keys(device: Any) -> list[str]:
@@ -193,7 +195,7 @@ class LeaseSettings:
         return {"name": self.name, "owner": self.owner}
 
     @classmethod
-    def from_dict(cls, d: dict[str, str] | None) -> "LeaseSettings | None":
+    def from_dict(cls, d: dict[str, str] | None) -> LeaseSettings | None:
         return cls(**d) if d else None
 
 
@@ -215,7 +217,8 @@ class TrainingSlot:
         asked = time.time()
         granted = ray.get(self._actor.acquire.remote(self.settings.owner, list(keys)))
         if granted is None:
-            raise RuntimeError(f"trial {self.settings.owner} was ended by the search while it waited for its device")
+            raise RuntimeError(f"trial {self.settings.owner} was ended by the search while it waited for "
+                               "its device")
         self.wait_s, self.held = max(0.0, granted - asked), True
 
     def release(self) -> None:

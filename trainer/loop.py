@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
             scheduler.step()
             stats.steps += 1
             pending = 0
-            if finite_check_every and stats.steps % finite_check_every == 0 and not _finite_everywhere(loss_sum):
+            if (finite_check_every and stats.steps % finite_check_every == 0
+                    and not _finite_everywhere(loss_sum)):
                 break   # a non-finite loss: the weights are (or soon will be) NaN, so nothing more is learnt
     precision.synchronize(device)  # sync point: queued GPU work belongs to this epoch's time
     stats.epoch_time_s = time.perf_counter() - start

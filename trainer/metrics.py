@@ -177,7 +177,7 @@ def _gather_pairs(probs: torch.Tensor, labels: torch.Tensor,
     padded[:, : local.shape[1]] = local
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
-    joined = torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1).cpu()
+    joined = torch.cat([part[:, :size] for part, size in zip(parts, sizes, strict=True)], dim=1).cpu()
     return joined[0], joined[1].round().to(torch.int64)
 
 

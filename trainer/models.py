@@ -11,9 +11,10 @@ import pickle
 import re
 import socket
 import urllib.error
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def load_error_detail(e: BaseException) -> str:
     if _weights_only_failure(e):
         for line in str(e).splitlines()[1:]:
             line = line.strip().removeprefix("WeightsUnpickler error:").strip()
-            if line and not line.startswith(("(1)", "(2)", "Check the documentation", "Please file an issue")):
+            boilerplate = ("(1)", "(2)", "Check the documentation", "Please file an issue")
+            if line and not line.startswith(boilerplate):
                 return line.split(". Please use", 1)[0][:200]
     return f"{type(e).__name__}: {e}"
 
@@ -233,7 +235,8 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
         kind = ("it is empty" if not head else f"it starts with {shown!r}" if shown.isprintable() and shown
                 else "it is neither a zip archive nor a pickle")
         raise WeightsError(f"weights file {p} is not a PyTorch checkpoint ({kind}); pass a file written by "
-                           "torch.save(model.state_dict(), path), a vidtune checkpoint, or --weights none / kinetics")
+                           "torch.save(model.state_dict(), path), a vidtune checkpoint, or --weights none / "
+                           "kinetics")
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import PRECISIONS  # one list, beside the --precision flag
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CUDA = "cuda"
 BF16_MIN_CAPABILITY = (8, 0)
@@ -104,7 +105,9 @@ def configure_backends(device: torch.device | str, *, cudnn_benchmark: bool = Tr
 
 def default_device() -> torch.device:
     """The first CUDA device when there is one, else the CPU."""
-    return torch.device(_CUDA, torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device(_CUDA, torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_cuda(device: torch.device | str) -> bool:

@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
-
+from typing import Any
 
 import numpy as np
 import torch
 
+from datasets.decode import read_frames
+from datasets.errors import DataError
+from datasets.probe import probe_video
+from datasets.transforms import ClipTransform
+from datasets.video import fitting_stride, sample_indices
 from trainer.checkpointing import CheckpointError, load_checkpoint
+from trainer.models import build_model, get_spec
+from trainer.precision import choose_precision, default_device
 
 
 class VideoReadError(RuntimeError):
@@ -44,11 +51,7 @@ class Predictor:
     positive_name: str
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device: torch.device, precision: str = "auto") -> "Predictor":
-        from datasets.transforms import ClipTransform
-        from trainer.models import build_model, get_spec
-        from trainer.precision import choose_precision
-
+    def from_checkpoint(cls, path: str | Path, device: torch.device, precision: str = "auto") -> Predictor:
         state = load_checkpoint(path)
         spec = get_spec(state["spec"]["name"])
         data = state["config"].get("data", {})
@@ -59,8 +62,9 @@ class Predictor:
             raise CheckpointError(f"checkpoint {path} does not fit model {spec.name!r}: {e}") from None
         model.eval().to(device)
         transform = ClipTransform(spec.mean, spec.std, train=False).to(device)
-        return cls(model=model, transform=transform, policy=choose_precision(precision, device), device=device,
-                   num_frames=data.get("num_frames") or spec.num_frames, frame_stride=data.get("frame_stride") or 1,
+        return cls(model=model, transform=transform, policy=choose_precision(precision, device),
+                   device=device, num_frames=data.get("num_frames") or spec.num_frames,
+                   frame_stride=data.get("frame_stride") or 1,
                    height=data.get("height") or spec.height, width=data.get("width") or spec.width,
                    positive_name=state["class_names"].get(1, "violent"))
 
@@ -88,8 +92,6 @@ def clip_windows(total_frames: int, num_frames: int, frame_stride: int, fps: flo
     """Frame indices of every clip window, int64 `W x num_frames`: frames `frame_stride` apart
     (shrunk for a short video, as in training), windows every `window_stride_s` seconds. A video
     shorter than one clip gives one window (frames repeated when it has fewer than T)."""
-    from datasets.video import fitting_stride, sample_indices
-
     frame_stride = fitting_stride(total_frames, num_frames, frame_stride)
     span = (num_frames - 1) * frame_stride + 1
     if total_frames <= span:
@@ -98,13 +100,10 @@ def clip_windows(total_frames: int, num_frames: int, frame_stride: int, fps: flo
     return starts[:, None] + frame_stride * np.arange(num_frames, dtype=np.int64)[None, :]
 
 
-def score_video(p: Predictor, path: Path, window_stride_s: float, batch_size: int = 8) -> list[tuple[float, float]]:
+def score_video(p: Predictor, path: Path, window_stride_s: float,
+                batch_size: int = 8) -> list[tuple[float, float]]:
     """[(window start in seconds, P(violent))] for every clip window of the video.
     Raises VideoReadError naming the file when it is missing or does not decode."""
-    from datasets.errors import DataError
-    from datasets.probe import probe_video
-    from datasets.video import read_frames
-
     if not path.is_file():
         raise VideoReadError(f"{path}: no such file")
     info = probe_video(str(path))  # the frames that really decode, not what the container claims
@@ -121,15 +120,17 @@ def score_video(p: Predictor, path: Path, window_stride_s: float, batch_size: in
         except DataError as e:
             raise VideoReadError(str(e)) from None
         clips = torch.from_numpy(frames[np.searchsorted(needed, chunk)])
-        out.extend((float(w[0]) / fps, float(q)) for w, q in zip(chunk, p.probabilities(clips)))
+        out.extend((float(w[0]) / fps, float(q)) for w, q in zip(chunk, p.probabilities(clips), strict=True))
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.predict", description=__doc__.split("\n\n")[0])
     p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files to score")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (printed by trainer.train) or its checkpoint.pt")
-    p.add_argument("--window-stride", type=float, default=1.0, help="seconds between window starts in long videos")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint directory (printed by trainer.train) or its checkpoint.pt")
+    p.add_argument("--window-stride", type=float, default=1.0,
+                   help="seconds between window starts in long videos")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
     p.add_argument("--device", default="auto", help="auto (the GPU when present) | cpu | cuda | cuda:N")
     p.add_argument("--precision", default="auto", help="auto | fp32 | fp16 | bf16")
@@ -137,8 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device(name: str) -> torch.device:
-    from trainer.precision import default_device
-
     return default_device() if name == "auto" else torch.device(name)
 
 
@@ -154,8 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device)
         predictor = Predictor.from_checkpoint(args.checkpoint, device, args.precision)
     except (CheckpointError, RuntimeError, ValueError) as e:
-        print(f"error: --checkpoint {args.checkpoint}: {e}" if isinstance(e, CheckpointError) else f"error: {e}",
-              file=sys.stderr)
+        where = f"--checkpoint {args.checkpoint}: " if isinstance(e, CheckpointError) else ""
+        print(f"error: {where}{e}", file=sys.stderr)
         return 2
     failed = 0
     for video in args.videos:
@@ -170,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(windows) == 1:
             print(f"{video}: P({name}) {probs[0]:.3f}", flush=True)
             continue
-        print(f"{video}: P({name}) max {max(probs):.3f} mean {float(np.mean(probs)):.3f} over {len(windows)} windows")
+        print(f"{video}: P({name}) max {max(probs):.3f} mean {float(np.mean(probs)):.3f} "
+              f"over {len(windows)} windows")
         for start, q in windows:
             print(f"  {start:8.2f} s  {q:.3f}")
         sys.stdout.flush()
