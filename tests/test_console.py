@@ -7,7 +7,7 @@ import io
 import math
 from types import SimpleNamespace
 
-from tune import console, faults, report
+from tune import console, faults, results
 from tune.trial import short_lr, short_name
 
 
@@ -42,13 +42,13 @@ def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
 
 
 def test_markdown_table_for_the_parent_description():
-    row = report.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, weight_decay=None, val_acc=0.8125, val_f1=0.8,
+    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, weight_decay=None, val_acc=0.8125, val_f1=0.8,
                           clips_per_s=41.234, epoch_time_s=2.0, epochs=3, status="DONE", checkpoint=None,
                           name="t01-bs8-lr2.5e-4", best_epoch=2)
-    oom = report.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
+    oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
                           val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1, status="OOM",
                           checkpoint=None, name="t02-bs64-lr1e-3")
-    lines = report.format_markdown([row, oom]).splitlines()
+    lines = results.format_markdown([row, oom]).splitlines()
     assert lines[0].startswith("| trial | batch | lr | val_acc |") and lines[1].startswith("|---|")
     assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 | 0.800 | 2 | 41.2 | 3 | DONE |"
     assert lines[3].endswith("| - | - | - | - | 1 | OOM |")

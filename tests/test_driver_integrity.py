@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from datasets.flags import ConfigError
-from tune import lock, search, trust
+from tune import lock, runner, search, trust
 from tune.lock import LOCK_NAME, SearchLock
 
 
@@ -28,12 +28,10 @@ def own_key(tmp_path, monkeypatch):
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fail the test if the search gets as far as starting Ray."""
-    from trainer import launch
-
     def refuse(*a, **kw):
         raise AssertionError("Ray was started")
 
-    monkeypatch.setattr(launch, "init_ray", refuse)
+    monkeypatch.setattr(runner, "init_ray", refuse)
 
 
 def _plant_lock(folder, *, pid, host=None, started=None, heartbeat=None):
@@ -100,18 +98,16 @@ def test_another_hosts_lock_is_stale_only_when_its_heartbeat_is_old(tmp_path, ca
 
 
 def test_the_lock_is_released_when_the_search_raises(tmp_path, monkeypatch):
-    from tune import search as s
-
-    plan = s.Plan(opts=s.parse_options(["--storage", str(tmp_path), "--name", "x"]), base=None,
-                  storage=str(tmp_path), name="x", demo=True)
+    plan = runner.Plan(opts=search.parse_options(["--storage", str(tmp_path), "--name", "x"]), base=None,
+                       storage=str(tmp_path), name="x", demo=True)
 
     def boom(plan):
         assert (tmp_path / "x" / LOCK_NAME).exists()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(s, "_execute", boom)
+    monkeypatch.setattr(runner, "_execute", boom)
     with pytest.raises(KeyboardInterrupt):
-        s.execute(plan)
+        runner.execute(plan)
     assert not (tmp_path / "x" / LOCK_NAME).exists()
 
 

@@ -18,7 +18,7 @@ from trainer.history import write_history
 from trainer.loop import make_optimizer, make_scheduler
 from trainer.models import build_model, get_spec
 from trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
-from tune import console, faults, report
+from tune import console, faults, results
 from tune.tracking import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG, MLflowTracker
 
 
@@ -118,11 +118,11 @@ def test_a_truncated_best_checkpoint_is_not_named_best(run_folder, tmp_path, mon
     _truncate(folder / "epoch_0003")                      # the best by val_acc
     _fake_run(monkeypatch, [(folder / "epoch_0002", 0.6, 2), (folder / "epoch_0003", 0.8, 3)])
     result = SimpleNamespace(metrics={"checkpoint_path": str(folder / "epoch_0003")})
-    assert report.best_checkpoint(str(folder), result, "t02") == str(folder / "epoch_0002")
+    assert results.best_checkpoint(str(folder), result, "t02") == str(folder / "epoch_0002")
     assert "t02: checkpoint" in capsys.readouterr().out
 
     _truncate(folder / "epoch_0002")
-    assert report.best_checkpoint(str(folder), result, "t02") is None
+    assert results.best_checkpoint(str(folder), result, "t02") is None
     assert "no whole checkpoint is left" in capsys.readouterr().out
 
 

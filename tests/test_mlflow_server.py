@@ -92,13 +92,13 @@ def mlflow_server(tmp_path_factory):
 
 
 def test_unreachable_tracking_server_fails_before_ray_starts(tmp_path, monkeypatch, capsys):
-    import trainer.launch
+    from tune import runner
     from tune.search import main
 
     def no_ray(*args, **kwargs):
         raise AssertionError("the search started Ray although its tracking server is unreachable")
 
-    monkeypatch.setattr(trainer.launch, "init_ray", no_ray)
+    monkeypatch.setattr(runner, "init_ray", no_ray)
     closed = f"http://127.0.0.1:{_free_port()}"
     code = main(["--data", str(tmp_path), "--mlflow-uri", closed, "--storage", str(tmp_path / "results"),
                  "--num-samples", "1", "--epochs", "1"])

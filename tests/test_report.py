@@ -1,4 +1,4 @@
-"""tune.report: a trial's row takes its steady-state speed, not its last (or first) epoch's."""
+"""tune.results and tune.plots: a trial's row takes its steady-state speed, not its last (or first) epoch's."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from tune import report
+from tune import plots, results
 
 
 def _result(epochs: list[dict], *, config=None, error=None):
@@ -26,34 +26,34 @@ def _epoch(e: int, speed: float, **kw) -> dict:
 def test_row_speed_is_the_median_of_epochs_2_and_later():
     # epoch 1 is slow (start-up, cache fill); the last epoch sped up when a neighbour ended
     result = _result([_epoch(1, 5.0), _epoch(2, 20.0), _epoch(3, 22.0), _epoch(4, 40.0)])
-    row = report.row_from_result(result, trial_id="t", epochs=4, finished=True)
+    row = results.row_from_result(result, trial_id="t", epochs=4, finished=True)
     assert row.clips_per_s == 22.0 and row.compute_clips_per_s == 44.0
     assert row.epoch_time_s == 100.0 / 22.0
     assert row.val_acc == 0.5 + 0.4 and row.status == "DONE" and row.concurrent_trainings == 1.0
 
 
 def test_one_epoch_trial_uses_epoch_1_and_a_resumed_epoch_counts_once():
-    row = report.row_from_result(_result([_epoch(1, 5.0)]), trial_id="t", epochs=3, finished=True)
+    row = results.row_from_result(_result([_epoch(1, 5.0)]), trial_id="t", epochs=3, finished=True)
     assert row.clips_per_s == 5.0 and row.status == "STOPPED"
     # a resumed trial re-reports its last checkpointed epoch: the later report of epoch 2 wins
     result = _result([_epoch(1, 5.0), _epoch(2, 10.0), _epoch(2, 12.0), _epoch(3, 30.0)])
-    assert report.row_from_result(result, trial_id="t", epochs=3, finished=True).clips_per_s == 21.0
+    assert results.row_from_result(result, trial_id="t", epochs=3, finished=True).clips_per_s == 21.0
 
 
 def test_oom_trial_has_no_speed_and_sharing_is_flagged_in_the_table():
-    oom = report.row_from_result(_result([_epoch(1, 0.0, oom=1)]), trial_id="o", epochs=3, finished=True)
+    oom = results.row_from_result(_result([_epoch(1, 0.0, oom=1)]), trial_id="o", epochs=3, finished=True)
     assert oom.status == "OOM" and math.isnan(oom.clips_per_s)
-    shared = report.row_from_result(_result([_epoch(1, 5.0), _epoch(2, 9.0, concurrent_trainings=2.0)]),
+    shared = results.row_from_result(_result([_epoch(1, 5.0), _epoch(2, 9.0, concurrent_trainings=2.0)]),
                                     trial_id="s", epochs=2, finished=True)
     assert shared.concurrent_trainings == 2.0
-    table = report.format_table([shared, oom])
+    table = results.format_table([shared, oom])
     assert "9.0*" in table and "compute/s" in table
 
 
 def test_pareto_front_and_best_use_the_steady_speed():
-    fast_late = report.row_from_result(_result([_epoch(1, 1.0), _epoch(2, 50.0)]), trial_id="a", epochs=2, finished=True)
-    fast_first = report.row_from_result(_result([_epoch(1, 99.0), _epoch(2, 10.0)]), trial_id="b", epochs=2, finished=True)
-    front = report.pareto_front([fast_late, fast_first])
+    fast_late = results.row_from_result(_result([_epoch(1, 1.0), _epoch(2, 50.0)]), trial_id="a", epochs=2, finished=True)
+    fast_first = results.row_from_result(_result([_epoch(1, 99.0), _epoch(2, 10.0)]), trial_id="b", epochs=2, finished=True)
+    front = results.pareto_front([fast_late, fast_first])
     assert [r.trial_id for r in front] == ["a"]          # same accuracy; a is faster in steady state
 
 
@@ -61,8 +61,8 @@ def test_pareto_front_and_best_use_the_steady_speed():
 
 
 def _row(trial_id: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE",
-         batch: int = 8, shared: float = 1.0) -> report.TrialRow:
-    return report.TrialRow(trial_id=trial_id, batch_size=batch, lr=1e-3, weight_decay=None, val_acc=acc,
+         batch: int = 8, shared: float = 1.0) -> results.TrialRow:
+    return results.TrialRow(trial_id=trial_id, batch_size=batch, lr=1e-3, weight_decay=None, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=3, status=status, checkpoint=None, concurrent_trainings=shared)
 
@@ -78,24 +78,24 @@ def _row(trial_id: str, acc: float, speed: float, *, f1: float = 0.5, status: st
 ])
 def test_status_rules(error, oom, finished, epochs_run, expected):
     epochs = [_epoch(e, 10.0, oom=oom if e == epochs_run else 0) for e in range(1, epochs_run + 1)]
-    row = report.row_from_result(_result(epochs, error=error), trial_id="t", epochs=3, finished=finished)
+    row = results.row_from_result(_result(epochs, error=error), trial_id="t", epochs=3, finished=finished)
     assert row.status == expected and row.epochs == epochs_run
 
 
 def test_a_trial_that_reported_nothing():
     result = SimpleNamespace(metrics={}, config={"batch_size": 4, "lr": 0.01, "weight_decay": 0.05}, error=None,
                              metrics_dataframe=None)
-    row = report.row_from_result(result, trial_id="t", epochs=3, finished=True)
+    row = results.row_from_result(result, trial_id="t", epochs=3, finished=True)
     assert (row.status, row.epochs, row.batch_size, row.lr, row.weight_decay) == ("STOPPED", 0, 4, 0.01, 0.05)
     assert math.isnan(row.val_acc) and math.isnan(row.clips_per_s) and row.checkpoint is None
-    assert report.usable([row]) == []                 # no accuracy: nothing to rank
-    unfinished = report.row_from_result(result, trial_id="u", epochs=3, finished=False)
+    assert results.usable([row]) == []                 # no accuracy: nothing to rank
+    unfinished = results.row_from_result(result, trial_id="u", epochs=3, finished=False)
     assert unfinished.status == "UNFINISHED"
 
 
 def test_usable_keeps_ranked_statuses_with_an_accuracy():
-    rows = [_row(s.lower(), 0.7, 10.0, status=s) for s in report.STATUSES] + [_row("nan", math.nan, 10.0)]
-    assert [r.trial_id for r in report.usable(rows)] == ["done", "stopped", "unfinished"]
+    rows = [_row(s.lower(), 0.7, 10.0, status=s) for s in results.STATUSES] + [_row("nan", math.nan, 10.0)]
+    assert [r.trial_id for r in results.usable(rows)] == ["done", "stopped", "unfinished"]
 
 
 def test_best_trial_per_objective():
@@ -103,31 +103,31 @@ def test_best_trial_per_objective():
     balanced = _row("balanced", 0.8, 20.0, f1=0.85)
     fast = _row("fast", 0.6, 50.0, f1=0.5)
     rows = [fast, accurate, balanced]
-    assert report.best_trial(rows, "val_acc") is accurate
-    assert report.best_trial(rows, "val_f1") is balanced
-    assert report.best_trial(rows, "pareto") is accurate          # the most accurate on the front
+    assert results.best_trial(rows, "val_acc") is accurate
+    assert results.best_trial(rows, "val_f1") is balanced
+    assert results.best_trial(rows, "pareto") is accurate          # the most accurate on the front
 
 
 def test_best_trial_tie_goes_to_the_faster_trial():
     slow, quick = _row("slow", 0.8, 10.0), _row("quick", 0.8, 30.0)
-    assert report.best_trial([slow, quick], "val_acc") is quick
-    assert report.best_trial([quick, slow], "val_acc") is quick   # not the order given
+    assert results.best_trial([slow, quick], "val_acc") is quick
+    assert results.best_trial([quick, slow], "val_acc") is quick   # not the order given
     no_speed = _row("no_speed", 0.8, math.nan)
-    assert report.best_trial([no_speed, slow], "val_acc") is slow  # a known speed beats none
-    assert report.best_trial([_row("a", 0.7, 1.0, f1=0.9), _row("b", 0.7, 9.0, f1=0.9)], "val_f1").trial_id == "b"
+    assert results.best_trial([no_speed, slow], "val_acc") is slow  # a known speed beats none
+    assert results.best_trial([_row("a", 0.7, 1.0, f1=0.9), _row("b", 0.7, 9.0, f1=0.9)], "val_f1").trial_id == "b"
 
 
 def test_best_trial_is_never_an_oom_or_error_trial():
     ok = _row("ok", 0.6, 10.0)
     rows = [_row("oom", 0.99, 99.0, status="OOM"), _row("err", 0.98, 99.0, status="ERROR"), ok]
     for objective in ("val_acc", "val_f1", "pareto"):
-        assert report.best_trial(rows, objective) is ok
-    assert report.best_trial(rows[:2], "val_acc") is None
-    assert report.best_trial([], "pareto") is None
-    assert report.best_trial([_row("nan", math.nan, 5.0)], "val_acc") is None
+        assert results.best_trial(rows, objective) is ok
+    assert results.best_trial(rows[:2], "val_acc") is None
+    assert results.best_trial([], "pareto") is None
+    assert results.best_trial([_row("nan", math.nan, 5.0)], "val_acc") is None
     # pareto needs a speed: a trial with an accuracy but no clips/s is not on the front
-    assert report.best_trial([_row("no_speed", 0.9, math.nan)], "pareto") is None
-    assert report.best_trial([_row("no_speed", 0.9, math.nan)], "val_acc").trial_id == "no_speed"
+    assert results.best_trial([_row("no_speed", 0.9, math.nan)], "pareto") is None
+    assert results.best_trial([_row("no_speed", 0.9, math.nan)], "val_acc").trial_id == "no_speed"
 
 
 def test_pareto_front_excludes_dominated_trials_and_sorts_by_accuracy():
@@ -141,17 +141,17 @@ def test_pareto_front_excludes_dominated_trials_and_sorts_by_accuracy():
         _row("oom", 0.99, 99.0, status="OOM"),    # would dominate all, but is not usable
         _row("no_speed", 0.95, math.nan),
     ]
-    front = report.pareto_front(rows)
+    front = results.pareto_front(rows)
     assert [r.trial_id for r in front] == ["accurate", "middle", "equal_middle", "fast"]
-    assert report.pareto_front([]) == []
+    assert results.pareto_front([]) == []
 
 
 def test_format_table_marks_shared_speed_and_missing_numbers():
     alone = _row("alone", 0.75, 12.34, shared=1.0)
     shared = _row("shared", 0.5, 8.0, shared=2.0)
     unknown = _row("unknown", 0.5, 8.0, shared=math.nan)
-    oom = report.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
-    *lines, legend = report.format_table([alone, shared, unknown, oom]).splitlines()
+    oom = results.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
+    *lines, legend = results.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
     assert lines[0].split() == ["trial", "batch", "lr", "val_acc", "val_f1", "clips/s", "compute/s", "epoch_s",
                                 "epochs", "status"]
@@ -161,43 +161,43 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     assert cells["shared"][5] == "8.0*" and cells["unknown"][5] == "8.0"
     assert cells["oom"] == ["oom", "64", "1.00e-03", "-", "-", "-", "-", "-", "1", "OOM"]
     assert len({len(line) for line in lines}) == 1                  # aligned columns
-    with_wd = report.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
+    with_wd = results.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
     assert with_wd[0].split()[3] == "wd" and with_wd[2].split()[3] == "-"
-    assert report.format_table([]).splitlines()[0].split()[0] == "trial"
+    assert results.format_table([]).splitlines()[0].split()[0] == "trial"
 
 
 def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
     # epoch 1 ran while the next trial started beside it (1.2 cores); epochs 2.. had the machine
-    quiet = report.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=1.2), _epoch(2, 9.0, other_cpu_cores=0.1),
+    quiet = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=1.2), _epoch(2, 9.0, other_cpu_cores=0.1),
                                             _epoch(3, 9.0, other_cpu_cores=0.2)]), trial_id="q", epochs=3, finished=True)
-    assert quiet.other_cpu_cores == pytest.approx(0.15) and report.speed_marks(quiet) == ""
-    busy = report.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1), _epoch(2, 4.0, other_cpu_cores=0.9),
+    assert quiet.other_cpu_cores == pytest.approx(0.15) and results.speed_marks(quiet) == ""
+    busy = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1), _epoch(2, 4.0, other_cpu_cores=0.9),
                                            _epoch(3, 4.5, other_cpu_cores=0.7)]), trial_id="b", epochs=3, finished=True)
-    assert busy.other_cpu_cores == pytest.approx(0.8) and report.speed_marks(busy) == "~"
-    unmeasured = report.row_from_result(_result([_epoch(1, 5.0)]), trial_id="u", epochs=1, finished=True)
-    assert math.isnan(unmeasured.other_cpu_cores) and report.speed_marks(unmeasured) == ""
-    *table, legend = report.format_table([quiet, busy, unmeasured]).splitlines()
+    assert busy.other_cpu_cores == pytest.approx(0.8) and results.speed_marks(busy) == "~"
+    unmeasured = results.row_from_result(_result([_epoch(1, 5.0)]), trial_id="u", epochs=1, finished=True)
+    assert math.isnan(unmeasured.other_cpu_cores) and results.speed_marks(unmeasured) == ""
+    *table, legend = results.format_table([quiet, busy, unmeasured]).splitlines()
     assert "4.2~" in table[3] and legend.startswith("~ other processes")
-    assert "4.2~" in report.format_markdown([busy])
-    assert report.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")   # its meaning
-    assert "`~`" not in report.format_markdown([quiet])
-    assert report.csv_record(busy)["other_cpu_cores"] == "0.80"
-    assert "~" not in report.format_table([quiet])                   # no mark, no legend
+    assert "4.2~" in results.format_markdown([busy])
+    assert results.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")   # its meaning
+    assert "`~`" not in results.format_markdown([quiet])
+    assert results.csv_record(busy)["other_cpu_cores"] == "0.80"
+    assert "~" not in results.format_table([quiet])                   # no mark, no legend
 
 
 def test_write_csv_round_trip(tmp_path):
     import csv
 
-    # the columns are report.CSV_COLUMNS (name first, metrics_epoch for the best epoch), no longer
+    # the columns are results.CSV_COLUMNS (name first, metrics_epoch for the best epoch), no longer
     # TrialRow's fields in order; rows come best first and floats are rounded
-    rows = [report.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
+    rows = [results.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
                             node_id="node-1"),
             _row("a", 0.75, 12.5, shared=2.0)]
-    path = report.write_csv(rows, tmp_path / "deep" / "trials.csv")
+    path = results.write_csv(rows, tmp_path / "deep" / "trials.csv")
     assert path == tmp_path / "deep" / "trials.csv"
     with open(path, newline="") as f:
         read = list(csv.DictReader(f))
-    assert list(read[0]) == list(report.CSV_COLUMNS)
+    assert list(read[0]) == list(results.CSV_COLUMNS)
     assert [r["trial_id"] for r in read] == ["a", "b"]            # the OOM trial last
     assert [r["name"] for r in read] == ["a", "b"]                # no name given: the trial id
     assert float(read[0]["val_acc"]) == 0.75 and float(read[0]["clips_per_s"]) == 12.5
@@ -209,14 +209,14 @@ def test_write_csv_round_trip(tmp_path):
 
 
 def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
-           lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> report.TrialRow:
-    return report.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, weight_decay=wd, val_acc=acc,
+           lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> results.TrialRow:
+    return results.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, weight_decay=wd, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=4, status=status, checkpoint=f"/ckpt/{name}/epoch_{best_epoch:04d}",
                            name=name, best_epoch=best_epoch)
 
 
-def _search_rows() -> list[report.TrialRow]:
+def _search_rows() -> list[results.TrialRow]:
     """A realistic search: DONE, STOPPED, OOM, ERROR, two batch sizes, a front of 2."""
     return [
         _named("t01-bs8-lr2.5e-4", 0.81234567, 41.2345, f1=0.79, wd=0.05),
@@ -242,12 +242,12 @@ def _read_csv(path):
     ("val_f1", ["t02", "t01", "t06", "t03", "t04", "t05"]),
 ])
 def test_write_csv_sorted_by_the_objective_unusable_last(tmp_path, objective, order):
-    read = _read_csv(report.write_csv(_search_rows(), tmp_path / "trials.csv", objective=objective))
+    read = _read_csv(results.write_csv(_search_rows(), tmp_path / "trials.csv", objective=objective))
     assert [r["name"].split("-")[0] for r in read] == order
 
 
 def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
-    read = _read_csv(report.write_csv(_search_rows(), tmp_path / "trials.csv"))
+    read = _read_csv(results.write_csv(_search_rows(), tmp_path / "trials.csv"))
     first = read[0]
     assert (first["name"], first["trial_id"]) == ("t01-bs8-lr2.5e-4", "id_t01-bs8-lr2.5e-4")
     assert (first["val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
@@ -257,18 +257,18 @@ def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
     assert (t06["lr"], t06["weight_decay"]) == ("0.000412", "0.0333")          # 3 significant digits
     oom = next(r for r in read if r["status"] == "OOM")
     assert oom["metrics_epoch"] == "0" and math.isnan(float(oom["clips_per_s"]))
-    assert "metrics_epoch" in report.__doc__ and \
-        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in " ".join(report.__doc__.split())
+    assert "metrics_epoch" in results.__doc__ and \
+        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in " ".join(results.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
-        report.write_csv([], tmp_path / "x.csv", objective="speed")
+        results.write_csv([], tmp_path / "x.csv", objective="speed")
 
 
 def test_name_defaults_to_the_trial_id_and_leads_the_table():
     result = _result([_epoch(1, 5.0), _epoch(2, 9.0)])
-    assert report.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True).name == "abc_00001"
-    named = report.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True, name="t01-bs8-lr1e-3")
+    assert results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True).name == "abc_00001"
+    named = results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True, name="t01-bs8-lr1e-3")
     assert named.name == "t01-bs8-lr1e-3" and named.trial_id == "abc_00001"
-    lines = report.format_table([named]).splitlines()
+    lines = results.format_table([named]).splitlines()
     assert lines[0].split()[0] == "trial" and lines[2].split()[0] == "t01-bs8-lr1e-3"
 
 
@@ -280,21 +280,21 @@ def test_row_reports_the_best_epoch_by_val_acc():
     # the checkpoint Ray Train keeps as the best), not the last epoch's; epochs stays 4
     accs, f1s = [0.60, 0.82, 0.75, 0.70], [0.55, 0.81, 0.74, 0.69]
     result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f) for e, a, f in zip(range(1, 5), accs, f1s)])
-    row = report.row_from_result(result, trial_id="t", epochs=4, finished=True)
+    row = results.row_from_result(result, trial_id="t", epochs=4, finished=True)
     assert (row.val_acc, row.val_f1, row.best_epoch, row.epochs, row.status) == (0.82, 0.81, 2, 4, "DONE")
     assert row.clips_per_s == 13.0                        # speeds stay steady state (epochs 2..4)
-    assert report.best_epoch_record(result)[0] == 2
+    assert results.best_epoch_record(result)[0] == 2
 
 
 def test_best_epoch_ties_go_to_the_later_epoch_and_a_re_reported_epoch_counts_once():
     tie = _result([_epoch(1, 10.0, val_acc=0.8, val_f1=0.1), _epoch(2, 10.0, val_acc=0.8, val_f1=0.2),
                    _epoch(3, 10.0, val_acc=0.7)])
-    row = report.row_from_result(tie, trial_id="t", epochs=3, finished=True)
+    row = results.row_from_result(tie, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_f1) == (2, 0.2)
     # resumed: epoch 2 was re-reported after the restart; its later report (0.7) wins over 0.9
     resumed = _result([_epoch(1, 10.0, val_acc=0.6), _epoch(2, 10.0, val_acc=0.9), _epoch(2, 10.0, val_acc=0.7),
                        _epoch(3, 10.0, val_acc=0.65)])
-    row = report.row_from_result(resumed, trial_id="t", epochs=3, finished=True)
+    row = results.row_from_result(resumed, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_acc) == (2, 0.7)
 
 
@@ -302,15 +302,15 @@ def test_best_epoch_without_a_dataframe_and_for_oom():
     # only the last result (no per-epoch records): that epoch is the best one
     result = SimpleNamespace(metrics=_epoch(3, 10.0, val_acc=0.7, val_f1=0.6), config={"batch_size": 8, "lr": 1e-3},
                              error=None, metrics_dataframe=None)
-    row = report.row_from_result(result, trial_id="t", epochs=3, finished=True)
+    row = results.row_from_result(result, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_acc, row.val_f1) == (3, 0.7, 0.6)
     # out of memory keeps its behaviour: the OOM report's metrics, no best epoch, no speed
-    oom = report.row_from_result(_result([_epoch(1, 10.0, val_acc=0.9), _epoch(2, 0.0, oom=1, val_acc=0.0,
+    oom = results.row_from_result(_result([_epoch(1, 10.0, val_acc=0.9), _epoch(2, 0.0, oom=1, val_acc=0.0,
                                                                                  val_f1=0.0)]),
                                  trial_id="o", epochs=3, finished=True)
     assert (oom.status, oom.val_acc, oom.val_f1, oom.best_epoch, oom.epochs) == ("OOM", 0.0, 0.0, 0, 2)
     assert math.isnan(oom.clips_per_s)
-    nothing = report.row_from_result(SimpleNamespace(metrics={}, config={}, error=None, metrics_dataframe=None),
+    nothing = results.row_from_result(SimpleNamespace(metrics={}, config={}, error=None, metrics_dataframe=None),
                                      trial_id="n", epochs=3, finished=True)
     assert nothing.best_epoch == 0 and math.isnan(nothing.val_acc)
 
@@ -338,11 +338,11 @@ def _png_size(path):
     [],
 ], ids=["trials", "none_usable", "empty"])
 def test_plot_scatter_writes_a_png_at_150_dpi(tmp_path, rows):
-    path = report.plot_scatter(rows, tmp_path / "plots" / "scatter.png", title="t")
+    path = plots.plot_scatter(rows, tmp_path / "plots" / "scatter.png", title="t")
     assert path == tmp_path / "plots" / "scatter.png"
     size, dpi = _png_size(path)
-    width, height = report.scatter_figure(rows, title="t").get_size_inches()
-    assert report.PLOT_DPI >= 150 and size == (round(width * 150), round(height * 150))
+    width, height = plots.scatter_figure(rows, title="t").get_size_inches()
+    assert plots.PLOT_DPI >= 150 and size == (round(width * 150), round(height * 150))
     assert dpi is not None and round(dpi[0]) == 150
 
 
@@ -356,20 +356,20 @@ def _legend_texts(fig) -> list[str]:
 
 def test_scatter_front_line_only_with_two_or_more_front_points():
     rows = _search_rows()
-    assert len(report.pareto_front(rows)) == 2
-    fig = report.scatter_figure(rows)
+    assert len(results.pareto_front(rows)) == 2
+    fig = plots.scatter_figure(rows)
     (line,) = _front_lines(fig)
     assert sorted(line.get_xdata()) == [41.2345, 63.456] and "Pareto front" in _legend_texts(fig)
     one = [_row("best", 0.9, 50.0), _row("worse", 0.5, 10.0)]          # best dominates: a front of 1
-    assert len(report.pareto_front(one)) == 1
-    fig = report.scatter_figure(one)
+    assert len(results.pareto_front(one)) == 1
+    fig = plots.scatter_figure(one)
     assert _front_lines(fig) == [] and "Pareto front" not in _legend_texts(fig)
-    assert _front_lines(report.scatter_figure([])) == []
+    assert _front_lines(plots.scatter_figure([])) == []
 
 
 def test_scatter_labels_every_trial_and_marks_status():
     rows = _search_rows()
-    fig = report.scatter_figure(rows)
+    fig = plots.scatter_figure(rows)
     texts = " ".join(_annotations(fig))
     for r in rows:                       # ERROR is not plotted but named in a note
         assert r.name in texts
@@ -385,7 +385,7 @@ def test_scatter_has_no_yellow():
     import matplotlib.colors as mcolors
 
     rows = [_row(f"b{b}", 0.5 + b / 100, float(b), batch=b) for b in range(1, 12)]
-    fig = report.scatter_figure(rows)
+    fig = plots.scatter_figure(rows)
     for c in fig.axes[0].collections:
         for rgba in list(c.get_facecolors()) + list(c.get_edgecolors()):
             r, g, b = mcolors.to_rgb(rgba)
@@ -394,9 +394,9 @@ def test_scatter_has_no_yellow():
 
 def test_plot_objective_vs_params(tmp_path):
     rows = _search_rows()
-    path = report.plot_objective_vs_params(rows, tmp_path / "params.png", objective="val_f1", title="s")
+    path = plots.plot_objective_vs_params(rows, tmp_path / "params.png", objective="val_f1", title="s")
     size, dpi = _png_size(path)
-    fig = report.params_figure(rows, objective="val_f1", title="s")
+    fig = plots.params_figure(rows, objective="val_f1", title="s")
     width, height = fig.get_size_inches()
     assert size == (round(width * 150), round(height * 150)) and round(dpi[0]) == 150
     lr_ax, wd_ax, batch_ax = fig.axes
@@ -409,9 +409,9 @@ def test_plot_objective_vs_params(tmp_path):
             assert sum(r.name in t for t in texts) == 3      # labelled in every subplot
     # without weight decay searched: lr and batch size only; pareto plots val_acc
     no_wd = [dataclasses.replace(r, weight_decay=None) for r in rows]
-    fig = report.params_figure(no_wd, objective="pareto")
+    fig = plots.params_figure(no_wd, objective="pareto")
     assert len(fig.axes) == 2 and "accuracy" in fig.axes[0].get_ylabel()
-    assert report.plot_objective_vs_params([], tmp_path / "none.png", objective="val_acc") is None
+    assert plots.plot_objective_vs_params([], tmp_path / "none.png", objective="val_acc") is None
     assert not (tmp_path / "none.png").exists()
 
 
@@ -425,33 +425,33 @@ def _diverged_result():
 
 
 def test_a_diverged_trial_has_no_accuracy_nor_speed_and_is_never_best(tmp_path):
-    row = report.row_from_result(_diverged_result(), trial_id="d", epochs=3, finished=True)
+    row = results.row_from_result(_diverged_result(), trial_id="d", epochs=3, finished=True)
     assert (row.status, row.val_acc, row.best_epoch, row.epochs) == ("DIVERGED", 0.0, 0, 2)
-    assert math.isnan(row.clips_per_s) and "DIVERGED" in report.STATUSES
+    assert math.isnan(row.clips_per_s) and "DIVERGED" in results.STATUSES
     # even with an accuracy above every other trial's it is never ranked, best or on the front
     high = dataclasses.replace(row, val_acc=0.99, clips_per_s=99.0)
     ok = _row("ok", 0.6, 10.0)
-    assert report.usable([high, ok]) == [ok]
+    assert results.usable([high, ok]) == [ok]
     for objective in ("val_acc", "val_f1", "pareto"):
-        assert report.best_trial([high, ok], objective) is ok
-    assert report.pareto_front([high, ok]) == [ok]
-    assert [r.trial_id for r in report.ranked([high, ok])] == ["ok", "d"]
-    assert report.format_table([ok, row]).splitlines()[-1].split()[-1] == "DIVERGED"
-    read = _read_csv(report.write_csv([row, ok], tmp_path / "trials.csv"))
+        assert results.best_trial([high, ok], objective) is ok
+    assert results.pareto_front([high, ok]) == [ok]
+    assert [r.trial_id for r in results.ranked([high, ok])] == ["ok", "d"]
+    assert results.format_table([ok, row]).splitlines()[-1].split()[-1] == "DIVERGED"
+    read = _read_csv(results.write_csv([row, ok], tmp_path / "trials.csv"))
     assert [(r["trial_id"], r["status"]) for r in read] == [("ok", "DONE"), ("d", "DIVERGED")]
 
 
 def test_diverged_status_wins_over_unfinished_and_stopped():
     epochs = [_epoch(1, 10.0, diverged=1)]
-    assert report.row_from_result(_result(epochs), trial_id="t", epochs=3, finished=False).status == "DIVERGED"
-    assert report.row_from_result(_result(epochs, error=RuntimeError("x")), trial_id="t", epochs=3,
+    assert results.row_from_result(_result(epochs), trial_id="t", epochs=3, finished=False).status == "DIVERGED"
+    assert results.row_from_result(_result(epochs, error=RuntimeError("x")), trial_id="t", epochs=3,
                                   finished=True).status == "ERROR"
 
 
 def test_plots_show_diverged_trials_in_the_no_result_strip():
     rows = _search_rows() + [_named("t07-bs8-lr1e6", 0.0, math.nan, f1=0.0, status="DIVERGED", lr=1e6,
                                     best_epoch=0)]
-    for fig in (report.scatter_figure(rows), report.params_figure(rows, objective="val_acc")):
+    for fig in (plots.scatter_figure(rows), plots.params_figure(rows, objective="val_acc")):
         legend = " ".join(_legend_texts(fig))
         assert "DIVERGED" in legend and "OOM" in legend
         texts = [t.get_text() for ax in fig.axes for t in ax.texts]
@@ -459,20 +459,20 @@ def test_plots_show_diverged_trials_in_the_no_result_strip():
 
 
 def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
-    row = report.row_from_result(_result([_epoch(1, 10.0, gpu_ids="2,3")]), trial_id="g", epochs=1, finished=True)
+    row = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids="2,3")]), trial_id="g", epochs=1, finished=True)
     assert row.gpu_ids == "2,3"
     cpu = _row("cpu", 0.5, 8.0)
-    head, _, *body = report.format_table([row, cpu]).splitlines()
+    head, _, *body = results.format_table([row, cpu]).splitlines()
     assert head.split()[-2:] == ["gpu", "status"]
     assert [line.split()[-2] for line in body] == ["2,3", "-"]
-    assert "| gpu |" in report.format_markdown([row, cpu]) and "| 2,3 |" in report.format_markdown([row, cpu])
-    read = _read_csv(report.write_csv([row, cpu], tmp_path / "gpu.csv"))
+    assert "| gpu |" in results.format_markdown([row, cpu]) and "| 2,3 |" in results.format_markdown([row, cpu])
+    read = _read_csv(results.write_csv([row, cpu], tmp_path / "gpu.csv"))
     columns = list(read[0])
     assert columns[columns.index("node_id") + 1] == "gpu_ids" and [r["gpu_ids"] for r in read] == ["2,3", ""]
     # CPU only: no GPU column anywhere
-    assert "gpu" not in report.format_table([cpu]) and "gpu" not in report.format_markdown([cpu])
-    assert list(_read_csv(report.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(report.CSV_COLUMNS)
+    assert "gpu" not in results.format_table([cpu]) and "gpu" not in results.format_markdown([cpu])
+    assert list(_read_csv(results.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(results.CSV_COLUMNS)
     # a string metric read back from a dataframe as NaN is no GPU id
-    nan_ids = report.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
+    nan_ids = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
                                      finished=True)
     assert nan_ids.gpu_ids == ""

@@ -172,7 +172,7 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     the same tags for a run whose live epochs MLflow missed."""
     import pandas as pd
 
-    from tune.report import row_from_result
+    from tune.results import row_from_result
 
     t = _tracker(uri, "diverged", epochs=3)
     t.setup()

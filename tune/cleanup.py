@@ -22,7 +22,7 @@ Ending the controller is what lets Tune reuse a trial driver's process for the n
 trial): Tune hands a stopped trial's process on only once the trial's function has returned, and
 an ASHA-stopped trial's function is still inside `TorchTrainer.fit()`, which would run its
 remaining epochs (or, with its placement group removed, restart its worker group). With the
-controller gone, `fit()` raises at once; the trial driver asks `was_stopped` and returns quietly.
+controller gone, `fit()` raises at once; the trial driver asks `was_released` and returns quietly.
 """
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ import logging
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.tune import Callback
+from ray.tune.experiment import Trial
+from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 # Train V2 has no public callback that sees the worker group: the private one is fenced there.
 from tune.ray_internals import WorkerGroupCallback, worker_group_placement_group
@@ -45,20 +48,20 @@ class _PlacementGroupRegistry:
 
     def __init__(self) -> None:
         self._groups: dict[str, list[str]] = {}
-        self._controllers: dict[str, list[Any]] = {}
+        self._controllers: dict[str, list[ActorHandle]] = {}
         self._released: set[str] = set()
 
-    def add(self, trial_id: str, pg_hex: str, controller: Any = None) -> None:
+    def add(self, trial_id: str, pg_hex: str, controller: ActorHandle | None = None) -> None:
         self._groups.setdefault(trial_id, []).append(pg_hex)
         if controller is not None:
             self._controllers.setdefault(trial_id, []).append(controller)
 
-    def pop(self, trial_id: str) -> tuple[list[str], list[Any]]:
+    def pop(self, trial_id: str) -> tuple[list[str], list[ActorHandle]]:
         """(placement groups, controllers) of the trial, forgotten here; the trial counts as released."""
         self._released.add(trial_id)
         return self._groups.pop(trial_id, []), self._controllers.pop(trial_id, [])
 
-    def pop_all(self) -> tuple[list[str], list[Any]]:
+    def pop_all(self) -> tuple[list[str], list[ActorHandle]]:
         groups = [pg for pgs in self._groups.values() for pg in pgs]
         controllers = [c for cs in self._controllers.values() for c in cs]
         self._released.update(self._groups, self._controllers)
@@ -96,8 +99,6 @@ class PlacementGroupRecorder(WorkerGroupCallback):
 
 def remove_placement_groups(pg_hexes: list[str]) -> int:
     """Remove those of the given placement groups that still exist; returns how many."""
-    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
-
     removed = 0
     table = placement_group_table()
     for pg_hex in pg_hexes:
@@ -122,7 +123,7 @@ def was_released(registry_name: str, trial_id: str) -> bool:
         return False
 
 
-def end_controllers(controllers: list[Any]) -> None:
+def end_controllers(controllers: list[ActorHandle]) -> None:
     """Kill Train controller actors (their worker actors, which they own, die with them)."""
     for controller in controllers:
         try:
@@ -131,7 +132,7 @@ def end_controllers(controllers: list[Any]) -> None:
             log.debug("vidtune: controller already ended: %s", e)
 
 
-def end_runs(groups: list[str], controllers: list[Any]) -> int:
+def end_runs(groups: list[str], controllers: list[ActorHandle]) -> int:
     """End Train runs: their controllers first (so none restarts its worker group when the
     group's placement group goes), then the placement groups left. Returns how many groups
     were removed."""
@@ -162,10 +163,10 @@ class ReleaseTrialResources(Callback):
             except Exception as e:
                 log.warning("vidtune: could not release the device lease of trial %s: %s", trial_id, e)
 
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_complete(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         self._release(trial.trial_id)
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_error(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         self._release(trial.trial_id)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
@@ -178,6 +179,5 @@ class ReleaseTrialResources(Callback):
 
 def live_placement_groups() -> list[str]:
     """Hex ids of placement groups that still hold (or wait for) resources."""
-    from ray.util.placement_group import placement_group_table
-
-    return [pg for pg, info in placement_group_table().items() if info.get("state") in ("CREATED", "PENDING", "RESCHEDULING")]
+    return [pg for pg, info in placement_group_table().items()
+            if info.get("state") in ("CREATED", "PENDING", "RESCHEDULING")]

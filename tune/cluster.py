@@ -11,10 +11,14 @@ not fit yet wait for them.
 from __future__ import annotations
 
 import math
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 import yaml
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from datasets.flags import ConfigError
 from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
@@ -99,8 +103,6 @@ def read_node_types(config: Path = AUTOSCALER_CONFIG) -> tuple[NodeType, ...]:
 def read_capacity(config: Path | None) -> ClusterCapacity:
     """The running Ray cluster's capacity (Ray must be initialised); `config`: the autoscaler's
     cluster config (None: no autoscaler)."""
-    import ray
-
     alive, head = [], None
     for n in ray.nodes():
         if not n.get("Alive"):
@@ -216,8 +218,6 @@ def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
 
 def driver_node_gpus() -> float:
     """GPUs of the node this process (the search driver) runs on."""
-    import ray
-
     me = ray.get_runtime_context().get_node_id()
     return next((float((n.get("Resources") or {}).get("GPU", 0.0)) for n in ray.nodes() if n.get("NodeID") == me), 0.0)
 
@@ -225,8 +225,6 @@ def driver_node_gpus() -> float:
 def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
     """What one node sees of the driver's paths: its address, whether the `marker` file (in
     --storage) exists there and whether --weights is a file there. Run on each node."""
-    import ray
-
     return {"node": ray.util.get_node_ip_address(),
             "storage": marker is None or Path(marker).exists(),
             "weights": weights is None or Path(weights).is_file()}
@@ -235,9 +233,6 @@ def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
 def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[str, object]]:
     """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each);
     [] on a one-node Ray."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     if len(alive) < 2:   # one machine: nothing to compare, and no task to start
         return []
@@ -247,15 +242,17 @@ def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[st
     return ray.get(refs, timeout=120)
 
 
-def check_paths_on_every_node(storage: str, weights: str | None, *, views=views_of_every_node) -> None:
+NodeViews = Callable[[str | None, str | None], list[dict[str, object]]]
+
+
+def check_paths_on_every_node(storage: str, weights: str | None, *,
+                              views: NodeViews = views_of_every_node) -> None:
     """On a cluster of more than one node, every node must see the same --storage folder (each
     trial's checkpoints are written by the node it trains on and read back by the driver) and
     the --weights file at the same path. A local --storage that other nodes do not share, or a
     weights file missing on a node, raises ConfigError naming the flag, the node and the fix.
     Checked on the nodes alive now; nodes the autoscaler starts later run the same setup.
     `views`: how the nodes' views are gathered (`views_of_every_node`)."""
-    import uuid
-
     local_storage = "://" not in storage
     weights_file = weights if weights and weights not in ("none", "kinetics") else None
     marker = Path(storage).expanduser() / f".vidtune-node-check-{uuid.uuid4().hex}" if local_storage else None

@@ -23,8 +23,14 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+# Each library configures its loggers when imported: `quiet_libraries` redirects them after.
+import mlflow  # noqa: F401
+import optuna
 from ray.tune import Callback
+from ray.tune.experiment import Trial
 
+from tune.faults import exception_line, keep_traceback, read_error_file
+from tune.results import completed_trial_status
 from tune.trial import short_name
 
 # Loggers whose records go to the log file, not the console.
@@ -43,11 +49,6 @@ def log_file_for(experiment_path: str, name: str) -> Path:
 def quiet_libraries(log_path: Path) -> Path:
     """Send the libraries' log records (INFO and up) and Python warnings to `log_path`, none to
     the console. Call before `ray.init` (with `configure_logging=False`, `log_to_driver=False`)."""
-    # Each configures its loggers when imported: import them first, then redirect.
-    import mlflow  # noqa: F401
-    import optuna
-    import ray  # noqa: F401
-
     optuna.logging.disable_default_handler()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_path, encoding="utf-8")
@@ -161,7 +162,7 @@ class SearchConsole(Callback):
         return state
 
     # Tune hooks -----------------------------------------------------------------------------
-    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+    def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
         self.__dict__.setdefault("_reported", set()).discard(trial.trial_id)
         name = short_name(trial)
@@ -171,7 +172,7 @@ class SearchConsole(Callback):
         self._print(f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name} started: batch size "
                     f"{cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
 
-    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
         epoch = int(result.get("epoch") or 0)
         if epoch < 1:
@@ -202,9 +203,7 @@ class SearchConsole(Callback):
                         f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
         self._print(self.overall(trials))
 
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.report import completed_trial_status
-
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         last = trial.last_result or {}
         epoch = int(last.get("epoch") or 0)
         status = completed_trial_status(trial, epochs=self.epochs)
@@ -215,9 +214,7 @@ class SearchConsole(Callback):
             status, f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})")
         self._print(f"{short_name(trial)} {how}")
 
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.faults import exception_line, keep_traceback, read_error_file
-
+    def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         path = getattr(trial, "error_file", None)
         text = read_error_file(path)
         experiment = _experiment_path(trial)
@@ -275,7 +272,7 @@ def restart_line(name: str, result: dict[str, Any], *, worker_died: bool) -> str
     return f"{why}{name} starts again from epoch 1: no whole checkpoint{skipped}"
 
 
-def _experiment_path(trial: Any) -> str | None:
+def _experiment_path(trial: Trial) -> str | None:
     """The trial's experiment folder (a URI on remote storage), or None when Tune's trial has no
     storage to say it."""
     storage = getattr(trial, "storage", None)

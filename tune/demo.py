@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+from datasets.synthetic import generate
+
 DEMO_VIDEOS = 160         # 128 train / 32 val clips: ~5 s per epoch for the tiny model on one core
 # Frame size and length are the generator's defaults (112 px, 3 s): the data on which
 # tests/test_learning.py shows the tiny model learning (decoded at its 64 px).
@@ -25,8 +27,6 @@ def ensure_demo_data(root: Path | None = None) -> tuple[Path, bool]:
     Generation goes to a sibling temporary folder renamed into place at the end, so an
     interrupted first run never leaves a half-written dataset that later runs would trust.
     """
-    from datasets.synthetic import generate
-
     root = Path(root) if root else demo_dir()
     marker = root / DONE_MARKER
     if marker.exists() and marker.read_text() == _MARKER_TEXT:

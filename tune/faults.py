@@ -15,15 +15,20 @@ search made, and both must see the same record.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import signal
 import threading
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from types import FrameType
 from typing import Any
 
 from ray.tune import Callback
+from ray.tune.experiment import Trial
 
 DISABLE_TUNE_SIGINT = "TUNE_DISABLE_SIGINT_HANDLER"
 LIVE_STATES = ("PENDING", "RUNNING", "PAUSED")
@@ -61,7 +66,7 @@ def uninstall() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+def _on_signal(signum: int, frame: FrameType | None) -> None:
     if STATE.interrupted:     # a second signal: stop now, without Tune's last snapshot
         raise KeyboardInterrupt
     STATE.signal_name = signal.Signals(signum).name
@@ -83,7 +88,7 @@ class InterruptWatch(Callback):
     """Keeps `STATE.trials` pointing at Tune's live trial list, so a signal can name the trials
     that were still unfinished."""
 
-    def on_step_begin(self, iteration: int, trials: list, **info: Any) -> None:
+    def on_step_begin(self, iteration: int, trials: list[Trial], **info: Any) -> None:
         STATE.trials = trials
 
 
@@ -102,9 +107,6 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
     """Why `error` (an exception out of Tune, or a trial's error text) is a full disk, or None.
     Looks for errno 28 (ENOSPC) along the exception's chain and in its text (trial errors arrive
     as text from the workers), and at the free space left under a local `storage`."""
-    import errno
-    import shutil
-
     seen = 0
     e = error
     while e is not None and seen < 20:
@@ -167,11 +169,9 @@ def keep_traceback(experiment_path: str, name: str, text: str) -> Path | None:
     return path
 
 
-def error_text(error: Any) -> str:
+def error_text(error: BaseException | str | None) -> str:
     """The whole text of a trial's error: an exception's formatted traceback (a Ray error's
     message holds the worker's traceback), or the text itself."""
-    import traceback
-
     if isinstance(error, BaseException):
         return "".join(traceback.format_exception(type(error), error, error.__traceback__))
     return str(error or "")

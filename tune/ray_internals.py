@@ -46,12 +46,20 @@ The uses (checked against Ray 2.60.0):
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 import re
+from pathlib import Path
 from typing import Any
 
+import optuna
 import ray
+from ray.tune import ResultGrid
+from ray.tune.experiment import Trial
+from ray.tune.search.optuna import OptunaSearch
+from ray.util.placement_group import PlacementGroup
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +115,7 @@ def _moved(what: str, e: Exception) -> UnsupportedRayError:
                                f"vidtune is tested with Ray {_supported()}.x: `{INSTALL_HINT}`")
 
 
-def worker_group_placement_group(worker_group: Any) -> Any:
+def worker_group_placement_group(worker_group: Any) -> PlacementGroup:
     """The `ray.util.placement_group.PlacementGroup` of a started Train V2 worker group (the
     argument of `WorkerGroupCallback.after_worker_group_start`)."""
     try:
@@ -122,7 +130,7 @@ FINISHED_STATES = (TERMINATED, ERROR)
 """Tune statuses of a trial that ended (others: PENDING, RUNNING, PAUSED: cut off)."""
 
 
-def trial_states(result_grid: Any) -> list[tuple[str, str]]:
+def trial_states(result_grid: ResultGrid) -> list[tuple[str, str]]:
     """(trial id, Tune status) of each trial of a `tune.ResultGrid`, in the order of its Results
     (`zip(trial_states(grid), grid)` pairs each Result with its trial)."""
     try:
@@ -143,9 +151,6 @@ def drop_unreadable_error_pickles(experiment_path: str) -> list[str]:
     Tune builds every Result of a ResultGrid by unpickling its trial's `error.pkl`; one truncated
     file makes `Tuner.fit()` (and so every `--resume`) end in EOFError. Tune falls back to the
     trial's `error.txt` when the pickle is absent. The file name is Tune's, not a public API."""
-    import pickle
-    from pathlib import Path
-
     if "://" in experiment_path:
         return []
     dropped = []
@@ -165,9 +170,6 @@ def check_experiment_state(experiment_path: str) -> None:
     """Raise ValueError when the newest saved state of a local Tune experiment (its
     `experiment_state-*.json`) cannot be parsed, e.g. cut short by a full disk: Tune would then
     start the experiment over without a word. The file name and format are Tune's."""
-    import json
-    from pathlib import Path
-
     if "://" in experiment_path:
         return
     states = sorted(Path(experiment_path).glob("experiment_state-*.json"))
@@ -180,7 +182,7 @@ def check_experiment_state(experiment_path: str) -> None:
 
 
 # --- 3. Ray's OptunaSearch (no public equivalent) ---------------------------------------------
-def optuna_pending_trial(searcher: Any, trial_id: str) -> Any | None:
+def optuna_pending_trial(searcher: OptunaSearch, trial_id: str) -> optuna.Trial | None:
     """The live `optuna.Trial` that Ray's `OptunaSearch` asked for Tune trial `trial_id`, or None
     when it has none or has already told the study its result (call before
     `OptunaSearch.on_trial_complete`)."""
@@ -191,7 +193,7 @@ def optuna_pending_trial(searcher: Any, trial_id: str) -> Any | None:
     return None if trial_id in completed else ot_trials.get(trial_id)
 
 
-def optuna_study(searcher: Any) -> Any:
+def optuna_study(searcher: OptunaSearch) -> optuna.Study | None:
     """The `optuna.Study` of Ray's `OptunaSearch` (None until its search space is set)."""
     try:
         return searcher._ot_study
@@ -207,7 +209,7 @@ TUNE_TRIAL_STATE_FILES = ("error.pkl",)
 """In each trial's folder: the ResultGrid unpickles it."""
 
 
-def experiment_staging_path(trials: list) -> str | None:
+def experiment_staging_path(trials: list[Trial]) -> str | None:
     """The local folder where Tune saves the experiment's state before its background copy to
     the experiment folder (`StorageContext.experiment_driver_staging_path`, which Tune's
     searchers are told to write to); None without trials. Use 5 above."""

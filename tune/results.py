@@ -1,5 +1,5 @@
 """The end of a search: one row per trial, the best trial, the Pareto front (accuracy vs clips/s),
-the table as text and CSV, and two plots (matplotlib Agg, no display needed).
+the table as text, markdown and CSV (the plots of these rows: `tune.plots`).
 
 A row's val_acc and val_f1 are those of the trial's best epoch by val_acc (ties: the later
 epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are steady-state
@@ -29,9 +29,18 @@ from __future__ import annotations
 import csv
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
+import ray.train
+from ray.tune import Result
+from ray.tune.experiment import Trial
+
+from trainer.checkpointing import first_whole
+from trainer.metrics import steady_state
+from tune.faults import trial_unfinished
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
 # of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr
@@ -85,12 +94,10 @@ def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, fini
     return "DONE"
 
 
-def completed_trial_status(trial: Any, *, epochs: int) -> str:
+def completed_trial_status(trial: Trial, *, epochs: int) -> str:
     """`trial_status` of a trial Tune has just completed (a live Tune `Trial`, as its callbacks
     get it). Tune ends the trials it stops on Ctrl-C / SIGTERM as it ends finished ones; those
     are UNFINISHED (`tune.faults` remembers them), not done or stopped early."""
-    from tune.faults import trial_unfinished
-
     return trial_status(trial.last_result or {}, epochs=epochs, finished=not trial_unfinished(trial.trial_id))
 
 
@@ -106,7 +113,7 @@ def _epoch_of(x: Any) -> int:
     return int(e) if math.isfinite(e) else 0
 
 
-def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
+def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: bool,
                     train_run: str | None = None, name: str | None = None) -> TrialRow:
     """One Tune `Result` -> TrialRow. `finished`: Tune ended the trial (not interrupted).
     `train_run`: the folder of the trial's Ray Train run (its checkpoints). `name`: the trial's
@@ -133,7 +140,8 @@ def row_from_result(result: Any, *, trial_id: str, epochs: int, finished: bool,
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
-        epochs=max(epoch_records(result), default=0), status=status, checkpoint=best_checkpoint(train_run, result, name or trial_id),
+        epochs=max(epoch_records(result), default=0), status=status,
+        checkpoint=best_checkpoint(train_run, result, name or trial_id),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
         other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
@@ -145,7 +153,7 @@ def _text(x: Any) -> str:
     return x if isinstance(x, str) else ""
 
 
-def epoch_records(result: Any) -> dict[int, dict[str, Any]]:
+def epoch_records(result: Result) -> dict[int, dict[str, Any]]:
     """{epoch: that epoch's report} from every epoch Tune recorded (`metrics_dataframe`, one row
     per report; a resumed trial re-reports an epoch: the later report of an epoch wins), plus the
     last result (which fills in what the dataframe lacks for its epoch)."""
@@ -163,7 +171,7 @@ def epoch_records(result: Any) -> dict[int, dict[str, Any]]:
     return out
 
 
-def best_epoch_record(result: Any) -> tuple[int, dict[str, Any]] | None:
+def best_epoch_record(result: Result) -> tuple[int, dict[str, Any]] | None:
     """(epoch, report) of the trial's best epoch by val_acc (ties: the later epoch), among the
     epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
     val_acc."""
@@ -183,7 +191,7 @@ SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
 OTHER_LOAD_MARK = 0.5
 
 
-def steady_speeds(result: Any) -> dict[str, float]:
+def steady_speeds(result: Result) -> dict[str, float]:
     """A trial's steady-state speed (`trainer.metrics.steady_state` of each of SPEED_KEYS over
     its reported epochs, and of other_cpu_cores: what ran beside those epochs) and the most
     trainings that shared its device in any epoch.
@@ -191,11 +199,10 @@ def steady_speeds(result: Any) -> dict[str, float]:
     Read from every epoch Tune recorded (`epoch_records`: a resumed trial re-reports an epoch,
     the last report of an epoch wins), falling back to the last result alone. An out-of-memory
     or diverged trial reports 0 clips/s: it has no speed (NaN)."""
-    from trainer.metrics import steady_state
-
     m = dict(result.metrics or {})
     if int(m.get("oom", 0) or 0) == 1 or int(m.get("diverged", 0) or 0) == 1:
-        return {**{k: math.nan for k in SPEED_KEYS}, "concurrent_trainings": _f(m.get("concurrent_trainings")),
+        return {**{k: math.nan for k in SPEED_KEYS},
+                "concurrent_trainings": _f(m.get("concurrent_trainings")),
                 "other_cpu_cores": math.nan}
     records = epoch_records(result)
     by_epoch = {k: {e: _f(rec[k]) for e, rec in records.items() if k in rec}
@@ -205,7 +212,7 @@ def steady_speeds(result: Any) -> dict[str, float]:
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
-def best_checkpoint(train_run: str | None, result: Any, name: str = "") -> str | None:
+def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> str | None:
     """The trial's best whole checkpoint by val_acc (the best epoch by val_acc, whose metrics its
     row reports): the best of the checkpoints its Ray Train run kept
     (`ray.train.Result.from_path(train_run).best_checkpoints`) that `checkpoint_problem` finds
@@ -215,8 +222,6 @@ def best_checkpoint(train_run: str | None, result: Any, name: str = "") -> str |
     downloaded to be checked."""
     candidates: list[str] = []
     if train_run:
-        import ray.train
-
         quiet = logging.getLogger("ray.train")   # from_path logs a paragraph per run read at INFO
         level = quiet.level
         quiet.setLevel(logging.WARNING)
@@ -244,12 +249,11 @@ def _sort_acc(metrics: dict[str, Any]) -> float:
 def _first_whole(paths: list[str], name: str) -> str | None:
     """`trainer.checkpointing.first_whole` of `paths`, with a line for each damaged one skipped
     and for none left."""
-    from trainer.checkpointing import first_whole
-
     found, skipped = first_whole(paths)
     who = f"{name}: " if name else ""
     for i, why in enumerate(skipped):
-        after = "the next best instead" if found or i + 1 < len(skipped) else "no whole checkpoint is left; none named best"
+        after = ("the next best instead" if found or i + 1 < len(skipped)
+                 else "no whole checkpoint is left; none named best")
         print(f"{who}{why}; {after}", flush=True)
     return found
 
@@ -260,7 +264,7 @@ def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
     return [r for r in rows if r.status in ("DONE", "STOPPED", "UNFINISHED") and math.isfinite(r.val_acc)]
 
 
-def _objective_key(objective: str) -> str:
+def objective_key(objective: str) -> str:
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
     return "val_acc" if objective == "pareto" else objective
@@ -273,7 +277,7 @@ def _speed_rank(r: TrialRow) -> float:
 def best_trial(rows: list[TrialRow], objective: str) -> TrialRow | None:
     """Highest objective (at each trial's best epoch by val_acc) among usable trials; pareto: the
     most accurate trial on the front. Ties go to the faster trial (clips/s)."""
-    key = _objective_key(objective)
+    key = objective_key(objective)
     pool = pareto_front(rows) if objective == "pareto" else usable(rows)
     pool = [r for r in pool if math.isfinite(getattr(r, key))]
     if not pool:
@@ -301,7 +305,8 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
     speed is not the model's alone."""
     show_gpu = any(r.gpu_ids for r in rows)
     head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
-        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs"] + (["gpu"] if show_gpu else []) + ["status"]
+        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs"] + (["gpu"] if show_gpu else []) + \
+        ["status"]
     body = []
     for r in rows:
         body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
@@ -310,7 +315,11 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
                      _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs)] +
                     ([r.gpu_ids or "-"] if show_gpu else []) + [r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        cols = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in cols)
+
     legend = [text for _, text in marks_used(rows)]
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
 
@@ -348,7 +357,8 @@ def format_markdown(rows: list[TrialRow]) -> str:
              f"|---|---:|---:|---:|---:|---:|---:|---:|{gpu_rule}---|"]
     for r in rows:
         gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
-        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | {_num(r.val_f1, 3)} | "
+        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | "
+                     f"{_num(r.val_f1, 3)} | "
                      f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} "
                      f"{r.status} |")
     legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
@@ -377,7 +387,7 @@ def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
 def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
     """Rows best first by `objective` (val_acc or val_f1 descending; pareto: by val_acc), ties to
     the faster trial; then the unusable ones (OOM, DIVERGED, ERROR, no value) in the order given."""
-    key = _objective_key(objective)
+    key = objective_key(objective)
     ranked_rows = [r for r in usable(rows) if math.isfinite(getattr(r, key))]
     ranked_ids = {id(r) for r in ranked_rows}
     return sorted(ranked_rows, key=lambda r: (-getattr(r, key), -_speed_rank(r))) + \
@@ -420,306 +430,3 @@ def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc") -> P
         for r in ranked(rows, objective):
             w.writerow(csv_record(r))
     return path
-
-
-# --- plots ---------------------------------------------------------------------------------
-
-PLOT_DPI = 150
-# tab10 without its olive (too light, yellowish, on white), then black: one colour per batch size
-_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
-            "#7f7f7f", "#000000")
-# how each status is drawn; OOM and DIVERGED have no speed (and no accuracy): an x or a hollow
-# diamond in a shaded strip at the edge
-_STATUS_STYLE = {
-    "DONE": dict(marker="o", filled=True, legend="DONE (all epochs)"),
-    "STOPPED": dict(marker="o", filled=False, legend="STOPPED early (ASHA)"),
-    "UNFINISHED": dict(marker="^", filled=True, legend="UNFINISHED (interrupted)"),
-    "OOM": dict(marker="x", filled=True, legend="OOM: out of memory\n(no speed or accuracy)"),
-    "DIVERGED": dict(marker="D", filled=False, legend="DIVERGED: loss inf/NaN\n(no speed or accuracy)"),
-}
-_LABEL_SIZE = 6.5
-OOM_BAND = 0.12         # params plot: the bottom band (axes fraction) that holds the OOM / DIVERGED trials
-_MARKER_S = 42          # scatter marker area (points^2)
-
-
-def _colours(rows: Iterable[TrialRow]) -> dict[int, str]:
-    sizes = sorted({r.batch_size for r in rows})
-    return {b: _PALETTE[i % len(_PALETTE)] for i, b in enumerate(sizes)}
-
-
-def _new_figure(width: float, height: float, ncols: int = 1, sharey: bool = False):
-    """A figure on its own Agg canvas (no pyplot state, nothing to close), constrained layout."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=PLOT_DPI, layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols, sharey=sharey, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def _draw_point(ax, x: float, y: float, r: TrialRow, colour: str, transform=None) -> None:
-    style = _STATUS_STYLE.get(r.status, _STATUS_STYLE["DONE"])
-    kw: dict[str, Any] = dict(marker=style["marker"], s=_MARKER_S, zorder=3, clip_on=False)
-    if transform is not None:   # x in data, y in axes coordinates: the x axis must still cover x
-        kw["transform"] = transform
-        ax.update_datalim([(x, 0.0)], updatex=True, updatey=False)
-        ax.autoscale_view()
-    if style["marker"] == "x":
-        kw.update(color=colour, linewidths=1.8, s=_MARKER_S * 1.2)
-    elif style["filled"]:
-        kw.update(color=colour, edgecolors="white", linewidths=0.6)
-    else:
-        kw.update(facecolors="white", edgecolors=colour, linewidths=1.6)
-    ax.scatter([x], [y], **kw)
-
-
-def _legend(ax, rows: list[TrialRow], colours: dict[int, str], *, front: bool) -> None:
-    """Colour = batch size, marker = status (those present), and the front when drawn."""
-    from matplotlib.lines import Line2D
-
-    handles = [Line2D([], [], linestyle="none", marker="s", markersize=7, color=c, label=f"batch {b}")
-               for b, c in colours.items() if any(r.batch_size == b for r in rows)]
-    for status, style in _STATUS_STYLE.items():
-        if any(r.status == status for r in rows):
-            hollow = not style["filled"]
-            handles.append(Line2D([], [], linestyle="none", marker=style["marker"], markersize=7,
-                                  color="#444444", markerfacecolor="white" if hollow else "#444444",
-                                  markeredgewidth=1.6 if hollow or style["marker"] == "x" else 0.6,
-                                  label=style["legend"]))
-    if front:
-        handles.append(Line2D([], [], linestyle="--", color="black", linewidth=1.2, label="Pareto front"))
-    if handles:
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8,
-                  frameon=False, borderaxespad=0.0)
-
-
-def _not_plotted_note(ax, rows: list[TrialRow]) -> None:
-    """Say which trials the plot leaves out (errored, or no value to plot), under the legend."""
-    if rows:
-        names = ", ".join(f"{r.label} ({r.status})" for r in rows)
-        ax.annotate("not plotted:\n" + _wrap(names, 30), (1.02, 0.0), xycoords="axes fraction",
-                    ha="left", va="bottom", fontsize=7, color="#444444")
-
-
-def _wrap(text: str, width: int) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width=width, break_on_hyphens=False, break_long_words=False))
-
-
-# candidate label positions around a point: (dx, dy) in points, horizontal and vertical alignment
-_LABEL_SPOTS = ((5, 4, "left", "bottom"), (5, -4, "left", "top"), (-5, 4, "right", "bottom"),
-                (-5, -4, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top"),
-                (8, 0, "left", "center"), (-8, 0, "right", "center"))
-
-
-def _label_points(fig, ax, points: list[tuple[float, float, str, Any, bool]]) -> None:
-    """Annotate each (x, y, text, xycoords, bold) next to its point, choosing for each the spot
-    (of _LABEL_SPOTS) that overlaps no point, no line of the axes, no label placed before and
-    stays in the axes; the least overlapping spot when none is free. Call once the axes limits
-    are final."""
-    import numpy as np
-    from matplotlib.transforms import Bbox
-
-    fig.canvas.draw()                     # lay the figure out: display coordinates are final
-    renderer = fig.canvas.get_renderer()
-    area = ax.get_window_extent(renderer)
-    radius = math.sqrt(_MARKER_S) / 2 * fig.dpi / 72 + 1
-    dots = []
-    for x, y, _, coords, _ in points:
-        trans = ax.transData if coords == "data" else coords
-        px, py = trans.transform((x, y))
-        dots.append(Bbox.from_extents(px - radius, py - radius, px + radius, py + radius))
-    dots += [t.get_window_extent(renderer) for t in ax.texts]   # e.g. "OOM", "no trial produced results"
-    for line in ax.get_lines():          # e.g. the Pareto front: a small box every few pixels
-        xy = line.get_transform().transform(np.column_stack(line.get_data()))
-        for (x0, y0), (x1, y1) in zip(xy[:-1], xy[1:]):
-            for t in np.linspace(0, 1, max(2, int(math.hypot(x1 - x0, y1 - y0) / 3))):
-                px, py = x0 + t * (x1 - x0), y0 + t * (y1 - y0)
-                dots.append(Bbox.from_extents(px - 1.5, py - 1.5, px + 1.5, py + 1.5))
-
-    def overlap(a, b) -> float:
-        w = min(a.x1, b.x1) - max(a.x0, b.x0)
-        h = min(a.y1, b.y1) - max(a.y0, b.y0)
-        return w * h if w > 0 and h > 0 else 0.0
-
-    placed: list[Any] = []
-    for x, y, text, coords, bold in points:
-        best = None
-        for dx, dy, ha, va in _LABEL_SPOTS:
-            ann = ax.annotate(text, (x, y), xycoords=coords, xytext=(dx, dy), textcoords="offset points",
-                              ha=ha, va=va, fontsize=_LABEL_SIZE, fontweight="bold" if bold else "normal",
-                              color="#222222", zorder=5, annotation_clip=False)
-            ann.set_in_layout(False)
-            box = ann.get_window_extent(renderer).padded(1.5)
-            outside = box.width * box.height - overlap(box, area)
-            cost = 4 * outside + sum(overlap(box, b) for b in (*dots, *placed))
-            if best is None or cost < best[0]:
-                if best is not None:
-                    best[1].remove()
-                best = (cost, ann, box)
-            else:
-                ann.remove()
-            if cost == 0:
-                break
-        placed.append(best[2])
-
-
-def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=PLOT_DPI, facecolor="white")
-    return path
-
-
-def _strip_label(rows: list[TrialRow]) -> str:
-    """The label of the strip holding the trials without a result: the statuses among them."""
-    return " / ".join(s for s in NO_RESULT if any(r.status == s for r in rows))
-
-
-def _oom_y(i: int) -> float:
-    """Where the i-th OOM / DIVERGED trial sits in the scatter's strip (axes fraction, from the top)."""
-    return max(0.9 - 0.07 * i, 0.05)
-
-
-def scatter_figure(rows: list[TrialRow], *, title: str = ""):
-    """The figure `plot_scatter` saves (a matplotlib Figure on an Agg canvas)."""
-    fig, (ax,) = _new_figure(8.6, 5.2)
-    colours = _colours(rows)
-    pool = [r for r in usable(rows) if math.isfinite(r.clips_per_s)]
-    oom = [r for r in rows if r.status in NO_RESULT]
-    front = sorted(pareto_front(rows), key=lambda r: r.clips_per_s)
-    on_front = {id(r) for r in front}
-    ax.margins(x=0.12, y=0.15)
-    for r in pool:
-        _draw_point(ax, r.clips_per_s, r.val_acc, r, colours[r.batch_size])
-    drawn = len(front) >= 2
-    if drawn:
-        ax.plot([r.clips_per_s for r in front], [r.val_acc for r in front], "--", color="black",
-                linewidth=1.2, zorder=2, label="Pareto front", gid="pareto_front")
-    if not pool:
-        ax.set_ylim(0.0, 1.0)
-        ax.text(0.5, 0.5, "no trial produced results", ha="center", va="center", transform=ax.transAxes,
-                color="#444444")
-    if oom:   # no speed, no accuracy: at 0 clips/s in a shaded strip, stacked down from the top
-        right = max([r.clips_per_s for r in pool], default=1.0)
-        ax.set_xlim(-0.08 * right, max(ax.get_xlim()[1], 1.08 * right) if pool else 1.1 * right)
-        ax.axvspan(-0.08 * right, 0.04 * right, color="#ebebeb", zorder=0, linewidth=0)
-        ax.text(-0.02 * right, 0.985, _strip_label(oom), transform=ax.get_xaxis_transform(), ha="center", va="top",
-                fontsize=7, color="#555555")
-        for i, r in enumerate(oom):
-            _draw_point(ax, 0.0, _oom_y(i), r, colours[r.batch_size], transform=ax.get_xaxis_transform())
-    ax.set_xlabel("steady-state training throughput (clips/s)")
-    ax.set_ylabel("validation accuracy (best epoch)")
-    ax.set_title(f"{title}: accuracy vs speed" if title else "trials: accuracy vs speed", fontsize=11)
-    ax.grid(alpha=0.3)
-    _legend(ax, pool + oom, colours, front=drawn)
-    shown = {id(r) for r in pool + oom}
-    _not_plotted_note(ax, [r for r in rows if id(r) not in shown])
-    points = [(r.clips_per_s, r.val_acc, r.label, "data", id(r) in on_front and drawn)
-              for r in sorted(pool, key=lambda r: id(r) not in on_front)]
-    points += [(0.0, _oom_y(i), r.label, ax.get_xaxis_transform(), False) for i, r in enumerate(oom)]
-    _label_points(fig, ax, points)
-    return fig
-
-
-def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "") -> Path | None:
-    """Validation accuracy (best epoch) against steady clips/s, one labelled point per trial:
-    colour = batch size, marker = status (DONE filled, STOPPED hollow, UNFINISHED triangle; OOM
-    an x and DIVERGED a hollow diamond, at 0 clips/s in a shaded strip), the Pareto front dashed
-    when it has 2 or more trials. PNG at PLOT_DPI."""
-    return _save(scatter_figure(rows, title=title), path)
-
-
-_OBJECTIVE_LABEL = {"val_acc": "validation accuracy (best epoch)",
-                    "val_f1": "validation F1 (best epoch by val_acc)"}
-
-
-def params_figure(rows: list[TrialRow], *, objective: str, title: str = ""):
-    """The figure `plot_objective_vs_params` saves."""
-    from matplotlib.patches import Rectangle
-    from matplotlib.ticker import NullFormatter
-
-    key = _objective_key(objective)
-    params = [("lr", "learning rate (log)")]
-    if any(r.weight_decay is not None for r in rows):
-        params.append(("weight_decay", "weight decay (log)"))
-    params.append(("batch_size", "batch size"))
-    fig, axes = _new_figure(3.6 * len(params) + 2.2, 4.4, ncols=len(params), sharey=True)
-    colours = _colours(rows)
-    pool = [r for r in usable(rows) if math.isfinite(getattr(r, key))]
-    oom = [r for r in rows if r.status in NO_RESULT]
-    sizes = sorted({r.batch_size for r in pool + oom})
-    # batch sizes are categories: spread the trials of one size a little apart, by value (the
-    # OOM / DIVERGED ones, all on the bottom band, wider apart)
-    spread: dict[int, float] = {}
-    for b in sizes:
-        for group, step in ((pool, 0.12), (oom, 0.3)):
-            same = sorted((r for r in group if r.batch_size == b), key=lambda r: _f(getattr(r, key)))
-            for k, r in enumerate(same):
-                spread[id(r)] = sizes.index(b) + (k - (len(same) - 1) / 2) * min(step, 0.7 / len(same))
-
-    def x_of(r: TrialRow, param: str) -> float:
-        if param == "batch_size":
-            return spread[id(r)]
-        v = getattr(r, param)
-        return _f(v) if v is not None and _f(v) > 0 else math.nan
-
-    for ax, (param, label) in zip(axes, params):
-        ax.margins(x=0.15, y=0.15)
-        if param != "batch_size":
-            ax.set_xscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        for r in pool:
-            if math.isfinite(x_of(r, param)):
-                _draw_point(ax, x_of(r, param), getattr(r, key), r, colours[r.batch_size])
-        oom_here = [r for r in oom if math.isfinite(x_of(r, param))]
-        if oom_here:   # no value: a mark in a shaded band along the bottom edge
-            ax.margins(y=0.3)
-            ax.add_patch(Rectangle((0, 0), 1, OOM_BAND, transform=ax.transAxes, color="#ebebeb", zorder=0,
-                                   linewidth=0))
-            ax.text(0.01, OOM_BAND / 2, _strip_label(oom_here), transform=ax.transAxes, ha="left", va="center",
-                    fontsize=7, color="#555555")
-        for r in oom_here:
-            _draw_point(ax, x_of(r, param), OOM_BAND / 2, r, colours[r.batch_size],
-                        transform=ax.get_xaxis_transform())
-        if param == "batch_size":
-            ax.set_xticks(range(len(sizes)), [str(b) for b in sizes])
-            if sizes:
-                ax.set_xlim(-0.6, len(sizes) - 0.4)
-        else:   # at least a decade wide, so that the axis has a labelled (power of 10) tick
-            lo, hi = ax.get_xlim()
-            if lo > 0 and hi / lo < 12:
-                mid = math.sqrt(lo * hi)
-                ax.set_xlim(mid / 3.5, mid * 3.5)
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-        if not pool:
-            ax.set_ylim(0.0, 1.0)
-        if not pool and ax is axes[0]:
-            ax.text(0.5, 0.5, "no trial produced results", ha="center", va="center", transform=ax.transAxes,
-                    color="#444444")
-    axes[0].set_ylabel(_OBJECTIVE_LABEL[key])
-    fig.suptitle(f"{title}: " * bool(title) + f"{key} by searched parameter" +
-                 " (objective: pareto)" * (objective == "pareto"), fontsize=11)
-    _legend(axes[-1], pool + oom, colours, front=False)
-    shown = {id(r) for r in pool + oom}
-    _not_plotted_note(axes[-1], [r for r in rows if id(r) not in shown])
-    for ax, (param, _) in zip(axes, params):
-        points = [(x_of(r, param), getattr(r, key), r.label, "data", False) for r in pool
-                  if math.isfinite(x_of(r, param))]
-        points += [(x_of(r, param), OOM_BAND / 2, r.label, ax.get_xaxis_transform(), False) for r in oom
-                   if math.isfinite(x_of(r, param))]
-        _label_points(fig, ax, points)
-    return fig
-
-
-def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str, title: str = "") -> Path | None:
-    """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
-    against each searched parameter, one subplot each: lr and weight decay (when searched) on
-    log axes, batch size as categories. Points coloured by batch size, marked by status and
-    labelled like `plot_scatter`; OOM and DIVERGED trials in a band on the bottom edge. PNG at
-    PLOT_DPI. None (nothing written) without any trial."""
-    if not rows:
-        return None
-    return _save(params_figure(rows, objective=objective, title=title), path)

@@ -1,23 +1,237 @@
-"""The search itself, once Ray is up: check the cluster, size the trials, run (or resume) the
-Tuner with the MLflow writer and the resource releaser, then report."""
+"""The search, from parsed options to its summary: check everything on the driver before Ray
+starts (`prepare`), take the search's lock, start Ray, check the cluster, size the trials, run
+(or resume) the Tuner with the MLflow writer and the resource releaser, then report.
+
+`tune/search.py` parses the flags and imports this module only then: it pulls in Ray, Optuna,
+MLflow and torch, which `--help` and a bad flag do not need."""
 from __future__ import annotations
 
+import functools
 import json
+import os
+import sys
 import tempfile
-from dataclasses import replace
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import ray
+from ray import tune
+
+from datasets.cache import FrameCache
+from datasets.cache_fill import fill_cache
 from datasets.flags import ConfigError
-from tune.options import SearchOptions
-from trainer.gpus import simulated_gpus
+from datasets.index import VideoIndex, build_index
+from trainer.batch_probe import BatchProbe, probe_batch_size
+from trainer.config import TrainConfig
+from trainer.gpus import simulated_gpus, train_device
+from trainer.launch import (
+    REPO_ROOT,
+    check_batch_sizes,
+    check_num_frames,
+    check_writable_folder,
+    init_ray,
+    validate_config,
+)
 from trainer.lease import start_lease
-from tune import faults
-from tune.cluster import (AUTOSCALER_CONFIG, Fit, check_paths_on_every_node, driver_node_gpus, fit_to_cluster,
-                          read_capacity, trial_resources, waiting_line)
-from tune.console import SearchConsole
-from tune.trust import SignAfterSave
+from trainer.models import get_spec
+from tune import cleanup, faults, space, trust
+from tune.cluster import (
+    AUTOSCALER_CONFIG,
+    Fit,
+    check_paths_on_every_node,
+    driver_node_gpus,
+    fit_to_cluster,
+    read_capacity,
+    trial_resources,
+    waiting_line,
+)
+from tune.console import SearchConsole, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
+from tune.demo import ensure_demo_data
+from tune.faults import DiskFullError
+from tune.lock import SearchLock, check_not_running
+from tune.options import SearchOptions
+from tune.plots import plot_objective_vs_params, plot_scatter
+from tune.ray_internals import (
+    FINISHED_STATES,
+    check_experiment_state,
+    drop_unreadable_error_pickles,
+    trial_states,
+)
+from tune.results import (
+    TrialRow,
+    best_trial,
+    format_markdown,
+    format_table,
+    pareto_front,
+    ranked,
+    row_from_result,
+    write_csv,
+)
+from tune.search import base_config
+from tune.tracking import MLflowTracker, check_store_uri, git_commit, sqlite_path
 from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
+from tune.trust import SignAfterSave, StateSigner
+
+DEFAULT_STORAGE = "vidtune-results"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved search before Ray: options (dataset path resolved), the training run every
+    trial starts from, where results go, and the driver's index of the videos."""
+
+    opts: SearchOptions
+    base: TrainConfig
+    storage: str              # Tune storage root (absolute path or URI)
+    name: str                 # experiment name (folder under storage)
+    demo: bool
+    index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
+
+    @property
+    def experiment_path(self) -> str:
+        return f"{self.storage.rstrip('/')}/{self.name}"
+
+
+def prepare(opts: SearchOptions) -> Plan:
+    """The one validation on the driver, before Ray starts: no driver already running this
+    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here, and every candidate batch size checked against the
+    training videos each worker gets), the experiment name. Raises ConfigError / DataError
+    naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
+    storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+        check_writable_folder(storage, "--storage")
+    if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
+        check_not_running(f"{storage.rstrip('/')}/{opts.name}", "--resume" if opts.resume else "--name")
+    demo = opts.demo
+    if demo:
+        root, made = ensure_demo_data()
+        print(f"demo: {'generated' if made else 'using'} the synthetic dataset in {root}"
+              " (pass --data PATH for your own videos)")
+    else:
+        root = Path(opts.train.data.root).expanduser().resolve()
+    opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
+    base = base_config(opts)
+    validate_config(base)
+    if base.data.clip_cache and base.data.clip_cache_dir is not None:
+        check_writable_folder(base.data.clip_cache_dir, "--cache-dir")
+    check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
+    if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
+        check_store_uri(opts.optuna_storage, "--optuna-storage")
+    name = experiment_name(opts, storage)
+    index = index_data(base)
+    check_num_frames(base, index)
+    if opts.space.batch_sizes is not None:   # the defaults depend on the cluster: checked once it is up
+        check_batch_sizes(opts.space.batch_sizes, len(index.train), opts.resources.workers_per_trial,
+                          flag="--batch-sizes", workers_flag="--workers-per-trial")
+    return Plan(opts=opts, base=base, storage=storage, name=name, demo=demo, index=index)
+
+
+def experiment_name(o: SearchOptions, storage: str) -> str:
+    """--name, or with --resume the latest restorable experiment in storage, else a new name."""
+    if o.resume:
+        if o.name:
+            path = f"{storage.rstrip('/')}/{o.name}"
+            if not tune.Tuner.can_restore(path):
+                raise ConfigError("--resume", f"no interrupted search to continue at {path}; check --name and --storage")
+            name = o.name
+        else:
+            if "://" in storage:
+                raise ConfigError("--resume", "with remote --storage, also pass --name of the search to continue")
+            found = sorted((p for p in Path(storage).glob("*") if p.is_dir() and tune.Tuner.can_restore(str(p))),
+                           key=lambda p: p.stat().st_mtime)
+            if not found:
+                raise ConfigError("--resume", f"no interrupted search to continue in {storage}; pass --storage (and --name)")
+            name = found[-1].name
+        check_resumable(f"{storage.rstrip('/')}/{name}", trust_state=o.trust_state)
+        return name
+    if o.name:
+        if "://" not in storage and (Path(storage) / o.name).exists():
+            raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume or pick another --name")
+        return o.name
+    return time.strftime("vidtune-%Y%m%d-%H%M%S")
+
+
+def check_resumable(path: str, *, trust_state: bool) -> None:
+    """Before anything of a search is unpickled: no live driver holds it (tune/lock.py), Tune's
+    saved state parses, and this user's key signed every state file (tune/trust.py), unless
+    --trust-state."""
+    check_not_running(path, "--resume")
+    try:
+        check_experiment_state(path)
+    except ValueError as e:
+        raise ConfigError("--resume", unreadable_state(path, e)) from None
+    if trust_state:
+        print(f"--trust-state: loading the saved state at {path} without checking who wrote it; "
+              "it is signed with your key from now on")
+        return
+    trust.verify(path)
+
+
+def index_data(base: TrainConfig) -> VideoIndex:
+    """Probe every video on the driver: fails fast (DataError) with the dropped-file report.
+    Returns the VideoIndex the trials train on."""
+    index = build_index(base.data)
+    print(index.summary())
+    return index
+
+
+def describe(plan: Plan) -> str:
+    """`--dry-run`'s printout: every option as resolved (the same names as the flags' fields),
+    with what is decided later said so."""
+    doc = plan.opts.to_dict()
+    doc["experiment"] = plan.experiment_path
+    doc["demo"] = plan.demo
+    doc["early_stopping"] = "ASHA" if space.early_stopping_enabled(plan.opts) else "off"
+    if doc["space"]["batch_sizes"] is None:
+        doc["space"]["batch_sizes"] = "by device once Ray is up (CPU 4,8; GPU 8,16,32)"
+    if doc["train"]["data"]["clip_cache_format"] == "auto":
+        doc["train"]["data"]["clip_cache_format"] = "auto (jpeg when trials train on GPUs, else raw)"
+    return "resolved configuration:\n" + json.dumps(doc, indent=2, default=list)
+
+
+def execute(plan: Plan) -> int:
+    """Lock the search (one driver per search), start Ray, check the cluster, run (or resume)
+    the search, report; the lock goes when this returns or raises."""
+    lock = SearchLock(plan.experiment_path, flag="--resume" if plan.opts.resume else "--name")
+    lock.acquire()   # before Ray and before any file is written: a second driver stops in seconds
+    try:
+        return _execute(plan)
+    finally:
+        lock.release()
+
+
+def _execute(plan: Plan) -> int:
+    # A tracking server that stops answering must not hold the search: MLflow's client would
+    # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    log_options, ray_lines = {}, None
+    streams = sys.stdout, sys.stderr
+    if not plan.opts.verbose:
+        log = quiet_libraries(log_file_for(plan.experiment_path, plan.name))
+        ray_lines = keep_ray_lines_off_the_console(log)
+        print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)", flush=True)
+        log_options = {"log_to_driver": False, "configure_logging": False}
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
+    started, signer = False, None
+    try:
+        started = init_ray(address=plan.opts.resources.address, **log_options)
+        # Tags Tune's state files as it saves them, so that a later --resume trusts them (tune/trust.py)
+        signer = StateSigner(plan.experiment_path).start()
+        return run_search(plan)
+    finally:
+        if signer is not None:
+            signer.stop()
+        if started:
+            ray.shutdown()
+        sys.stdout, sys.stderr = streams
+        if ray_lines is not None:
+            ray_lines.close()
+
 
 
 def check_cluster(opts: SearchOptions) -> Fit:
@@ -33,10 +247,8 @@ def check_cluster(opts: SearchOptions) -> Fit:
     return fit
 
 
-def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
+def probe_batch_sizes(opts: SearchOptions, base: TrainConfig) -> SearchOptions:
     """--probe-batch-size: drop batch sizes above the largest that fits, measured on a GPU."""
-    import ray
-
     if not opts.space.probe_batch_size:
         return opts
     if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
@@ -44,10 +256,8 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
         return opts
 
     @ray.remote(num_gpus=1)
-    def probe(model: str, precision: str, frames: Any, height: Any, width: Any, limit: int) -> Any:
-        from trainer.batch_probe import probe_batch_size
-        from trainer.gpus import train_device
-
+    def probe(model: str, precision: str, frames: int | None, height: int | None, width: int | None,
+              limit: int) -> BatchProbe:
         return probe_batch_size(model, precision=precision, device=train_device(), num_frames=frames,
                                 height=height, width=width, limit=limit)
 
@@ -63,22 +273,18 @@ def probe_batch_sizes(opts: SearchOptions, base: Any) -> SearchOptions:
     return replace(opts, space=replace(opts.space, batch_sizes=kept))
 
 
-def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool, trains_here: bool = True) -> Any:
+def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool,
+                    trains_here: bool = True) -> TrainConfig:
     """Decode every indexed video once into this node's clip cache before the first trial, so no
     trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read).
     Not when no trial trains on this node (`trains_here` False: the CPU head of a GPU cluster):
     the nodes that train fill their own caches. Returns `base` with the cache format resolved
     (auto: jpeg when trials train on GPUs, else raw), so every worker reads the same format."""
-    from dataclasses import replace as replace_field
-
-    from datasets.cache import FrameCache, fill_cache
-    from trainer.models import get_spec
-
     d = base.data
     cache = FrameCache.from_config(d, on_gpu=on_gpu)
     if cache is None:
         return base
-    base = base.with_overrides(data=replace_field(d, clip_cache_format=cache.format))
+    base = base.with_overrides(data=replace(d, clip_cache_format=cache.format))
     if index is None:
         return base
     if not trains_here:
@@ -93,20 +299,14 @@ def fill_clip_cache(base: Any, index: Any, *, on_gpu: bool, trains_here: bool = 
     return base
 
 
-def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
+def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None) -> int:
     """Run the planned search to the end (or resume it); print and record the summary.
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
-    from ray import tune
-
-    from tune import cleanup, space
-
     fit = check_cluster(plan.opts)
     opts, concurrency, local_gpu = fit.opts, fit.concurrency, fit.local_gpu
     if plan.opts.space.batch_sizes is None and plan.index is not None:
         # The hardware's default batch sizes, now known, against the videos (explicit ones were
         # checked before Ray started).
-        from trainer.launch import check_batch_sizes
-
         check_batch_sizes(opts.space.batch_sizes, len(plan.index.train), opts.resources.workers_per_trial,
                           flag="--batch-sizes", workers_flag="--workers-per-trial")
     opts = probe_batch_sizes(opts, plan.base)
@@ -136,8 +336,6 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     param_space = space.param_space(opts)
     if opts.resume:
-        from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles
-
         try:
             check_experiment_state(plan.experiment_path)
         except ValueError as e:
@@ -189,8 +387,6 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
     if failure is not None:
         full = faults.disk_full(failure, plan.storage)
         if full:
-            from tune.ray_internals import check_experiment_state
-
             try:
                 check_experiment_state(plan.experiment_path)
                 then = (f"free space there (or pass another --storage and copy {plan.experiment_path} to "
@@ -198,7 +394,7 @@ def run_search(plan: Any, *, trainer_factory: Any = None) -> int:
             except ValueError:
                 then = ("the search's saved state was cut short, so it cannot be resumed: free space and "
                         "start a new search under another --name; the runs recorded so far stay in MLflow")
-            raise faults.DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
+            raise DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
         if opts.resume:
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, failure)) from failure
         raise failure
@@ -212,10 +408,7 @@ def unreadable_state(experiment_path: str, error: BaseException) -> str:
             "Start a new search under another --name; this search's runs stay in MLflow as they are")
 
 
-def make_tracker(plan: Any, opts: SearchOptions):
-    from tune.tracking import MLflowTracker, git_commit
-    from trainer.launch import REPO_ROOT
-
+def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     searched = {"batch_sizes": ",".join(map(str, opts.space.batch_sizes)), "lr_min": opts.space.lr_min, "lr_max": opts.space.lr_max}
     if opts.space.search_weight_decay:
         searched.update(weight_decay_min=opts.space.weight_decay_min, weight_decay_max=opts.space.weight_decay_max)
@@ -236,31 +429,27 @@ def make_tracker(plan: Any, opts: SearchOptions):
     )
 
 
-def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, failed: bool = False) -> int:
+def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,
+              failed: bool = False) -> int:
     """Print the table / best / Pareto front / checkpoint; bring MLflow up to date (every epoch,
     final statuses, the parent's artifacts; KILLED when the search did not finish), or say what
     is pending when the store cannot be reached. Exit code: 0 with a best trial, 1 without, 130
     when interrupted. The last lines printed say how to compare, resume or flush. `failed`: the
     search ended in an exception, which the caller reports (no resume hint here)."""
-    import functools
-    import sys
-
-    from tune import ray_internals, report
-
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
 
-    rows: list[report.TrialRow] = []
-    pairs: list[tuple[report.TrialRow, Any, str]] = []   # (row, Tune result, Train run folder)
+    rows: list[TrialRow] = []
+    pairs: list[tuple[TrialRow, tune.Result, str]] = []   # (row, Tune result, Train run folder)
     states: list[tuple[str, str]] = []
     if results is not None:
-        states = ray_internals.trial_states(results)   # (trial id, Tune status), same order as the Results
-        for (trial_id, status), result in zip(states, results):
+        states = trial_states(results)   # (trial id, Tune status), same order as the Results
+        for (trial_id, status), result in zip(states, results, strict=True):
             # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
-            finished = status in ray_internals.FINISHED_STATES and not faults.trial_unfinished(trial_id)
+            finished = status in FINISHED_STATES and not faults.trial_unfinished(trial_id)
             name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
             train_run = f"{plan.experiment_path}/train_runs/{name}"
-            row = report.row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
+            row = row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
                                          train_run=train_run, name=name)
             rows.append(row)
             pairs.append((row, result, train_run))
@@ -269,13 +458,13 @@ def summarise(plan: Any, opts: SearchOptions, results: Any, tracker: Any, *, fai
         # Tune ended with nothing left to run: a resume would not add the missing trials.
         say(f"\nnote: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
               "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
-    best = report.best_trial(rows, opts.objective)
+    best = best_trial(rows, opts.objective)
     if rows:
-        say("\ntrials:\n" + report.format_table(report.ranked(rows, opts.objective),
+        say("\ntrials:\n" + format_table(ranked(rows, opts.objective),
                                                  show_wd=opts.space.search_weight_decay))
     if opts.objective == "pareto" and rows:
-        front = report.pareto_front(rows)
-        say("\nPareto front (val_acc vs clips/s):\n" + report.format_table(front, show_wd=opts.space.search_weight_decay))
+        front = pareto_front(rows)
+        say("\nPareto front (val_acc vs clips/s):\n" + format_table(front, show_wd=opts.space.search_weight_decay))
     folder = results_folder(plan)
     files = write_results(plan, opts, rows, best, folder)
     pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted)
@@ -309,7 +498,7 @@ NEXT_STEP = {"DIVERGED": "lower --lr-max (the loss became inf or NaN)",
              "ERROR": "see each run's vidtune.failure_reason tag in MLflow and the search's log"}
 
 
-def no_usable_trial(opts: SearchOptions, rows: list) -> str:
+def no_usable_trial(opts: SearchOptions, rows: list[TrialRow]) -> str:
     """Why a search ended without a best trial, and what to change: one line."""
     counts: dict[str, int] = {}
     for row in rows:
@@ -319,7 +508,7 @@ def no_usable_trial(opts: SearchOptions, rows: list) -> str:
     return f"no trial produced a usable result ({ended}){': ' + steps if steps else ''}"
 
 
-def results_folder(plan: Any) -> Path | None:
+def results_folder(plan: Plan) -> Path | None:
     """Where trials.csv, best_config.json and the plots are written: the experiment folder (None
     on remote storage: they are in MLflow only)."""
     if "://" in plan.experiment_path:
@@ -328,7 +517,8 @@ def results_folder(plan: Any) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, folder: Path | None) -> dict[str, Path]:
+def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
+                  folder: Path | None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
     the two plots. In `folder`, or a temporary folder when None or when `folder` cannot take
@@ -341,13 +531,12 @@ def write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, folder:
     return _write_results(plan, opts, rows, best, Path(tempfile.mkdtemp(prefix="vidtune-results-")))
 
 
-def _write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, target: Path) -> dict[str, Path]:
-    from tune import report
-
-    files = {"trials_csv": report.write_csv(rows, target / "trials.csv", objective=opts.objective),
-             "scatter": report.plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
-             "params": report.plot_objective_vs_params(rows, target / "objective_vs_params.png",
-                                                       objective=opts.objective, title=plan.name)}
+def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
+                   target: Path) -> dict[str, Path]:
+    files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective),
+             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
+             "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
+                                                objective=opts.objective, title=plan.name)}
     if best:
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
@@ -359,12 +548,11 @@ def _write_results(plan: Any, opts: SearchOptions, rows: list, best: Any, target
     return {k: v for k, v in files.items() if v}
 
 
-def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, pairs: list, states: list,
-                     best: Any, files: dict[str, Path], *, interrupted: bool) -> str | None:
+def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, rows: list[TrialRow],
+                     pairs: list[tuple[TrialRow, tune.Result, str]], states: list[tuple[str, str]],
+                     best: TrialRow | None, files: dict[str, Path], *, interrupted: bool) -> str | None:
     """Reconcile the child runs with Tune's results, log the parent's summary and end every run.
     Returns None when MLflow is up to date, else why it is not (the store failed)."""
-    from tune import report
-
     try:
         tracker.open_parent(refresh=True)
         if states:
@@ -376,7 +564,7 @@ def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, p
             print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
         tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
                             best_checkpoint=best.checkpoint if best else None)
-        tracker.publish_view(table_markdown=report.format_markdown(report.ranked(rows, opts.objective)),
+        tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective)),
                              best_trial_id=best.trial_id if best else None, objective=opts.objective)
         tracker.close(interrupted=interrupted)
     except Exception as e:   # the store is down or full: the search's own results stand
@@ -385,7 +573,7 @@ def record_in_mlflow(plan: Any, opts: SearchOptions, tracker: Any, rows: list, p
     return None
 
 
-def announce_mlflow(tracker: Any) -> None:
+def announce_mlflow(tracker: MLflowTracker) -> None:
     """Create (or find) the parent run now and print where the runs table is, so it can be
     opened while the search runs. A store that fails here is retried by the tracker later."""
     try:
@@ -398,13 +586,11 @@ def announce_mlflow(tracker: Any) -> None:
 
 
 def ui_hint(uri: str) -> str:
-    from tune.tracking import sqlite_path
-
     path = sqlite_path(uri)
     return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
 
 
-def mlflow_lines(opts: SearchOptions, tracker: Any, pending: str | None) -> str:
+def mlflow_lines(opts: SearchOptions, tracker: MLflowTracker, pending: str | None) -> str:
     """The summary's last lines: the runs table and the parent run, ready to compare (the store's
     URI only, when MLflow is not up to date or its experiment is unknown)."""
     hint = ui_hint(opts.tracking.mlflow_uri)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import optuna
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search.optuna import OptunaSearch
 
 from tune.options import SearchOptions
@@ -48,12 +51,12 @@ def objective_for(name: str) -> Objective:
 
 def param_space(opts: SearchOptions) -> dict[str, Any]:
     """Tune search space: batch_size (categorical), lr (log-uniform), optionally weight_decay."""
-    from ray import tune
-
-    assert opts.space.batch_sizes, "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
+    assert opts.space.batch_sizes, \
+        "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
+    lo, hi = opts.space.lr_min, opts.space.lr_max
     space: dict[str, Any] = {
         "batch_size": tune.choice(sorted(set(opts.space.batch_sizes))),
-        "lr": tune.loguniform(opts.space.lr_min, opts.space.lr_max) if opts.space.lr_min < opts.space.lr_max else opts.space.lr_min,
+        "lr": tune.loguniform(lo, hi) if lo < hi else lo,
     }
     if opts.space.search_weight_decay:
         lo, hi = opts.space.weight_decay_min, opts.space.weight_decay_max
@@ -68,7 +71,7 @@ class VidtuneOptunaSearch(OptunaSearch):
     fit, an lr that blows up) instead of ignoring the trial as it would a FAIL and proposing the
     same values again."""
 
-    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
         if ot_trial is not None and result:
             for key, constraint, reason in (("oom", OOM_CONSTRAINT, "out of memory"),
@@ -80,12 +83,11 @@ class VidtuneOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
-def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str):
+def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> VidtuneOptunaSearch:
     """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given."""
-    import optuna
-
     # A few random trials first, then TPE (Optuna's default of 10 would make a short search random).
-    sampler = optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=min(10, max(2, opts.num_samples // 2)))
+    sampler = optuna.samplers.TPESampler(seed=opts.train.seed,
+                                         n_startup_trials=min(10, max(2, opts.num_samples // 2)))
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
     if objective.is_pareto:
@@ -99,11 +101,9 @@ def early_stopping_enabled(opts: SearchOptions) -> bool:
     return opts.early_stop and opts.train.epochs >= 3 and opts.objective != "pareto"
 
 
-def build_scheduler(opts: SearchOptions):
+def build_scheduler(opts: SearchOptions) -> ASHAScheduler | None:
     """ASHA on the per-epoch reports, or None (Tune's FIFO) when early stopping is off."""
     if not early_stopping_enabled(opts):
         return None
-    from ray.tune.schedulers import ASHAScheduler
-
     return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs,
                          grace_period=min(opts.grace_period, opts.train.epochs), reduction_factor=2)

@@ -21,6 +21,7 @@ import math
 import numbers
 import os
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -28,10 +29,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ray.tune import Callback
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from ray.tune import Callback, Result
+from ray.tune.experiment import Trial
 from ray.tune.result import AUTO_RESULT_KEYS
 
 from datasets.flags import ConfigError
+from trainer.history import latest_history
+from tune.faults import error_text, exception_line, keep_traceback, one_line, read_error_file
+from tune.results import TrialRow, completed_trial_status, epoch_records
+from tune.trial import short_name
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
@@ -186,8 +194,6 @@ class MLflowTracker(Callback):
         self.__dict__.update({"down_reason": None, "_failed_at": 0.0, **state})
 
     def _store_failed(self, e: BaseException) -> None:
-        from tune.faults import one_line
-
         reason = one_line(e)
         if self.down_reason is None:
             print(f"MLflow: cannot write to {self.tracking_uri} ({reason}); the search goes on, and what "
@@ -197,10 +203,8 @@ class MLflowTracker(Callback):
         self._failed_at = time.monotonic()
 
     @property
-    def client(self):
+    def client(self) -> MlflowClient:
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -239,27 +243,20 @@ class MLflowTracker(Callback):
 
     # Tune hooks ----------------------------------------------------------------------------
     @_guarded
-    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.trial import short_name
-
+    def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         self.start_child(trial.trial_id, trial.config, name=short_name(trial))
 
     @_guarded
-    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info: Any) -> None:
         self.log_result(trial.trial_id, result)
 
     @_guarded
-    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.report import completed_trial_status
-
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         status = completed_trial_status(trial, epochs=self.epochs)
         self.end_child(trial.trial_id, *self.mlflow_status(status, trial.last_result or {}))
 
     @_guarded
-    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        from tune.faults import read_error_file
-        from tune.trial import short_name
-
+    def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         path = getattr(trial, "error_file", None)
         text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
         run_id = self.child_runs.get(trial.trial_id)
@@ -287,8 +284,6 @@ class MLflowTracker(Callback):
         return run_id
 
     def log_result(self, trial_id: str, result: dict[str, Any]) -> None:
-        from mlflow.entities import Metric, RunTag
-
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
         if _from_scratch(result):   # its checkpoints were damaged: epochs 1.. are trained (and logged) again
@@ -322,8 +317,8 @@ class MLflowTracker(Callback):
             self.client.set_tag(run_id, RESUMED_TAG, f"restarted from epoch 1: its {damaged} checkpoint(s) were "
                                 "damaged; epochs from 1 on are logged again (the later point of a step is this run's)")
 
-    def mlflow_status(self, status: str, last: dict[str, Any], error: Any = None) -> tuple[str, dict[str, str]]:
-        """The MLflow status and reason tag of a trial's `tune.report.trial_status`: FAILED for
+    def mlflow_status(self, status: str, last: dict[str, Any], error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
+        """The MLflow status and reason tag of a trial's `tune.results.trial_status`: FAILED for
         out of memory, divergence or an error, KILLED when stopped early or interrupted, else
         FINISHED."""
         if status == "OOM":
@@ -335,8 +330,6 @@ class MLflowTracker(Callback):
                                            f"{last.get('epoch')} (batch size {last.get('batch_size')}); the lr is too "
                                            "high for it; recorded as infeasible, not retried"}
         if status == "ERROR":
-            from tune.faults import error_text, exception_line
-
             return "FAILED", {FAILURE_TAG: exception_line(error_text(error)) if error else "trial errored"}
         if status == "UNFINISHED":
             return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
@@ -350,10 +343,6 @@ class MLflowTracker(Callback):
         one kept wins) and upload it as the run's TRACEBACK_ARTIFACT (once); returns its reason
         tag: the exception's `Type: message` and where the traceback is (`fallback`, Tune's error
         file, when it could not be kept)."""
-        import tempfile
-
-        from tune.faults import exception_line, keep_traceback
-
         kept = keep_traceback(self.experiment_path, name, text)
         if kept is not None:
             text = kept.read_text(errors="replace")
@@ -378,25 +367,20 @@ class MLflowTracker(Callback):
         if not self.parent_run_id:
             return
         c = self.client
-        for trial_id, run_id in self.child_runs.items():
+        for run_id in self.child_runs.values():
             if c.get_run(run_id).info.status == "RUNNING":
                 c.set_tag(run_id, STOP_TAG, INTERRUPTED_REASON)
                 c.set_terminated(run_id, status="KILLED")
         c.set_terminated(self.parent_run_id, status="KILLED" if interrupted else "FINISHED")
 
-    def reconcile(self, trials: list[tuple[Any, Any, str | None]]) -> int:
+    def reconcile(self, trials: list[tuple[TrialRow, Result, str | None]]) -> int:
         """Bring every child run up to date with what its trial did. Each `(row, result,
-        train_run)` holds a `tune.report.TrialRow` (final status), the trial's Tune `Result`
+        train_run)` holds a `tune.results.TrialRow` (final status), the trial's Tune `Result`
         (every epoch Tune received, `metrics_dataframe`) and its Train run folder, whose latest
         checkpoint keeps every epoch the run reported (`trainer.history`, which covers an epoch
         checkpointed just before an interruption, one Tune never received). Logs each epoch
         MLflow does not have yet (one point per epoch) and sets the run's final status and tags.
         Raises when the store fails. Returns the number of epochs written."""
-        from mlflow.entities import Metric
-
-        from trainer.history import latest_history
-        from tune.report import epoch_records
-
         c = self.client
         self.open_parent()
         written = 0
@@ -418,8 +402,6 @@ class MLflowTracker(Callback):
             last = dict(result.metrics or {})
             status, tags = self.mlflow_status(row.status, last, getattr(result, "error", None))
             if row.status == "ERROR" and getattr(result, "error", None) is not None:
-                from tune.faults import error_text
-
                 tags[FAILURE_TAG] = self.record_failure(run_id, getattr(row, "name", "") or row.trial_id,
                                                         error_text(result.error))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
@@ -538,9 +520,7 @@ def _q(text: str) -> str:
     return text.replace("'", "\\'")
 
 
-def _log_params(client: Any, run_id: str, params: dict[str, Any]) -> None:
-    from mlflow.entities import Param
-
+def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
     items = [Param(k, str(v)[:6000]) for k, v in params.items() if v is not None]
     if items:
         client.log_batch(run_id, params=items)

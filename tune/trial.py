@@ -7,11 +7,21 @@ the trial id) and calls `fit()`; the workers' per-epoch reports reach Tune throu
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+import ray
+from ray import tune
+from ray.train import Result
+from ray.tune.experiment import Trial
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from datasets.index import VideoIndex
 from trainer.config import TrainConfig
-from trainer.lease import LEAD
+from trainer.launch import build_torch_trainer
+from trainer.lease import LEAD, LeaseSettings
+from tune.cleanup import PlacementGroupRecorder, was_released
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
@@ -82,7 +92,7 @@ def short_lr(lr: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def short_name(trial: Any) -> str:
+def short_name(trial: Trial) -> str:
     """A Tune trial's one name everywhere (console, table, trials.csv, MLflow run name, trial and
     checkpoint folders): `t03-bs8-lr2.5e-4`, the trial's number in the search, its batch size and
     learning rate (plus `-wd1e-2` when weight decay is searched). The number comes from Tune's
@@ -118,7 +128,7 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
-                      index: Any = None, trainer_factory: Callable[..., Any] | None = None
+                      index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None
                       ) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
@@ -135,21 +145,12 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     base_dict = base.to_dict()
 
     def trial_driver(config: dict) -> None:
-        import ray
-        from ray import tune
-        from ray.tune.integration.ray_train import TuneReportCallback
-
-        from trainer.lease import LeaseSettings
-        from tune.cleanup import PlacementGroupRecorder, was_released
-
         # Tune reuses this process for the next trial once this function has returned; it waits
         # TUNE_FUNCTION_THREAD_TIMEOUT_S (2 s by default) for that. A stopped trial returns when
         # the search has ended its Train run (see the except below), which can take longer on a
         # loaded machine; past the wait, Tune would end the next trial with an error.
         os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(REUSE_WAIT_S))
-        factory = trainer_factory
-        if factory is None:
-            from trainer.launch import build_torch_trainer as factory
+        factory = trainer_factory or build_torch_trainer
         context = tune.get_context()
         trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
         cfg = trial_config(TrainConfig.from_dict(base_dict), config)
@@ -187,8 +188,6 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
 def finished_run_metrics(run_path: str, epochs: int) -> dict | None:
     """The last checkpointed metrics of an earlier Train run at `run_path` that already trained
     all `epochs` (a trial resumed by `--resume`), with its checkpoint path; else None."""
-    from ray.train import Result
-
     try:
         previous = Result.from_path(run_path)
     except Exception:       # no such run yet, or not a finished Train run folder

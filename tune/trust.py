@@ -21,12 +21,14 @@ import os
 import secrets
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+
+import pyarrow.fs
+from ray.tune import Callback
+from ray.tune.experiment import Trial
 
 from datasets.flags import ConfigError
-from ray.tune import Callback
-
 from tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES, experiment_staging_path
 
 TAGS_NAME = ".vidtune-state.hmac"
@@ -59,16 +61,12 @@ def load_key(create: bool = True) -> bytes:
     return key
 
 
-def _fs(experiment_path: str):
-    import pyarrow.fs
-
+def _fs(experiment_path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     return pyarrow.fs.FileSystem.from_uri(experiment_path)
 
 
 def state_files(experiment_path: str) -> list[str]:
     """The state files Tune's restore unpickles, relative to the experiment folder."""
-    import pyarrow.fs
-
     fs, root = _fs(experiment_path)
     try:
         infos = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True, recursive=False))
@@ -180,7 +178,7 @@ class StateSigner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vidtune-state-signer", daemon=True)
 
-    def start(self) -> "StateSigner":
+    def start(self) -> StateSigner:
         global _running
         if self._key is not None:
             self._thread.start()
@@ -234,12 +232,10 @@ class StateSigner:
             self._sign_changed()
 
     def _sign_changed(self) -> None:
-        import pyarrow.fs
-
         fs, root = _fs(self.experiment_path)
         names = state_files(self.experiment_path)
         stamps = {}
-        for name, info in zip(names, fs.get_file_info([f"{root}/{n}" for n in names])):
+        for name, info in zip(names, fs.get_file_info([f"{root}/{n}" for n in names]), strict=True):
             if info.type == pyarrow.fs.FileType.File:
                 stamps[name] = (info.mtime_ns or 0, info.size or 0)
         changed = [n for n, s in stamps.items() if self._seen.get(n) != s]
@@ -253,7 +249,7 @@ class SignAfterSave(Callback):
     `on_step_end`; this signs it there (`StateSigner.sign_staged` of the search's running
     signer). It holds no state, so it pickles with Tune's own state and works on a resume."""
 
-    def on_step_end(self, iteration: int, trials: list, **info) -> None:
+    def on_step_end(self, iteration: int, trials: list[Trial], **info: object) -> None:
         signer = _running
         if signer is None:
             return
