@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from datasets.cache import FrameCache, default_root, fill_cache, main
+import datasets.cache as cache_module
+from datasets.cache import FrameCache, default_root, fill_cache, main, resolve_format
 from datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
 from datasets.config import DataConfig
 from datasets.decode import read_frames
@@ -102,7 +103,7 @@ def _writer(root: str, infos: list[VideoInfo], barrier, results) -> None:
 def _reader(root: str, infos: list[VideoInfo], expected: list[np.ndarray], stop, results) -> None:
     """Poll: every entry that is visible must read whole and right, never half written."""
     cache = FrameCache(root, format="jpeg", max_gb=1)
-    by_entry = {cache.entry_path(v, **SIZE).name: (v, e) for v, e in zip(infos, expected)}
+    by_entry = {cache.entry_path(v, **SIZE).name: (v, e) for v, e in zip(infos, expected, strict=True)}
     checked, problems = 0, []
     while not stop.is_set() or checked == 0:
         for entry in entries(Path(root)):
@@ -177,16 +178,18 @@ def damage_body(entry: Path, fmt: str, fill: str) -> None:
     if fmt == "raw":
         spans = [(len(data) - meta["num_frames"] * 32 * 32 * 3, len(data))]
     else:
-        spans = [(a + 2, b - 2) for a, b in zip(meta["offsets"], meta["offsets"][1:])]
+        spans = [(a + 2, b - 2) for a, b in zip(meta["offsets"], meta["offsets"][1:], strict=False)]
     rng = np.random.default_rng(0)
     for a, b in spans:
-        data[a:b] = rng.integers(0, 256, b - a, dtype=np.uint8).tobytes() if fill == "random" else bytes(b - a)
+        data[a:b] = (rng.integers(0, 256, b - a, dtype=np.uint8).tobytes() if fill == "random"
+                     else bytes(b - a))
     target.write_bytes(data)
     assert load_meta(entry, fmt) is not None and len(data) == meta["bytes"]   # the header checks pass
 
 
 @pytest.mark.parametrize("fmt,damage", [("raw", "truncate"), ("jpeg", "truncate"), ("jpeg", "meta"),
-                                        ("raw", "random"), ("raw", "zeros"), ("jpeg", "random"), ("jpeg", "zeros")])
+                                        ("raw", "random"), ("raw", "zeros"), ("jpeg", "random"),
+                                        ("jpeg", "zeros")])
 def test_a_damaged_entry_is_a_miss_and_is_written_again(videos, tmp_path, caplog, fmt, damage):
     cache = FrameCache(tmp_path / "cache", format=fmt, max_gb=1)
     v = videos[0]
@@ -214,8 +217,6 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(videos, tmp_path, caplog
 
 
 def test_an_intact_entry_is_checked_once_per_process_and_not_rewritten(videos, tmp_path, monkeypatch):
-    import datasets.cache as cache_module
-
     checks = []
     monkeypatch.setattr(cache_module, "check_crc32", lambda *a: checks.append(a[0]) or check_crc32(*a))
     writer = FrameCache(tmp_path / "cache", format="raw", max_gb=1)
@@ -287,7 +288,7 @@ def test_repairs_are_counted_across_loader_workers(videos, tmp_path):
     loader = build_loader(ds, batch_size=1, train=False, num_workers=2, pin_memory=False)
     for epoch in range(2):
         clips = [clip[0] for clip, _ in loader]
-        assert all(torch.equal(c, e) for c, e in zip(clips, expected))
+        assert all(torch.equal(c, e) for c, e in zip(clips, expected, strict=True))
         assert (ds.cache_repairs, ds.cache_hits) == (2, (epoch + 1) * len(videos) - 2)
     assert filled.cache_repairs == 0
 
@@ -295,7 +296,8 @@ def test_repairs_are_counted_across_loader_workers(videos, tmp_path):
 def test_encoded_items_decode_to_the_same_frames(videos, tmp_path):
     cache = FrameCache(tmp_path / "cache", format="jpeg", max_gb=1)
     plain = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, cache=cache, **SIZE)
-    encoded = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, cache=cache, encoded=True, **SIZE)
+    encoded = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, cache=cache, encoded=True,
+                               **SIZE)
     first, _ = encoded[0]                        # a miss: decoded tensor even when encoded
     assert isinstance(first, torch.Tensor) and torch.equal(first, plain[0][0])
     expected = torch.stack([plain[i][0] for i in range(len(videos))])     # fills every entry
@@ -323,7 +325,8 @@ def test_from_config_and_default_folder(tmp_path, monkeypatch):
                                               clip_cache_max_gb=0.5))
     assert (cache.root, cache.format, cache.max_bytes) == (tmp_path / "c", "raw", 500_000_000)
     assert not (tmp_path / "c").exists()                  # made on the first write only
-    for bad, flag in ((dict(clip_cache_format="png"), "--cache-format"), (dict(clip_cache_max_gb=-1), "--cache-max-gb"),
+    for bad, flag in ((dict(clip_cache_format="png"), "--cache-format"),
+                      (dict(clip_cache_max_gb=-1), "--cache-max-gb"),
                       (dict(clip_cache_max_gb=float("nan")), "--cache-max-gb")):
         with pytest.raises(ValueError, match=flag):
             FrameCache.from_config(DataConfig(**bad))
@@ -381,7 +384,8 @@ def test_cli_model_needs_trainer_fill_cache_which_looks_it_up(tmp_path, capsys):
 
 def test_cli_unusable_dataset_exits_1(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    assert main([str(tmp_path / "empty"), "--height", "32", "--width", "32", "--cache-dir", str(tmp_path / "c")]) == 1
+    assert main([str(tmp_path / "empty"), "--height", "32", "--width", "32",
+                 "--cache-dir", str(tmp_path / "c")]) == 1
     assert capsys.readouterr().err.startswith("error: ")
 
 
@@ -400,16 +404,15 @@ def test_cli_fills_the_cache_then_finds_it_filled(synthetic_root, tmp_path):
     assert len(entries(tmp_path / "clips")) == 8
     assert "8/8" in first.stderr                              # progress (plain lines: not a terminal)
     second = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert second.returncode == 0 and "wrote 0 entries" in second.stdout and "8 already cached" in second.stdout
+    assert second.returncode == 0
+    assert "wrote 0 entries" in second.stdout and "8 already cached" in second.stdout
 
 
 def test_auto_format_is_jpeg_on_gpus_and_raw_on_the_cpu(tmp_path):
-    from datasets.cache import resolve_format
-
     cfg = DataConfig(root=str(tmp_path), clip_cache_dir=str(tmp_path / "c"))
     assert cfg.clip_cache_format == "auto"
     assert FrameCache.from_config(cfg, on_gpu=True).format == "jpeg"     # the GPU decodes the JPEG bytes
-    assert FrameCache.from_config(cfg, on_gpu=False).format == "raw"     # the loader would decode: raw is 3.5x faster
+    assert FrameCache.from_config(cfg, on_gpu=False).format == "raw"     # the loader decodes: raw is faster
     assert resolve_format("jpeg", on_gpu=False) == "jpeg"                # an explicit choice stays
     with pytest.raises(DataError, match="--cache-format"):
         resolve_format("png", on_gpu=False)

@@ -56,8 +56,8 @@ def write_audio_only(path: Path, codec: str = "aac") -> Path:
         stream.layout = "mono"
         for i in range(8):
             samples = rng.uniform(-0.1, 0.1, (1, 1024))
-            frame = av.AudioFrame.from_ndarray((samples * 32767).astype(np.int16) if pcm else samples.astype(np.float32),
-                                               format="s16" if pcm else "fltp", layout="mono")
+            data = (samples * 32767).astype(np.int16) if pcm else samples.astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(data, format="s16" if pcm else "fltp", layout="mono")
             frame.sample_rate, frame.pts = 16000, i * 1024
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
@@ -110,7 +110,8 @@ def test_good_videos_are_indexed_and_bad_ones_listed_with_reasons(messy):
     assert path == damaged.path and claimed == 40 and 8 <= decodable == damaged.num_frames < 40
 
     text = idx.summary()
-    for rel, reason in [("train/Fight/notes.mp4", reasons["notes.mp4"]), ("train/Fight/empty.avi", "empty file"),
+    for rel, reason in [("train/Fight/notes.mp4", reasons["notes.mp4"]),
+                        ("train/Fight/empty.avi", "empty file"),
                         ("train/NonFight/short.MP4", "only 4 frames decode")]:
         assert f"  {rel}: {reason}" in text
     assert f"val/Fight/damaged.mp4: {decodable} of 40 frames" in text
@@ -151,7 +152,8 @@ def test_cache_hit_skips_probing_and_only_changed_files_are_probed_again(messy, 
     assert next(v.num_frames for v in third.train if v.path.name == "f1.mp4") == 20
 
 
-def test_cache_falls_back_to_the_user_cache_when_the_dataset_folder_is_not_writable(messy, tmp_path, monkeypatch):
+def test_cache_falls_back_to_the_user_cache_when_the_dataset_folder_is_not_writable(messy, tmp_path,
+                                                                                     monkeypatch):
     root = copy_of(messy, tmp_path)
     (root / index_mod.CACHE_FILE).mkdir()       # the cache file cannot be written there
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -165,19 +167,21 @@ def test_cache_falls_back_to_the_user_cache_when_the_dataset_folder_is_not_writa
 def fake_pool(outcomes_by_name: dict[str, tuple], calls: list):
     def run(fn, tasks, *, timeout_s, workers, on_done=None):
         calls.append(sorted(Path(t[0]).name for t in tasks))
-        return [outcomes_by_name.get(Path(t[0]).name, ("ok", {"num_frames": 12, "claimed_frames": 12, "fps": 10.0,
-                                                                "width": 64, "height": 48})) for t in tasks]
+        fine = ("ok", {"num_frames": 12, "claimed_frames": 12, "fps": 10.0, "width": 64, "height": 48})
+        return [outcomes_by_name.get(Path(t[0]).name, fine) for t in tasks]
     return run
 
 
-def test_hung_and_crashed_probes_are_dropped_cached_and_retried_with_a_longer_timeout(messy, tmp_path, monkeypatch):
+def test_hung_and_crashed_probes_are_dropped_cached_and_retried_with_a_longer_timeout(messy, tmp_path,
+                                                                                       monkeypatch):
     calls: list = []
-    monkeypatch.setattr(index_mod, "run_pool", fake_pool({"f1.mp4": ("timeout", None), "n1.mp4": ("crashed", -11)},
-                                                         calls))
+    outcomes = {"f1.mp4": ("timeout", None), "n1.mp4": ("crashed", -11)}
+    monkeypatch.setattr(index_mod, "run_pool", fake_pool(outcomes, calls))
     cfg = DataConfig(root=str(messy), cache_dir=str(tmp_path), probe_timeout_s=5)
     idx = build_index(cfg)
     reasons = {d.path.name: d.reason for d in idx.dropped}
-    assert reasons["f1.mp4"].startswith("probe timed out after 5s") and "--probe-timeout-s" in reasons["f1.mp4"]
+    assert reasons["f1.mp4"].startswith("probe timed out after 5s")
+    assert "--probe-timeout-s" in reasons["f1.mp4"]
     assert reasons["n1.mp4"] == "the decoder crashed on this file (worker exit code -11)"
     build_index(cfg)
     assert len(calls) == 1
@@ -233,7 +237,8 @@ def test_a_class_emptied_by_dropping_is_an_error_naming_the_files(tmp_path):
         build_index(DataConfig(root=str(root)), workers=2, use_cache=False)
     msg = str(e.value)
     assert "no usable Fight videos left in the val split" in msg
-    assert "val/Fight/broken.mp4: cannot be opened as a video" in msg and "val/Fight/zero.mp4: empty file" in msg
+    assert "val/Fight/broken.mp4: cannot be opened as a video" in msg
+    assert "val/Fight/zero.mp4: empty file" in msg
 
 
 def test_bad_options_are_errors(messy):
@@ -253,7 +258,8 @@ def test_cli_prints_the_report_and_exits_1_when_the_data_cannot_be_used(messy, t
 
     assert main([str(messy), "--index-cache-dir", str(tmp_path), "--min-frames", "13"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: no usable") and "fewer than min_frames=13" in err and "lower --min-frames" in err
+    assert err.startswith("error: no usable")
+    assert "fewer than min_frames=13" in err and "lower --min-frames" in err
 
     assert main([str(tmp_path / "missing"), "--no-index-cache"]) == 1
     assert f"{tmp_path / 'missing'} does not exist" in capsys.readouterr().err
@@ -268,7 +274,8 @@ def test_generated_dataset_indexes_cleanly(synthetic_root, tmp_path):
     idx = build_index(DataConfig(root=str(synthetic_root), cache_dir=str(tmp_path)))
     assert idx.layout == "rwf2000" and not idx.dropped and not idx.overstated
     assert len(idx.train) + len(idx.val) == 48
-    assert {(v.split, v.label) for v in idx.train + idx.val} == {(s, c) for s in ("train", "val") for c in (0, 1)}
+    cells = {(s, c) for s in ("train", "val") for c in (0, 1)}
+    assert {(v.split, v.label) for v in idx.train + idx.val} == cells
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +287,8 @@ def seed_putting_in_val(root: Path, path: Path, val_fraction: float = 0.2) -> in
     pairs = [(it.path, it.label) for it in disc.items]
     return next(seed for seed in range(200)
                 if any(it.path == path and it.split == "val"
-                       for it in stratified_split(pairs, val_fraction=val_fraction, seed=seed, root=disc.root)))
+                       for it in stratified_split(pairs, val_fraction=val_fraction, seed=seed,
+                                                  root=disc.root)))
 
 
 def test_a_broken_file_cannot_take_the_only_val_place_of_a_small_class(tmp_path):
@@ -298,12 +306,14 @@ def test_a_broken_file_cannot_take_the_only_val_place_of_a_small_class(tmp_path)
     idx = build_index(cfg, workers=2)
 
     assert idx.layout == "class_folders"
-    assert [(d.path, d.reason.split(" (")[0]) for d in idx.dropped] == [(broken, "cannot be opened as a video")]
+    dropped = [(d.path, d.reason.split(" (")[0]) for d in idx.dropped]
+    assert dropped == [(broken, "cannot be opened as a video")]
     fight_val = [v.path for v in idx.val if v.label == 1]
     fight_train = [v.path for v in idx.train if v.label == 1]
     assert len(fight_val) == len(fight_train) == 1 and broken not in fight_val + fight_train
     assert (len(idx.train), len(idx.val)) == (3, 2)
-    assert "Dropped 1 of 6 videos" in idx.summary() and "  Fight/f1.mp4: cannot be opened as a video" in idx.summary()
+    assert "Dropped 1 of 6 videos" in idx.summary()
+    assert "  Fight/f1.mp4: cannot be opened as a video" in idx.summary()
     # Same seed, same split (this time from the cache); the dropped file is still listed.
     again = build_index(cfg, workers=2)
     assert again.cached == 6 and (again.train, again.val, again.dropped) == (idx.train, idx.val, idx.dropped)
@@ -337,7 +347,8 @@ def test_a_class_with_fewer_than_two_usable_videos_to_split_names_the_dropped_fi
         build_index(DataConfig(root=str(tmp_path)), use_cache=False)
     msg = str(e.value)
     assert msg.startswith(f"only 1 usable Fight video left in {tmp_path}; at least 2 are needed")
-    assert "2 were dropped:\n  Fight/f1.mp4: the decoder crashed" in msg and "\n  Fight/f2.mp4: only 3 frames" in msg
+    assert "2 were dropped:\n  Fight/f1.mp4: the decoder crashed" in msg
+    assert "\n  Fight/f2.mp4: only 3 frames" in msg
     assert msg.endswith("replace or re-encode these files, or lower --min-frames")
 
 

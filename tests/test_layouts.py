@@ -231,12 +231,14 @@ def test_positive_class_override_exact_and_case_insensitive(tmp_path):
         assert all((it.label == 1) == (it.path.parent.name == "dogs") for it in disc.items)
     # An override wins over the name rules too.
     make_class_folders(tmp_path / "rwf", ("Fight", "NonFight"), n=3)
-    assert discover(DataConfig(root=str(tmp_path / "rwf"), positive_class="NonFight")).class_names[1] == "NonFight"
+    disc = discover(DataConfig(root=str(tmp_path / "rwf"), positive_class="NonFight"))
+    assert disc.class_names[1] == "NonFight"
 
 
 def test_unknown_positive_class_lists_the_classes(tmp_path):
     make_class_folders(tmp_path, n=3)
-    with pytest.raises(DataError, match=r"--positive-class 'Fight' is not one of .*'NonViolence', 'Violence'"):
+    with pytest.raises(DataError,
+                       match=r"--positive-class 'Fight' is not one of .*'NonViolence', 'Violence'"):
         discover(DataConfig(root=str(tmp_path), positive_class="Fight"))
 
 
@@ -277,7 +279,8 @@ def test_csv_rows_that_contradict_each_other_are_named(tmp_path, rows, what):
     with pytest.raises(DataError) as e:
         discover(DataConfig(root=str(csv_file)))
     msg = str(e.value)
-    assert msg.startswith(f"{csv_file.resolve()}: lines 3 and 4 list the same video with different {what}"), msg
+    expected = f"{csv_file.resolve()}: lines 3 and 4 list the same video with different {what}"
+    assert msg.startswith(expected), msg
     first, second = rows.splitlines()
     assert f"line 3: {first}" in msg and f"line 4: {second}" in msg
 
@@ -292,7 +295,8 @@ def test_csv_folder_without_split_column_numeric_labels_stratified(tmp_path):
 
     disc = discover(DataConfig(root=str(tmp_path), val_fraction=0.4))
     assert disc.layout == "csv" and disc.class_names == {1: "1", 0: "0"} and not disc.split_given
-    assert counts(disc, drawn(disc)) == {("train", "1"): 3, ("val", "1"): 2, ("train", "0"): 3, ("val", "0"): 2}
+    assert counts(disc, drawn(disc)) == {("train", "1"): 3, ("val", "1"): 2,
+                                         ("train", "0"): 3, ("val", "0"): 2}
     assert all(it.label == int(it.path.stem) % 2 for it in disc.items)
     assert drawn(discover(DataConfig(root=str(tmp_path), layout="csv", val_fraction=0.4))) == drawn(disc)
     # Drawn over the usable rows only: 4 usable of label 1 -> 2 in val (0.4 of 4, rounded).
@@ -311,7 +315,8 @@ def test_csv_windows_paths_and_auto_detected_single_csv(tmp_path):
 @pytest.mark.parametrize("text, match", [
     ("file,label\na.mp4,Fight\n", r"header must name the columns path,label.*missing path"),
     ("path,label\n", r"lists no videos"),
-    ("path,label,split\na.mp4,Fight,test\nb.mp4,NonFight,val\n", r"line 2: split 'test' must be train or val"),
+    ("path,label,split\na.mp4,Fight,test\nb.mp4,NonFight,val\n",
+     r"line 2: split 'test' must be train or val"),
     ("path,label,split\na.mp4,Fight,train\nb.mp4,NonFight,\n", r"line 3: empty split"),
     ("path,label\na.mp4,\n", r"line 2: empty path or label"),
     ("path,label\na.mp4,Fight\nb.mp4,Fight\n", r"one label \(Fight\)"),
@@ -349,8 +354,8 @@ def test_one_class_only_lists_the_folders(tmp_path):
     make_class_folders(tmp_path, ("Violence",), n=3)
     (tmp_path / "NonViolence").mkdir()
     (tmp_path / "NonViolence" / "readme.txt").write_text("x")
-    with pytest.raises(DataError, match=r"videos of only one class \(class folders: NonViolence/ \(0 videos\), "
-                                        r"Violence/ \(3 videos\)\)"):
+    with pytest.raises(DataError, match=r"videos of only one class \(class folders: NonViolence/ "
+                                        r"\(0 videos\), Violence/ \(3 videos\)\)"):
         discover(DataConfig(root=str(tmp_path)))
 
 
@@ -368,5 +373,6 @@ def test_root_that_is_not_a_csv_and_unknown_layout(tmp_path):
     f = touch(tmp_path / "clip.mp4")
     with pytest.raises(DataError, match=rf"{f} is a file but not a .csv manifest"):
         discover(DataConfig(root=str(f)))
-    with pytest.raises(DataError, match=r"unknown layout 'folders' \(--layout\); choose one of auto, rwf2000"):
+    with pytest.raises(DataError,
+                       match=r"unknown layout 'folders' \(--layout\); choose one of auto, rwf2000"):
         discover(DataConfig(root=str(tmp_path), layout="folders"))

@@ -28,8 +28,10 @@ def _auc(pos, neg) -> float:
 
 
 def test_layout_extensions_and_odd_names(synthetic_root):
-    counts = {(s, c): len(_videos(synthetic_root / s / c)) for s in ("train", "val") for c in ("Fight", "NonFight")}
-    assert counts == {("train", "Fight"): 19, ("train", "NonFight"): 19, ("val", "Fight"): 5, ("val", "NonFight"): 5}
+    counts = {(s, c): len(_videos(synthetic_root / s / c))
+              for s in ("train", "val") for c in ("Fight", "NonFight")}
+    assert counts == {("train", "Fight"): 19, ("train", "NonFight"): 19,
+                      ("val", "Fight"): 5, ("val", "NonFight"): 5}
     files = _videos(synthetic_root)
     assert {p.suffix for p in files} == {".mp4", ".avi"}
     odd = [p for p in files if " " in p.name or not p.name.isascii()]
@@ -82,7 +84,8 @@ def _known_frames(t: int = 10, h: int = 48, w: int = 64) -> np.ndarray:
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     frames = []
     for i in range(t):
-        f = np.stack([128 + 80 * np.sin(xx / 9 + i / 3), 128 + 80 * np.cos(yy / 7 - i / 4), 40 + xx + yy + 4 * i], -1)
+        f = np.stack([128 + 80 * np.sin(xx / 9 + i / 3), 128 + 80 * np.cos(yy / 7 - i / 4),
+                      40 + xx + yy + 4 * i], -1)
         blob = np.exp(-((xx - 10 - 4 * i) ** 2 + (yy - 24) ** 2) / 40)[..., None]
         frames.append(np.clip(f * (1 - blob) + blob * np.array([230, 30, 60]), 0, 255).astype(np.uint8))
     return np.stack(frames)
@@ -149,7 +152,8 @@ def test_output_path_that_is_a_file_is_refused(tmp_path):
 
 def test_cli_writes_dataset_and_reports_errors(tmp_path, capsys):
     out = tmp_path / "cli out"
-    assert main([str(out), "--videos", "4", "--fps", "8", "--seconds", "1", "--size", "32", "--avi-every", "0"]) == 0
+    assert main([str(out), "--videos", "4", "--fps", "8", "--seconds", "1", "--size", "32",
+                 "--avi-every", "0"]) == 0
     assert "wrote 4 videos" in capsys.readouterr().out
     assert {p.suffix for p in _videos(out)} == {".mp4"}
     assert main([str(out), "--videos", "4"]) == 2

@@ -16,7 +16,9 @@ def _clips(b=3, t=4, h=16, w=20, seed=0) -> torch.Tensor:
 
 def _expected(clips: torch.Tensor) -> torch.Tensor:
     x = clips.permute(0, 4, 1, 2, 3).double() / 255
-    return ((x - torch.tensor(MEAN).view(1, 3, 1, 1, 1).double()) / torch.tensor(STD).view(1, 3, 1, 1, 1).double()).float()
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1, 1).double()
+    std = torch.tensor(STD).view(1, 3, 1, 1, 1).double()
+    return ((x - mean) / std).float()
 
 
 def test_eval_converts_layout_dtype_and_normalises():
@@ -31,7 +33,8 @@ def test_eval_and_eval_mode_never_augment():
     ref = _expected(clips)
     torch.testing.assert_close(ClipTransform(MEAN, STD, train=False).train()(clips), ref, rtol=0, atol=1e-5)
     # A train transform switched to eval mode (as during validation) does not augment either.
-    torch.testing.assert_close(ClipTransform(MEAN, STD, train=True, flip_p=1.0).eval()(clips), ref, rtol=0, atol=1e-5)
+    evaluated = ClipTransform(MEAN, STD, train=True, flip_p=1.0).eval()(clips)
+    torch.testing.assert_close(evaluated, ref, rtol=0, atol=1e-5)
 
 
 def test_train_output_shape_and_dtype_and_changes_clips():
@@ -72,7 +75,7 @@ def test_crop_zooms_into_a_sub_window():
     span = out.max(dim=1).values - out.min(dim=1).values
     assert torch.all((span > 0.4 * w) & (span < 0.6 * w)), span
     steps = out[:, 1:] - out[:, :-1]
-    assert torch.all((steps >= -1e-4).all(dim=1) | (steps <= 1e-4).all(dim=1))   # monotone: a crop, no shuffle
+    assert torch.all((steps >= -1e-4).all(dim=1) | (steps <= 1e-4).all(dim=1))  # monotone: a crop, no shuffle
     assert len({round(float(out[b, 0]), 2) for b in range(16)}) > 4                # crops at different places
 
 
