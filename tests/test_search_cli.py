@@ -2,18 +2,25 @@
 a message naming the flag / key / file, no traceback), mostly in-process with --dry-run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
+import typing
 from pathlib import Path
 
 import pytest
 
-from tune import search
+from datasets.config import DataConfig
 from datasets.flags import ConfigError
+from datasets.index import build_index
+from trainer import launch
 from trainer.config import TrainConfig
+from tune import demo, search
 from tune.options import SEARCHED, SMOKE_TEST, SearchOptions, build_parser, parse_options
+from tune.search import base_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +42,8 @@ def test_every_flag_has_help_and_the_help_is_grouped():
         assert action.help and len(action.help) > 10, action.option_strings
         assert all(f == f.lower() and "_" not in f for f in action.option_strings)
     text = parser.format_help()
-    for group in ("data:", "model and training:", "search space:", "search:", "where it runs:", "tracking:", "run:"):
+    for group in ("data:", "model and training:", "search space:", "search:", "where it runs:", "tracking:",
+                  "run:"):
         assert group in text
     # Every option of the search, nested ones included, has a flag whose dest is its path.
     dests = {a.dest for a in flags}
@@ -45,9 +53,6 @@ def test_every_flag_has_help_and_the_help_is_grouped():
 
 
 def _leaf_paths(cls, prefix=""):
-    import dataclasses
-    import typing
-
     hints = typing.get_type_hints(cls)
     out = set()
     for f in dataclasses.fields(cls):
@@ -59,14 +64,14 @@ def _leaf_paths(cls, prefix=""):
 
 
 def test_training_options_reach_the_trials(tmp_path):
-    opts = parse_options(["--grad-accum", "2", "--channels-last", "--warmup-frac", "0.2", "--label-smoothing", "0.1",
-                          "--freeze-backbone-epochs", "1", "--no-cache", "--height", "64", "--seed", "7",
-                          "--cpu-threads", "3"])
+    opts = parse_options(["--grad-accum", "2", "--channels-last", "--warmup-frac", "0.2", "--label-smoothing",
+                          "0.1", "--freeze-backbone-epochs", "1", "--no-cache", "--height", "64", "--seed",
+                          "7", "--cpu-threads", "3"])
     t = opts.train
     assert (t.grad_accum_steps, t.channels_last, t.warmup_frac, t.label_smoothing, t.freeze_backbone_epochs,
-            t.data.clip_cache, t.data.height, t.seed, t.cpu_threads) == (2, True, 0.2, 0.1, 1, False, 64, 7, 3)
-    from tune.search import base_config
-    from tune.trial import trial_config
+            t.data.clip_cache, t.data.height, t.seed, t.cpu_threads) == \
+        (2, True, 0.2, 0.1, 1, False, 64, 7, 3)
+    from tune.trial import trial_config  # imports Ray: only in the test that needs it
 
     cfg = trial_config(base_config(opts), {"batch_size": 4, "lr": 1e-3})
     assert cfg.grad_accum_steps == 2 and cfg.batch_size == 4 and cfg.lr == 1e-3 and not cfg.data.clip_cache
@@ -80,10 +85,12 @@ def test_training_options_reach_the_trials(tmp_path):
 
 def test_flags_override_the_config_file_which_overrides_the_preset(tmp_path):
     toml = tmp_path / "search.toml"
-    toml.write_text('epochs = 7\nbatch-sizes = [2, 6]\nlr_min = 1e-5\nobjective = "val_f1"\nsmoke-test = true\n')
+    toml.write_text('epochs = 7\nbatch-sizes = [2, 6]\nlr_min = 1e-5\nobjective = "val_f1"\nsmoke-test = '
+                    'true\n')
     opts = parse_options(["--config", str(toml), "--epochs", "9"])
     assert opts.train.epochs == 9                             # flag beats file
-    assert opts.space.batch_sizes == (2, 6) and opts.space.lr_min == 1e-5 and opts.objective == "val_f1"   # file beats preset
+    # file beats preset
+    assert opts.space.batch_sizes == (2, 6) and opts.space.lr_min == 1e-5 and opts.objective == "val_f1"
     assert opts.num_samples == SMOKE_TEST["num_samples"]      # preset beats defaults
     yaml = tmp_path / "search.yaml"
     yaml.write_text("batch_sizes: 4,8\nnum-samples: 12\nsearch-weight-decay: true\n")
@@ -130,8 +137,10 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
     (["--lr-min", "1e-2", "--lr-max", "1e-3"], ["--lr-min/--lr-max:", "inverted"]),
     (["--lr-min", "-1"], ["--lr-min:", "> 0"]),
     (["--num-samples", "0"], ["--num-samples:"]),
-    (["--search-weight-decay", "--weight-decay-min", "0.5", "--weight-decay-max", "0.1"], ["--weight-decay-min/--weight-decay-max:"]),
-    (["--gpus-per-worker", "1", "--gpus-per-trial", "0.5", "--workers-per-trial", "2"], ["--gpus-per-trial:", "disagrees"]),
+    (["--search-weight-decay", "--weight-decay-min", "0.5", "--weight-decay-max", "0.1"],
+     ["--weight-decay-min/--weight-decay-max:"]),
+    (["--gpus-per-worker", "1", "--gpus-per-trial", "0.5", "--workers-per-trial", "2"],
+     ["--gpus-per-trial:", "disagrees"]),
     (["--cache-max-gb", "-1"], ["--cache-max-gb:", ">= 0"]),
     (["--cpu-threads", "0"], ["--cpu-threads:", ">= 1"]),
     (["--cache-max-gb", "nan"], ["--cache-max-gb:"]),
@@ -149,8 +158,10 @@ def test_bad_options_fail_before_anything_runs(capsys, argv, needles):
 
 def test_bad_stores_fail_fast(capsys, synthetic_root, tmp_path):
     data = ["--data", str(synthetic_root), "--dry-run"]
-    _fails(capsys, data + ["--mlflow-uri", "http://127.0.0.1:9"], "--mlflow-uri:", "cannot reach http://127.0.0.1:9")
-    _fails(capsys, data + ["--mlflow-uri", f"sqlite:///{tmp_path}/no/such/mlruns.db"], "--mlflow-uri:", "does not exist")
+    _fails(capsys, data + ["--mlflow-uri", "http://127.0.0.1:9"], "--mlflow-uri:", "cannot reach "
+           "http://127.0.0.1:9")
+    _fails(capsys, data + ["--mlflow-uri", f"sqlite:///{tmp_path}/no/such/mlruns.db"], "--mlflow-uri:",
+           "does not exist")
     _fails(capsys, data + ["--optuna-storage", f"sqlite:///{tmp_path}/gone/optuna.db"], "--optuna-storage:")
     _fails(capsys, data + ["--optuna-storage", "optuna.db"], "--optuna-storage:", "database URL")
 
@@ -162,12 +173,13 @@ def test_bad_data_fails_with_the_dropped_file_report(capsys, synthetic_root, tmp
     for split in ("train", "val"):
         for cls in ("Fight", "NonFight"):
             (root / split / cls).mkdir(parents=True)
-    for i, cls in enumerate(("Fight", "NonFight")):
+    for cls in ("Fight", "NonFight"):
         src = [v for v in videos if v.parent.name == cls][0]
         shutil.copy(src, root / "train" / cls / src.name)
     shutil.copy([v for v in videos if v.parent.name == "NonFight"][1], root / "val" / "NonFight" / "ok.mp4")
     (root / "val" / "Fight" / "broken.mp4").write_bytes(b"not a video at all")
-    err = _fails(capsys, ["--data", str(root), "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "broken.mp4")
+    err = _fails(capsys, ["--data", str(root), "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"],
+                 "broken.mp4")
     assert "val" in err
 
 
@@ -179,8 +191,8 @@ def test_resume_needs_an_interrupted_search(capsys, synthetic_root, tmp_path):
     _fails(capsys, ["--data", str(synthetic_root), "--resume", "--storage", str(tmp_path), "--dry-run"],
            "--resume:", "no interrupted search")
     (tmp_path / "taken").mkdir()
-    _fails(capsys, ["--data", str(synthetic_root), "--name", "taken", "--storage", str(tmp_path), "--dry-run"],
-           "--name:", "already exists")
+    _fails(capsys, ["--data", str(synthetic_root), "--name", "taken", "--storage", str(tmp_path),
+                    "--dry-run"], "--name:", "already exists")
 
 
 def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_path):
@@ -188,42 +200,43 @@ def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_p
     over Hugging Face's (installed too), and nothing starts."""
     out = subprocess.run(
         [sys.executable, str(REPO / "tune" / "search.py"), "--data", str(synthetic_root), "--dry-run",
-         "--batch-sizes", "2,4", "--lr-min", "1e-4", "--lr-max", "1e-2", "--objective", "pareto", "--epochs", "4"],
+         "--batch-sizes", "2,4", "--lr-min", "1e-4", "--lr-max", "1e-2", "--objective", "pareto",
+         "--epochs", "4"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
-    assert doc["space"]["batch_sizes"] == [2, 4] and (doc["space"]["lr_min"], doc["space"]["lr_max"]) == (1e-4, 1e-2)
+    assert doc["space"]["batch_sizes"] == [2, 4]
+    assert (doc["space"]["lr_min"], doc["space"]["lr_max"]) == (1e-4, 1e-2)
     assert doc["early_stopping"] == "off" and doc["objective"] == "pareto"      # never ASHA with pareto
     assert doc["train"]["data"]["root"] == str(synthetic_root) and doc["train"]["epochs"] == 4
     assert "batch_size" not in doc["train"] and "lr" not in doc["train"]     # the search draws them
     assert doc["experiment"].startswith(str(tmp_path / "vidtune-results"))
     assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "vidtune-results").exists()
-    assert doc["train"]["data"]["clip_cache"] is True and doc["train"]["data"]["clip_cache_format"].startswith("auto")
+    assert doc["train"]["data"]["clip_cache"] is True
+    assert doc["train"]["data"]["clip_cache_format"].startswith("auto")
 
 
 def test_batch_sizes_larger_than_the_training_videos_fail_before_ray(capsys, synthetic_root, tmp_path):
-    from datasets.index import build_index
-    from datasets.config import DataConfig
-
     videos = len(build_index(DataConfig(root=str(synthetic_root))).train)
     err = _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", f"4,{videos + 1}", "--dry-run",
-                          "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:", f"batch size {videos + 1}")
+                          "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:",
+                 f"batch size {videos + 1}")
     assert f"{videos} training videos" in err and "--workers-per-trial" in err
-    _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", str(videos // 2 + 1), "--workers-per-trial", "2",
-                    "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--batch-sizes:", "2 worker(s)")
+    _fails(capsys, ["--data", str(synthetic_root), "--batch-sizes", str(videos // 2 + 1),
+                    "--workers-per-trial", "2", "--dry-run", "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"],
+           "--batch-sizes:", "2 worker(s)")
 
 
 def test_num_frames_above_the_shortest_video_fails_before_ray(capsys, synthetic_root, tmp_path):
-    from datasets.config import DataConfig
-    from datasets.index import build_index
-
     shortest = min(v.num_frames for v in build_index(DataConfig(root=str(synthetic_root))).train)
     args = ["--data", str(synthetic_root), "--model", "swin3d_t", "--weights", "none", "--dry-run",
             "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"]
-    _fails(capsys, args + ["--num-frames", "1000"], "--num-frames:", "1000 frames per clip is more than the shortest",
-           f"{shortest} frames", f"--min-frames 1000")
-    _fails(capsys, ["--data", str(synthetic_root), "--num-frames", "1000", "--dry-run"],   # tiny: 8 frames only
+    _fails(capsys, args + ["--num-frames", "1000"], "--num-frames:", "1000 frames per clip is more than the "
+           "shortest",
+           f"{shortest} frames", "--min-frames 1000")
+    # tiny: 8 frames only
+    _fails(capsys, ["--data", str(synthetic_root), "--num-frames", "1000", "--dry-run"],
            "--num-frames:", "takes clips of exactly 8 frames")
 
 
@@ -232,10 +245,6 @@ def test_demo_preset_grace_period_follows_a_shorter_epochs():
 
 
 def test_read_only_storage_is_named(capsys, tmp_path, monkeypatch):
-    import tempfile
-
-    from trainer import launch
-
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     real = tempfile.TemporaryFile
@@ -254,7 +263,8 @@ def test_read_only_storage_is_named(capsys, tmp_path, monkeypatch):
 def test_more_gpus_per_trial_than_the_cluster_has(ray_session, capsys, synthetic_root, tmp_path):
     """Checked right after connecting, before any trial starts."""
     err = _fails(capsys, ["--data", str(synthetic_root), "--gpus-per-trial", "2", "--storage", str(tmp_path),
-                          "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--gpus-per-trial:", "the Ray cluster has 0")
+                          "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"], "--gpus-per-trial:",
+                 "the Ray cluster has 0")
     assert "2 GPU(s)" in err
     assert not (tmp_path / "m.db").exists()                    # no MLflow run was opened
 
@@ -267,7 +277,7 @@ def test_usage_error_names_its_flag():
 def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     """On the head of an autoscaling cluster, 0 GPUs at connect time is not an error when a
     worker node type can bring GPUs (cluster.yaml leaves resources for AWS to detect)."""
-    from tune.cluster import ClusterCapacity, read_node_types
+    from tune.cluster import ClusterCapacity, read_node_types  # imports Ray: only in the test that needs it
 
     def may_add(cfg):
         return ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), read_node_types(cfg)).may_add_gpus
@@ -278,13 +288,12 @@ def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
                    "  gpu: {resources: {}, max_workers: 2}\n")
     assert may_add(cfg)
     cfg.write_text("head_node_type: head\navailable_node_types:\n  head: {resources: {}}\n"
-                   "  cpu: {resources: {CPU: 8, GPU: 0}, max_workers: 4}\n  gpu: {resources: {GPU: 1}, max_workers: 0}\n")
+                   "  cpu: {resources: {CPU: 8, GPU: 0}, max_workers: 4}\n  gpu: "
+                   "{resources: {GPU: 1}, max_workers: 0}\n")
     assert not may_add(cfg)
 
 
 def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, capsys):
-    from tune import demo
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     mlflow = ["--mlflow-uri", f"sqlite:///{tmp_path}/m.db", "--storage", str(tmp_path / "res")]
     assert search.main(["--dry-run", *mlflow]) == 0

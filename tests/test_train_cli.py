@@ -2,18 +2,23 @@
 prints one line per epoch and the best checkpoint, which trainer.predict then uses."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from datasets.config import DataConfig
-from trainer import train
+from trainer import predict, train
 from trainer.config import TrainConfig
-from trainer.launch import ConfigError, validate_config
+from trainer.launch import TRAIN_FLAGS, ConfigError, validate_config
+from trainer.models import build_model
+from tune.options import build_parser as search_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +64,6 @@ def test_validate_config_missing_data_folder(tmp_path):
 
 
 def test_validate_config_refuses_weights_of_another_architecture(tmp_path):
-    from torch import nn
-
     other = tmp_path / "resnet.pth"
     torch.save(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Linear(8, 2)).state_dict(), other)
     with pytest.raises(ConfigError, match=r"--weights: .*resnet.pth.*'tiny'"):
@@ -72,7 +75,8 @@ def test_validate_config_refuses_weights_of_another_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("content, says", [(b"hello world\nnot weights\n", "it starts with 'hello world'"),
-                                           (b"", "it is empty"), (bytes(range(3, 200)), "it is neither a zip archive nor a pickle")])
+                                           (b"", "it is empty"), (bytes(range(3, 200)), "it is neither a zip "
+                                                                  "archive nor a pickle")])
 def test_a_weights_file_that_is_not_a_checkpoint_says_so(tmp_path, content, says):
     """Was: '--weights: ... KeyError: 101' (torch reading a text file as a pickle)."""
     text = tmp_path / "notes.txt"
@@ -84,8 +88,6 @@ def test_a_weights_file_that_is_not_a_checkpoint_says_so(tmp_path, content, says
 
 
 def test_validate_config_accepts_weights_of_the_same_model(tmp_path):
-    from trainer.models import build_model
-
     good = tmp_path / "tiny.pth"
     torch.save(build_model("tiny").state_dict(), good)
     validate_config(_cfg(tmp_path, weights=str(good)))  # no error
@@ -116,15 +118,17 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
 
 def test_cli_flags_reach_the_config():
     args = train.build_parser().parse_args(
-        ["--data", "d", "--height", "48", "--width", "48", "--num-frames", "4", "--grad-accum", "2", "--precision", "bf16",
-         "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class", "Violence",
-         "--cache-dir", "/tmp/c", "--cache-format", "raw"])
+        ["--data", "d", "--height", "48", "--width", "48", "--num-frames", "4", "--grad-accum", "2",
+         "--precision", "bf16", "--freeze-backbone-epochs", "1", "--channels-last", "--positive-class",
+         "Violence", "--cache-dir", "/tmp/c", "--cache-format", "raw"])
     cfg = train.config_from_args(args)
     assert (cfg.data.height, cfg.data.width, cfg.data.num_frames) == (48, 48, 4)
     assert cfg.grad_accum_steps == 2 and cfg.precision == "bf16" and cfg.channels_last
     assert cfg.freeze_backbone_epochs == 1 and cfg.data.positive_class == "Violence"
-    assert (cfg.data.clip_cache, cfg.data.clip_cache_dir, cfg.data.clip_cache_format) == (True, "/tmp/c", "raw")
-    assert train.config_from_args(train.build_parser().parse_args(["--data", "d", "--no-cache"])).data.clip_cache is False
+    assert (cfg.data.clip_cache, cfg.data.clip_cache_dir, cfg.data.clip_cache_format) == \
+        (True, "/tmp/c", "raw")
+    no_cache = train.config_from_args(train.build_parser().parse_args(["--data", "d", "--no-cache"]))
+    assert no_cache.data.clip_cache is False
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -135,14 +139,10 @@ def test_every_flag_has_help():
 
 def test_train_and_search_share_the_training_flags():
     """One declaration per option: the same flag, the same default, in both CLIs."""
-    from tune.options import build_parser as search_parser
-
     def flags(parser):
         return {o: a.dest.removeprefix("train.") for a in parser._actions for o in a.option_strings}
 
     train_flags, search_flags = flags(train.build_parser()), flags(search_parser())
-    from trainer.launch import TRAIN_FLAGS
-
     training = {spec.flag for spec in TRAIN_FLAGS}
     shared = {f: d for f, d in train_flags.items() if f in search_flags and f in training}
     assert {"--grad-accum", "--height", "--cache-format", "--precision", "--epochs", "--data"} <= set(shared)
@@ -156,19 +156,17 @@ def test_negative_values_reach_the_range_check(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_session, synthetic_root, tmp_path, capsys):
+def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_session, synthetic_root, tmp_path,
+                                                                       capsys):
     """`python -m trainer.train` end to end (in-process, on the shared Ray): one line per epoch,
     the best checkpoint's path at the end; trainer.predict scores 2 videos with it and names a
     missing one."""
-    import re
-
-    from trainer import predict
-
-    code = train.main(["--data", str(synthetic_root), "--epochs", "1", "--batch-size", "8", "--precision", "fp32",
-                       "--loader-workers", "1", "--storage", str(tmp_path), "--name", "cli"])
+    code = train.main(["--data", str(synthetic_root), "--epochs", "1", "--batch-size", "8", "--precision",
+                       "fp32", "--loader-workers", "1", "--storage", str(tmp_path), "--name", "cli"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert re.search(r"^epoch 1/1  train_loss [0-9.]+  val_loss [0-9.]+  val_acc [0-9.]+ .* clips/s", out, flags=re.M), out
+    assert re.search(r"^epoch 1/1  train_loss [0-9.]+  val_loss [0-9.]+  val_acc [0-9.]+ .* clips/s", out,
+                     flags=re.M), out
     match = re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): (\S+)$", out, flags=re.M)
     assert match, out
     checkpoint = Path(match.group(1))
@@ -188,13 +186,12 @@ def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_sessio
 def _best_config(path: Path, train_config: TrainConfig, **row) -> Path:
     """A best_config.json as the search writes it (tune.tracking.Tracker.log_summary): the best
     trial's row, the objective, and that trial's full TrainConfig."""
-    import json
-
     doc = {"trial_id": "a1b2c_00003", "name": "t03-bs16-lr1.5e-4", "search": "vidtune-search-demo",
            "batch_size": train_config.batch_size,
            "lr": train_config.lr, "weight_decay": train_config.weight_decay, "val_acc": 0.875, "val_f1": 0.86,
            "clips_per_s": 41.5, "epoch_time_s": 3.2, "epochs": train_config.epochs, "status": "DONE",
-           "checkpoint": "/tmp/ray/ckpt", "objective": "val_acc", "train_config": train_config.to_dict(), **row}
+           "checkpoint": "/tmp/ray/ckpt", "objective": "val_acc", "train_config": train_config.to_dict(),
+           **row}
     path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
     return path
 
@@ -202,8 +199,8 @@ def _best_config(path: Path, train_config: TrainConfig, **row) -> Path:
 def _searched(root) -> TrainConfig:
     return TrainConfig(data=DataConfig(root=str(root), height=64, width=64, num_frames=8, loader_workers=1,
                                        clip_cache=False),
-                       model="tiny", epochs=5, batch_size=16, lr=1.5e-4, weight_decay=0.01, grad_accum_steps=2,
-                       precision="fp32", seed=7)
+                       model="tiny", epochs=5, batch_size=16, lr=1.5e-4, weight_decay=0.01,
+                       grad_accum_steps=2, precision="fp32", seed=7)
 
 
 def _from_cli(argv) -> TrainConfig:
@@ -233,7 +230,8 @@ def test_config_flat_flag_keys_toml_and_nested_yaml(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text(f"epochs: 2\nweight_decay: 0\ndata:\n  root: {tmp_path}\n  clip_cache_format: raw\n")
     cfg = _from_cli(["--config", str(yaml_file)])
-    assert (cfg.epochs, cfg.weight_decay, cfg.data.root, cfg.data.clip_cache_format) == (2, 0.0, str(tmp_path), "raw")
+    assert (cfg.epochs, cfg.weight_decay, cfg.data.root, cfg.data.clip_cache_format) == \
+        (2, 0.0, str(tmp_path), "raw")
     assert cfg.batch_size == TrainConfig().batch_size
 
 
@@ -293,14 +291,14 @@ def test_config_prints_the_trial_and_blames_the_file_for_its_values(tmp_path, ca
 @pytest.mark.slow
 def test_cli_retrains_the_best_trial_from_best_config(ray_session, synthetic_root, tmp_path, capsys):
     """`--config best_config.json` alone (plus where it runs) retrains the search's best trial."""
-    import re
-
-    searched = TrainConfig(data=DataConfig(root=str(synthetic_root), loader_workers=1), model="tiny", epochs=1,
-                           batch_size=8, lr=1e-3, precision="fp32")
+    searched = TrainConfig(data=DataConfig(root=str(synthetic_root), loader_workers=1), model="tiny",
+                           epochs=1, batch_size=8, lr=1e-3, precision="fp32")
     file = _best_config(tmp_path / "best_config.json", searched)
-    code = train.main(["--config", str(file), "--storage", str(tmp_path), "--name", "again", "--loader-workers", "0"])
+    code = train.main(["--config", str(file), "--storage", str(tmp_path), "--name", "again",
+                       "--loader-workers", "0"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search vidtune-search-demo"), out
+    assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search "
+                          "vidtune-search-demo"), out
     assert re.search(r"^epoch 1/1  train_loss ", out, flags=re.M), out
     assert re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): \S+$", out, flags=re.M), out
