@@ -6,7 +6,10 @@ and bounds. From that one definition come
 
 - the argparse flags of every CLI that exposes the field (`add_flags`), with the same flag name
   in `python -m trainer.train` and `python tune/search.py`;
-- the config file's keys (the flag without its dashes, `-` or `_`) and their types (`coerce`);
+- the config file's keys (the flag without its dashes, `-` or `_`, or the field's dotted path)
+  and their types (`coerce`); `read_config_file` is the one reader of both CLIs' `--config`
+  (TOML or YAML, tables, the one `no-X` negation rule) and `ConfigFile.blame` names the file's
+  key when a value it set fails a check;
 - the nested dataclass built from flat `{dotted.path: value}` pairs (`build`);
 - the range checks, whose errors name the flag (`check_bounds`, raising `ConfigError`).
 
