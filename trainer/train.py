@@ -161,8 +161,8 @@ def run_options(args: argparse.Namespace, loaded: ConfigFile | None = None) -> R
 def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:
     """Everything checkable before Ray starts; returns the dataset index (handed to the workers).
     Raises ConfigError / DataError naming the flag or file at fault."""
+    check_bounds(where, RUN_FLAGS)   # first: validate_config may load torch to read --weights
     validate_config(cfg)
-    check_bounds(where, RUN_FLAGS)
     if where.storage:
         check_writable_folder(where.storage, "--storage")
     if cfg.data.clip_cache and cfg.data.clip_cache_dir:
