@@ -19,6 +19,7 @@ from pathlib import Path
 # Imported by name, so a CLI that moves or fails to import stops the generator loudly.
 import datasets.cache
 import datasets.index
+import trainer.fill_cache
 import trainer.predict
 import trainer.train
 import tune.options
@@ -38,6 +39,8 @@ CLIS: tuple[Cli, ...] = (
     Cli("python -m trainer.train", trainer.train.build_parser),
     Cli("python -m trainer.predict", trainer.predict.build_parser),
     Cli("python -m datasets.index", datasets.index.build_parser),
+    # trainer.fill_cache is datasets.cache's CLI with --model resolved: the same parser, its prog.
+    Cli(trainer.fill_cache.MODEL_CLI, lambda: datasets.cache.build_parser(prog=trainer.fill_cache.MODEL_CLI)),
     Cli("python -m datasets.cache", datasets.cache.build_parser),
 )
 
