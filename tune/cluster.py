@@ -61,7 +61,8 @@ class ClusterCapacity:
         # A type whose GPUs the cloud provider detects counts as one GPU a node (a `ray up` head's
         # config has them filled in; a config given by hand may not).
         planned = ((self.head,) if self.head else ()) + tuple(
-            (t.cpus, 1.0 if t.gpus is None else t.gpus) for t in self.node_types for _ in range(t.max_workers))
+            (t.cpus, 1.0 if t.gpus is None else t.gpus)
+            for t in self.node_types for _ in range(t.max_workers))
         total = lambda nodes: (sum(c for c, _ in nodes), sum(g for _, g in nodes))   # noqa: E731
         return planned if self.node_types and total(planned) > total(self.alive) else self.alive
 
@@ -161,7 +162,8 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     if gpt > gpus + 1e-9:
         flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
         raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({r.workers_per_trial} worker(s) x "
-                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; lower it or add GPU nodes")
+                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; "
+                          "lower it or add GPU nodes")
     cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
     if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
         raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
@@ -203,10 +205,11 @@ def describe_nodes(nodes: tuple[Node, ...]) -> str:
 
 def waiting_line(capacity: ClusterCapacity) -> str:
     """One line for a search that starts before the GPU nodes it needs have joined."""
-    types = ", ".join(f"{t.name} up to {t.max_workers} x {'? (detected)' if t.gpus is None else f'{t.gpus:g}'} GPU"
+    types = ", ".join(f"{t.name} up to {t.max_workers} x "
+                      f"{'? (detected)' if t.gpus is None else f'{t.gpus:g}'} GPU"
                       for t in capacity.node_types if t.max_workers > 0 and (t.gpus is None or t.gpus > 0))
-    return (f"the Ray cluster has {capacity.gpus_now:g} GPU(s) now: the trials wait for the autoscaler to start "
-            f"GPU nodes ({types})")
+    return (f"the Ray cluster has {capacity.gpus_now:g} GPU(s) now: the trials wait for the autoscaler "
+            f"to start GPU nodes ({types})")
 
 
 def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
@@ -219,7 +222,8 @@ def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
 def driver_node_gpus() -> float:
     """GPUs of the node this process (the search driver) runs on."""
     me = ray.get_runtime_context().get_node_id()
-    return next((float((n.get("Resources") or {}).get("GPU", 0.0)) for n in ray.nodes() if n.get("NodeID") == me), 0.0)
+    return next((float((n.get("Resources") or {}).get("GPU", 0.0)) for n in ray.nodes()
+                 if n.get("NodeID") == me), 0.0)
 
 
 def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
@@ -262,7 +266,8 @@ def check_paths_on_every_node(storage: str, weights: str | None, *,
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     try:
-        seen = views(str(marker) if marker else None, str(Path(weights_file).expanduser()) if weights_file else None)
+        seen = views(str(marker) if marker else None,
+                     str(Path(weights_file).expanduser()) if weights_file else None)
     finally:
         if marker is not None:
             marker.unlink(missing_ok=True)
@@ -270,11 +275,12 @@ def check_paths_on_every_node(storage: str, weights: str | None, *,
         return
     blind = [v["node"] for v in seen if not v["storage"]]
     if blind:
-        raise ConfigError("--storage", f"{storage} is a folder of this machine only: node(s) {', '.join(map(str, blind))} "
-                          "of the Ray cluster do not see it, and trials there would keep their checkpoints on their "
-                          "own disks; pass an s3:// URI or a folder shared by every node (NFS/EFS, same path)")
+        raise ConfigError("--storage", f"{storage} is a folder of this machine only: node(s) "
+                          f"{', '.join(map(str, blind))} of the Ray cluster do not see it, and trials there "
+                          "would keep their checkpoints on their own disks; pass an s3:// URI or a folder "
+                          "shared by every node (NFS/EFS, same path)")
     missing = [v["node"] for v in seen if not v["weights"]]
     if missing:
-        raise ConfigError("--weights", f"{weights} is not a file on node(s) {', '.join(map(str, missing))}; the "
-                          "weights file must exist at the same path on every node (copy it there in the cluster's "
-                          "setup_commands, or put it on shared storage)")
+        raise ConfigError("--weights", f"{weights} is not a file on node(s) {', '.join(map(str, missing))}; "
+                          "the weights file must exist at the same path on every node (copy it there in the "
+                          "cluster's setup_commands, or put it on shared storage)")

@@ -169,29 +169,32 @@ class SearchConsole(Callback):
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
         extra = f", weight decay {cfg['weight_decay']:.3g}" if "weight_decay" in cfg else ""
-        self._print(f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name} started: batch size "
-                    f"{cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
+        self._print(f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name} started: "
+                    f"batch size {cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
 
-    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict,
+                        **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
         epoch = int(result.get("epoch") or 0)
         if epoch < 1:
             return
         self._epochs_done[trial.trial_id] = epoch
-        reported = self.__dict__.setdefault("_reported", set())   # absent from a callback saved before it existed
+        # absent from a callback saved before it existed
+        reported = self.__dict__.setdefault("_reported", set())
         restart = restart_line(short_name(trial), result, worker_died=trial.trial_id in reported)
         if restart:
             self._print(restart)
         reported.add(trial.trial_id)
         repairs = int(result.get("cache_repairs", 0) or 0)
         if repairs > 0:
-            self._print(f"{short_name(trial)}: {repairs} damaged clip-cache entr{'y' if repairs == 1 else 'ies'} "
-                        "decoded again")
+            entries = "entry" if repairs == 1 else "entries"
+            self._print(f"{short_name(trial)}: {repairs} damaged clip-cache {entries} decoded again")
         if int(result.get("oom", 0) or 0):
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
         elif int(result.get("diverged", 0) or 0):
-            lr = float((trial.config or {}).get("lr", math.nan))   # the trial's: the report's is the schedule's, ~0 at its end
+            # the trial's lr: the report's is the schedule's, ~0 at its end
+            lr = float((trial.config or {}).get("lr", math.nan))
             self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
                         f"{float(result.get('train_loss', math.nan))} at lr {lr:.3g}")
         else:
@@ -222,16 +225,18 @@ class SearchConsole(Callback):
         lines = [ln for ln in text.splitlines() if ln.strip()][-6:]
         body = "".join(f"\n    {ln}" for ln in lines)
         reason = f": {exception_line(text)}" if text else ""
-        self._print(f"{short_name(trial)} FAILED{reason} (full traceback: {kept or path or 'see the log'}){body}")
+        self._print(f"{short_name(trial)} FAILED{reason} "
+                    f"(full traceback: {kept or path or 'see the log'}){body}")
 
     # text -----------------------------------------------------------------------------------
-    def overall(self, trials: list) -> str:
+    def overall(self, trials: list[Trial]) -> str:
         """`2/6 trials done, 1 running, 3 to start; best t02-bs8-lr1e-3 val_acc 0.812; about 3m10s left`."""
         done = len(_ended(trials))
         running = sum(1 for t in trials if t.status == "RUNNING")
         to_start = max(0, self.num_samples - done - running)
         best = f"; best {self._best[1]} {self.metric} {self._best[0]:.3f}" if self._best else ""
-        line = f"{done}/{self.num_samples} trials done, {running} running, {to_start} to start{best}{self._eta(trials)}"
+        line = (f"{done}/{self.num_samples} trials done, {running} running, {to_start} to start"
+                f"{best}{self._eta(trials)}")
         if sys.stdout.isatty():   # a bar of epochs trained out of at most every trial's epochs
             share = min(1.0, sum(self._epochs_done.values()) / max(1, self.num_samples * self.epochs))
             return f"  [{'#' * round(20 * share):<20}] {line}"

@@ -131,7 +131,8 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
 FAILURES_FOLDER = "failures"
 # An exception's line in a traceback: `RuntimeError: ...`, `ray.exceptions.RayTaskError(...)`,
 # `torch.OutOfMemoryError: ...`; a name ending like an exception's, at the start of the line.
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure)\b.*$")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*"
+                             r"(?:Error|Exception|Interrupt|Exit|Failure)\b.*$")
 
 
 def exception_line(text: str, limit: int = 500) -> str:

@@ -55,10 +55,12 @@ class Holder:
             if not _pid_alive(self.pid):
                 return f"its driver (PID {self.pid} on this host) is gone"
             if self.pid_start is not None and _pid_start(self.pid) not in (None, self.pid_start):
-                return f"its driver (PID {self.pid} on this host) is gone; the PID now belongs to another process"
+                return (f"its driver (PID {self.pid} on this host) is gone; "
+                        "the PID now belongs to another process")
             return None
         if now - self.heartbeat > STALE_AFTER_S:
-            return f"its driver on {self.host} last wrote its heartbeat {(now - self.heartbeat) / 60:.0f} minutes ago"
+            minutes = (now - self.heartbeat) / 60
+            return f"its driver on {self.host} last wrote its heartbeat {minutes:.0f} minutes ago"
         return None
 
 
@@ -69,10 +71,11 @@ def lock_path(experiment_path: str) -> Path | None:
 
 def running_message(experiment_path: str, holder: Holder) -> str:
     stop = "Ctrl-C in its terminal"
-    stop += f", or `kill {holder.pid}`" + ("" if holder.host == socket.gethostname() else f" on {holder.host}")
+    elsewhere = "" if holder.host == socket.gethostname() else f" on {holder.host}"
+    stop += f", or `kill {holder.pid}`{elsewhere}"
     return (f"the search at {experiment_path} is running: {holder.describe()}. Two drivers on one search "
-            f"overwrite each other's trials and checkpoints, so this one stops. Wait for it to end, or stop it "
-            f"({stop}) and then continue it with --resume")
+            "overwrite each other's trials and checkpoints, so this one stops. Wait for it to end, or stop "
+            f"it ({stop}) and then continue it with --resume")
 
 
 def read_holder(path: Path) -> Holder | None:
@@ -110,7 +113,7 @@ class SearchLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "SearchLock":
+    def __enter__(self) -> SearchLock:
         self.acquire()
         return self
 
@@ -179,7 +182,8 @@ class SearchLock:
             aside.unlink(missing_ok=True)
             raise ConfigError(self.flag, running_message(self.experiment_path, moved))
         aside.unlink(missing_ok=True)
-        print(f"taking over the lock of the search at {self.experiment_path}: {reason}", file=sys.stderr, flush=True)
+        print(f"taking over the lock of the search at {self.experiment_path}: {reason}", file=sys.stderr,
+              flush=True)
 
     def _start_heartbeat(self) -> None:
         self._thread = threading.Thread(target=self._beat, name="vidtune-lock-heartbeat", daemon=True)
@@ -192,8 +196,9 @@ class SearchLock:
                 return
             current = read_holder(self.path)
             if current is None or current.token != holder.token:
-                print(f"warning: the lock of the search at {self.experiment_path} was taken by another driver "
-                      f"({current.describe() if current else 'removed'}); stop one of them", file=sys.stderr, flush=True)
+                print(f"warning: the lock of the search at {self.experiment_path} was taken by another "
+                      f"driver ({current.describe() if current else 'removed'}); stop one of them",
+                      file=sys.stderr, flush=True)
                 return
             beat = Holder(**{**holder.__dict__, "heartbeat": time.time()})
             tmp = self.path.with_name(f"{LOCK_NAME}.{os.getpid()}.tmp")

@@ -220,7 +220,7 @@ def experiment_staging_path(trials: list[Trial]) -> str | None:
 __all__ = [
     "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
     "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
-    "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial", "optuna_study",
-    "trial_states",
+    "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial",
+    "optuna_study", "trial_states",
     "worker_group_placement_group",
 ]

@@ -97,8 +97,9 @@ class Plan:
 
 def prepare(opts: SearchOptions) -> Plan:
     """The one validation on the driver, before Ray starts: no driver already running this
-    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here, and every candidate batch size checked against the
-    training videos each worker gets), the experiment name. Raises ConfigError / DataError
+    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here,
+    and every candidate batch size checked against the training videos each worker gets), the
+    experiment name. Raises ConfigError / DataError
     naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
     storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
     if "://" not in storage:
@@ -136,21 +137,26 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
         if o.name:
             path = f"{storage.rstrip('/')}/{o.name}"
             if not tune.Tuner.can_restore(path):
-                raise ConfigError("--resume", f"no interrupted search to continue at {path}; check --name and --storage")
+                raise ConfigError("--resume", f"no interrupted search to continue at {path}; "
+                                  "check --name and --storage")
             name = o.name
         else:
             if "://" in storage:
-                raise ConfigError("--resume", "with remote --storage, also pass --name of the search to continue")
-            found = sorted((p for p in Path(storage).glob("*") if p.is_dir() and tune.Tuner.can_restore(str(p))),
+                raise ConfigError("--resume", "with remote --storage, also pass --name of the search to "
+                                  "continue")
+            found = sorted((p for p in Path(storage).glob("*")
+                            if p.is_dir() and tune.Tuner.can_restore(str(p))),
                            key=lambda p: p.stat().st_mtime)
             if not found:
-                raise ConfigError("--resume", f"no interrupted search to continue in {storage}; pass --storage (and --name)")
+                raise ConfigError("--resume", f"no interrupted search to continue in {storage}; "
+                                  "pass --storage (and --name)")
             name = found[-1].name
         check_resumable(f"{storage.rstrip('/')}/{name}", trust_state=o.trust_state)
         return name
     if o.name:
         if "://" not in storage and (Path(storage) / o.name).exists():
-            raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume or pick another --name")
+            raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume "
+                              "or pick another --name")
         return o.name
     return time.strftime("vidtune-%Y%m%d-%H%M%S")
 
@@ -214,7 +220,8 @@ def _execute(plan: Plan) -> int:
     if not plan.opts.verbose:
         log = quiet_libraries(log_file_for(plan.experiment_path, plan.name))
         ray_lines = keep_ray_lines_off_the_console(log)
-        print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)", flush=True)
+        print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)",
+              flush=True)
         log_options = {"log_to_driver": False, "configure_logging": False}
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
     started, signer = False, None
@@ -268,8 +275,8 @@ def probe_batch_sizes(opts: SearchOptions, base: TrainConfig) -> SearchOptions:
     kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
     print(f"--probe-batch-size: {found.describe()}; searching batch sizes {kept}")
     if not kept:
-        raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory (largest: {largest}); "
-                         "pass smaller sizes or lower --num-frames/--height/--width")
+        raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory "
+                          f"(largest: {largest}); pass smaller sizes or lower --num-frames/--height/--width")
     return replace(opts, space=replace(opts.space, batch_sizes=kept))
 
 
@@ -390,7 +397,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
             try:
                 check_experiment_state(plan.experiment_path)
                 then = (f"free space there (or pass another --storage and copy {plan.experiment_path} to "
-                        "it), then continue the search with --resume; the epochs already checkpointed are kept")
+                        "it), then continue the search with --resume; the epochs already checkpointed are "
+                        "kept")
             except ValueError:
                 then = ("the search's saved state was cut short, so it cannot be resumed: free space and "
                         "start a new search under another --name; the runs recorded so far stay in MLflow")
@@ -409,23 +417,25 @@ def unreadable_state(experiment_path: str, error: BaseException) -> str:
 
 
 def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
-    searched = {"batch_sizes": ",".join(map(str, opts.space.batch_sizes)), "lr_min": opts.space.lr_min, "lr_max": opts.space.lr_max}
-    if opts.space.search_weight_decay:
-        searched.update(weight_decay_min=opts.space.weight_decay_min, weight_decay_max=opts.space.weight_decay_max)
+    sp, res, train = opts.space, opts.resources, opts.train
+    searched = {"batch_sizes": ",".join(map(str, sp.batch_sizes)), "lr_min": sp.lr_min, "lr_max": sp.lr_max}
+    if sp.search_weight_decay:
+        searched.update(weight_decay_min=sp.weight_decay_min, weight_decay_max=sp.weight_decay_max)
     commit = git_commit(REPO_ROOT)
     tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search"}
     if commit:
         tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
-    gpus = (opts.resources.gpus_per_worker or 0.0) * opts.resources.workers_per_trial
+    gpus = (res.gpus_per_worker or 0.0) * res.workers_per_trial
     return MLflowTracker(
-        tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment, experiment_path=plan.experiment_path,
-        epochs=opts.train.epochs, parent_tags=tags,
-        parent_params={**searched, "dataset": plan.base.data.root, "model": opts.train.model, "weights": opts.train.weights,
-                       "objective": opts.objective, "epochs": opts.train.epochs, "num_samples": opts.num_samples,
-                       "seed": opts.train.seed, "workers_per_trial": opts.resources.workers_per_trial, "gpus_per_trial": gpus,
-                       "precision": opts.train.precision},
-        child_params={"precision": opts.train.precision, "model": opts.train.model, "workers": opts.resources.workers_per_trial,
-                      "gpus": gpus, "dataset": plan.base.data.root, "epochs": opts.train.epochs},
+        tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment,
+        experiment_path=plan.experiment_path, epochs=train.epochs, parent_tags=tags,
+        parent_params={**searched, "dataset": plan.base.data.root, "model": train.model,
+                       "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,
+                       "num_samples": opts.num_samples, "seed": train.seed,
+                       "workers_per_trial": res.workers_per_trial, "gpus_per_trial": gpus,
+                       "precision": train.precision},
+        child_params={"precision": train.precision, "model": train.model, "workers": res.workers_per_trial,
+                      "gpus": gpus, "dataset": plan.base.data.root, "epochs": train.epochs},
     )
 
 
@@ -460,21 +470,23 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
               "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
     best = best_trial(rows, opts.objective)
     if rows:
-        say("\ntrials:\n" + format_table(ranked(rows, opts.objective),
-                                                 show_wd=opts.space.search_weight_decay))
+        say("\ntrials:\n" +
+            format_table(ranked(rows, opts.objective), show_wd=opts.space.search_weight_decay))
     if opts.objective == "pareto" and rows:
         front = pareto_front(rows)
-        say("\nPareto front (val_acc vs clips/s):\n" + format_table(front, show_wd=opts.space.search_weight_decay))
+        say("\nPareto front (val_acc vs clips/s):\n" +
+            format_table(front, show_wd=opts.space.search_weight_decay))
     folder = results_folder(plan)
     files = write_results(plan, opts, rows, best, folder)
     pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted)
+    uri = opts.tracking.mlflow_uri
     resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
-              f"{'' if opts.tracking.mlflow_uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + opts.tracking.mlflow_uri}")
+              f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
     if best:
         wd = f"  weight_decay={best.weight_decay:.3g}" if best.weight_decay is not None else ""
         say(f"\nbest trial ({opts.objective}): {best.name or best.trial_id}  batch_size={best.batch_size}  "
-            f"lr={best.lr:.3g}{wd}  val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f} (epoch {best.best_epoch})  "
-            f"clips/s={best.clips_per_s:.1f} (steady state)")
+            f"lr={best.lr:.3g}{wd}  val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f} "
+            f"(epoch {best.best_epoch})  clips/s={best.clips_per_s:.1f} (steady state)")
         say(f"best checkpoint: {best.checkpoint or 'none kept'}")
         if "best_config" in files:
             say(f"train it again: python -m trainer.train --config {files['best_config']}")
@@ -527,7 +539,8 @@ def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: T
         try:
             return _write_results(plan, opts, rows, best, folder)
         except OSError as e:
-            print(f"note: the results could not be written to {folder} ({e.strerror or e}); they go to MLflow only")
+            print(f"note: the results could not be written to {folder} ({e.strerror or e}); "
+                  "they go to MLflow only")
     return _write_results(plan, opts, rows, best, Path(tempfile.mkdtemp(prefix="vidtune-results-")))
 
 
@@ -538,10 +551,10 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
                                                 objective=opts.objective, title=plan.name)}
     if best:
+        wd = {"weight_decay": best.weight_decay} if best.weight_decay is not None else {}
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
-                                                        **({"weight_decay": best.weight_decay}
-                                                           if best.weight_decay is not None else {})).to_dict()}
+                                                        **wd).to_dict()}
         path = target / "best_config.json"
         path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
         files["best_config"] = path
@@ -558,7 +571,8 @@ def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, ro
         if states:
             lost = tracker.retire_lost_runs({trial_id for trial_id, _ in states})
             if lost:
-                print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the trash: {lost}")
+                print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the "
+                      f"trash: {lost}")
         written = tracker.reconcile(pairs)
         if written:
             print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
@@ -595,6 +609,7 @@ def mlflow_lines(opts: SearchOptions, tracker: MLflowTracker, pending: str | Non
     URI only, when MLflow is not up to date or its experiment is unknown)."""
     hint = ui_hint(opts.tracking.mlflow_uri)
     if not pending and getattr(tracker, "experiment_id", None):
+        parent = tracker.run_url(tracker.parent_run_id)
         return (f"compare the trials in MLflow: {tracker.runs_table_url()}{hint}\n"
-                f"  the search's run (trials table, best run, plots): {tracker.run_url(tracker.parent_run_id)}")
+                f"  the search's run (trials table, best run, plots): {parent}")
     return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{hint}"

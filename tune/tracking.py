@@ -4,9 +4,10 @@ reach the store.
 
 A run never stays RUNNING: FINISHED, FAILED (error, out of memory, diverged; reason in the tag
 `vidtune.failure_reason`: for an error, the exception's `Type: message`, its whole traceback kept
-as the run's artifact `failure/traceback.txt` and in `<experiment>/failures/<trial name>.txt`) or KILLED (stopped early by ASHA, or interrupted). A resumed search
-finds its parent run by the tag `vidtune.experiment_path` and its child runs by `vidtune.trial_id`
-under that parent, so nothing is logged twice as a new run.
+as the run's artifact `failure/traceback.txt` and in `<experiment>/failures/<trial name>.txt`) or
+KILLED (stopped early by ASHA, or interrupted). A resumed search finds its parent run by the tag
+`vidtune.experiment_path` and its child runs by `vidtune.trial_id` under that parent, so nothing
+is logged twice as a new run.
 
 The store may fail mid-search (a tracking server restarted, a full disk under a SQLite file):
 tracking never blocks or stops the search. A failed write marks the store down; the Tune hooks
@@ -44,8 +45,8 @@ from tune.trial import short_name
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
 NODE_ID_TAG = "vidtune.node_id"
-NODE_TAG = "node"                            # the IPs of the nodes the trial trained on (else NODE_ID_TAG's id)
-GPU_IDS_TAG = "gpu_ids"                      # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
+NODE_TAG = "node"               # the IPs of the nodes the trial trained on (else NODE_ID_TAG's id)
+GPU_IDS_TAG = "gpu_ids"         # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
 FAILURE_TAG = "vidtune.failure_reason"
 STOP_TAG = "vidtune.stop_reason"
 RESUMED_TAG = "vidtune.resumed"              # the run restarted from a checkpoint (worker died, or --resume)
@@ -91,9 +92,11 @@ def check_store_uri(uri: str, flag: str) -> None:
         try:
             with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as resp:
                 if resp.status >= 400:
-                    raise ConfigError(flag, f"{uri} answered {resp.status} at /health; check the server and its address")
+                    raise ConfigError(flag, f"{uri} answered {resp.status} at /health; "
+                                      "check the server and its address")
         except urllib.error.HTTPError as e:
-            raise ConfigError(flag, f"{uri} answered {e.code} at /health; check the server and its address") from None
+            raise ConfigError(flag, f"{uri} answered {e.code} at /health; "
+                              "check the server and its address") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise ConfigError(flag, f"cannot reach {uri} ({reason}); start the tracking server "
@@ -103,21 +106,26 @@ def check_store_uri(uri: str, flag: str) -> None:
     if scheme == "sqlite":
         path = sqlite_path(uri)
         if path is None:
-            raise ConfigError(flag, f"{uri} names no database file; write it as sqlite:///FILE (relative) or sqlite:////abs/FILE")
+            raise ConfigError(flag, f"{uri} names no database file; write it as sqlite:///FILE (relative) "
+                              "or sqlite:////abs/FILE")
         folder = path.parent
         if not folder.is_dir():
-            raise ConfigError(flag, f"the folder {folder} of {uri} does not exist; create it or pass another URI")
+            raise ConfigError(flag, f"the folder {folder} of {uri} does not exist; "
+                              "create it or pass another URI")
         if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise ConfigError(flag, f"{path if path.exists() else folder} is not writable; pass a URI in a writable folder")
+            raise ConfigError(flag, f"{path if path.exists() else folder} is not writable; "
+                              "pass a URI in a writable folder")
         return
     if scheme in ("", "file"):
-        raise ConfigError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; use sqlite:///mlruns.db or a server URI")
+        raise ConfigError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; "
+                          "use sqlite:///mlruns.db or a server URI")
     # databricks, postgresql, mysql, ...: MLflow checks these itself when it connects.
 
 
 def git_commit(repo: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=5)
         return (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -152,7 +160,8 @@ def _guarded(hook):
             self._store_failed(e)
             return None
         if self.down_reason is not None:
-            print(f"MLflow: {self.tracking_uri} answers again; the runs are being brought up to date", flush=True)
+            print(f"MLflow: {self.tracking_uri} answers again; the runs are being brought up to date",
+                  flush=True)
             self.down_reason = None
         return out
     return run
@@ -197,8 +206,8 @@ class MLflowTracker(Callback):
         reason = one_line(e)
         if self.down_reason is None:
             print(f"MLflow: cannot write to {self.tracking_uri} ({reason}); the search goes on, and what "
-                  "it could not record is written when the store answers again (at the end, or with --resume)",
-                  flush=True)
+                  "it could not record is written when the store answers again (at the end, or with "
+                  "--resume)", flush=True)
         self.down_reason = reason
         self._failed_at = time.monotonic()
 
@@ -221,8 +230,8 @@ class MLflowTracker(Callback):
         exp = c.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else c.create_experiment(self.experiment)
         self.experiment_id = exp_id
-        found = c.search_runs([exp_id], filter_string=f"tags.`{EXPERIMENT_PATH_TAG}` = '{_q(self.experiment_path)}'",
-                              max_results=1)
+        found = c.search_runs([exp_id], max_results=1,
+                              filter_string=f"tags.`{EXPERIMENT_PATH_TAG}` = '{_q(self.experiment_path)}'")
         if found and self.parent_run_id:
             pass
         elif found:
@@ -247,7 +256,8 @@ class MLflowTracker(Callback):
         self.start_child(trial.trial_id, trial.config, name=short_name(trial))
 
     @_guarded
-    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict, **info: Any) -> None:
+    def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict,
+                        **info: Any) -> None:
         self.log_result(trial.trial_id, result)
 
     @_guarded
@@ -305,30 +315,35 @@ class MLflowTracker(Callback):
         """Per-epoch facts kept as tags: a restart from a checkpoint, unreadable videos."""
         failures = int(result.get("reader_failures") or 0)
         if failures > 0:
-            self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch {result.get('epoch')}; "
-                                "each was replaced by another clip of the same class")
+            self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch "
+                                f"{result.get('epoch')}; each was replaced by another clip of the same class")
         resumed = int(result.get("resumed_from_epoch") or 0)
         damaged = int(result.get("damaged_checkpoints") or 0)
         skipped = f"; {damaged} damaged checkpoint(s) skipped" if damaged else ""
         if resumed > 0:
-            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a worker "
-                                f"died and Ray Train restarted the group, or the search was resumed){skipped}")
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a "
+                                "worker died and Ray Train restarted the group, or the search was resumed)"
+                                f"{skipped}")
         elif _from_scratch(result):
-            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from epoch 1: its {damaged} checkpoint(s) were "
-                                "damaged; epochs from 1 on are logged again (the later point of a step is this run's)")
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from epoch 1: its {damaged} checkpoint(s) "
+                                "were damaged; epochs from 1 on are logged again (the later point of a step "
+                                "is this run's)")
 
-    def mlflow_status(self, status: str, last: dict[str, Any], error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
+    def mlflow_status(self, status: str, last: dict[str, Any],
+                      error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
         """The MLflow status and reason tag of a trial's `tune.results.trial_status`: FAILED for
         out of memory, divergence or an error, KILLED when stopped early or interrupted, else
         FINISHED."""
         if status == "OOM":
+            peak = last.get("peak_mem_mb", float("nan"))
             return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
-                                           f"(epoch {last.get('epoch')}, peak {last.get('peak_mem_mb', float('nan')):.0f} MB); "
+                                           f"(epoch {last.get('epoch')}, peak {peak:.0f} MB); "
                                            "recorded as infeasible, not retried"}
         if status == "DIVERGED":
-            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get('train_loss')} in epoch "
-                                           f"{last.get('epoch')} (batch size {last.get('batch_size')}); the lr is too "
-                                           "high for it; recorded as infeasible, not retried"}
+            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get('train_loss')} in "
+                                           f"epoch {last.get('epoch')} (batch size "
+                                           f"{last.get('batch_size')}); the lr is too high for it; recorded "
+                                           "as infeasible, not retried"}
         if status == "ERROR":
             return "FAILED", {FAILURE_TAG: exception_line(error_text(error)) if error else "trial errored"}
         if status == "UNFINISHED":
@@ -452,7 +467,8 @@ class MLflowTracker(Callback):
                 value = best.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     c.log_metric(run_id, f"best_{key}", float(value))
-        if best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://")) and Path(best_checkpoint).is_dir():
+        local = best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://"))
+        if local and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
 
 
@@ -481,15 +497,16 @@ class MLflowTracker(Callback):
                 c.set_tag(run_id, BEST_TAG, "true")
             elif BEST_TAG in c.get_run(run_id).data.tags:
                 c.delete_tag(run_id, BEST_TAG)
-        best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]({self.run_url(best_run)}) "
-                     f"(tag `{BEST_TAG}`)." if best_run else "No trial produced a usable result.")
+        best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
+                     f"({self.run_url(best_run)}) (tag `{BEST_TAG}`)." if best_run
+                     else "No trial produced a usable result.")
         note = "\n".join([
             f"**vidtune search** `{Path(self.experiment_path).name}` ({self.experiment_path})", "",
             best_line, "", table_markdown, "",
             f"In the runs table, add the columns `{OUTCOME_TAG}` (done, stopped early (ASHA), out of memory, "
             f"diverged, failed, interrupted), `{BEST_TAG}`, `{GPU_IDS_TAG}`, `{NODE_TAG}`, and the params "
-            "`batch_size`, `lr`; KILLED runs are stopped early or interrupted, FAILED ones ran out of memory, "
-            "diverged (their loss became inf or NaN) or raised (see `vidtune.stop_reason` / "
+            "`batch_size`, `lr`; KILLED runs are stopped early or interrupted, FAILED ones ran out of "
+            "memory, diverged (their loss became inf or NaN) or raised (see `vidtune.stop_reason` / "
             "`vidtune.failure_reason`). Metrics are per epoch (step = epoch); `lr_current` is the schedule's "
             "learning rate, the param `lr` its peak.",
         ])

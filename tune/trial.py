@@ -116,7 +116,8 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
     """The base configuration with the sampled values (batch_size, lr, weight_decay) put in."""
     unknown = set(sampled) - set(SAMPLED_KEYS)
     if unknown:
-        raise ValueError(f"unexpected sampled parameter(s) {sorted(unknown)}; expected some of {SAMPLED_KEYS}")
+        raise ValueError(f"unexpected sampled parameter(s) {sorted(unknown)}; "
+                         f"expected some of {SAMPLED_KEYS}")
     changes = {k: v for k, v in sampled.items()}
     if "batch_size" in changes:
         changes["batch_size"] = int(changes["batch_size"])

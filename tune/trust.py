@@ -196,8 +196,9 @@ class StateSigner:
         try:
             self.sign_changed()
         except OSError as e:   # a full disk: the tags file cannot be written
-            print(f"note: the search's state at {self.experiment_path} could not be signed ({e.strerror or e}); "
-                  "a --resume will name the file and ask for --trust-state", file=sys.stderr, flush=True)
+            print(f"note: the search's state at {self.experiment_path} could not be signed "
+                  f"({e.strerror or e}); a --resume will name the file and ask for --trust-state",
+                  file=sys.stderr, flush=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
