@@ -165,7 +165,7 @@ def test_state_signed_in_tunes_staging_folder_is_trusted_before_and_after_its_co
     name = "experiment_state-2026-01-01_00-00-00.json"
     staging.mkdir()
     (staging / name).write_text('{"newer": true}')
-    signer = trust.StateSigner(str(exp), period_s=3600).start()
+    trust.StateSigner(str(exp), period_s=3600).start()   # SignAfterSave signs through the running one
     try:
         trust.SignAfterSave().on_step_end(1, [SimpleNamespace(storage=SimpleNamespace(
             experiment_driver_staging_path=str(staging)))])

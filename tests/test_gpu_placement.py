@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
 from trainer.lease import FOLLOW, LEAD, LeaseBook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

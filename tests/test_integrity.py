@@ -13,7 +13,13 @@ import ray.train
 import torch
 from mlflow.tracking import MlflowClient
 
-from trainer.checkpointing import CHECKSUM_FILE, FILE_NAME, checkpoint_problem, save_checkpoint, verify_checkpoint
+from trainer.checkpointing import (
+    CHECKSUM_FILE,
+    FILE_NAME,
+    checkpoint_problem,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from trainer.history import write_history
 from trainer.loop import make_optimizer, make_scheduler
 from trainer.models import build_model, get_spec

@@ -51,12 +51,12 @@ os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
 # Its own dashboard port too: the default (8265) may belong to the session's Ray, and Train's
 # cleaner queries actor states through the dashboard.
 cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": %(cpus)d, "gcs_server_port": port, "dashboard_port": free_port()})
+    "num_cpus": NODE_CPUS, "gcs_server_port": port, "dashboard_port": free_port()})
 # Cluster also records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which
 # any plain ray.init() here would then join; the search is given the address instead.
 reset_ray_address()
 try:
-    cluster.add_node(num_cpus=%(cpus)d)
+    cluster.add_node(num_cpus=NODE_CPUS)
     cluster.wait_for_nodes()
     assert cluster.address == os.environ["RAY_ADDRESS"], (cluster.address, os.environ["RAY_ADDRESS"])
     nodes = [n.node_id for n in cluster.list_all_nodes()]
@@ -64,7 +64,7 @@ try:
     sys.stdin.read()
 finally:
     cluster.shutdown()
-""" % {"cpus": NODE_CPUS}
+""".replace("NODE_CPUS", str(NODE_CPUS))
 
 
 def _child_env() -> dict[str, str]:

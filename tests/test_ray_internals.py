@@ -186,7 +186,7 @@ def test_trial_states_of_a_real_search(ray_session, tmp_path):
     states = ray_internals.trial_states(grid)
     assert len(states) == len(grid) == 3
     by_k = {}
-    for (trial_id, status), result in zip(states, grid):
+    for (trial_id, status), result in zip(states, grid, strict=True):
         if result.metrics.get("trial_id"):
             assert result.metrics["trial_id"] == trial_id
         by_k[result.config["k"]] = status

@@ -279,7 +279,7 @@ def test_row_reports_the_best_epoch_by_val_acc():
     # val_acc peaks at epoch 2 of 4: the row reports epoch 2's val_acc and val_f1 (the epoch of
     # the checkpoint Ray Train keeps as the best), not the last epoch's; epochs stays 4
     accs, f1s = [0.60, 0.82, 0.75, 0.70], [0.55, 0.81, 0.74, 0.69]
-    result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f) for e, a, f in zip(range(1, 5), accs, f1s)])
+    result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f) for e, a, f in zip(range(1, 5), accs, f1s, strict=True)])
     row = results.row_from_result(result, trial_id="t", epochs=4, finished=True)
     assert (row.val_acc, row.val_f1, row.best_epoch, row.epochs, row.status) == (0.82, 0.81, 2, 4, "DONE")
     assert row.clips_per_s == 13.0                        # speeds stay steady state (epochs 2..4)

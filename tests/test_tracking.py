@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tune import tracking
 from datasets.flags import ConfigError
+from tune import tracking
 from tune.tracking import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG, MLflowTracker
 
 
