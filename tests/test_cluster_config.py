@@ -14,8 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
+import torch
 import yaml
+from mlflow.cli import server
+
+# Private: Ray has no public offline prepare/validate of a cluster config (its sdk's
+# bootstrap_config calls AWS); these are the steps `ray up` runs before it does.
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.scripts.scripts import start
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = REPO_ROOT / "cluster.yaml"
@@ -33,9 +41,6 @@ def raw_config() -> dict:
 @pytest.fixture(scope="module")
 def prepared(raw_config) -> dict:
     """The config as `ray up` sees it after merging the AWS defaults (no cloud calls)."""
-    # Private: Ray has no public offline prepare/validate (its sdk's bootstrap_config calls AWS).
-    from ray.autoscaler._private.util import prepare_config
-
     return prepare_config(copy.deepcopy(raw_config))
 
 
@@ -67,18 +72,12 @@ def _mlflow_server_args(commands: list[str]) -> list[str]:
 
 
 def test_cluster_yaml_passes_rays_own_schema(prepared):
-    # Private: the schema check `ray up` runs; Ray has no public offline equivalent.
-    from ray.autoscaler._private.util import validate_config
-
     validate_config(prepared)
     assert prepared["provider"]["type"] == "aws"
 
 
 def test_schema_check_really_rejects_a_broken_config(raw_config):
     """Guards the test above: the same route fails on a misspelt node-type field."""
-    import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config  # private: as above
-
     broken = copy.deepcopy(raw_config)
     broken["available_node_types"]["gpu_spot"]["min_worker"] = 1
     with pytest.raises(jsonschema.ValidationError, match="min_worker"):
@@ -97,7 +96,8 @@ def test_cpu_head_and_gpu_workers_with_a_spot_option(prepared):
     assert gpu, "no GPU worker node type"
     assert all(t["max_workers"] >= t["min_workers"] >= 0 for t in gpu.values())
     assert sum(t["max_workers"] for t in gpu.values()) <= prepared["max_workers"]
-    spot = [t for t in gpu.values() if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"]
+    spot = [t for t in gpu.values()
+            if t["node_config"].get("InstanceMarketOptions", {}).get("MarketType") == "spot"]
     on_demand = [t for t in gpu.values() if "InstanceMarketOptions" not in t["node_config"]]
     assert spot and on_demand
     # Workers write checkpoints to s3:// storage and sync the dataset: they need an instance profile.
@@ -122,13 +122,11 @@ def test_setup_installs_the_repository_at_the_pinned_versions(prepared):
     assert set(PINNED_LIBS) <= set(pins), f"constraints.txt lacks pins for {set(PINNED_LIBS) - set(pins)}"
     text = "\n".join(prepared["head_setup_commands"] + prepared["worker_setup_commands"])
     for name, version in re.findall(r"([A-Za-z0-9_.\-]+)==([0-9][^\s'\"]*)", text):
-        assert pins.get(name.lower()) == version, f"cluster.yaml pins {name}=={version}, constraints.txt {pins.get(name.lower())}"
+        assert pins.get(name.lower()) == version, \
+            f"cluster.yaml pins {name}=={version}, constraints.txt {pins.get(name.lower())}"
 
 
 def test_head_starts_ray_then_mlflow_server_on_the_readme_port(prepared):
-    from mlflow.cli import server
-    from ray.scripts.scripts import start
-
     commands = prepared["head_start_ray_commands"]
     ray_at = next(i for i, c in enumerate(commands) if "ray start" in c)
     mlflow_at = next(i for i, c in enumerate(commands) if "mlflow server" in c)
@@ -171,7 +169,8 @@ def test_gpu_nodes_check_the_driver_and_torch_cuda_and_the_head_does_not(prepare
     assert any(c.startswith("nvidia-smi ") for c in worker_checks), worker_checks
     assert any(TORCH_CUDA_CHECK in c for c in worker_checks), worker_checks
     # After the install (the venv's torch must exist), before Ray starts on the node.
-    install_at = next(i for i, c in enumerate(prepared["worker_setup_commands"]) if "pip install" in c and "-e ." in c)
+    install_at = next(i for i, c in enumerate(prepared["worker_setup_commands"])
+                      if "pip install" in c and "-e ." in c)
     assert all(prepared["worker_setup_commands"].index(c) > install_at for c in worker_checks)
     # The head has no GPU: the same check there would fail every `ray up`.
     assert not _gpu_checks(prepared["head_setup_commands"] + prepared["head_start_ray_commands"])
@@ -199,7 +198,8 @@ FAKE_SMI = ('case "$1" in --query-gpu=*) echo 580.95.05;; *) echo "| NVIDIA-SMI 
 
 
 def test_gpu_check_fails_loudly_without_a_driver(raw_config, tmp_path):
-    smi, _ = _run_gpu_checks(raw_config, tmp_path, "echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9", "true")
+    no_driver = "echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9"
+    smi, _ = _run_gpu_checks(raw_config, tmp_path, no_driver, "true")
     assert smi.returncode != 0
     assert f"GPU node {socket.gethostname()} FAILED" in smi.stderr and "nvidia-smi does not run" in smi.stderr
     assert "NVIDIA-SMI has failed: no driver" in smi.stderr     # what nvidia-smi said, passed on
@@ -207,8 +207,6 @@ def test_gpu_check_fails_loudly_without_a_driver(raw_config, tmp_path):
 
 def test_gpu_check_fails_loudly_when_torch_cannot_use_cuda(raw_config, tmp_path):
     """This machine's torch has no GPU: exactly the node whose driver is too old for torch's CUDA."""
-    import torch
-
     smi, torch_check = _run_gpu_checks(raw_config, tmp_path, FAKE_SMI, sys.executable)
     assert smi.returncode == 0, smi.stderr
     assert torch_check.returncode != 0
