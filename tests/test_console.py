@@ -27,7 +27,8 @@ def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
     c = console.SearchConsole(num_samples=3, epochs=2, objective="val_acc")
     a, b = _trial(1, "a"), _trial(2, "b", status="PENDING")
     c.on_trial_start(0, [a, b], a)
-    c.on_trial_result(0, [a, b], a, {"epoch": 1, "val_acc": 0.75, "clips_per_s": 40.0, "data_wait_frac": 0.05})
+    c.on_trial_result(0, [a, b], a,
+                      {"epoch": 1, "val_acc": 0.75, "clips_per_s": 40.0, "data_wait_frac": 0.05})
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "trial 1/3 t01-bs8-lr2.5e-4 started: batch size 8, lr 0.00025"
     assert out[1] == "t01-bs8-lr2.5e-4  epoch 1/2  val_acc 0.750  40.0 clips/s  data wait 5%"
@@ -42,12 +43,12 @@ def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
 
 
 def test_markdown_table_for_the_parent_description():
-    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, weight_decay=None, val_acc=0.8125, val_f1=0.8,
-                          clips_per_s=41.234, epoch_time_s=2.0, epochs=3, status="DONE", checkpoint=None,
-                          name="t01-bs8-lr2.5e-4", best_epoch=2)
+    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, weight_decay=None, val_acc=0.8125,
+                           val_f1=0.8, clips_per_s=41.234, epoch_time_s=2.0, epochs=3, status="DONE",
+                           checkpoint=None, name="t01-bs8-lr2.5e-4", best_epoch=2)
     oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
-                          val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1, status="OOM",
-                          checkpoint=None, name="t02-bs64-lr1e-3")
+                           val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1,
+                           status="OOM", checkpoint=None, name="t02-bs64-lr1e-3")
     lines = results.format_markdown([row, oom]).splitlines()
     assert lines[0].startswith("| trial | batch | lr | val_acc |") and lines[1].startswith("|---|")
     assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 | 0.800 | 2 | 41.2 | 3 | DONE |"

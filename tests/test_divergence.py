@@ -48,9 +48,9 @@ def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, t
     that came with a checkpoint, so the worker's last report is read from the printer)."""
     from trainer import train
 
-    code = train.main(["--data", str(synthetic_root), "--epochs", "2", "--batch-size", "8", "--precision", "fp32",
-                       "--model", "tiny", "--lr", "1e6", "--loader-workers", "0", "--storage", str(tmp_path),
-                       "--name", "diverges"])
+    code = train.main(["--data", str(synthetic_root), "--epochs", "2", "--batch-size", "8",
+                       "--precision", "fp32", "--model", "tiny", "--lr", "1e6", "--loader-workers", "0",
+                       "--storage", str(tmp_path), "--name", "diverges"])
     out = capsys.readouterr()
     assert code == 1
     assert "epoch 1/2  DIVERGED: training loss nan" in out.out

@@ -143,7 +143,8 @@ def test_search_records_runs_and_artifacts_through_the_server(mlflow_server, ray
     assert float(child.data.params["lr"]) > 0
     history = client.get_metric_history(child.info.run_id, "val_acc")
     assert [m.step for m in history] == [1]
-    for key in ("val_f1", "val_recall", "val_auc", "clips_per_s", "epoch_time_s", "peak_mem_mb", "data_wait_frac"):
+    for key in ("val_f1", "val_recall", "val_auc", "clips_per_s", "epoch_time_s", "peak_mem_mb",
+                "data_wait_frac"):
         assert key in child.data.metrics, key
 
     # The parent's summary artifacts went through the server into its artifact store...

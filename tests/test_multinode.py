@@ -102,7 +102,8 @@ def two_node_cluster(tmp_path):
 
 
 @pytest.mark.slow
-def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_node_cluster, synthetic_root, tmp_path):
+def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_node_cluster, synthetic_root,
+                                                                          tmp_path):
     from mlflow.tracking import MlflowClient
 
     address, node_ids = two_node_cluster

@@ -32,7 +32,8 @@ def private_ray_uses(source: str, filename: str = "<string>") -> list[str]:
             parts = node.module.split(".")
             if parts[0] == "ray" and (any(map(_is_private, parts)) or
                                       (len(parts) == 1 and any(_is_private(a.name) for a in node.names))):
-                found.append(f"{node.lineno}: from {node.module} import {', '.join(a.name for a in node.names)}")
+                names = ", ".join(a.name for a in node.names)
+                found.append(f"{node.lineno}: from {node.module} import {names}")
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
@@ -121,7 +122,8 @@ def test_supported_minor_matches_the_pins():
 
 
 def test_trial_states_follow_the_result_grid_order():
-    trials = [SimpleNamespace(trial_id="a_00001", status="ERROR"), SimpleNamespace(trial_id="a_00000", status="TERMINATED"),
+    trials = [SimpleNamespace(trial_id="a_00001", status="ERROR"),
+              SimpleNamespace(trial_id="a_00000", status="TERMINATED"),
               SimpleNamespace(trial_id="a_00002", status="PENDING")]
 
     class Grid(list):

@@ -36,8 +36,8 @@ def test_six_trials_on_four_simulated_gpus_use_every_gpu_one_training_each(synth
     # 2 followers behind two of them; one torch thread each keeps 4 CPU trainings from thrashing.
     out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--num-samples", "6", "--epochs", "2",
                                    "--batch-sizes", "4", "--cpus-per-worker", "0.2", "--cpu-threads", "1",
-                                   "--loader-workers", "0", "--no-early-stop", "--storage", str(tmp_path / "results"),
-                                   "--mlflow-uri", uri],
+                                   "--loader-workers", "0", "--no-early-stop",
+                                   "--storage", str(tmp_path / "results"), "--mlflow-uri", uri],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "6 trial(s), 6 at a time on 4 GPU(s) (simulated: training on the CPU)" in out.stdout, out.stdout
@@ -68,7 +68,8 @@ def test_six_trials_on_four_simulated_gpus_use_every_gpu_one_training_each(synth
 def test_a_bad_simulated_gpu_count_is_refused_naming_the_variable(synthetic_root, tmp_path):
     env = {**os.environ, "VIDTUNE_SIMULATE_GPUS": "four"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--dry-run", "--storage", str(tmp_path / "r"),
+    out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--dry-run",
+                                   "--storage", str(tmp_path / "r"),
                                    "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]

@@ -82,7 +82,9 @@ def test_diverged_trial_is_infeasible_for_optuna():
     assert nan.state == TrialState.COMPLETE and nan.user_attrs == {"failure_reason": "diverged"}
     assert nan.constraints == {space.OOM_CONSTRAINT: 0.0, space.DIVERGED_CONSTRAINT: 1.0}
     # Optuna's rule: feasible when every constraint is <= 0
-    assert [t.number for t in optuna_study(searcher).trials if all(v <= 0 for v in t.constraints.values())] == [0]
+    feasible = [t.number for t in optuna_study(searcher).trials
+                if all(v <= 0 for v in t.constraints.values())]
+    assert feasible == [0]
 
 
 def test_pareto_searches_accuracy_and_throughput_together():
