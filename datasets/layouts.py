@@ -112,7 +112,7 @@ def discover(cfg: DataConfig) -> Discovery:
     if not any(not p.name.startswith(".") for p in root.iterdir()):
         raise DataError(f"dataset folder {root} is empty: put the videos in it, e.g. "
                         f"{root}/Violence/*.mp4 and {root}/NonViolence/*.mp4 "
-                        "(see README: Using your own dataset)")
+                        "(see docs/data.md)")
     root = _unwrap(root)
     if layout == "auto":
         layout = _detect_layout(root)
