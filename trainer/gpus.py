@@ -45,7 +45,7 @@ def simulated_gpus() -> int:
 
 def physical_gpu_ids() -> list[str]:
     """The physical ids (on this worker's node) of the GPUs Ray gave this worker; [] for none."""
-    import ray
+    import ray  # heavy at start: trainer.launch, imported by every CLI's --help, imports this module
 
     ids = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
     return [str(i) for i in ids]
@@ -58,8 +58,8 @@ def train_device() -> torch.device:
     `CUDA_VISIBLE_DEVICES`); under VIDTUNE_SIMULATE_GPUS, the CPU. Works in a Train worker and
     in a plain Ray task. A GPU from Ray that torch cannot use raises RuntimeError saying what to check, rather
     than training on the CPU for hours while the search reports GPU speeds."""
-    import ray
-    import torch
+    import ray  # heavy at start (see physical_gpu_ids)
+    import torch  # heavy at start: as ray
 
     gpu_ids = physical_gpu_ids()
     if not gpu_ids or simulated_gpus():

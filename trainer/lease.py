@@ -27,6 +27,8 @@ from typing import Any
 
 import ray
 
+from trainer.gpus import physical_gpu_ids
+
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
 LEAD, FOLLOW = "lead", "follow"       # a trial's GPU role (LeaseBook.take_role)
 
@@ -175,8 +177,6 @@ def device_keys(device: Any) -> list[str]:
     (`trainer.gpus.physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
     ranks their own ones; simulated GPUs too), else `<node>/cpu`. `device`: the torch device it
     trains on (only its type is read, for the CPU case)."""
-    from trainer.gpus import physical_gpu_ids
-
     node = ray.get_runtime_context().get_node_id()
     gpu_ids = physical_gpu_ids()
     if gpu_ids:

@@ -21,6 +21,7 @@ import gc
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from trainer.config import PRECISIONS  # one list, beside the --precision flag
 
@@ -175,8 +176,6 @@ def device_memory_gib(device: torch.device | str) -> float | None:
 def collective_device() -> torch.device:
     """Where tensors for torch.distributed collectives must live: the current CUDA device for
     NCCL, the CPU for gloo."""
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device(_CUDA, torch.cuda.current_device())
     return torch.device("cpu")
