@@ -62,9 +62,11 @@ def test_a_second_driver_stops_before_ray_naming_the_running_one(tmp_path, capsy
     _plant_lock(exp, pid=os.getpid())     # this very process: alive
     t0 = time.monotonic()
     for extra in (["--resume"], []):      # with --resume, and the same command without it
-        assert search.main(["--data", str(synthetic_root), "--storage", str(tmp_path), "--name", "s", *extra]) == 2
+        argv = ["--data", str(synthetic_root), "--storage", str(tmp_path), "--name", "s", *extra]
+        assert search.main(argv) == 2
         err = capsys.readouterr().err
-        assert f"the search at {exp} is running: driver PID {os.getpid()} on host {socket.gethostname()}" in err
+        running = f"the search at {exp} is running: driver PID {os.getpid()} on host {socket.gethostname()}"
+        assert running in err
         assert f"kill {os.getpid()}" in err and "Ctrl-C" in err
         assert "already exists" not in err    # not told to --resume a search that is still running
     assert time.monotonic() - t0 < 30
@@ -78,7 +80,8 @@ def test_a_stale_lock_is_taken_over_with_one_line_and_released(tmp_path, capsys)
         mine = json.loads((exp / LOCK_NAME).read_text())
         assert mine["pid"] == os.getpid() and mine["token"] == held.holder.token
         # while held, another driver is refused
-        with pytest.raises(ConfigError, match=f"--resume: the search at {exp} is running: driver PID {os.getpid()}"):
+        running = f"--resume: the search at {exp} is running: driver PID {os.getpid()}"
+        with pytest.raises(ConfigError, match=running):
             SearchLock(str(exp), flag="--resume").acquire()
     err = capsys.readouterr().err
     assert err.count("taking over the lock") == 1 and "is gone" in err
@@ -147,7 +150,8 @@ def test_signed_state_is_trusted_until_a_file_changes(tmp_path):
     signer = trust.StateSigner(str(exp), period_s=0.05).start()
     time.sleep(0.3)
     signer.stop()
-    assert set(trust.read_tags(str(exp))) == {"tuner.pkl", "experiment_state-2026-01-01_00-00-00.json", "t01/error.pkl"}
+    assert set(trust.read_tags(str(exp))) == {"tuner.pkl", "experiment_state-2026-01-01_00-00-00.json",
+                                              "t01/error.pkl"}
     trust.verify(str(exp))
     assert oct(trust.key_path().stat().st_mode & 0o777) == "0o600"
     (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("y")))

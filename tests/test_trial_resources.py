@@ -11,11 +11,12 @@ def test_one_worker_gpu_trial_asks_ray_for_a_lead_or_follower_share():
     whole = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=1.0)
     assert whole.overlaps and whole.trainings_per_gpu == 1       # the lease lets one train per GPU
     lead, follow = whole.per_worker(LEAD)["GPU"], whole.per_worker(FOLLOW)["GPU"]
-    assert lead > 0.5 and lead + follow == 1.0                   # no two leads share a GPU; a follower fills one
+    assert lead > 0.5 and lead + follow == 1.0         # no two leads share a GPU; a follower fills one
     assert whole.per_worker() == {"CPU": 2, "GPU": lead}
     packed = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=0.5)   # --gpus-per-trial 0.5
     assert not packed.overlaps and packed.trainings_per_gpu == 2
-    assert packed.per_worker(LEAD)["GPU"] == packed.per_worker(FOLLOW)["GPU"] == 0.5   # two train side by side
+    # two train side by side
+    assert packed.per_worker(LEAD)["GPU"] == packed.per_worker(FOLLOW)["GPU"] == 0.5
 
 
 def test_multi_worker_and_cpu_trials_ask_for_what_they_train_on():
@@ -138,7 +139,8 @@ def test_fractional_gpus_per_worker_with_several_workers_are_refused_naming_the_
     with pytest.raises(ConfigError) as e:
         _opts("--gpus-per-worker", "1.5")
     assert e.value.flag == "--gpus-per-worker" and "whole number" in str(e.value)
-    assert _opts("--workers-per-trial", "2", "--gpus-per-trial", "2").resources.gpus_per_trial == 2   # whole: fine
+    # whole GPUs: fine
+    assert _opts("--workers-per-trial", "2", "--gpus-per-trial", "2").resources.gpus_per_trial == 2
 
 
 # -- an autoscaling cluster: the nodes it can start count --------------------------------------
@@ -152,7 +154,8 @@ def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
     from dataclasses import replace
 
     opts = _opts(*args, "--cpus-per-worker", "7")
-    opts, concurrency, _ = _fit(replace(opts, space=replace(opts.space, batch_sizes=None)), cpus=4.0, node_types=types)
+    opts, concurrency, _ = _fit(replace(opts, space=replace(opts.space, batch_sizes=None)), cpus=4.0,
+                                node_types=types)
     assert concurrency == 6                                    # one trial per GPU node (7 + 7 CPUs > 8)
     assert opts.space.batch_sizes == (8, 16, 32)               # the GPU defaults, from the node types
     assert opts.resources.gpus_per_worker == 1.0
