@@ -1,0 +1,94 @@
+"""tune.answer: Wilson intervals on known counts, and the sentences that open a summary."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tune.answer import (
+    SearchedRange,
+    accuracy_interval,
+    answer_lines,
+    format_accuracy,
+    half_width,
+    wilson_interval,
+)
+from tune.results import TrialRow
+
+
+@pytest.mark.parametrize("correct, n, low, high", [
+    (8, 10, 0.4902, 0.9433),     # textbook values (Newcombe 1998, method 3)
+    (0, 10, 0.0, 0.2775),
+    (10, 10, 0.7225, 1.0),
+    (24, 32, 0.5789, 0.8674),
+    (81, 263, 0.2553, 0.3662),   # Newcombe's 81/263
+])
+def test_wilson_interval_matches_known_values(correct, n, low, high):
+    lo, hi = wilson_interval(correct, n)
+    assert lo == pytest.approx(low, abs=5e-4) and hi == pytest.approx(high, abs=5e-4)
+
+
+def test_interval_edges_and_bad_counts():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(11, 10)
+    assert all(math.isnan(x) for x in accuracy_interval(math.nan, 32))
+    assert accuracy_interval(0.75, 32) == wilson_interval(24, 32)
+    # more clips, a narrower interval
+    assert half_width(0.75, 400) < half_width(0.75, 32) / 3
+
+
+def test_format_accuracy():
+    assert format_accuracy(0.75, 32) == "0.750 ±0.14"
+    assert format_accuracy(0.75, 0) == "0.750"
+    assert format_accuracy(math.nan, 32) == "-"
+
+
+def row(name, bs, lr, acc, speed, status="DONE"):
+    return TrialRow(trial_id=name, batch_size=bs, lr=lr, weight_decay=None, val_acc=acc, val_f1=acc,
+                    clips_per_s=speed, epoch_time_s=10.0, epochs=3, status=status, checkpoint=None,
+                    name=name, best_epoch=3)
+
+
+SEARCHED = SearchedRange(lr_min=1e-4, lr_max=1e-2, batch_sizes=(4, 8, 16))
+
+
+def test_best_first_then_a_faster_trial_as_good_within_the_uncertainty():
+    rows = [row("t1", 4, 1e-3, 0.750, 10.0), row("t2", 16, 1e-3, 0.719, 30.0), row("t3", 8, 1e-3, 0.40, 50.0),
+            row("t4", 8, 1e-3, math.nan, math.nan, status="OOM")]
+    lines = answer_lines(rows, objective="val_acc", val_clips=32, searched=SEARCHED)
+    assert lines[0].startswith("Best: t1 (batch 4, lr 1.00e-03), val_acc 0.750 ±0.14 at epoch 3")
+    assert "t2 (batch 16" in lines[1] and "3.0x faster" in lines[1] and "giving up 0.031" in lines[1]
+    assert any("32 clips: one clip is 3.1 points" in line for line in lines)
+    assert any("top 2 trials are within" in line for line in lines)
+    # t3 is faster but outside the interval: not offered
+    assert not any("t3" in line for line in lines)
+
+
+def test_a_large_validation_set_separates_the_same_accuracies():
+    rows = [row("t1", 4, 1e-3, 0.750, 10.0), row("t2", 16, 1e-3, 0.719, 30.0)]
+    lines = answer_lines(rows, objective="val_acc", val_clips=5000)
+    assert not any("faster" in line or "within the best" in line for line in lines)
+
+
+@pytest.mark.parametrize("lr, bs, flag", [(1.1e-4, 8, "--lr-min"), (9e-3, 8, "--lr-max"),
+                                          (1e-3, 4, "--batch-sizes"), (1e-3, 16, "--batch-sizes")])
+def test_a_best_value_at_the_edge_of_its_range_says_which_flag_to_widen(lr, bs, flag):
+    lines = answer_lines([row("t1", bs, lr, 0.8, 10.0)], objective="val_acc", val_clips=32, searched=SEARCHED)
+    assert any(flag in line and "edge" in line or flag in line and "one searched" in line for line in lines)
+
+
+def test_a_best_value_in_the_middle_gives_no_warning():
+    lines = answer_lines([row("t1", 8, 1e-3, 0.8, 10.0)], objective="val_acc", val_clips=32,
+                         searched=SEARCHED)
+    assert not any("--lr-" in line or "--batch-sizes" in line for line in lines)
+
+
+def test_no_usable_trial_no_answer():
+    assert answer_lines([row("t1", 8, 1e-3, math.nan, math.nan, status="OOM")], objective="val_acc",
+                        val_clips=32) == []
+
+
+def test_an_f1_objective_names_f1_and_keeps_the_accuracy_interval():
+    lines = answer_lines([row("t1", 8, 1e-3, 0.8, 10.0)], objective="val_f1", val_clips=32)
+    assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03), val_f1 0.800, val_acc 0.800 ±0.")
