@@ -5,6 +5,10 @@ A row's val_acc and val_f1 are those of the trial's best epoch by val_acc (ties:
 epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are steady-state
 (per trial, not per epoch).
 
+One number per trial everywhere: `summary_metrics` gives a row's SUMMARY_KEYS (its best epoch's
+accuracy and that epoch, its steady speed, the accuracy's 95% interval), the values trials.csv,
+the tables, the plots and each MLflow child run show under the same names.
+
 trials.csv (`write_csv`), one row per trial, best first by the search's objective (unusable
 trials, OOM, DIVERGED and ERROR, and those without a value last):
   name           the trial's short readable name (e.g. t03-bs8-lr2.5e-4)
@@ -12,12 +16,16 @@ trials, OOM, DIVERGED and ERROR, and those without a value last):
   status         DONE, STOPPED, OOM, DIVERGED, ERROR or UNFINISHED (see STATUSES)
   batch_size, lr, weight_decay   the trial's configuration (lr and weight decay to 3 significant
                  digits; weight_decay empty when not searched)
-  val_acc, val_f1                validation accuracy and macro F1 (4 decimals; nan when none)
-  metrics_epoch  val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc);
-                 0 when none
+  best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
+  best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
+                 (4 decimals; nan when none or the count is unknown)
+  val_f1         macro F1 of the same epoch
+  best_epoch     best_val_acc, val_f1 and the checkpoint are from this epoch; nan when none
   epochs         epochs trained (the last epoch reported)
-  clips_per_s, compute_clips_per_s, epoch_time_s   steady-state speed (2 decimals; nan for OOM
+  speed_clips_per_s   the one speed: steady-state clips/s end to end (2 decimals; nan for OOM
                  and DIVERGED)
+  compute_clips_per_s, epoch_time_s   steady state too: clips/s counting only the time not spent
+                 waiting for data (what a faster loader could reach), and seconds per epoch
   concurrent_trainings   most trainings sharing its device in any epoch (1 = alone)
   other_cpu_cores        cores other processes kept busy on its machine, steady state like the speed
   node_id, checkpoint    where it ran; its best checkpoint that still exists (empty when none)
@@ -369,11 +377,26 @@ def _num(x: float, digits: int) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "-"
 
 
-# trials.csv's columns, in order (see the module docstring); metrics_epoch is TrialRow.best_epoch;
-# gpu_ids follows node_id when some trial had a GPU (`csv_columns`)
-CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "val_acc", "val_f1",
-               "metrics_epoch", "epochs", "clips_per_s", "compute_clips_per_s", "epoch_time_s",
-               "concurrent_trainings", "other_cpu_cores", "node_id", "checkpoint")
+# trials.csv's columns, in order (see the module docstring); gpu_ids follows node_id when some
+# trial had a GPU (`csv_columns`)
+CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "best_val_acc",
+               "best_val_acc_low", "best_val_acc_high", "val_f1", "best_epoch", "epochs", "speed_clips_per_s",
+               "compute_clips_per_s", "epoch_time_s", "concurrent_trainings", "other_cpu_cores", "node_id",
+               "checkpoint")
+
+# A trial's summary, under the same names in trials.csv, the tables and each MLflow child run:
+# the best epoch's val_acc, that epoch, the steady clips/s, the accuracy's 95% interval.
+SUMMARY_KEYS = ("best_val_acc", "best_epoch", "speed_clips_per_s", "best_val_acc_low", "best_val_acc_high")
+
+
+def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
+    """A trial's SUMMARY_KEYS: its best epoch's val_acc, that epoch, its steady clips/s and the
+    95% Wilson interval of the accuracy on `val_clips` validation clips; nan where there is none
+    (no accuracy, no epoch, no speed, or val_clips 0: no interval)."""
+    from tune.answer import accuracy_interval  # lazy: tune.answer imports this module at its top
+    low, high = accuracy_interval(row.val_acc, val_clips)
+    return {"best_val_acc": row.val_acc, "best_epoch": float(row.best_epoch) if row.best_epoch else math.nan,
+            "speed_clips_per_s": row.clips_per_s, "best_val_acc_low": low, "best_val_acc_high": high}
 
 
 def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
@@ -406,27 +429,31 @@ def _sig(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
 
 
-def csv_record(r: TrialRow) -> dict[str, str]:
-    """One TrialRow as trials.csv writes it (rounded, `csv_columns`)."""
+def csv_record(r: TrialRow, val_clips: int = 0) -> dict[str, str]:
+    """One TrialRow as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
+    set's size, for the interval (0: unknown, nan)."""
+    summary = summary_metrics(r, val_clips)
     return {
         "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
         "lr": _sig(r.lr), "weight_decay": _sig(r.weight_decay),
-        "val_acc": _fixed(r.val_acc, 4), "val_f1": _fixed(r.val_f1, 4),
-        "metrics_epoch": str(r.best_epoch), "epochs": str(r.epochs),
-        "clips_per_s": _fixed(r.clips_per_s, 2), "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
+        **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
+        "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
+        "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
+        "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
         "epoch_time_s": _fixed(r.epoch_time_s, 2), "concurrent_trainings": _sig(r.concurrent_trainings),
         "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
         "node_id": r.node_id or "", "gpu_ids": r.gpu_ids, "checkpoint": r.checkpoint or "",
     }
 
 
-def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc") -> Path:
+def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0) -> Path:
     """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
-    are described in the module docstring. A plain CSV (csv.DictReader, pandas.read_csv)."""
+    are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no
+    interval). A plain CSV (csv.DictReader, pandas.read_csv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(csv_columns(rows)), extrasaction="ignore")
         w.writeheader()
         for r in ranked(rows, objective):
-            w.writerow(csv_record(r))
+            w.writerow(csv_record(r, val_clips))
     return path

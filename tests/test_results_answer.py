@@ -1,0 +1,53 @@
+"""One number per trial: `tune.results.summary_metrics` and trials.csv under the same names
+(best_val_acc, best_epoch, speed_clips_per_s, the 95% interval), on known rows."""
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+
+from tune import results
+from tune.answer import wilson_interval
+
+
+def _row(name: str, acc: float, speed: float, *, best_epoch: int = 2, status: str = "DONE",
+         batch: int = 8, lr: float = 1e-3) -> results.TrialRow:
+    return results.TrialRow(trial_id=name, batch_size=batch, lr=lr, weight_decay=None, val_acc=acc,
+                            val_f1=0.5, clips_per_s=speed, epoch_time_s=10.0, epochs=3, status=status,
+                            checkpoint=None, name=name, best_epoch=best_epoch)
+
+
+def test_summary_metrics_are_the_best_epoch_its_speed_and_the_wilson_interval():
+    m = results.summary_metrics(_row("t01", 0.75, 41.2, best_epoch=3), 32)
+    assert tuple(m) == results.SUMMARY_KEYS
+    low, high = wilson_interval(24, 32)
+    assert (m["best_val_acc"], m["best_epoch"], m["speed_clips_per_s"]) == (0.75, 3.0, 41.2)
+    assert (m["best_val_acc_low"], m["best_val_acc_high"]) == (low, high)
+    assert low == pytest.approx(0.5789, abs=1e-4) and high == pytest.approx(0.8675, abs=1e-4)
+
+
+def test_summary_metrics_are_nan_where_there_is_none():
+    oom = results.summary_metrics(_row("t02", math.nan, math.nan, best_epoch=0, status="OOM"), 32)
+    assert all(math.isnan(v) for v in oom.values())
+    unknown_size = results.summary_metrics(_row("t03", 0.5, 10.0), 0)
+    assert unknown_size["best_val_acc"] == 0.5
+    assert math.isnan(unknown_size["best_val_acc_low"]) and math.isnan(unknown_size["best_val_acc_high"])
+
+
+def test_trials_csv_uses_the_summary_names_and_values(tmp_path):
+    rows = [_row("t01", 0.5, 20.0, best_epoch=1), _row("t02", 0.75, 41.234, best_epoch=3),
+            _row("t03", math.nan, math.nan, best_epoch=0, status="OOM")]
+    with open(results.write_csv(rows, tmp_path / "trials.csv", val_clips=32)) as f:
+        read = list(csv.DictReader(f))
+    assert list(read[0]) == list(results.CSV_COLUMNS)
+    assert set(results.SUMMARY_KEYS) <= set(read[0])
+    assert [r["name"] for r in read] == ["t02", "t01", "t03"]
+    best = read[0]
+    assert (best["best_val_acc"], best["best_epoch"], best["speed_clips_per_s"]) == ("0.7500", "3", "41.23")
+    assert (best["best_val_acc_low"], best["best_val_acc_high"]) == ("0.5789", "0.8675")
+    for r, row in zip(read[:2], (rows[1], rows[0]), strict=True):   # the same numbers as summary_metrics
+        m = results.summary_metrics(row, 32)
+        assert all(float(r[k]) == pytest.approx(m[k], abs=5e-3) for k in results.SUMMARY_KEYS)
+    oom = read[2]
+    assert all(oom[k] == "nan" for k in results.SUMMARY_KEYS)
