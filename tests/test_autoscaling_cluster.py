@@ -41,7 +41,8 @@ def cluster_config(gcs_address: str) -> dict:
                      "disable_launch_config_check": True, "gcs_address": gcs_address},
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
-            "gpu_node": {"resources": {"CPU": 1, "GPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 2},
+            "gpu_node": {"resources": {"CPU": 1, "GPU": 1}, "node_config": {}, "min_workers": 0,
+                         "max_workers": 2},
         },
         "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {},
         "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
@@ -52,7 +53,8 @@ def cluster_config(gcs_address: str) -> dict:
 
 def cluster_env() -> dict[str, str]:
     # RAY_AUTH_MODE: the same (none) for the cluster and the search, whatever ~/.ray holds.
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled",
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+           "RAY_AUTH_MODE": "disabled",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     return env
@@ -93,8 +95,9 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
         search_env.pop("RAY_FAKE_CLUSTER")
         out = subprocess.run(SEARCH + ["--address", f"{ip}:{port}", "--cluster-config", str(config),
                                        "--data", str(synthetic_root), "--num-samples", "2", "--epochs", "2",
-                                       "--batch-sizes", "4", "--cpus-per-worker", "0.8", "--loader-workers", "0",
-                                       "--cpu-threads", "1", "--no-early-stop", "--storage", str(tmp_path / "results"),
+                                       "--batch-sizes", "4", "--cpus-per-worker", "0.8",
+                                       "--loader-workers", "0", "--cpu-threads", "1", "--no-early-stop",
+                                       "--storage", str(tmp_path / "results"),
                                        "--mlflow-uri", uri, "--name", "autoscaled"],
                              cwd=tmp_path, env=search_env, capture_output=True, text=True, timeout=540)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -34,7 +34,8 @@ def _env() -> dict[str, str]:
 
 
 def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(SEARCH + args, cwd=cwd, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(SEARCH + args, cwd=cwd, env=_env(), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group, as a terminal's job
 
 
@@ -81,7 +82,8 @@ def _assert_complete(uri: str) -> None:
 def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_root, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
-    args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri, "--name", "s"]
+    args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
+            "--name", "s"]
     log = tmp_path / "first.log"
     proc = _start(args, tmp_path, log)
     _wait_for_first_epoch(proc, storage, "s")
@@ -207,13 +209,14 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(syn
     search over, and never trashes the runs that did run."""
     full = tmp_path / "full"
     full.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(full)],
-                                                   capture_output=True).returncode == 0
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+                                                    str(full)], capture_output=True).returncode == 0
     if not mounted:
         pytest.skip("needs root to mount a 3 MB tmpfs as the full disk")
     try:
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(full), "--mlflow-uri", uri, "--name", "f"]
+        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(full), "--mlflow-uri", uri,
+                "--name", "f"]
         log = tmp_path / "full.log"
         out = _finish(_start(args, tmp_path, log), log)
         last = out.strip().splitlines()[-1]

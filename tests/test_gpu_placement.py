@@ -59,8 +59,8 @@ PLACEMENT_SCRIPT = textwrap.dedent("""
 def test_ray_packs_half_gpus_but_leads_spread_over_every_gpu():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
-                         text=True, timeout=170)
+    out = subprocess.run([sys.executable, "-c", PLACEMENT_SCRIPT], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # The defect: 4 trials of half a GPU each land on GPUs 0 and 1; 2 and 3 idle.
@@ -84,7 +84,8 @@ TWO_WORKER_SCRIPT = textwrap.dedent("""
     OUT = sys.argv[1]   # captured with `loop` (pickled by value: it is defined in __main__)
 
     def loop(config):
-        mine = {"gpus": physical_gpu_ids(), "keys": device_keys(train_device()), "device": str(train_device())}
+        mine = {"gpus": physical_gpu_ids(), "keys": device_keys(train_device()),
+                "device": str(train_device())}
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         if dist.get_rank() == 0:   # Train V2 keeps no metrics without a checkpoint: a file instead
@@ -93,7 +94,8 @@ TWO_WORKER_SCRIPT = textwrap.dedent("""
 
     init_ray(num_cpus=4, include_dashboard=False)
     trainer = build_torch_trainer(TrainConfig(), num_workers=2, use_gpu=True, train_loop=loop,
-                                  resources_per_worker={"CPU": 1, "GPU": 1}, name="two", storage_path=sys.argv[1])
+                                  resources_per_worker={"CPU": 1, "GPU": 1}, name="two",
+                                  storage_path=sys.argv[1])
     trainer.fit()
 """)
 

@@ -22,7 +22,8 @@ def run(args: list[str], cwd: Path, pythonpath: str | None = None) -> subprocess
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
 
 
 def imported_from(proc: subprocess.CompletedProcess) -> Path:
@@ -48,7 +49,8 @@ def test_ray_worker_route_cwd_elsewhere_with_the_repository_on_pythonpath(tmp_pa
     # How trainer.launch.init_ray ships the code: runtime_env PYTHONPATH=<repo root>, another cwd.
     assert imported_from(run(["-c", SHOW], cwd=tmp_path, pythonpath=str(REPO))).parent == OURS
     # The probe pool's spawned workers inherit that sys.path: they must import our module too.
-    proc = run(["-c", "from datasets.index import run_pool; print(run_pool(len, [('abc',)], timeout_s=60, workers=1))"],
+    proc = run(["-c", "from datasets.index import run_pool; "
+                      "print(run_pool(len, [('abc',)], timeout_s=60, workers=1))"],
                cwd=tmp_path, pythonpath=str(REPO))
     assert proc.returncode == 0 and "[('ok', 3)]" in proc.stdout, proc.stderr
 
@@ -59,6 +61,8 @@ def test_search_script_by_path_from_another_cwd(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # Run the script's top level as `python tune/search.py` would (its folder first on sys.path),
     # then see which `datasets` it left.
-    code = (f"import runpy, sys; sys.path[0] = {str(SEARCH.parent)!r}; sys.argv = [{str(SEARCH)!r}, '--help']\n"
-            f"try:\n    runpy.run_path({str(SEARCH)!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n" + SHOW)
+    code = (f"import runpy, sys; sys.path[0] = {str(SEARCH.parent)!r}; "
+            f"sys.argv = [{str(SEARCH)!r}, '--help']\n"
+            f"try:\n    runpy.run_path({str(SEARCH)!r}, run_name='__main__')\n"
+            "except SystemExit:\n    pass\n" + SHOW)
     assert imported_from(run(["-c", code], cwd=tmp_path)).parent == OURS

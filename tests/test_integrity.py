@@ -35,7 +35,8 @@ def _save(directory: Path, epoch: int, val_acc: float = 0.5) -> Path:
     scheduler = make_scheduler(optimizer, 4, 0.0)
     directory.mkdir(parents=True)
     write_history(directory, {e: {"epoch": e, "val_acc": val_acc} for e in range(1, epoch + 1)})
-    save_checkpoint(directory, model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+    save_checkpoint(directory, model=model, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
                     scheduler=scheduler, epoch=epoch, config={"model": "tiny"}, spec=get_spec("tiny"),
                     class_names={0: "a", 1: "b"}, metrics={"val_acc": val_acc})
     return directory
@@ -149,7 +150,8 @@ CUDA kernel errors might be asynchronously reported at some other API call.
 
 
 def test_failure_reason_is_the_exception_line_and_the_traceback_is_kept(tmp_path):
-    assert faults.exception_line(TRACEBACK) == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert faults.exception_line(TRACEBACK) == ("RuntimeError: CUDA error: an illegal memory access "
+                                                "was encountered")
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     experiment = tmp_path / "search-1"
     t = MLflowTracker(tracking_uri=uri, experiment="failures", experiment_path=str(experiment), epochs=2,
@@ -167,8 +169,8 @@ def test_failure_reason_is_the_exception_line_and_the_traceback_is_kept(tmp_path
     c = MlflowClient(uri)
     run = c.search_runs([c.get_experiment_by_name("failures").experiment_id],
                         filter_string=f"tags.`{TRIAL_ID_TAG}` = 'abc'")[0]
-    assert run.data.tags[FAILURE_TAG] == ("RuntimeError: CUDA error: an illegal memory access was encountered "
-                                          f"(full traceback: {kept})")
+    assert run.data.tags[FAILURE_TAG] == ("RuntimeError: CUDA error: an illegal memory access "
+                                          f"was encountered (full traceback: {kept})")
     assert [a.path for a in c.list_artifacts(run.info.run_id, "failure")] == [TRACEBACK_ARTIFACT]
 
 
@@ -176,17 +178,21 @@ def test_failure_reason_is_the_exception_line_and_the_traceback_is_kept(tmp_path
 
 def test_console_says_when_a_worker_died_and_where_the_trial_continues(capsys):
     c = console.SearchConsole(num_samples=2, epochs=6, objective="val_acc")
-    trial = SimpleNamespace(trial_id="x", config={"batch_size": 8, "lr": 1e-3}, experiment_tag="2_a", status="RUNNING")
+    trial = SimpleNamespace(trial_id="x", config={"batch_size": 8, "lr": 1e-3}, experiment_tag="2_a",
+                            status="RUNNING")
     c.on_trial_start(0, [trial], trial)
     for epoch in (1, 2, 3, 4):
         c.on_trial_result(0, [trial], trial, {"epoch": epoch, "val_acc": 0.5, "resumed_from_epoch": 0})
     assert "worker died" not in capsys.readouterr().out
-    c.on_trial_result(0, [trial], trial, {"epoch": 5, "val_acc": 0.5, "resumed_from_epoch": 4, "cache_repairs": 3})
+    c.on_trial_result(0, [trial], trial, {"epoch": 5, "val_acc": 0.5, "resumed_from_epoch": 4,
+                                          "cache_repairs": 3})
     out = capsys.readouterr().out
     assert "worker died; t02-bs8-lr1e-3 continues from epoch 4" in out
     assert "t02-bs8-lr1e-3: 3 damaged clip-cache entries decoded again" in out
     # A --resume (the trial started again in this process) is no worker death.
-    assert console.restart_line("t02", {"resumed_from_epoch": 4}, worker_died=False) == "t02 continues from epoch 4"
-    assert console.restart_line("t02", {"resumed_from_epoch": 0, "damaged_checkpoints": 2}, worker_died=True) == \
+    assert console.restart_line("t02", {"resumed_from_epoch": 4}, worker_died=False) == \
+        "t02 continues from epoch 4"
+    assert console.restart_line("t02", {"resumed_from_epoch": 0, "damaged_checkpoints": 2},
+                                worker_died=True) == \
         "worker died; t02 starts again from epoch 1: no whole checkpoint (2 damaged checkpoints skipped)"
     assert console.restart_line("t02", {"resumed_from_epoch": 0}, worker_died=True) is None

@@ -1,4 +1,5 @@
-"""tune.results and tune.plots: a trial's row takes its steady-state speed, not its last (or first) epoch's."""
+"""tune.results and tune.plots: a trial's row takes its steady-state speed,
+not its last (or first) epoch's."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,10 @@ def test_oom_trial_has_no_speed_and_sharing_is_flagged_in_the_table():
 
 
 def test_pareto_front_and_best_use_the_steady_speed():
-    fast_late = results.row_from_result(_result([_epoch(1, 1.0), _epoch(2, 50.0)]), trial_id="a", epochs=2, finished=True)
-    fast_first = results.row_from_result(_result([_epoch(1, 99.0), _epoch(2, 10.0)]), trial_id="b", epochs=2, finished=True)
+    fast_late = results.row_from_result(_result([_epoch(1, 1.0), _epoch(2, 50.0)]), trial_id="a", epochs=2,
+                                        finished=True)
+    fast_first = results.row_from_result(_result([_epoch(1, 99.0), _epoch(2, 10.0)]), trial_id="b", epochs=2,
+                                         finished=True)
     front = results.pareto_front([fast_late, fast_first])
     assert [r.trial_id for r in front] == ["a"]          # same accuracy; a is faster in steady state
 
@@ -83,8 +86,8 @@ def test_status_rules(error, oom, finished, epochs_run, expected):
 
 
 def test_a_trial_that_reported_nothing():
-    result = SimpleNamespace(metrics={}, config={"batch_size": 4, "lr": 0.01, "weight_decay": 0.05}, error=None,
-                             metrics_dataframe=None)
+    result = SimpleNamespace(metrics={}, config={"batch_size": 4, "lr": 0.01, "weight_decay": 0.05},
+                             error=None, metrics_dataframe=None)
     row = results.row_from_result(result, trial_id="t", epochs=3, finished=True)
     assert (row.status, row.epochs, row.batch_size, row.lr, row.weight_decay) == ("STOPPED", 0, 4, 0.01, 0.05)
     assert math.isnan(row.val_acc) and math.isnan(row.clips_per_s) and row.checkpoint is None
@@ -114,7 +117,8 @@ def test_best_trial_tie_goes_to_the_faster_trial():
     assert results.best_trial([quick, slow], "val_acc") is quick   # not the order given
     no_speed = _row("no_speed", 0.8, math.nan)
     assert results.best_trial([no_speed, slow], "val_acc") is slow  # a known speed beats none
-    assert results.best_trial([_row("a", 0.7, 1.0, f1=0.9), _row("b", 0.7, 9.0, f1=0.9)], "val_f1").trial_id == "b"
+    assert results.best_trial([_row("a", 0.7, 1.0, f1=0.9), _row("b", 0.7, 9.0, f1=0.9)],
+                              "val_f1").trial_id == "b"
 
 
 def test_best_trial_is_never_an_oom_or_error_trial():
@@ -153,8 +157,8 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     oom = results.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
     *lines, legend = results.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
-    assert lines[0].split() == ["trial", "batch", "lr", "val_acc", "val_f1", "clips/s", "compute/s", "epoch_s",
-                                "epochs", "status"]
+    assert lines[0].split() == ["trial", "batch", "lr", "val_acc", "val_f1", "clips/s", "compute/s",
+                                "epoch_s", "epochs", "status"]
     assert set(lines[1].replace(" ", "")) == {"-"}
     cells = {line.split()[0]: line.split() for line in lines[2:]}
     assert cells["alone"][3:6] == ["0.750", "0.500", "12.3"]         # no `*`: it had its device alone
@@ -168,18 +172,23 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
 
 def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
     # epoch 1 ran while the next trial started beside it (1.2 cores); epochs 2.. had the machine
-    quiet = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=1.2), _epoch(2, 9.0, other_cpu_cores=0.1),
-                                            _epoch(3, 9.0, other_cpu_cores=0.2)]), trial_id="q", epochs=3, finished=True)
+    quiet = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=1.2),
+                                             _epoch(2, 9.0, other_cpu_cores=0.1),
+                                             _epoch(3, 9.0, other_cpu_cores=0.2)]),
+                                    trial_id="q", epochs=3, finished=True)
     assert quiet.other_cpu_cores == pytest.approx(0.15) and results.speed_marks(quiet) == ""
-    busy = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1), _epoch(2, 4.0, other_cpu_cores=0.9),
-                                           _epoch(3, 4.5, other_cpu_cores=0.7)]), trial_id="b", epochs=3, finished=True)
+    busy = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1),
+                                            _epoch(2, 4.0, other_cpu_cores=0.9),
+                                            _epoch(3, 4.5, other_cpu_cores=0.7)]),
+                                   trial_id="b", epochs=3, finished=True)
     assert busy.other_cpu_cores == pytest.approx(0.8) and results.speed_marks(busy) == "~"
     unmeasured = results.row_from_result(_result([_epoch(1, 5.0)]), trial_id="u", epochs=1, finished=True)
     assert math.isnan(unmeasured.other_cpu_cores) and results.speed_marks(unmeasured) == ""
     *table, legend = results.format_table([quiet, busy, unmeasured]).splitlines()
     assert "4.2~" in table[3] and legend.startswith("~ other processes")
     assert "4.2~" in results.format_markdown([busy])
-    assert results.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")   # its meaning
+    # its meaning
+    assert results.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")
     assert "`~`" not in results.format_markdown([quiet])
     assert results.csv_record(busy)["other_cpu_cores"] == "0.80"
     assert "~" not in results.format_table([quiet])                   # no mark, no legend
@@ -222,7 +231,8 @@ def _search_rows() -> list[results.TrialRow]:
         _named("t01-bs8-lr2.5e-4", 0.81234567, 41.2345, f1=0.79, wd=0.05),
         _named("t02-bs16-lr1e-3", 0.77341, 63.456, f1=0.80, batch=16, lr=1e-3, wd=0.01, best_epoch=4),
         _named("t03-bs8-lr5e-5", 0.6012, 40.1, f1=0.55, status="STOPPED", lr=5e-5, wd=0.1, best_epoch=1),
-        _named("t04-bs32-lr3e-4", 0.0, math.nan, f1=0.0, status="OOM", batch=32, lr=3e-4, wd=0.02, best_epoch=0),
+        _named("t04-bs32-lr3e-4", 0.0, math.nan, f1=0.0, status="OOM", batch=32, lr=3e-4, wd=0.02,
+               best_epoch=0),
         _named("t05-bs16-lr7e-4", math.nan, math.nan, f1=math.nan, status="ERROR", batch=16, lr=7e-4, wd=0.03,
                best_epoch=0),
         _named("t06-bs16-lr4e-4", 0.7001, 30.0, f1=0.70, batch=16, lr=0.000412345, wd=0.0333333),
@@ -258,7 +268,8 @@ def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
     oom = next(r for r in read if r["status"] == "OOM")
     assert oom["metrics_epoch"] == "0" and math.isnan(float(oom["clips_per_s"]))
     assert "metrics_epoch" in results.__doc__ and \
-        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in " ".join(results.__doc__.split())
+        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in \
+        " ".join(results.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
         results.write_csv([], tmp_path / "x.csv", objective="speed")
 
@@ -266,7 +277,8 @@ def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
 def test_name_defaults_to_the_trial_id_and_leads_the_table():
     result = _result([_epoch(1, 5.0), _epoch(2, 9.0)])
     assert results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True).name == "abc_00001"
-    named = results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True, name="t01-bs8-lr1e-3")
+    named = results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True,
+                                    name="t01-bs8-lr1e-3")
     assert named.name == "t01-bs8-lr1e-3" and named.trial_id == "abc_00001"
     lines = results.format_table([named]).splitlines()
     assert lines[0].split()[0] == "trial" and lines[2].split()[0] == "t01-bs8-lr1e-3"
@@ -279,7 +291,8 @@ def test_row_reports_the_best_epoch_by_val_acc():
     # val_acc peaks at epoch 2 of 4: the row reports epoch 2's val_acc and val_f1 (the epoch of
     # the checkpoint Ray Train keeps as the best), not the last epoch's; epochs stays 4
     accs, f1s = [0.60, 0.82, 0.75, 0.70], [0.55, 0.81, 0.74, 0.69]
-    result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f) for e, a, f in zip(range(1, 5), accs, f1s, strict=True)])
+    result = _result([_epoch(e, 10.0 + e, val_acc=a, val_f1=f)
+                      for e, a, f in zip(range(1, 5), accs, f1s, strict=True)])
     row = results.row_from_result(result, trial_id="t", epochs=4, finished=True)
     assert (row.val_acc, row.val_f1, row.best_epoch, row.epochs, row.status) == (0.82, 0.81, 2, 4, "DONE")
     assert row.clips_per_s == 13.0                        # speeds stay steady state (epochs 2..4)
@@ -292,16 +305,16 @@ def test_best_epoch_ties_go_to_the_later_epoch_and_a_re_reported_epoch_counts_on
     row = results.row_from_result(tie, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_f1) == (2, 0.2)
     # resumed: epoch 2 was re-reported after the restart; its later report (0.7) wins over 0.9
-    resumed = _result([_epoch(1, 10.0, val_acc=0.6), _epoch(2, 10.0, val_acc=0.9), _epoch(2, 10.0, val_acc=0.7),
-                       _epoch(3, 10.0, val_acc=0.65)])
+    resumed = _result([_epoch(1, 10.0, val_acc=0.6), _epoch(2, 10.0, val_acc=0.9),
+                       _epoch(2, 10.0, val_acc=0.7), _epoch(3, 10.0, val_acc=0.65)])
     row = results.row_from_result(resumed, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_acc) == (2, 0.7)
 
 
 def test_best_epoch_without_a_dataframe_and_for_oom():
     # only the last result (no per-epoch records): that epoch is the best one
-    result = SimpleNamespace(metrics=_epoch(3, 10.0, val_acc=0.7, val_f1=0.6), config={"batch_size": 8, "lr": 1e-3},
-                             error=None, metrics_dataframe=None)
+    result = SimpleNamespace(metrics=_epoch(3, 10.0, val_acc=0.7, val_f1=0.6),
+                             config={"batch_size": 8, "lr": 1e-3}, error=None, metrics_dataframe=None)
     row = results.row_from_result(result, trial_id="t", epochs=3, finished=True)
     assert (row.best_epoch, row.val_acc, row.val_f1) == (3, 0.7, 0.6)
     # out of memory keeps its behaviour: the OOM report's metrics, no best epoch, no speed
@@ -310,7 +323,8 @@ def test_best_epoch_without_a_dataframe_and_for_oom():
                                  trial_id="o", epochs=3, finished=True)
     assert (oom.status, oom.val_acc, oom.val_f1, oom.best_epoch, oom.epochs) == ("OOM", 0.0, 0.0, 0, 2)
     assert math.isnan(oom.clips_per_s)
-    nothing = results.row_from_result(SimpleNamespace(metrics={}, config={}, error=None, metrics_dataframe=None),
+    nothing = results.row_from_result(SimpleNamespace(metrics={}, config={}, error=None,
+                                                      metrics_dataframe=None),
                                      trial_id="n", epochs=3, finished=True)
     assert nothing.best_epoch == 0 and math.isnan(nothing.val_acc)
 
@@ -443,7 +457,8 @@ def test_a_diverged_trial_has_no_accuracy_nor_speed_and_is_never_best(tmp_path):
 
 def test_diverged_status_wins_over_unfinished_and_stopped():
     epochs = [_epoch(1, 10.0, diverged=1)]
-    assert results.row_from_result(_result(epochs), trial_id="t", epochs=3, finished=False).status == "DIVERGED"
+    assert results.row_from_result(_result(epochs), trial_id="t", epochs=3,
+                                   finished=False).status == "DIVERGED"
     assert results.row_from_result(_result(epochs, error=RuntimeError("x")), trial_id="t", epochs=3,
                                   finished=True).status == "ERROR"
 
@@ -459,13 +474,15 @@ def test_plots_show_diverged_trials_in_the_no_result_strip():
 
 
 def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
-    row = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids="2,3")]), trial_id="g", epochs=1, finished=True)
+    row = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids="2,3")]), trial_id="g", epochs=1,
+                                  finished=True)
     assert row.gpu_ids == "2,3"
     cpu = _row("cpu", 0.5, 8.0)
     head, _, *body = results.format_table([row, cpu]).splitlines()
     assert head.split()[-2:] == ["gpu", "status"]
     assert [line.split()[-2] for line in body] == ["2,3", "-"]
-    assert "| gpu |" in results.format_markdown([row, cpu]) and "| 2,3 |" in results.format_markdown([row, cpu])
+    assert "| gpu |" in results.format_markdown([row, cpu]) and \
+        "| 2,3 |" in results.format_markdown([row, cpu])
     read = _read_csv(results.write_csv([row, cpu], tmp_path / "gpu.csv"))
     columns = list(read[0])
     assert columns[columns.index("node_id") + 1] == "gpu_ids" and [r["gpu_ids"] for r in read] == ["2,3", ""]

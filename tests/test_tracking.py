@@ -18,7 +18,8 @@ from tune.tracking import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_
 def _tracker(uri: str, experiment: str, path: str = "/results/search-1", epochs: int = 2) -> MLflowTracker:
     return MLflowTracker(
         tracking_uri=uri, experiment=experiment, experiment_path=path, epochs=epochs,
-        parent_params={"batch_sizes": "4,8", "lr_min": 1e-4, "lr_max": 1e-2, "dataset": "/data", "model": "tiny"},
+        parent_params={"batch_sizes": "4,8", "lr_min": 1e-4, "lr_max": 1e-2, "dataset": "/data",
+                       "model": "tiny"},
         parent_tags={"vidtune.objective": "val_acc"},
         child_params={"precision": "fp32", "model": "tiny", "workers": 1, "gpus": 0.0, "dataset": "/data"},
     )
@@ -30,9 +31,9 @@ def _trial(trial_id: str, batch_size: int = 4, lr: float = 1e-3, last: dict | No
 
 
 def _result(epoch: int, **kw) -> dict:
-    base = dict(epoch=epoch, train_loss=0.7, val_loss=0.6, val_acc=0.5 + 0.1 * epoch, val_f1=0.5, val_recall=0.5,
-                val_auc=0.6, clips_per_s=12.5, epoch_time_s=2.0, data_wait_frac=0.1, peak_mem_mb=900.0,
-                lr=1e-3, batch_size=4, oom=0, reader_failures=0, node_id="node-abc",
+    base = dict(epoch=epoch, train_loss=0.7, val_loss=0.6, val_acc=0.5 + 0.1 * epoch, val_f1=0.5,
+                val_recall=0.5, val_auc=0.6, clips_per_s=12.5, epoch_time_s=2.0, data_wait_frac=0.1,
+                peak_mem_mb=900.0, lr=1e-3, batch_size=4, oom=0, reader_failures=0, node_id="node-abc",
                 # Tune's own keys: not training metrics
                 training_iteration=epoch, time_this_iter_s=2.1, timestamp=1_700_000_000 + epoch,
                 trial_id="x", done=False, checkpoint_path="/ckpt", config={"lr": 1e-3})
@@ -62,7 +63,8 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     for epoch in (1, 2):
         t.on_trial_result(0, [], done, _result(epoch))
     t.on_trial_result(0, [], stopped, _result(1))
-    oom_last = _result(1, oom=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, batch_size=64, peak_mem_mb=79000.0)
+    oom_last = _result(1, oom=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, batch_size=64,
+                       peak_mem_mb=79000.0)
     t.on_trial_result(0, [], oom, oom_last)
     error_file = tmp_path / "error.txt"
     error_file.write_text("Traceback (most recent call last):\n  ...\nRuntimeError: decoder exploded\n")
@@ -78,14 +80,17 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     runs = _runs(uri, "statuses")
     parent = runs["parent"]
     assert parent.info.status == "FINISHED"
-    assert parent.data.params["batch_sizes"] == "4,8" and parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
+    assert parent.data.params["batch_sizes"] == "4,8" and \
+        parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
     statuses = {k: r.info.status for k, r in runs.items() if k != "parent"}
     assert statuses == {"done": "FINISHED", "stopped": "KILLED", "oom": "FAILED", "err": "FAILED"}
     for name in statuses:
         assert runs[name].data.tags[PARENT_TAG] == parent.info.run_id
     d = runs["done"].data
-    assert {k: d.params[k] for k in ("batch_size", "lr", "precision", "model", "workers", "gpus", "dataset")} == \
-        {"batch_size": "4", "lr": "0.001", "precision": "fp32", "model": "tiny", "workers": "1", "gpus": "0.0", "dataset": "/data"}
+    assert {k: d.params[k] for k in ("batch_size", "lr", "precision", "model", "workers", "gpus",
+                                     "dataset")} == \
+        {"batch_size": "4", "lr": "0.001", "precision": "fp32", "model": "tiny", "workers": "1",
+         "gpus": "0.0", "dataset": "/data"}
     assert d.tags[NODE_ID_TAG] == "node-abc"
     assert {"val_acc", "val_f1", "clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb", "val_auc",
             "val_recall", "train_loss", "val_loss", "lr_current"} <= set(d.metrics)
@@ -129,7 +134,8 @@ def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
     t2.close(interrupted=False)
     runs = _runs(uri, "resume")
     assert sorted(runs) == ["a", "b", "c", "parent"]     # no duplicate child or parent
-    assert {k: r.info.status for k, r in runs.items()} == {"parent": "FINISHED", "a": "FINISHED", "b": "FINISHED", "c": "FINISHED"}
+    assert {k: r.info.status for k, r in runs.items()} == \
+        {"parent": "FINISHED", "a": "FINISHED", "b": "FINISHED", "c": "FINISHED"}
     steps = [m.step for m in MlflowClient(uri).get_metric_history(runs["b"].info.run_id, "val_acc")]
     assert steps == [1, 2]
 
@@ -143,7 +149,8 @@ def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
     from mlflow.entities import ViewType
 
     c = MlflowClient(uri)
-    trashed = c.search_runs([c.get_experiment_by_name("resume").experiment_id], run_view_type=ViewType.DELETED_ONLY)
+    trashed = c.search_runs([c.get_experiment_by_name("resume").experiment_id],
+                            run_view_type=ViewType.DELETED_ONLY)
     assert [(r.data.tags[TRIAL_ID_TAG], r.info.status) for r in trashed] == [("lost", "KILLED")]
     assert "lost when the search driver died" in trashed[0].data.tags[STOP_TAG]
 
@@ -180,7 +187,8 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     for tr in (gpu, cpu):
         t.on_trial_start(0, [], tr)
     first = _result(1, gpu_ids="2,3", node_ip="10.0.0.7")
-    last = _result(2, diverged=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, gpu_ids="2,3", node_ip="10.0.0.7")
+    last = _result(2, diverged=1, val_acc=0.0, clips_per_s=0.0, train_loss=math.nan, gpu_ids="2,3",
+                   node_ip="10.0.0.7")
     t.on_trial_result(0, [], gpu, first)
     t.on_trial_result(0, [], gpu, last)
     gpu.last_result = last
@@ -188,7 +196,8 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     tags = _runs(uri, "diverged")["gpu"].data.tags
     assert _runs(uri, "diverged")["gpu"].info.status == "FAILED"
     assert tags[FAILURE_TAG].startswith("diverged: the training loss became nan in epoch 2")
-    assert (tags[tracking.GPU_IDS_TAG], tags[tracking.NODE_TAG], tags[NODE_ID_TAG]) == ("2,3", "10.0.0.7", "node-abc")
+    assert (tags[tracking.GPU_IDS_TAG], tags[tracking.NODE_TAG], tags[NODE_ID_TAG]) == \
+        ("2,3", "10.0.0.7", "node-abc")
     assert "diverged" not in _runs(uri, "diverged")["gpu"].data.metrics
 
     # reconcile (end of the search): outcome tags, and where the CPU trial ran though no live epoch was logged
@@ -214,8 +223,8 @@ def test_numeric_metrics_keep_trainer_values_only():
     # constants are params or tags, not metrics: the epoch is the step, batch size a param
     assert not {"epoch", "oom", "batch_size", "reader_failures"} & set(m)
     # where it ran is a tag, even when a dataframe reads the GPU id "0" back as the number 0
-    assert not {"diverged", "gpu_ids", "node_ip"} & set(tracking.numeric_metrics(_result(1, diverged=0, gpu_ids=0,
-                                                                                          node_ip="10.0.0.1")))
+    assert not {"diverged", "gpu_ids", "node_ip"} & set(
+        tracking.numeric_metrics(_result(1, diverged=0, gpu_ids=0, node_ip="10.0.0.1")))
     # a row of Tune's per-epoch dataframe (what reconcile backfills from) flattens the config
     row = tracking.numeric_metrics({**_result(2), "config/batch_size": 4, "config/lr": 1e-3})
     assert not any(k.startswith("config") for k in row) and row["val_acc"] == 0.7
