@@ -20,10 +20,12 @@ from tune.tracking import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
-SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4", "--lr-max", "3e-3"]
+SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4",
+         "--lr-max", "3e-3"]
 TRAINER_METRICS = {"train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc", "clips_per_s",
-                   "compute_clips_per_s", "steady_clips_per_s", "epoch_time_s", "data_wait_frac", "peak_mem_mb",
-                   "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s", "device_util_pct"}
+                   "compute_clips_per_s", "steady_clips_per_s", "epoch_time_s", "data_wait_frac",
+                   "peak_mem_mb", "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
+                   "device_util_pct"}
 CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr"}   # params or tags, never metrics
 
 
@@ -72,7 +74,8 @@ def test_search_end_to_end(synthetic_root, tmp_path):
         assert run.data.tags[TRIAL_ID_TAG] and run.data.tags[NODE_ID_TAG]
         p = run.data.params
         assert p["batch_size"] in ("4", "8") and 3e-4 <= float(p["lr"]) <= 3e-3
-        assert p["model"] == "tiny" and p["precision"] == "auto" and p["workers"] == "1" and p["dataset"] == str(synthetic_root)
+        assert p["model"] == "tiny" and p["precision"] == "auto" and p["workers"] == "1" and \
+            p["dataset"] == str(synthetic_root)
         assert TRAINER_METRICS <= set(run.data.metrics) and not CONSTANTS & set(run.data.metrics)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
     assert len({r.data.tags[TRIAL_ID_TAG] for r in children}) == 3
@@ -111,8 +114,8 @@ def _check_the_best_trial_trains_again(tmp_path: Path) -> None:
     """`python -m trainer.train --config best_config.json` (the file the search wrote) retrains
     the best trial; a flag overrides the file."""
     best_config = next((tmp_path / "vidtune-results").glob("*/best_config.json"))
-    out = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(best_config), "--epochs", "1",
-                          "--storage", str(tmp_path / "again"), "--name", "again"],
+    out = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(best_config),
+                          "--epochs", "1", "--storage", str(tmp_path / "again"), "--name", "again"],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "best checkpoint (epoch 1" in out.stdout and "epoch 1/1" in out.stdout
@@ -135,7 +138,8 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
     came from the clip cache the search filled; the trials' speed is its steady state."""
     epochs = _tune_epochs(storage)
     assert len(epochs) == 3, sorted(storage.rglob("result.json"))
-    spans = sorted((e["epoch_start_ts"], e["epoch_end_ts"], trial) for trial, rows in epochs.items() for e in rows)
+    spans = sorted((e["epoch_start_ts"], e["epoch_end_ts"], trial)
+                   for trial, rows in epochs.items() for e in rows)
     for (_, e1, t1), (s2, _, t2) in zip(spans, spans[1:], strict=False):
         assert t1 == t2 or e1 <= s2, f"trials {t1} and {t2} trained at the same time: {spans}"
     for rows in epochs.values():
@@ -150,7 +154,8 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(client.download_artifacts(parent_id, "trials.csv", tmp)).read_text()
     for row in csv.DictReader(table.splitlines()):     # rounded to 2 decimals
-        assert float(row["clips_per_s"]) == pytest.approx(epochs[row["trial_id"]][1]["clips_per_s"], abs=0.006)
+        assert float(row["clips_per_s"]) == pytest.approx(epochs[row["trial_id"]][1]["clips_per_s"],
+                                                          abs=0.006)
     for run in children:
         history = client.get_metric_history(run.info.run_id, "concurrent_trainings")
         assert [m.value for m in history] == [1.0, 1.0]
@@ -165,8 +170,8 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
     lines = (out.stdout + out.stderr).splitlines()
     assert len(lines) <= 40, "\n".join(lines)
     assert lines[-2].startswith("compare the trials in MLflow:") and "the search's run" in lines[-1]
-    assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and any("2/2 trials done" in ln or "1/2 trials done" in ln
-                                                                   for ln in lines)
+    assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and \
+        any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q"],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("trials:"), quiet.stdout[:2000]
@@ -177,8 +182,9 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
     """SIGKILL the search after its first trial finished; --resume runs the rest, and MLflow ends
     with exactly one parent and one child run per trial."""
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    args = ["--data", str(synthetic_root), "--num-samples", "3", "--max-concurrent-trials", "1", "--name", "resumable",
-            "--storage", str(tmp_path / "results"), "--mlflow-uri", uri, "--epochs", "1", *SMALL[2:]]
+    args = ["--data", str(synthetic_root), "--num-samples", "3", "--max-concurrent-trials", "1",
+            "--name", "resumable", "--storage", str(tmp_path / "results"), "--mlflow-uri", uri,
+            "--epochs", "1", *SMALL[2:]]
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(SEARCH + args, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -191,15 +197,16 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
                 time.sleep(3)                      # let the driver write the child run's end
                 break
             time.sleep(1)
-        assert proc.poll() is None, "the search ended before it could be killed:\n" + (tmp_path / "first.log").read_text()[-3000:]
+        assert proc.poll() is None, \
+            "the search ended before it could be killed:\n" + (tmp_path / "first.log").read_text()[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)        # the driver and the Ray it started
         proc.wait(timeout=60)
     _, before = _runs(uri)
     assert 1 <= len([r for r in before if r.info.status == "FINISHED"]) < 3
 
-    out = subprocess.run(SEARCH + args + ["--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(SEARCH + args + ["--resume"], cwd=tmp_path, env=_env(), capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     parent, children = _runs(uri)
     assert not isinstance(parent, list), f"{len(parent)} parent runs"
@@ -233,13 +240,15 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
         time.sleep(0.5 if epoch == 1 else 1.5)
         ray.train.report({"epoch": epoch, "val_acc": 0.0 if oom else 1e9 / started, "val_f1": 0.5,
                           "clips_per_s": 0.0 if oom else 10.0, "epoch_time_s": 0.5, "oom": oom,
-                          "batch_size": config["batch_size"], "node_id": ray.get_runtime_context().get_node_id()})
+                          "batch_size": config["batch_size"],
+                          "node_id": ray.get_runtime_context().get_node_id()})
         if oom:
             return
 
 
 def scripted_trainer_factory(oom_marker: Path):
-    """A trainer factory with the signature of trainer.launch.build_torch_trainer, around `scripted_worker`."""
+    """A trainer factory with the signature of trainer.launch.build_torch_trainer, around
+    `scripted_worker`."""
     def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks,
                          device_lease=None, index=None):
         import ray.train
@@ -249,8 +258,9 @@ def scripted_trainer_factory(oom_marker: Path):
                             train_loop_config=cfg.to_dict(),
                             scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                                                    resources_per_worker=resources_per_worker),
-                            run_config=ray.train.RunConfig(name=name, storage_path=storage_path, callbacks=callbacks,
-                                                           failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)))
+                            run_config=ray.train.RunConfig(
+                                name=name, storage_path=storage_path, callbacks=callbacks,
+                                failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)))
     return scripted_trainer
 
 
@@ -265,8 +275,9 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    opts = parse_options(["--data", str(synthetic_root), "--num-samples", "5", "--epochs", "4", "--batch-sizes", "4,8",
-                          "--storage", str(tmp_path / "results"), "--mlflow-uri", uri, "--seed", "3"])
+    opts = parse_options(["--data", str(synthetic_root), "--num-samples", "5", "--epochs", "4",
+                          "--batch-sizes", "4,8", "--storage", str(tmp_path / "results"), "--mlflow-uri", uri,
+                          "--seed", "3"])
     plan = runner.prepare(opts)
     pgs_before = set(placement_group_table())
     started = time.monotonic()
@@ -288,7 +299,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     new = {pg: info["state"] for pg, info in placement_group_table().items() if pg not in pgs_before}
     assert new and all(state == "REMOVED" for state in new.values()), new
     deadline = time.monotonic() + 30                                 # trial actors exit asynchronously
-    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"] and \
+            time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
@@ -300,7 +312,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
         started_epochs[name] = max(started_epochs.get(name, 0), int(epoch))
     for run in killed:
         reported = len(MlflowClient(uri).get_metric_history(run.info.run_id, "val_acc"))
-        assert started_epochs[run.info.run_name] <= reported + 1, (run.info.run_name, reported, started_epochs)
+        assert started_epochs[run.info.run_name] <= reported + 1, \
+            (run.info.run_name, reported, started_epochs)
     # ... and its process then serves a later trial (Tune's reuse_actors), which ends normally.
     started_at = {r.info.run_name: r.info.start_time for r in children}     # ms, when Tune started it
     trials_by_pid: dict[int, list[tuple[int, str]]] = {}
