@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import math
 import re
+import tomllib
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -29,7 +30,6 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
 
 NO_PREFIX = "--no-"
