@@ -65,7 +65,8 @@ def test_other_errors_are_not_swallowed():
 
 
 def test_even_the_smallest_batch_does_not_fit():
-    with pytest.raises(ValueError, match=r"even batch size 2 runs out of memory for tiny at 8x64x64.*--num-frames"):
+    with pytest.raises(ValueError,
+                       match=r"even batch size 2 runs out of memory for tiny at 8x64x64.*--num-frames"):
         find_max_batch_size("tiny", device="cpu", try_batch=FakeMemory(1))
 
 

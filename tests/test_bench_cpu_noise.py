@@ -10,7 +10,8 @@ from bench import cpu_noise
 
 def test_cpu_noise_times_each_case_and_writes_json(capsys, tmp_path):
     out = tmp_path / "noise.json"
-    argv = ["--steps", "2", "--rounds", "1", "--threads", "1", "--noise-cores", "0", "0.2", "--json", str(out)]
+    argv = ["--steps", "2", "--rounds", "1", "--threads", "1", "--noise-cores", "0", "0.2",
+            "--json", str(out)]
     assert cpu_noise.main(argv) == 0
     table = capsys.readouterr().out
     assert "background cores" in table and "x time at 0 cores" in table

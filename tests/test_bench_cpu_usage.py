@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from bench.cpu_usage import CpuSampler, kind, process_kind
+from bench.common import merge_intervals, union_length
+from bench.cpu_usage import CpuSampler, CpuUsage, Step, kind, process_kind
 
 
 @pytest.mark.parametrize("title, expected", [
@@ -40,7 +41,8 @@ BUSY = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() 
 
 
 def test_sampler_counts_the_processes_started_inside_it_and_their_cpu():
-    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])   # started before: not counted
+    # started before: not counted
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
     try:
         with CpuSampler(interval_s=0.05) as sampler:
             subprocess.run([sys.executable, "-u", "-c", BUSY, "busy-marker"], check=True)
@@ -54,8 +56,6 @@ def test_sampler_counts_the_processes_started_inside_it_and_their_cpu():
 
 
 def test_within_counts_the_steps_inside_the_windows_in_proportion():
-    from bench.cpu_usage import CpuUsage, Step
-
     usage = CpuUsage(timeline=[Step(0.0, 1.0, 2.0, {"train": 1.8, "ray::X": 0.2}),
                                Step(1.0, 2.0, 1.0, {"ray::X": 1.0}),
                                Step(2.0, 4.0, 4.0, {"train": 4.0})])
@@ -72,7 +72,7 @@ def test_the_timeline_adds_up_to_each_kinds_cpu():
         subprocess.run([sys.executable, "-u", "-c", BUSY, "busy-marker"], check=True)
     usage = sampler.usage
     steps = usage.timeline
-    assert len(steps) >= 5 and all(a.end == b.start for a, b in zip(steps, steps[1:]))
+    assert len(steps) >= 5 and all(a.end == b.start for a, b in zip(steps, steps[1:], strict=False))
     in_steps = sum(step.by_kind.get("python -c", 0.0) for step in steps)
     assert in_steps == pytest.approx(usage.by_kind["python -c"][1])
     covered, _, by_kind = usage.within([(steps[0].start, steps[-1].end)])
@@ -80,8 +80,7 @@ def test_the_timeline_adds_up_to_each_kinds_cpu():
 
 
 def test_intervals_merge_once_and_their_union_length():
-    from bench.common import merge_intervals, union_length
-
     spans = [(4.0, 5.0), (0.0, 1.0), (0.5, 2.0), (3.0, 3.0), (5.0, 6.0)]
-    assert merge_intervals(spans) == [(0.0, 2.0), (4.0, 6.0)]     # overlapping and touching joined, empty dropped
+    # overlapping and touching joined, empty dropped
+    assert merge_intervals(spans) == [(0.0, 2.0), (4.0, 6.0)]
     assert union_length(spans) == 4.0

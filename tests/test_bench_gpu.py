@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
 
 from bench import gpu_check, gpu_precision
 from trainer import precision
+from trainer.models import build_model, get_spec
+from tune.options import parse_options
 
 # -- bench/gpu_check.py -----------------------------------------------------------------------------
 
@@ -36,25 +40,22 @@ def test_arguments_and_their_bounds():
 
 def test_the_search_it_runs_is_one_the_search_cli_accepts(tmp_path):
     """The flags gpu_check passes parse into the search the issue asks for (no Ray, no GPU)."""
-    from tune.options import parse_options
-
     data = tmp_path / "videos"
     data.mkdir()
     argv = gpu_check.search_argv(gpu_check.build_parser().parse_args([]), data, tmp_path, "gpu-check-1")
     opts = parse_options(argv)
-    assert (opts.train.model, opts.train.weights, opts.train.epochs, opts.num_samples) == ("mvit_v2_s", "none", 2, 4)
+    assert (opts.train.model, opts.train.weights, opts.train.epochs,
+            opts.num_samples) == ("mvit_v2_s", "none", 2, 4)
     assert opts.train.precision == "auto" and not opts.early_stop
     assert opts.tracking.mlflow_uri == f"sqlite:///{tmp_path / 'mlruns.db'}"
-    assert opts.train.data.clip_cache_dir == str(tmp_path / "clips") and opts.storage == str(tmp_path / "results")
+    assert (opts.train.data.clip_cache_dir == str(tmp_path / "clips")
+            and opts.storage == str(tmp_path / "results"))
 
 
 def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurrent=None, gpu_ids=None,
                         status: str = "FINISHED") -> None:
     """A store shaped like tune/tracking.py's: one parent run, one child run per trial (params,
     per-epoch metrics at step=epoch), the `gpu_ids` tag."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment(gpu_check.EXPERIMENT)
     parent = client.create_run(exp, run_name="search").info.run_id
@@ -142,8 +143,6 @@ def test_peak_flops_matches_the_most_specific_device_name(monkeypatch, name, key
 def row_setup():
     """The tiny model, a CPU row, and a spy on free_memory that records whether any parameter of
     the row's model copy was still alive when the clean-up ran."""
-    from trainer.models import build_model, get_spec
-
     alive_at_cleanup: list[bool] = []
     params: list[weakref.ref] = []
 

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from datasets.cache import FrameCache
 from datasets.config import DataConfig
 from datasets.index import build_index
 from datasets.synthetic import generate
@@ -42,8 +43,6 @@ def clip_cache(tmp_path_factory):
     """The clip cache as a search uses it (jpeg, the default): the first epoch decodes each
     video once, later epochs read the stored frames, so this also checks that training on
     cached (lossy) frames still learns."""
-    from datasets.cache import FrameCache
-
     return FrameCache(tmp_path_factory.mktemp("clip-cache"))
 
 
@@ -87,7 +86,7 @@ def test_tiny_learns_synthetic_violence(learning_index, clip_cache):
 def test_tiny_does_not_learn_shuffled_labels(learning_index, clip_cache):
     labels = [v.label for v in learning_index.train]
     random.Random(0).shuffle(labels)
-    shuffled = [dataclasses.replace(v, label=y) for v, y in zip(learning_index.train, labels)]
+    shuffled = [dataclasses.replace(v, label=y) for v, y in zip(learning_index.train, labels, strict=True)]
     assert sum(labels) == sum(v.label for v in learning_index.train)   # still balanced
     accuracies = _fit(shuffled, learning_index.val, cache=clip_cache)
     print("val_acc per epoch, shuffled train labels:", accuracies)

@@ -12,8 +12,9 @@ import math
 import time
 
 import pytest
+import ray
 
-from trainer.lease import LeaseBook
+from trainer.lease import LeaseBook, start_lease
 
 
 class FakeClock:
@@ -51,7 +52,8 @@ def test_second_training_waits_until_the_first_releases():
         clock.now = 30.0
         assert await book.release("b") is True
         assert await book.release("b") is False                    # holds nothing any more
-        assert book.snapshot()["intervals"] == [("a", ("n1/cpu",), 10.0, 20.0), ("b", ("n1/cpu",), 20.0, 30.0)]
+        assert book.snapshot()["intervals"] == [("a", ("n1/cpu",), 10.0, 20.0),
+                                                ("b", ("n1/cpu",), 20.0, 30.0)]
         # each had the device to itself: never two trainings at once
         assert book.concurrent("a", 0.0, 100.0) == 1 and book.concurrent("b", 0.0, 100.0) == 1
         assert book.concurrent("a", 30.0, 40.0) == 0               # nobody held the device then
@@ -114,7 +116,8 @@ def test_every_worker_of_a_trial_gets_the_grant_of_its_first_request():
         await _settle()
         assert rank0.result() == rank1.result() == 25.0
         assert book.snapshot()["holders"] == {"n1/gpu:0": ["t"], "n1/gpu:1": ["t"]}
-        assert len(book.snapshot()["intervals"]) == 2                 # one holding for the trial, not per rank
+        # one holding for the trial, not per rank
+        assert len(book.snapshot()["intervals"]) == 2
         clock.now = 26.0
         assert await book.acquire("t", ["n1/gpu:0"]) == 26.0          # a restarted worker group: at once
 
@@ -161,8 +164,6 @@ def test_a_trial_stopped_while_waiting_leaves_the_queue():
 
 @pytest.fixture
 def lease(ray_session, request):
-    from trainer.lease import start_lease
-
     handle = start_lease(f"test-lease-{request.node.name}", capacity=1)
     yield handle
     ray_session.kill(handle)
@@ -170,8 +171,6 @@ def lease(ray_session, request):
 
 def _wait_until_waiting(lease, owners: list[str], timeout_s: float = 30.0) -> None:
     """Until the actor's queue is `owners` (calls to an async actor may start out of order)."""
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while (waiting := ray.get(lease.snapshot.remote())["waiting"]) != owners:
         assert time.monotonic() < deadline, f"queue is {waiting}, expected {owners}"
@@ -179,8 +178,6 @@ def _wait_until_waiting(lease, owners: list[str], timeout_s: float = 30.0) -> No
 
 @pytest.mark.slow
 def test_the_actor_queues_grants_and_counts(lease):
-    import ray
-
     t0 = ray.get(lease.acquire.remote("a", ["n1/cpu"]))
     second = lease.acquire.remote("b", ["n1/cpu"])
     _wait_until_waiting(lease, ["b"])
@@ -196,8 +193,6 @@ def test_the_actor_queues_grants_and_counts(lease):
 
 @pytest.mark.slow
 def test_the_actor_cancels_a_stopped_waiter(lease):
-    import ray
-
     ray.get(lease.acquire.remote("a", ["n1/cpu"]))
     stopped = lease.acquire.remote("stopped", ["n1/cpu"])
     _wait_until_waiting(lease, ["stopped"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import trainer.loop
 from datasets.transforms import ClipTransform
 from trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
 from trainer.models import build_model, get_spec
@@ -48,8 +49,8 @@ def _constant_lr(optimizer):
 def _epoch(model, loader, optimizer, **kw):
     kw.setdefault("scheduler", _constant_lr(optimizer))
     kw.setdefault("scaler", FP32.make_scaler())
-    return train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
-                           policy=FP32, device="cpu", **kw)
+    return train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False),
+                           optimizer=optimizer, policy=FP32, device="cpu", **kw)
 
 
 def _learn(device, policy) -> tuple[list[float], float, object]:
@@ -92,7 +93,8 @@ def test_loop_learns_a_small_problem_on_the_gpu_under_the_auto_policy():
     losses, accuracy, out = _learn(device, policy)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.5 * losses[0], losses
     assert out.count == 16 and accuracy >= 0.9
-    assert out.probs.device.type == "cpu" and out.probs.dtype == torch.float32 and out.labels.dtype == torch.int64
+    assert (out.probs.device.type == "cpu" and out.probs.dtype == torch.float32
+            and out.labels.dtype == torch.int64)
 
 
 def test_tiny_model_epoch_and_eval_with_augmentation():
@@ -123,11 +125,12 @@ def test_low_precision_epoch_and_eval_on_cpu(name):
     loader = DataLoader(TensorDataset(clips, labels), batch_size=4)
     model = SmallNet()
     optimizer = make_optimizer(model, lr=1e-2, weight_decay=0.0, device="cpu")
-    stats = train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
-                            scheduler=_constant_lr(optimizer), scaler=policy.make_scaler(), policy=policy,
-                            device="cpu")
+    stats = train_one_epoch(model, loader, transform=ClipTransform(MEAN, STD, train=False),
+                            optimizer=optimizer, scheduler=_constant_lr(optimizer),
+                            scaler=policy.make_scaler(), policy=policy, device="cpu")
     assert stats.steps == 2 and math.isfinite(stats.loss_sum)
-    out = evaluate(model, loader, transform=ClipTransform(MEAN, STD, train=False), policy=policy, device="cpu")
+    out = evaluate(model, loader, transform=ClipTransform(MEAN, STD, train=False), policy=policy,
+                   device="cpu")
     assert out.probs.dtype == torch.float32 and out.labels.dtype == torch.int64
     assert out.count == 8 and math.isfinite(out.loss_sum)
 
@@ -148,7 +151,7 @@ def test_grad_accumulation_matches_the_big_batch(clip):
     stats_big = _epoch(big, merged, opt_big, grad_accum_steps=1, clip_grad_norm=clip)
     assert stats_small.steps == stats_big.steps == 2
     assert stats_small.loss_sum == pytest.approx(stats_big.loss_sum, rel=1e-5)
-    for a, b in zip(small.parameters(), big.parameters()):
+    for a, b in zip(small.parameters(), big.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -239,8 +242,6 @@ class _ClockedNet(SmallNet):
 def test_data_wait_is_timed_apart_from_the_step(monkeypatch):
     """4 batches, each 0.5 s in next(loader) and 0.125 s in the step: the wait is the loader's
     time alone (read-ahead included, compute excluded), and the epoch is the sum of both."""
-    import trainer.loop
-
     clips, labels = _data(8)
     clock = _FakeClock()
     monkeypatch.setattr(trainer.loop, "time", clock)
@@ -278,7 +279,7 @@ def test_scheduler_warmup_then_cosine():
     assert lrs[6] == pytest.approx(0.5)                                       # halfway through 8 decay steps
     assert lrs[9] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
     assert lrs[10] == pytest.approx(0.0) and lrs[11] == pytest.approx(0.0)    # stays at the minimum
-    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
 
 
 def test_scheduler_min_lr_and_no_warmup():
@@ -341,7 +342,8 @@ def test_a_learning_rate_of_1e6_diverges_and_the_epoch_stops_early():
     assert not finite_parameters(model)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before:UserWarning")   # the skipped steps
+# the skipped steps
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before:UserWarning")
 def test_fp16_gradient_overflow_is_skipped_not_divergence():
     """fp16 with a GradScaler whose scale overflows every gradient: the scaler skips those steps
     (and lowers its scale), the loss stays finite and the weights unchanged: no divergence."""
@@ -351,9 +353,10 @@ def test_fp16_gradient_overflow_is_skipped_not_divergence():
     before = [p.detach().clone() for p in model.parameters()]
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    stats = train_one_epoch(model, _batches(8), transform=ClipTransform(MEAN, STD, train=False), optimizer=optimizer,
-                            scheduler=_constant_lr(optimizer), scaler=scaler, policy=policy, device="cpu",
-                            finite_check_every=1)
+    stats = train_one_epoch(model, _batches(8), transform=ClipTransform(MEAN, STD, train=False),
+                            optimizer=optimizer, scheduler=_constant_lr(optimizer), scaler=scaler,
+                            policy=policy, device="cpu", finite_check_every=1)
     assert stats.steps == 4 and math.isfinite(stats.loss_sum)
     assert scaler.get_scale() < 2.0 ** 40                                  # it saw inf gradients
-    assert finite_parameters(model) and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert finite_parameters(model) and all(torch.equal(a, b)
+                                            for a, b in zip(before, model.parameters(), strict=True))

@@ -14,13 +14,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.metrics import (METRIC_KEYS, EpochStats, EvalOutputs, classification_metrics, peak_memory_mb,
-                             reduce_epoch, roc_auc)
+from trainer import precision
+from trainer.metrics import (
+    METRIC_KEYS,
+    EpochStats,
+    EvalOutputs,
+    classification_metrics,
+    peak_memory_mb,
+    reduce_epoch,
+    roc_auc,
+    steady_state,
+)
 
 
 def _pairwise_auc(probs, labels) -> float:
-    pos = [p for p, y in zip(probs, labels) if y == 1]
-    neg = [p for p, y in zip(probs, labels) if y == 0]
+    pos = [p for p, y in zip(probs, labels, strict=True) if y == 1]
+    neg = [p for p, y in zip(probs, labels, strict=True) if y == 0]
     wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in itertools.product(pos, neg))
     return wins / (len(pos) * len(neg))
 
@@ -103,8 +112,6 @@ def test_peak_memory_on_cpu_is_the_process_peak_rss_in_mib():
 
 @pytest.mark.gpu
 def test_peak_memory_on_the_gpu_is_the_tensor_peak_not_the_process():
-    from trainer import precision
-
     device = torch.device("cuda", torch.cuda.current_device())
     precision.synchronize(device)
     precision.reset_peak_memory(device)
@@ -129,7 +136,8 @@ def _worker(rank: int, world: int, store_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     try:
         kwargs, probs, labels = SHARDS[rank]
-        out = EvalOutputs(torch.tensor(probs), torch.tensor(labels), loss_sum=float(len(probs)), count=len(probs))
+        out = EvalOutputs(torch.tensor(probs), torch.tensor(labels), loss_sum=float(len(probs)),
+                          count=len(probs))
         metrics = reduce_epoch(EpochStats(**kwargs), out)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(metrics, f)
@@ -156,8 +164,6 @@ def test_two_process_gloo_reduce_gives_every_rank_the_global_metrics(tmp_path):
 
 
 def test_steady_state_is_the_median_of_epochs_2_and_later():
-    from trainer.metrics import steady_state
-
     # epoch 1 (worker start, autotuning, cache fill) is left out however slow it was
     assert steady_state({1: 3.0, 2: 40.0, 3: 10.0, 4: 30.0}) == 30.0
     assert steady_state([3.0, 40.0, 10.0, 30.0, 20.0]) == 25.0        # list in epoch order, even count

@@ -17,9 +17,18 @@ from torch import nn
 from torchvision.models.video.swin_transformer import SwinTransformer3d
 
 from trainer import models
-from trainer.models import (MODEL_NAMES, WeightsError, build_model, check_input_size, classifier, get_spec,
-                            head_parameters, prepare_input_transform, prepare_model_memory_format,
-                            set_backbone_trainable)
+from trainer.models import (
+    MODEL_NAMES,
+    WeightsError,
+    build_model,
+    check_input_size,
+    classifier,
+    get_spec,
+    head_parameters,
+    prepare_input_transform,
+    prepare_model_memory_format,
+    set_backbone_trainable,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +52,8 @@ def test_registry_lists_all_models():
 
 @pytest.mark.parametrize("call", [get_spec, build_model, lambda n: check_input_size(n, 8, 64, 64)])
 def test_unknown_model_lists_known_names(call):
-    with pytest.raises(ValueError, match="unknown model 'resnet'.*mvit_v2_s.*tiny|unknown model 'resnet'.*tiny"):
+    with pytest.raises(ValueError,
+                       match="unknown model 'resnet'.*mvit_v2_s.*tiny|unknown model 'resnet'.*tiny"):
         call("resnet")
 
 
@@ -91,7 +101,7 @@ def test_weights_round_trip_keeps_trained_head(tiny, tmp_path):
     path = tmp_path / "tiny.pth"
     torch.save(tiny.state_dict(), path)
     loaded = build_model("tiny", weights=str(path))
-    for (k, a), b in zip(tiny.state_dict().items(), loaded.state_dict().values()):
+    for (k, a), b in zip(tiny.state_dict().items(), loaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
 
@@ -125,9 +135,10 @@ def test_weights_with_kinetics_sized_head_are_replaced(tmp_path):
 
 def test_weights_of_another_architecture_name_file_and_model(tmp_path):
     path = tmp_path / "other.pth"
-    other = models.MViT(spatial_size=(64, 64), temporal_size=8, residual_pool=True, residual_with_cls_embed=False,
-                        rel_pos_embed=True, proj_after_attn=True, num_classes=2,
-                        block_setting=[models.MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4])] * 2)
+    block = models.MSBlockConfig(1, 16, 16, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4])
+    other = models.MViT(spatial_size=(64, 64), temporal_size=8, residual_pool=True,
+                        residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True,
+                        num_classes=2, block_setting=[block] * 2)
     torch.save(other.state_dict(), path)
     with pytest.raises(WeightsError, match=f"{path}.*does not fit model 'tiny'"):
         build_model("tiny", weights=str(path))
@@ -255,7 +266,8 @@ def _malicious_files(tmp_path):
     for protocol in (2, 4):
         marker = tmp_path / f"marker-exec-{protocol}"
         with open(tmp_path / f"exec-{protocol}.pth", "wb") as f:
-            pickle.dump({"model": _Payload(exec, f"open({str(marker)!r}, 'w').close()")}, f, protocol=protocol)
+            pickle.dump({"model": _Payload(exec, f"open({str(marker)!r}, 'w').close()")}, f,
+                        protocol=protocol)
         out.append((tmp_path / f"exec-{protocol}.pth", marker, protocol == 2))
     # a vidtune checkpoint folder (--weights accepts one) holding a payload
     m3 = tmp_path / "marker-ckpt"
@@ -272,10 +284,12 @@ def test_a_malicious_weights_file_is_refused_and_runs_no_code(tmp_path):
         with pytest.raises(WeightsError) as info:
             build_model("tiny", weights=str(path))
         msg = str(info.value)
-        assert msg.startswith(f"weights file {path}") and "weights_only=False" not in msg  # torch's advice: not passed on
+        # "weights_only=False": torch's advice, not passed on
+        assert msg.startswith(f"weights file {path}") and "weights_only=False" not in msg
         if refused:
             assert "refused: it holds Python objects other than tensors and plain data (" in msg
-            assert "could run code" in msg and re.search(r"plain data \((posix\.system|exec|posix\.mkdir)\)", msg)
+            assert "could run code" in msg and re.search(
+                r"plain data \((posix\.system|exec|posix\.mkdir)\)", msg)
         else:
             assert msg.endswith("is not a loadable PyTorch state dict: Unsupported operand 149")
         assert not marker.exists(), f"loading {path} ran its payload"

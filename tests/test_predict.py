@@ -22,9 +22,11 @@ def checkpoint_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = build_model("tiny")
     optimizer = torch.optim.AdamW(model.parameters())
-    save_checkpoint(out, model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+    save_checkpoint(out, model=model, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
                     scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
-                    config=TrainConfig().to_dict(), spec=get_spec("tiny"), class_names={1: "Fight", 0: "NonFight"})
+                    config=TrainConfig().to_dict(), spec=get_spec("tiny"),
+                    class_names={1: "Fight", 0: "NonFight"})
     return out
 
 
@@ -69,11 +71,13 @@ def test_predict_names_a_damaged_video_and_scores_the_rest(synthetic_root, check
     damaged = tmp_path / "damaged.mp4"
     damaged.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 2000)
     good = _videos(synthetic_root, 1)[0]
-    code = predict.main(["--checkpoint", str(checkpoint_dir), "--window-stride", "10", str(damaged), str(good)])
+    code = predict.main(["--checkpoint", str(checkpoint_dir), "--window-stride", "10", str(damaged),
+                         str(good)])
     out, err = capsys.readouterr()
     assert code == 1 and "damaged.mp4" in err
     # 3 s video, 1 s clip, windows 10 s apart: the first window and one flush with the end
-    assert re.search(rf"^{re.escape(str(good))}: P\(Fight\) max [0-9.]+ mean [0-9.]+ over 2 windows$", out, flags=re.M), out
+    assert re.search(rf"^{re.escape(str(good))}: P\(Fight\) max [0-9.]+ mean [0-9.]+ over 2 windows$", out,
+                     flags=re.M), out
 
 
 def test_predict_bad_checkpoint_exits_2(tmp_path, synthetic_root, capsys):

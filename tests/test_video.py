@@ -5,6 +5,7 @@ import json
 import logging
 import pickle
 import re
+import runpy
 import shutil
 from pathlib import Path
 
@@ -12,12 +13,13 @@ import decord
 import numpy as np
 import pytest
 import torch
+from torchvision.io import encode_jpeg
 
+from datasets.decode import read_frames
 from datasets.errors import DataError
+from datasets.flags import ConfigError
 from datasets.records import VideoInfo
 from datasets.synthetic import write_video
-from datasets.decode import read_frames
-from datasets.flags import ConfigError
 from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips, sample_indices
 from trainer.launch import check_batch_sizes
 
@@ -76,9 +78,10 @@ def test_item_is_uint8_clip_of_the_requested_size_and_the_right_frames(train_inf
         assert isinstance(label, int) and label == train_infos[i].label
         # 45 frames, span 15: the centred window starts at 15.
         np.testing.assert_array_equal(ds.clip_indices(i), np.arange(15, 30, 2))
-        whole = decord.VideoReader(str(train_infos[i].path), num_threads=1).get_batch(list(range(15, 30, 2))).asnumpy()
-        resized = torch.nn.functional.interpolate(torch.from_numpy(whole).permute(0, 3, 1, 2).float(), size=(64, 48),
-                                                  mode="bilinear", antialias=True)
+        reader = decord.VideoReader(str(train_infos[i].path), num_threads=1)
+        whole = reader.get_batch(list(range(15, 30, 2))).asnumpy()
+        resized = torch.nn.functional.interpolate(torch.from_numpy(whole).permute(0, 3, 1, 2).float(),
+                                                  size=(64, 48), mode="bilinear", antialias=True)
         assert (clip.permute(0, 3, 1, 2).float() - resized).abs().mean() < 6   # same frames, resized
 
 
@@ -104,7 +107,8 @@ def test_mp4_and_avi_and_odd_names_all_read(train_infos):
 
 
 def test_train_jitters_per_epoch_reproducibly_and_val_is_centred(train_infos):
-    train = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=True, seed=1)
+    train = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=True,
+                             seed=1)
     starts = []
     for epoch in range(8):
         train.set_epoch(epoch)
@@ -112,11 +116,13 @@ def test_train_jitters_per_epoch_reproducibly_and_val_is_centred(train_infos):
         assert np.all(np.diff(idx) == 2) and idx[0] >= 0 and idx[-1] < 45
         starts.append(int(idx[0]))
     assert len(set(starts)) > 3                                   # the window moves between epochs
-    again = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=True, seed=1)
+    again = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=True,
+                             seed=1)
     again.set_epoch(5)
     assert int(again.clip_indices(0)[0]) == starts[5]             # same (seed, epoch, index), same window
     assert len({int(again.clip_indices(i)[0]) for i in range(10)}) > 3   # items differ within an epoch
-    val = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=False, seed=1)
+    val = VideoClipDataset(train_infos, num_frames=8, frame_stride=2, height=32, width=32, train=False,
+                           seed=1)
     seen = set()
     for epoch in range(3):
         val.set_epoch(epoch)
@@ -220,7 +226,7 @@ def test_jitter_is_reproducible_across_workers_and_epoch_reaches_persistent_work
         return out
 
     single, multi = run(0), run(2)
-    for a, b in zip(single, multi):
+    for a, b in zip(single, multi, strict=True):
         assert torch.equal(a, b)          # same clips whichever process decodes them, every epoch
     assert not torch.equal(single[1], single[2])
 
@@ -315,9 +321,8 @@ def test_reads_are_counted_without_a_cache_and_the_loader_collates_as_before(sma
 
 @pytest.mark.slow
 def test_data_loading_bench_prints_its_table(capsys, tmp_path):
-    import runpy
-
-    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "data_loading.py"), run_name="bench")
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "data_loading.py"),
+                           run_name="bench")
     report = tmp_path / "bench.json"
     assert bench["main"](["--quick", "--json", str(report)]) == 0
     out = capsys.readouterr().out
@@ -327,7 +332,8 @@ def test_data_loading_bench_prints_its_table(capsys, tmp_path):
     assert "jpeg warm" in out and "raw warm" in out and "KB/frame" in out
     data = json.loads(report.read_text())
     readers = {r["reader"] for r in data["rows"] if r["table"] == "cache"}
-    assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord", "raw first read (checks crc32)"} <= readers
+    assert {"decord", "jpeg warm", "raw warm", "DataLoader 1w, decord",
+            "raw first read (checks crc32)"} <= readers
     assert data["ratios"]["warm_cache_vs_decord"] > 0 and set(data["disk"]) == {"jpeg", "raw"}
     assert data["ratios"]["first_read_vs_decord"] > 0 and "first read of a raw entry" in out
 
@@ -336,10 +342,9 @@ def test_data_loading_bench_prints_its_table(capsys, tmp_path):
 def test_jpeg_frames_are_decoded_on_the_gpu_like_on_the_cpu():
     """A mixed batch (one decoded clip, two of JPEG frames) lands on the GPU in batch order, its
     JPEG frames decoded there (nvJPEG) to what the CPU decoder gives."""
-    from torchvision.io import encode_jpeg
-
     device = torch.device("cuda", torch.cuda.current_device())
-    ramp = torch.arange(32, dtype=torch.uint8).mul(3)               # smooth frames (max 249): decoders agree closely
+    # smooth frames (max 249): decoders agree closely
+    ramp = torch.arange(32, dtype=torch.uint8).mul(3)
     frames = torch.stack([(ramp[:, None, None] + ramp[None, :, None] // 2 + 10 * t + torch.tensor([0, 40, 80],
                           dtype=torch.uint8)) for t in range(4)])   # T x H x W x C uint8
     jpegs = [encode_jpeg(f.permute(2, 0, 1).contiguous(), quality=95) for f in frames]

@@ -3,18 +3,26 @@ project's `datasets`, 2-worker DDP matches 1 worker, out of memory (in an epoch 
 model is built) and divergence are reports, not crashes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
+import ray.train
 import torch
+from ray.util.queue import Queue
+from torch import nn
 
+from datasets.config import DataConfig
+from trainer import models
 from trainer.checkpointing import CheckpointError, load_checkpoint, restore_training_state, save_checkpoint
 from trainer.config import TrainConfig
-from trainer.models import build_model, get_spec
+from trainer.launch import build_torch_trainer
 from trainer.loop import make_optimizer, make_scheduler
+from trainer.models import build_model, get_spec
+from trainer.precision import is_out_of_memory
 from trainer.run import ShardSampler
-from trainer.worker import METRIC_KEYS
+from trainer.worker import METRIC_KEYS, train_loop_per_worker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,8 +125,6 @@ def test_shard_sampler_covers_every_item_once():
 
 
 def test_out_of_memory_is_recognised():
-    from trainer.precision import is_out_of_memory
-
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     try:
         torch.empty(2**50, dtype=torch.uint8)  # a real CPU allocator failure (RuntimeError)
@@ -131,8 +137,6 @@ def test_out_of_memory_is_recognised():
 
 def _small(root, **changes) -> TrainConfig:
     """Tiny model, short clips, fp32: a Ray trial that trains in seconds on a CPU."""
-    from datasets.config import DataConfig
-
     data = DataConfig(root=str(root), loader_workers=1)
     return TrainConfig(data=data, **{"model": "tiny", "precision": "fp32", "lr": 1e-3, **changes})
 
@@ -140,9 +144,6 @@ def _small(root, **changes) -> TrainConfig:
 def _collecting_callback():
     """A Train callback (runs in the controller actor) that forwards rank 0's reports to a
     queue the test reads; the same path TuneReportCallback takes."""
-    import ray.train
-    from ray.util.queue import Queue
-
     queue = Queue(actor_options={"num_cpus": 0})
 
     class Collect(ray.train.UserCallback):
@@ -168,7 +169,7 @@ def test_ray_workers_import_this_projects_datasets(ray_session):
     elsewhere, imports this project's `datasets`, not Hugging Face's (installed too)."""
     @ray_session.remote(num_cpus=0)
     def where():
-        import datasets
+        import datasets  # in the Ray worker, on purpose: which `datasets` it finds is the test
 
         return datasets.__file__
 
@@ -180,8 +181,6 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     """A 1-epoch fit reports every metric key and a checkpoint; rerun under the same name with
     epochs=2, the worker restores it and runs epoch 2 only; with that latest checkpoint damaged,
     a third run falls back to epoch 1's."""
-    from trainer.launch import build_torch_trainer
-
     callback, drain = _collecting_callback()
     first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8, cpu_threads=2), name="resume",
                                 storage_path=str(tmp_path), callbacks=[callback]).fit()
@@ -190,8 +189,10 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     metrics, ckpt_path = reports[0]
     assert set(metrics) == set(METRIC_KEYS)
     assert metrics["oom"] == 0 and metrics["batch_size"] == 8 and isinstance(metrics["node_id"], str)
-    assert metrics["diverged"] == 0 and metrics["gpu_ids"] == "" and metrics["node_ip"]   # the CPU: no GPU ids
-    assert 0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0 and math.isfinite(metrics["train_loss"])
+    # the CPU: no GPU ids
+    assert metrics["diverged"] == 0 and metrics["gpu_ids"] == "" and metrics["node_ip"]
+    assert (0.0 <= metrics["val_acc"] <= 1.0 and metrics["clips_per_s"] > 0
+            and math.isfinite(metrics["train_loss"]))
     assert metrics["torch_threads"] == 2                       # --cpu-threads, not the 1 CPU Ray reserved
     assert 0.0 <= metrics["other_cpu_cores"] < 2.0             # measured (not NaN) on Linux
     saved = load_checkpoint(first.checkpoint.path)
@@ -219,7 +220,8 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     build_torch_trainer(_small(synthetic_root, epochs=2, batch_size=8), name="resume",
                         storage_path=str(tmp_path), callbacks=[callback]).fit()
     third_reports = drain()
-    assert [(m["epoch"], m["resumed_from_epoch"], m["damaged_checkpoints"]) for m, _ in third_reports] == [(2, 1, 1)]
+    assert [(m["epoch"], m["resumed_from_epoch"], m["damaged_checkpoints"])
+            for m, _ in third_reports] == [(2, 1, 1)]
     assert Path(third_reports[0][1]).name.startswith("epoch_0002-")
 
 
@@ -227,8 +229,6 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
 def test_two_worker_ddp_matches_one_worker(ray_session, synthetic_root, tmp_path):
     """Same global batch (8 = 2 x 4), same data order, same init: the 2-worker DDP run ends where
     the 1-worker run does, within augmentation/dropout noise (each rank draws its own)."""
-    from trainer.launch import build_torch_trainer
-
     results = {}
     for workers, batch in ((1, 8), (2, 4)):
         cfg = _small(synthetic_root, epochs=1, batch_size=batch, lr=3e-3, warmup_frac=0.0)
@@ -251,15 +251,8 @@ def test_two_worker_ddp_matches_one_worker(ray_session, synthetic_root, tmp_path
 def test_out_of_memory_reports_oom_and_returns(ray_session, synthetic_root, tmp_path):
     """A model whose forward really runs out of memory (the CPU allocator refuses 1 PiB): the
     trial reports oom=1 with worst-case metrics and no checkpoint, and fit() returns normally."""
-    from trainer.launch import build_torch_trainer
-    from trainer.worker import train_loop_per_worker
-
     def loop_with_greedy_model(config):
         # Runs in the Ray worker: register a model whose forward asks for 1 PiB.
-        from torch import nn
-
-        from trainer import models
-
         class Greedy(nn.Module):
             def __init__(self, num_classes=2):
                 super().__init__()
@@ -269,8 +262,6 @@ def test_out_of_memory_reports_oom_and_returns(ray_session, synthetic_root, tmp_
             def forward(self, x):
                 torch.empty(2**50, dtype=torch.uint8, device=x.device)
                 return self.inner(x)
-
-        import dataclasses
 
         models._REGISTRY["greedy"] = dataclasses.replace(models._REGISTRY["tiny"], builder=Greedy)
         train_loop_per_worker(config)
@@ -295,15 +286,8 @@ def test_out_of_memory_while_building_the_model_is_a_report(ray_session, synthet
     """A model that runs out of memory as it is built, before any epoch (as moving it to a full
     GPU does): one oom=1 report, no checkpoint, and fit() returns normally instead of raising an
     error that Ray would retry."""
-    from trainer.launch import build_torch_trainer
-    from trainer.worker import train_loop_per_worker
-
     def loop_with_unbuildable_model(config):
         # Runs in the Ray worker: register a model whose builder runs out of memory.
-        import dataclasses
-
-        from trainer import models
-
         def build(num_classes=2):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
@@ -328,8 +312,6 @@ def test_a_learning_rate_of_1e6_ends_the_run_as_diverged(ray_session, synthetic_
     reports diverged=1 once, with no accuracy, no speed and no checkpoint, and fit() returns
     normally (no error for Ray to retry). Before, it trained on and reported the share of one
     class as its val_acc, every epoch, with checkpoints."""
-    from trainer.launch import build_torch_trainer
-
     callback, drain = _collecting_callback()
     cfg = _small(synthetic_root, epochs=2, batch_size=8, lr=1e6)
     result = build_torch_trainer(cfg, name="diverges", storage_path=str(tmp_path), callbacks=[callback]).fit()
