@@ -19,7 +19,8 @@ def has_module(name: str) -> bool:
     """`name` exists in this checkout, not only in another one installed in editable mode (whose
     import hook answers for the modules this checkout lacks, e.g. when benchmarking an older commit)."""
     spec = importlib.util.find_spec(name)
-    return spec is not None and spec.origin is not None and Path(spec.origin).resolve().is_relative_to(REPO_ROOT)
+    return (spec is not None and spec.origin is not None
+            and Path(spec.origin).resolve().is_relative_to(REPO_ROOT))
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -39,7 +40,8 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, digit
 
     def line(values: Sequence[str]) -> str:
         first, rest = values[0], values[1:]
-        return "  ".join([f"{first:<{widths[0]}}", *(f"{v:>{w}}" for v, w in zip(rest, widths[1:], strict=False))]).rstrip()
+        right = (f"{v:>{w}}" for v, w in zip(rest, widths[1:], strict=False))
+        return "  ".join([f"{first:<{widths[0]}}", *right]).rstrip()
 
     return "\n".join([line([str(h) for h in headers]), "  ".join("-" * w for w in widths), *map(line, cells)])
 
@@ -69,7 +71,8 @@ def machine_facts() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+        dirty = bool(subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain",
+                                     "--untracked-files=no"],
                                     capture_output=True, text=True, timeout=5).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None

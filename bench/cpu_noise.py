@@ -35,7 +35,8 @@ NOISE = ("import sys, time\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="model from trainer/models.py (default tiny)")
     p.add_argument("--batch-size", type=int, default=8, help="clips per step (default 8)")
     p.add_argument("--steps", type=int, default=30, help="training steps per timing (default 30)")
@@ -92,12 +93,12 @@ class Training:
     DataLoader gives them), trained with the project's epoch function."""
 
     def __init__(self, model: str, batch_size: int, steps: int):
-        import torch
+        import torch  # heavy (seconds): --help and argument errors answer without torch
 
-        from datasets.transforms import ClipTransform
-        from trainer.loop import make_optimizer, make_scheduler
-        from trainer.models import build_model, get_spec
-        from trainer.precision import choose_precision
+        from datasets.transforms import ClipTransform  # imports torch: as above
+        from trainer.loop import make_optimizer, make_scheduler  # imports torch: as above
+        from trainer.models import build_model, get_spec  # imports torch: as above
+        from trainer.precision import choose_precision  # imports torch: as above
 
         spec = get_spec(model)
         g = torch.Generator().manual_seed(0)
@@ -114,7 +115,7 @@ class Training:
 
     def epoch(self) -> tuple[float, float]:
         """(wall s, this process's CPU s) of one pass over the clips."""
-        from trainer.loop import train_one_epoch
+        from trainer.loop import train_one_epoch  # imports torch (see Training.__init__)
 
         wall, cpu = time.perf_counter(), time.process_time()
         train_one_epoch(self.model, self.batches, transform=self.transform, optimizer=self.optimizer,
@@ -123,7 +124,7 @@ class Training:
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
-    import torch
+    import torch  # heavy (see Training.__init__)
 
     training = Training(args.model, args.batch_size, args.steps)
     cases = [(threads, cores) for threads in args.threads for cores in args.noise_cores]
@@ -152,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     rows = measure(args)
     first = args.noise_cores[0]
-    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps a timing, median of {args.rounds} rounds; "
-          f"background: {args.noise_processes} processes, {args.burst_ms:g} ms bursts; {os.cpu_count()} cores")
-    print(format_table(("threads", "background cores", "wall s", "clips/s", f"x time at {first:g} cores", "CPU s"),
-                       [(r["threads"], r["noise_cores"], r["wall_s"], r["clips_per_s"], r["x_first"], r["cpu_s"])
-                        for r in rows], digits=2))
+    print(f"\n{args.model}, batch {args.batch_size}, {args.steps} steps a timing, median of {args.rounds} "
+          f"rounds; background: {args.noise_processes} processes, {args.burst_ms:g} ms bursts; "
+          f"{os.cpu_count()} cores")
+    print(format_table(("threads", "background cores", "wall s", "clips/s", f"x time at {first:g} cores",
+                        "CPU s"),
+                       [(r["threads"], r["noise_cores"], r["wall_s"], r["clips_per_s"], r["x_first"],
+                         r["cpu_s"]) for r in rows], digits=2))
     if args.json:
         write_json(args.json, {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
                                "rounds": args.rounds, "noise_processes": args.noise_processes,

@@ -35,6 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from mlflow.tracking import MlflowClient
+
+from bench.common import write_json
+from datasets.synthetic import generate
+from trainer.precision import choose_precision, configure_backends, default_device
 from tune.tracking import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-timeout-s", type=float, default=200,
                    help="the search is interrupted past this (default 200)")
     p.add_argument("--keep", metavar="DIR", default=None,
-                   help="work folder to keep (videos, MLflow store, Ray results, logs); default: a temporary one")
-    p.add_argument("--json", metavar="FILE", default=None, help="also write the checks and figures as JSON")
+                   help="work folder to keep (videos, MLflow store, Ray results, logs); "
+                        "default: a temporary one")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the checks and figures as JSON")
     return p
 
 
@@ -94,17 +102,17 @@ def validate(args: argparse.Namespace) -> None:
 
 def no_gpu_reason() -> str | None:
     """One line saying why this machine cannot run the check; None when it has a CUDA device."""
-    import torch
-
     if torch.cuda.is_available():
         return None
-    return (f"gpu-check: refused: torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'}) "
+    return (f"gpu-check: refused: torch {torch.__version__} "
+            f"(CUDA {torch.version.cuda or 'none: a CPU-only build'}) "
             "sees no CUDA device here; this check needs one GPU (nothing was run)")
 
 
 # -- running the steps ---------------------------------------------------------------------------
 
-def run_logged(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, str], cwd: Path) -> int:
+def run_logged(cmd: list[str], *, log_path: Path, timeout_s: float, env: dict[str, str],
+               cwd: Path) -> int:
     """Run `cmd` with its output in `log_path`; past `timeout_s` interrupt it (SIGINT: the search
     closes its runs and Ray), kill it 30 s later. Returns the exit code."""
     with open(log_path, "w") as log:
@@ -133,7 +141,8 @@ def search_argv(args: argparse.Namespace, data: Path, work: Path, name: str = EX
     return ["--data", str(data), "--model", MODEL, "--weights", "none", "--epochs", str(args.epochs),
             "--num-samples", str(args.num_samples), "--batch-sizes", args.batch_sizes, "--no-early-stop",
             "--seed", "0", "--storage", str(work / "results"), "--name", name,
-            "--mlflow-uri", mlflow_uri(work), "--experiment", EXPERIMENT, "--cache-dir", str(work / "clips")]
+            "--mlflow-uri", mlflow_uri(work), "--experiment", EXPERIMENT,
+            "--cache-dir", str(work / "clips")]
 
 
 def mlflow_uri(work: Path) -> str:
@@ -148,8 +157,6 @@ def child_env(work: Path) -> dict[str, str]:
 
 def load_trial_runs(uri: str, experiment: str) -> list[TrialRun]:
     """The child runs (one per trial) of the newest search parent run in `experiment`."""
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -160,8 +167,10 @@ def load_trial_runs(uri: str, experiment: str) -> list[TrialRun]:
         raise CheckFailed(f"no parent run in experiment {experiment!r} of {uri}")
     parent = parents[-1].info.run_id
     out = []
-    for r in sorted((r for r in runs if r.data.tags.get(PARENT_TAG) == parent), key=lambda r: r.info.start_time):
-        history = {k: [m.value for m in sorted(client.get_metric_history(r.info.run_id, k), key=lambda m: m.step)]
+    for r in sorted((r for r in runs if r.data.tags.get(PARENT_TAG) == parent),
+                    key=lambda r: r.info.start_time):
+        history = {k: [m.value for m in sorted(client.get_metric_history(r.info.run_id, k),
+                                               key=lambda m: m.step)]
                    for k in EPOCH_METRICS}
         out.append(TrialRun(r.info.run_name or r.info.run_id, r.info.status, dict(r.data.params),
                             dict(r.data.tags), history))
@@ -184,14 +193,15 @@ def check_precision_table(doc: dict[str, Any]) -> str:
     require(bool(measured), f"no row measured ({len(rows)} rows, {len(doc.get('skipped') or [])} skipped)")
     require(all(r["clips_per_s"] > 0 for r in measured), "a row measured 0 clips/s")
     best = max(measured, key=lambda r: r["clips_per_s"])
-    return (f"{len(measured)} rows on {doc.get('device')}; fastest {best['precision']} batch {best['batch_size']} "
-            f"{best['clips_per_s']:.0f} clips/s, peak {best['peak_mib']:.0f} MiB"
+    return (f"{len(measured)} rows on {doc.get('device')}; fastest {best['precision']} "
+            f"batch {best['batch_size']} {best['clips_per_s']:.0f} clips/s, peak {best['peak_mib']:.0f} MiB"
             + (f"; {len(doc['skipped'])} skipped (budget)" if doc.get("skipped") else ""))
 
 
 def check_trials(runs: list[TrialRun], trials: int, epochs: int) -> str:
     require(len(runs) == trials, f"{len(runs)} child runs in MLflow, expected {trials} (one per trial)")
-    why = lambda r: r.tags.get("vidtune.failure_reason") or r.tags.get("vidtune.stop_reason") or ""  # noqa: E731
+    why = lambda r: (r.tags.get("vidtune.failure_reason")  # noqa: E731
+                     or r.tags.get("vidtune.stop_reason") or "")
     unfinished = [f"{r.name} {r.status}: {why(r)}" for r in runs if r.status != "FINISHED"]
     require(not unfinished, "not FINISHED: " + "; ".join(unfinished))
     short = [f"{r.name} ({len(r.history.get('clips_per_s', []))})" for r in runs
@@ -202,10 +212,10 @@ def check_trials(runs: list[TrialRun], trials: int, epochs: int) -> str:
 
 def check_auto_precision(capability: tuple[int, int], resolved: str) -> str:
     expected = "bf16" if tuple(capability) >= (8, 0) else "fp16"
-    require(resolved == expected, f"choose_precision('auto') gave {resolved} on sm {capability[0]}.{capability[1]}, "
-                                  f"expected {expected}")
-    return (f"sm {capability[0]}.{capability[1]}: choose_precision('auto') -> {resolved}, as each worker calls it "
-            "(no worker reports the precision it resolved)")
+    require(resolved == expected, f"choose_precision('auto') gave {resolved} on sm "
+                                  f"{capability[0]}.{capability[1]}, expected {expected}")
+    return (f"sm {capability[0]}.{capability[1]}: choose_precision('auto') -> {resolved}, as each worker "
+            "calls it (no worker reports the precision it resolved)")
 
 
 def check_precision_param(runs: list[TrialRun]) -> str:
@@ -221,9 +231,11 @@ def check_cudnn_benchmark(benchmark_on: bool) -> str:
 
 def check_one_training_per_gpu(runs: list[TrialRun]) -> str:
     bad = [f"{r.name}: {r.history.get('concurrent_trainings') or 'not logged'}" for r in runs
-           if not r.history.get("concurrent_trainings") or any(v != 1 for v in r.history["concurrent_trainings"])]
+           if not r.history.get("concurrent_trainings")
+           or any(v != 1 for v in r.history["concurrent_trainings"])]
     require(not bad, "concurrent_trainings != 1 in some epoch: " + "; ".join(map(str, bad)))
-    return f"concurrent_trainings == 1 in all {sum(len(r.history['concurrent_trainings']) for r in runs)} epochs"
+    epochs = sum(len(r.history["concurrent_trainings"]) for r in runs)
+    return f"concurrent_trainings == 1 in all {epochs} epochs"
 
 
 def check_gpu_ids(runs: list[TrialRun]) -> str:
@@ -259,7 +271,8 @@ def run_checks(steps: Iterable[tuple[str, Callable[[], str]]]) -> list[Check]:
         try:
             detail = step()
         except Exception as e:  # noqa: BLE001 - the table and the one line must still come out
-            done.append(Check(name, False, str(e) if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"))
+            done.append(Check(name, False,
+                              str(e) if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"))
             break
         done.append(Check(name, True, detail))
     return done
@@ -269,8 +282,8 @@ def format_checks(checks: list[Check]) -> str:
     """One line per check (the first line of its detail), left-aligned."""
     width = max((len(c.name) for c in checks), default=5)
     lines = [f"{'check':<{width}}  result  detail", f"{'-' * width}  ------  ------"]
-    lines += [f"{c.name:<{width}}  {'PASS' if c.passed else 'FAIL':<6}  {c.detail.splitlines()[0] if c.detail else ''}"
-              for c in checks]
+    lines += [f"{c.name:<{width}}  {'PASS' if c.passed else 'FAIL':<6}  "
+              f"{c.detail.splitlines()[0] if c.detail else ''}" for c in checks]
     return "\n".join(lines)
 
 
@@ -280,60 +293,51 @@ class GpuCheck:
     """The steps of one run, sharing the work folder and what earlier steps produced."""
 
     def __init__(self, args: argparse.Namespace, work: Path):
-        from trainer.precision import default_device
-
         self.args, self.work, self.figures = args, work, {}
         self.device = default_device()          # the first GPU (main refused to run without one)
         self.runs: list[TrialRun] = []
 
     def precision_table(self) -> str:
         out, log = self.work / "precision.json", self.work / "precision.log"
-        cmd = [sys.executable, "-m", "bench.gpu_precision", "--model", MODEL, "--batch-sizes", "8", "--no-data",
-               "--warmup-steps", "3", "--steps", "5", "--max-seconds", f"{self.args.bench_seconds:g}",
-               "--json", str(out)]
-        code = run_logged(cmd, log_path=log, timeout_s=self.args.bench_seconds + 120, env=child_env(self.work),
-                          cwd=REPO_ROOT)
+        cmd = [sys.executable, "-m", "bench.gpu_precision", "--model", MODEL, "--batch-sizes", "8",
+               "--no-data", "--warmup-steps", "3", "--steps", "5",
+               "--max-seconds", f"{self.args.bench_seconds:g}", "--json", str(out)]
+        code = run_logged(cmd, log_path=log, timeout_s=self.args.bench_seconds + 120,
+                          env=child_env(self.work), cwd=REPO_ROOT)
         require(code == 0 and out.is_file(), f"bench.gpu_precision exited {code}:\n    {tail(log)}")
         print(log.read_text(errors="replace"), flush=True)
         self.figures["precision_table"] = doc = json.loads(out.read_text())
         return check_precision_table(doc)
 
     def search(self) -> str:
-        from datasets.synthetic import generate
-
         t0 = time.perf_counter()
         data = generate(self.work / "videos", videos=self.args.videos, size=112, seed=0,
                         workers=min(os.cpu_count() or 1, 16), overwrite=True)
         made = time.perf_counter() - t0
         log = self.work / "search.log"
         name = f"{EXPERIMENT}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cmd = [sys.executable, str(REPO_ROOT / "tune" / "search.py"), *search_argv(self.args, data, self.work, name)]
+        cmd = [sys.executable, str(REPO_ROOT / "tune" / "search.py"),
+               *search_argv(self.args, data, self.work, name)]
         print("$ " + " ".join(cmd[1:]), flush=True)
         t1 = time.perf_counter()
         code = run_logged(cmd, log_path=log, timeout_s=self.args.search_timeout_s, env=child_env(self.work),
                           cwd=self.work)
         took = time.perf_counter() - t1
         self.figures["search"] = {"exit": code, "seconds": took, "videos_s": made, "argv": cmd[2:]}
-        require(code == 0, (f"interrupted after {self.args.search_timeout_s:g} s" if code == -1 else f"exited {code}")
+        require(code == 0, (f"interrupted after {self.args.search_timeout_s:g} s" if code == -1
+                            else f"exited {code}")
                 + f"; the end of its output ({log}):\n    {tail(log)}")
         print(log.read_text(errors="replace"), flush=True)
         self.runs.extend(load_trial_runs(mlflow_uri(self.work), EXPERIMENT))
         self.figures["trials"] = [asdict(r) for r in self.runs]
-        return f"{self.args.num_samples} trials in {took:.0f} s ({self.args.videos} videos made in {made:.0f} s)"
+        return (f"{self.args.num_samples} trials in {took:.0f} s "
+                f"({self.args.videos} videos made in {made:.0f} s)")
 
     def auto_precision(self) -> str:
-        import torch
-
-        from trainer.precision import choose_precision
-
         capability = torch.cuda.get_device_capability(self.device)
         return check_auto_precision(capability, choose_precision("auto", self.device).name)
 
     def cudnn_benchmark(self) -> str:
-        import torch
-
-        from trainer.precision import configure_backends
-
         torch.backends.cudnn.benchmark = False
         configure_backends(self.device)
         return check_cudnn_benchmark(torch.backends.cudnn.benchmark)
@@ -354,8 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return NO_GPU_EXIT
-    import torch
-
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vidtune-gpu-check-") as tmp:
         work = Path(args.keep).resolve() if args.keep else Path(tmp)
@@ -371,8 +373,6 @@ def main(argv: list[str] | None = None) -> int:
         if failed and "\n" in failed.detail:
             print("\n" + failed.detail)
         if args.json:
-            from bench.common import write_json
-
             write_json(args.json, {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
                                    "elapsed_s": elapsed, "passed": failed is None,
                                    "checks": [asdict(c) for c in checks], **check.figures})

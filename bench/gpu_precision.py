@@ -28,6 +28,7 @@ import copy
 import gc
 import itertools
 import math
+import os
 import sys
 import tempfile
 import time
@@ -38,9 +39,14 @@ from typing import Any
 
 import psutil
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from bench.common import format_table, has_module, write_json
+from datasets.config import DataConfig
+from datasets.index import build_index
+from datasets.synthetic import generate
 from datasets.transforms import ClipTransform
+from datasets.video import VideoClipDataset, build_loader
 from trainer import precision as prec
 from trainer.loop import make_optimizer, train_one_epoch
 from trainer.models import (
@@ -100,31 +106,42 @@ class Corpus:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="mvit_v2_s", choices=MODEL_NAMES, help="registry model (default mvit_v2_s)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16], help="clips per step (default 8 16)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mvit_v2_s", choices=MODEL_NAMES,
+                   help="registry model (default mvit_v2_s)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16],
+                   help="clips per step (default 8 16)")
     p.add_argument("--warmup-steps", type=int, default=3,
-                   help="untimed steps first: cuDNN autotuning, allocator (default 3; data rows: at least 2 per loader process)")
+                   help="untimed steps first: cuDNN autotuning, allocator (default 3; data rows: at least 2 "
+                        "per loader process)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row (default 10)")
-    p.add_argument("--precisions", nargs="+", default=["bf16", "fp16", "fp32"], choices=["fp32", "fp16", "bf16"],
-                   help="precisions of the synthetic rows (default bf16 fp16 fp32); the data rows use the first")
+    p.add_argument("--precisions", nargs="+", default=["bf16", "fp16", "fp32"],
+                   choices=["fp32", "fp16", "bf16"],
+                   help="precisions of the synthetic rows (default bf16 fp16 fp32); the data rows use the "
+                        "first")
     p.add_argument("--cache-formats", nargs="*", default=["jpeg", "raw"], choices=["jpeg", "raw"],
                    help="frame-cache formats of the data rows (default jpeg raw; none: decord rows only)")
     p.add_argument("--no-data", action="store_true", help="skip the data rows (no corpus generated)")
     p.add_argument("--videos", type=int, default=48, help="videos in the generated corpus (default 48)")
-    p.add_argument("--source-size", type=int, default=320, help="frame size of the generated videos in px (default 320)")
-    p.add_argument("--loader-workers", type=int, default=8, help="DataLoader processes of the data rows (default 8)")
+    p.add_argument("--source-size", type=int, default=320,
+                   help="frame size of the generated videos in px (default 320)")
+    p.add_argument("--loader-workers", type=int, default=8,
+                   help="DataLoader processes of the data rows (default 8)")
     p.add_argument("--channels-last", action="store_true",
                    help="also run each precision with channels_last_3d (cudnn.benchmark on)")
-    p.add_argument("--compile", action="store_true", help="also run each precision under torch.compile (takes minutes)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run each precision under torch.compile (takes minutes)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak dense TFLOP/s for the MFU of every row (default: PEAK_TFLOPS for the device and precision)")
+                   help="peak dense TFLOP/s for the MFU of every row (default: PEAK_TFLOPS for the device "
+                        "and precision)")
     p.add_argument("--max-seconds", type=float, default=270,
-                   help="time budget from the start; rows that would start past it are skipped and listed (default 270)")
+                   help="time budget from the start; rows that would start past it are skipped and listed "
+                        "(default 270)")
     p.add_argument("--device", default=None, help="torch device (default: the first GPU)")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="run on the CPU instead: tiny model, batch 2, fp32 and bf16, 1 warm-up + 2 timed steps, "
-                        "a 10-video corpus (checks the script without a GPU)")
+                   help="run on the CPU instead: tiny model, batch 2, fp32 and bf16, 1 warm-up + 2 timed "
+                        "steps, a 10-video corpus (checks the script without a GPU)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
     return p
 
@@ -140,15 +157,14 @@ def plan_rows(args: argparse.Namespace, on_cuda: bool, corpus_ok: bool) -> list[
     rows += [Row("synthetic", p, True, b) for p in args.precisions if p != first for b in sizes]
     if on_cuda:   # cudnn.benchmark means nothing on the CPU
         rows += [Row("synthetic", p, False, b) for p in args.precisions for b in sizes]
-    rows += [Row("synthetic", p, True, sizes[0], channels_last=True) for p in args.precisions if args.channels_last]
+    rows += [Row("synthetic", p, True, sizes[0], channels_last=True) for p in args.precisions
+             if args.channels_last]
     rows += [Row("synthetic", p, True, sizes[0], compile=True) for p in args.precisions if args.compile]
     return rows
 
 
 def forward_flops_per_clip(model_cpu: torch.nn.Module, spec: Any, device: torch.device) -> float:
     """FLOPs of one forward of one clip (matmuls, convolutions, attention; FlopCounterMode)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     model = copy.deepcopy(model_cpu).to(device).eval()
     x = torch.zeros(1, 3, spec.num_frames, spec.height, spec.width, device=device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -158,7 +174,8 @@ def forward_flops_per_clip(model_cpu: torch.nn.Module, spec: Any, device: torch.
     return float(counter.get_total_flops())
 
 
-def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> tuple[float | None, str]:
+def peak_flops(device: torch.device, precision: str,
+               override_tflops: float | None) -> tuple[float | None, str]:
     """(peak FLOP/s for `precision` rows, where it came from); None when unknown (MFU not shown)."""
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
@@ -174,35 +191,31 @@ def peak_flops(device: torch.device, precision: str, override_tflops: float | No
 
 def make_corpus(tmp: Path, args: argparse.Namespace, spec: Any) -> Corpus:
     """Generate the videos, index them, fill one frame cache per format (where datasets.cache exists)."""
-    import os
-
-    from datasets.config import DataConfig
-    from datasets.index import build_index
-    from datasets.synthetic import generate
-
     t0 = time.perf_counter()
     root = generate(tmp / "corpus", videos=args.videos, size=args.source_size, seed=0,
                     workers=min(os.cpu_count() or 1, 16))
     index = build_index(DataConfig(root=str(root), cache_dir=str(tmp)))
     corpus = Corpus(videos=list(index.train) + list(index.val))
-    notes = [f"{len(corpus.videos)} generated videos at {args.source_size} px ({time.perf_counter() - t0:.0f} s)"]
+    notes = [f"{len(corpus.videos)} generated videos at {args.source_size} px "
+             f"({time.perf_counter() - t0:.0f} s)"]
     if args.cache_formats and not has_module("datasets.cache"):
         notes.append("no frame cache in this code (datasets/cache.py): cache rows skipped")
     elif args.cache_formats:
-        from datasets.cache import FrameCache, fill_cache
+        from datasets.cache import FrameCache, fill_cache  # optional: older checkouts lack it (above)
 
         for fmt in args.cache_formats:
             t1 = time.perf_counter()
             try:   # the cache API is young: a failure here costs its rows, not the run
-                cfg = DataConfig(root=str(root), clip_cache=True, clip_cache_dir=str(tmp / f"frames-{fmt}"),
-                                 clip_cache_format=fmt)
+                cfg = DataConfig(root=str(root), clip_cache=True,
+                                 clip_cache_dir=str(tmp / f"frames-{fmt}"), clip_cache_format=fmt)
                 cache = FrameCache.from_config(cfg)
                 fill_cache(corpus.videos, height=spec.height, width=spec.width, cache=cache)
             except Exception as e:  # noqa: BLE001
                 notes.append(f"{fmt} cache rows skipped ({type(e).__name__}: {e})")
                 continue
             corpus.caches[fmt] = cache
-            notes.append(f"{fmt} cache filled in {time.perf_counter() - t1:.0f} s ({cache.usage_bytes() / 1e6:.0f} MB)")
+            notes.append(f"{fmt} cache filled in {time.perf_counter() - t1:.0f} s "
+                         f"({cache.usage_bytes() / 1e6:.0f} MB)")
     corpus.note = "; ".join(notes)
     return corpus
 
@@ -210,14 +223,14 @@ def make_corpus(tmp: Path, args: argparse.Namespace, spec: Any) -> Corpus:
 @contextlib.contextmanager
 def batches(row: Row, spec: Any, device: torch.device, corpus: Corpus | None, workers: int,
             clips_needed: int) -> Iterator[Iterator]:
-    """An endless-enough iterator of (clips, labels) batches for `row`; loader processes stop on exit."""
+    """An endless-enough iterator of (clips, labels) batches for `row`; loader processes stop on
+    exit."""
     on_cuda = prec.is_cuda(device)
     if row.source == "synthetic":
-        clips = torch.randint(0, 256, (row.batch_size, spec.num_frames, spec.height, spec.width, 3), dtype=torch.uint8)
+        clips = torch.randint(0, 256, (row.batch_size, spec.num_frames, spec.height, spec.width, 3),
+                              dtype=torch.uint8)
         yield itertools.repeat((clips.pin_memory() if on_cuda else clips, torch.arange(row.batch_size) % 2))
         return
-    from datasets.video import VideoClipDataset, build_loader
-
     extra = {}
     if row.source.startswith("cache-"):
         cache = corpus.caches[row.source.removeprefix("cache-")]
@@ -225,7 +238,8 @@ def batches(row: Row, spec: Any, device: torch.device, corpus: Corpus | None, wo
     repeats = math.ceil(clips_needed / len(corpus.videos)) + 1   # one pass, no epoch boundary in the timing
     dataset = VideoClipDataset(corpus.videos * repeats, num_frames=spec.num_frames, frame_stride=2,
                                height=spec.height, width=spec.width, train=True, seed=0, **extra)
-    loader = build_loader(dataset, batch_size=row.batch_size, train=True, num_workers=workers, pin_memory=on_cuda)
+    loader = build_loader(dataset, batch_size=row.batch_size, train=True, num_workers=workers,
+                          pin_memory=on_cuda)
     it = iter(loader)
     try:
         yield it
@@ -318,8 +332,8 @@ def format_rows(rows: list[tuple[Row, dict | str]]) -> str:
         else:
             cells.append([*flags, res["clips_per_s"], res["ms_per_step"], f"{res['data_wait_frac']:.2f}",
                           res["peak_mib"], f"{res['tflops']:.2f}", 100 * res["mfu"]])
-    table = format_table(("source", "precision", "cudnn.bench", "ch_last", "compile", "batch", "clips/s", "ms/step",
-                          "data_wait", "peak_MiB", "TFLOP/s", "MFU_%"), cells, digits=1)
+    table = format_table(("source", "precision", "cudnn.bench", "ch_last", "compile", "batch", "clips/s",
+                          "ms/step", "data_wait", "peak_MiB", "TFLOP/s", "MFU_%"), cells, digits=1)
     return table
 
 
@@ -327,7 +341,8 @@ def setup(args: argparse.Namespace) -> torch.device | None:
     """The device to measure on (None: nothing to do here), after applying --cpu-smoke."""
     for flag, values, least in (("--batch-sizes", args.batch_sizes, 1), ("--steps", [args.steps], 1),
                                 ("--warmup-steps", [args.warmup_steps], 0), ("--videos", [args.videos], 4),
-                                ("--loader-workers", [args.loader_workers], 0), ("--source-size", [args.source_size], 16)):
+                                ("--loader-workers", [args.loader_workers], 0),
+                                ("--source-size", [args.source_size], 16)):
         if min(values) < least:
             raise SystemExit(f"{flag} {min(values)}: must be >= {least}")
     if args.cpu_smoke:
@@ -339,7 +354,8 @@ def setup(args: argparse.Namespace) -> torch.device | None:
         return torch.device("cpu")
     device = torch.device(args.device) if args.device else prec.default_device()
     if not prec.is_cuda(device):
-        print(f"no CUDA device here ({device}): nothing to measure on a GPU (run with --cpu-smoke for a CPU check)")
+        print(f"no CUDA device here ({device}): nothing to measure on a GPU (run with --cpu-smoke for a CPU "
+              "check)")
         return None
     return device
 
@@ -351,8 +367,9 @@ def describe_device(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (sm {capability})"
 
 
-def run_rows(rows: list[Row], model: torch.nn.Module, spec: Any, device: torch.device, corpus: Corpus | None,
-             flops_fwd: float, args: argparse.Namespace) -> tuple[list[tuple[Row, dict | str]], list[Row]]:
+def run_rows(rows: list[Row], model: torch.nn.Module, spec: Any, device: torch.device,
+             corpus: Corpus | None, flops_fwd: float,
+             args: argparse.Namespace) -> tuple[list[tuple[Row, dict | str]], list[Row]]:
     """(measured rows, skipped rows): a row is skipped when the time so far plus the previous
     row's duration would pass --max-seconds (and so is every row after it)."""
     done: list[tuple[Row, dict | str]] = []
@@ -372,33 +389,38 @@ def run_rows(rows: list[Row], model: torch.nn.Module, spec: Any, device: torch.d
         except Exception as e:  # noqa: BLE001
             print(f"  {row.label()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             result = f"ERROR {type(e).__name__}"
-        release(device, compiled=row.compile)   # after the except block: its traceback held the row's tensors
+        # after the except block: its traceback held the row's tensors
+        release(device, compiled=row.compile)
         done.append((row, with_mfu(result, row, flops_fwd, device, args.peak_tflops)))
         last_row_s = time.perf_counter() - t0
         print(f"  done: {row.label()} ({time.time() - STARTED:.0f} s)", file=sys.stderr, flush=True)
     return done, skipped
 
 
-def report(args: argparse.Namespace, spec: Any, device: torch.device, flops_fwd: float, corpus: Corpus | None,
-           done: list, skipped: list) -> dict[str, Any]:
+def report(args: argparse.Namespace, spec: Any, device: torch.device, flops_fwd: float,
+           corpus: Corpus | None, done: list, skipped: list) -> dict[str, Any]:
     """Print the table; return the JSON document."""
     elapsed = time.time() - STARTED
     peaks = {p: peak_flops(device, p, args.peak_tflops) for p in ("bf16", "fp16", "fp32")}
-    print(f"\n{args.model} ({spec.num_frames}x{spec.height}x{spec.width}), random weights, {describe_device(device)}, "
-          f"torch {torch.__version__}; {args.warmup_steps} warm-up + {args.steps} timed steps per row")
+    print(f"\n{args.model} ({spec.num_frames}x{spec.height}x{spec.width}), random weights, "
+          f"{describe_device(device)}, torch {torch.__version__}; {args.warmup_steps} warm-up + "
+          f"{args.steps} timed steps per row")
     shown = ", ".join(f"{p} {v / 1e12:g}" for p, (v, _) in peaks.items() if v)
-    print(f"FLOPs: forward {flops_fwd / 1e9:.2f} GFLOP per clip (FlopCounterMode), a training step 3x that; "
+    print(f"FLOPs: forward {flops_fwd / 1e9:.2f} GFLOP per clip (FlopCounterMode), "
+          "a training step 3x that; "
           + (f"peak TFLOP/s {shown} ({peaks['bf16'][1]}; fp32 rows run TF32)" if shown
              else f"MFU not shown: {peaks['bf16'][1]}"))
     if corpus is not None:
-        print(f"data rows: {corpus.note}; {args.loader_workers} loader process(es); source 'decord' decodes every "
-              "clip from the files, 'cache-FMT' reads the warm frame cache (jpeg: decoded on the device)")
+        print(f"data rows: {corpus.note}; {args.loader_workers} loader process(es); source 'decord' decodes "
+              "every clip from the files, 'cache-FMT' reads the warm frame cache (jpeg: decoded on the "
+              "device)")
     print(format_rows(done))
     if skipped:
         print(f"\nSKIPPED {len(skipped)} row(s): the --max-seconds {args.max_seconds:g} budget was spent "
               f"({elapsed:.0f} s elapsed):\n  " + "\n  ".join(r.label() for r in skipped))
     print(f"\ntotal {elapsed:.0f} s")
-    return {"model": args.model, "clip": [spec.num_frames, spec.height, spec.width], "device": describe_device(device),
+    return {"model": args.model, "clip": [spec.num_frames, spec.height, spec.width],
+            "device": describe_device(device),
             "torch": torch.__version__, "warmup_steps": args.warmup_steps, "steps": args.steps,
             "flops_per_clip_forward": flops_fwd, "peak_flops": {p: v for p, (v, _) in peaks.items()},
             "peak_source": peaks["bf16"][1], "corpus": corpus.note if corpus else None,

@@ -26,23 +26,36 @@ import tempfile
 import time
 from pathlib import Path
 
+import ray
+import ray.train
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+
+from trainer.launch import init_ray
 from tune.trial import DRIVER_CPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="repetitions of each measurement (default 3)")
-    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (ignored with --address; default 2)")
-    p.add_argument("--train-workers", type=int, default=1, help="Ray Train workers in the TorchTrainer trial (default 1)")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs each Train worker asks for (default 1)")
+    p.add_argument("--num-cpus", type=int, default=2,
+                   help="CPUs of the local Ray (ignored with --address; default 2)")
+    p.add_argument("--train-workers", type=int, default=1,
+                   help="Ray Train workers in the TorchTrainer trial (default 1)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="CPUs each Train worker asks for (default 1)")
     p.add_argument("--trial-cpus", type=float, default=DRIVER_CPUS,
-                   help=f"CPU share of the Tune trial function itself (default {DRIVER_CPUS}, what vidtune gives it)")
+                   help=f"CPU share of the Tune trial function itself (default {DRIVER_CPUS}, what vidtune "
+                   "gives it)")
     p.add_argument("--health-check-interval-s", type=float, default=0.5,
                    help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (vidtune sets 0.5; Ray's default is 2)")
-    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one (e.g. auto)")
-    p.add_argument("--storage", default=None, help="storage_path for the trials (default: a temporary folder; "
+    p.add_argument("--address", default=None,
+                   help="join this Ray cluster instead of starting one (e.g. auto)")
+    p.add_argument("--storage", default=None,
+                   help="storage_path for the trials (default: a temporary folder; "
                    "on a multi-node cluster pass shared storage, e.g. s3://bucket/prefix)")
     return p
 
@@ -61,21 +74,17 @@ def _check_args(args: argparse.Namespace) -> None:
                              "--repeats, --num-cpus and --train-workers)")
     if args.address is None and args.train_workers * args.cpus_per_worker + args.trial_cpus > args.num_cpus:
         raise SystemExit(
-            f"--train-workers {args.train_workers} x --cpus-per-worker {args.cpus_per_worker} + --trial-cpus "
-            f"{args.trial_cpus} needs more than --num-cpus {args.num_cpus}: the trial would wait forever; "
-            "raise --num-cpus or lower the others"
+            f"--train-workers {args.train_workers} x --cpus-per-worker {args.cpus_per_worker} + "
+            f"--trial-cpus {args.trial_cpus} needs more than --num-cpus {args.num_cpus}: the trial would "
+            "wait forever; raise --num-cpus or lower the others"
         )
 
 
 def _noop_trial(config: dict) -> None:
-    from ray import tune
-
     tune.report({"t_first_line": time.time()})
 
 
 def _empty_loop_per_worker(config: dict) -> None:
-    import ray.train
-
     first = time.time()
     # One report, as every real epoch makes; TuneReportCallback forwards rank 0's to Tune.
     ray.train.report({"t_worker_first_line": first, "t_worker_last_line": time.time()})
@@ -83,10 +92,7 @@ def _empty_loop_per_worker(config: dict) -> None:
 
 def _torch_trainer_trial(config: dict) -> None:
     """The Tune trial function: one TorchTrainer named after the trial, as tune/search.py does."""
-    import ray.train
-    from ray import tune
-    from ray.train.torch import TorchTrainer
-    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.train.torch import TorchTrainer  # imports torch: heavy (seconds), only in the trial
 
     first = time.time()
     trainer = TorchTrainer(
@@ -95,7 +101,8 @@ def _torch_trainer_trial(config: dict) -> None:
             num_workers=config["train_workers"], resources_per_worker={"CPU": config["cpus_per_worker"]}
         ),
         run_config=ray.train.RunConfig(
-            name=tune.get_context().get_trial_id(), storage_path=config["storage"], callbacks=[TuneReportCallback()]
+            name=tune.get_context().get_trial_id(), storage_path=config["storage"],
+            callbacks=[TuneReportCallback()]
         ),
     )
     fit_start = time.time()
@@ -103,9 +110,8 @@ def _torch_trainer_trial(config: dict) -> None:
     tune.report({"t_first_line": first, "t_fit_start": fit_start, "t_fit_end": time.time()})
 
 
-def _run_tuner(trainable, *, trial_cpus: float, storage: str, config: dict, name: str) -> tuple[float, dict]:
-    from ray import tune
-
+def _run_tuner(trainable, *, trial_cpus: float, storage: str, config: dict,
+               name: str) -> tuple[float, dict]:
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"cpu": trial_cpus}),
         param_space=config,
@@ -137,10 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     # Read by Train's controller when it starts, so set before Ray does.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    import ray
-
-    from trainer.launch import init_ray
-
     # (label, seconds per repetition), in print order.
     rows: dict[str, list[float]] = {}
     init_times = []
@@ -152,24 +154,32 @@ def main(argv: list[str] | None = None) -> int:
         init_times.append(time.time() - start)
         if i < rounds - 1:
             ray.shutdown()
-    rows["ray.init (connect to --address)" if args.address else f"ray.init (local, {args.num_cpus} CPUs)"] = init_times
+    init_label = ("ray.init (connect to --address)" if args.address
+                  else f"ray.init (local, {args.num_cpus} CPUs)")
+    rows[init_label] = init_times
 
     plain = "plain Tune function trial"
     trainer = f"TorchTrainer trial, empty loop, {args.train_workers} worker(s)"
     with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
         storage = args.storage or tmp
-        config = {"train_workers": args.train_workers, "cpus_per_worker": args.cpus_per_worker, "storage": storage}
+        config = {"train_workers": args.train_workers, "cpus_per_worker": args.cpus_per_worker,
+                  "storage": storage}
         for i in range(args.repeats):
-            total, m = _run_tuner(_noop_trial, trial_cpus=args.trial_cpus, storage=storage, config={}, name=f"noop-{i}")
+            total, m = _run_tuner(_noop_trial, trial_cpus=args.trial_cpus, storage=storage, config={},
+                                  name=f"noop-{i}")
             rows.setdefault(f"{plain}: Tuner.fit total", []).append(total)
-            rows.setdefault(f"{plain}: Tuner.fit -> trial function starts", []).append(m["start_to_first_line_s"])
+            rows.setdefault(f"{plain}: Tuner.fit -> trial function starts", []).append(
+                m["start_to_first_line_s"])
         for i in range(args.repeats):
-            total, m = _run_tuner(_torch_trainer_trial, trial_cpus=args.trial_cpus, storage=storage, config=config,
-                                  name=f"trainer-{i}")
+            total, m = _run_tuner(_torch_trainer_trial, trial_cpus=args.trial_cpus, storage=storage,
+                                  config=config, name=f"trainer-{i}")
             rows.setdefault(f"{trainer}: Tuner.fit total", []).append(total)
-            rows.setdefault(f"{trainer}: Tuner.fit -> trial function starts", []).append(m["start_to_first_line_s"])
-            rows.setdefault(f"{trainer}: trainer.fit -> worker function starts", []).append(m["fit_to_worker_s"])
-            rows.setdefault(f"{trainer}: worker function ends -> fit returns", []).append(m["worker_end_to_fit_return_s"])
+            rows.setdefault(f"{trainer}: Tuner.fit -> trial function starts", []).append(
+                m["start_to_first_line_s"])
+            rows.setdefault(f"{trainer}: trainer.fit -> worker function starts", []).append(
+                m["fit_to_worker_s"])
+            rows.setdefault(f"{trainer}: worker function ends -> fit returns", []).append(
+                m["worker_end_to_fit_return_s"])
             rows.setdefault(f"{trainer}: trainer.fit total", []).append(m["fit_total_s"])
     ray.shutdown()
     print(format_table(rows, args))
