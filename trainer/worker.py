@@ -56,16 +56,13 @@ INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker'
 # device_util_pct: the device's utilisation over the epoch, mean over workers (trainer.utilization).
 # resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
 #   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
-# damaged_checkpoints: on the first epoch after a restart, the checkpoints found damaged and
-#   skipped (`_read_checkpoint`): with resumed_from_epoch > 0 the run fell back to an older one,
-#   with resumed_from_epoch 0 it started again from scratch; else 0.
+# damaged_checkpoints: on the first epoch after a restart, the checkpoints found damaged and skipped
+#   (`_read_checkpoint`): resumed_from_epoch is then an older one's, or 0 (from scratch); else 0.
 # cache_repairs: clip-cache entries found damaged and decoded again this epoch, all workers.
-# torch_threads: the CPU threads torch used in rank 0's training (--cpu-threads, or the default);
-#   on the CPU, clips/s follows it.
+# torch_threads: the CPU threads torch used in rank 0's training; on the CPU, clips/s follows it.
 # other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
 #   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN when unreadable).
-# oom / diverged: 1 on the run's one report when it ran out of memory / its training loss or
-#   weights became inf or NaN (then no accuracy nor speed, and no checkpoint); else 0.
+# oom / diverged: 1 on the run's one report without a result (`_report_worst_case`); else 0.
 # node_id, node_ip, gpu_ids: where the run trained (`_where_it_runs`); strings.
 METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
                "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
@@ -97,16 +94,16 @@ def train_loop_per_worker(config: dict) -> None:
     with a checkpoint from rank 0; resumes after the epoch of `ray.train.get_checkpoint()`.
     Out of memory (building the model, moving it to its device, or in an epoch) and divergence
     (a non-finite training loss or weights) end the run with one `oom=1` / `diverged=1` report
-    and a normal return (see `_report_no_result`): answers for the search, not crashes to retry.
+    and a normal return (`_report_no_result`).
 
     `config[INDEX_CONFIG_KEY]`, when set, is the driver's `datasets.index.VideoIndex` (the videos
     it checked); without it the worker builds the index itself (from the index cache).
 
-    The data, model and optimiser are built on the CPU; the model goes to its device only once
-    the run holds it. In a search (`config["device_lease"]` set) the run waits for its devices
-    (`trainer.lease`) in between, while another trial may be training there with nearly all of
-    the GPU's memory, and gives them back as soon as its last epoch is scored, before the final
-    checkpoint and Train's teardown.
+    The data, model and optimiser are built on the CPU; the model (and with it, as it trains, the
+    optimiser's state) goes to its device only once the run holds it. In a search
+    (`config["device_lease"]` set) the run waits for its devices (`trainer.lease`) in between,
+    while another trial may be training there with nearly all of the GPU's memory, and gives them
+    back as soon as its last epoch is scored, before the final checkpoint and Train's teardown.
     """
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
@@ -124,10 +121,7 @@ def train_loop_per_worker(config: dict) -> None:
         if w.slot.settings is not None:   # the same on every rank: the key gather is a collective
             w.slot.acquire(_all_device_keys(run))
         started, started_ts = time.perf_counter(), time.time()
-        # The model (and with it, as it trains, the optimizer's state) takes device memory only
-        # now: moved before the wait, it could run out of memory beside the trial training there.
         if any_rank(unless_out_of_memory(run.model.to, run.device) is None):
-            w.slot.release()
             _report_no_result(w, start_epoch, time.perf_counter() - started,
                               _epoch_window(started_ts, time.time()))
             return
@@ -142,7 +136,6 @@ def train_loop_per_worker(config: dict) -> None:
             w.device_util_pct, w.cpu_window = utilization.stop(), other_load.stop()
             window = _epoch_window(started_ts, time.time())
             if result.outcome != TRAINED:
-                w.slot.release()
                 _report_no_result(w, epoch, time.perf_counter() - started, window,
                                   diverged=result.outcome == DIVERGED, stats=result.stats)
                 return
@@ -195,21 +188,24 @@ def _use_device_threads(w: _Worker) -> None:
     torch.set_num_threads(max(1, int(cpus) // local_workers))
 
 
+def _all_gather(mine: Any) -> list[Any]:
+    """`mine` from every rank, in rank order (a collective when distributed; else `[mine]`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine)
+    return views
+
+
 def _all_device_keys(run: Run) -> list[str]:
     """The lease keys of every rank's device (a collective when distributed)."""
-    mine = device_keys(run.device)
-    if not (dist.is_available() and dist.is_initialized()):
-        return mine
-    keys: list[list[str] | None] = [None] * run.world
-    dist.all_gather_object(keys, mine)
-    return sorted({key for rank_keys in keys for key in rank_keys})
+    return sorted({key for rank_keys in _all_gather(device_keys(run.device)) for key in rank_keys})
 
 
 def _epoch_window(start_ts: float, end_ts: float) -> tuple[float, float]:
     """The epoch's (earliest start, latest end) over all workers, unix seconds."""
-    start = -all_reduce_floats([-start_ts], dist.ReduceOp.MAX)[0]
-    end = all_reduce_floats([end_ts], dist.ReduceOp.MAX)[0]
-    return start, end
+    neg_start, end = all_reduce_floats([-start_ts, end_ts], dist.ReduceOp.MAX)
+    return -neg_start, end
 
 
 def _where_it_runs() -> dict[str, str]:
@@ -217,16 +213,12 @@ def _where_it_runs() -> dict[str, str]:
     `node_ip`, the IPs of the nodes its workers are on; `gpu_ids`, the physical ids of the GPUs
     Ray gave its workers (`trainer.gpus`), sorted and without repeats, each prefixed with its
     node's IP when the workers span nodes (ids are per node); "" on the CPU. Comma-separated."""
-    mine = (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), physical_gpu_ids())
-    views: list[Any] = [mine]
-    if dist.is_available() and dist.is_initialized():
-        views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, mine)
+    views = _all_gather((ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                         physical_gpu_ids()))
     ips = sorted({ip for _, ip, _ in views})
     gpus = {f"{ip}:{gpu}" if len(ips) > 1 else gpu for _, ip, ids in views for gpu in ids}
-    # Shorter first: "2" before "10" for numeric ids.
     return {"node_id": views[0][0], "node_ip": ",".join(ips),
-            "gpu_ids": ",".join(sorted(gpus, key=lambda g: (len(g), g)))}
+            "gpu_ids": ",".join(sorted(gpus, key=lambda g: (len(g), g)))}  # shorter first: "2", "10"
 
 
 def _read_checkpoint(w: _Worker) -> tuple[int, dict[str, Any] | None]:
@@ -292,8 +284,7 @@ def first_whole_checkpoint(candidates: list[ray.train.Checkpoint]
 
 
 def _data_metrics(w: _Worker) -> dict[str, float | int]:
-    """reader_failures, cache_repairs and cache_hit_frac of the epoch since the last call, summed
-    over the workers (and their loader processes)."""
+    """reader_failures, cache_repairs and cache_hit_frac since the last call, over all workers."""
     counts = data_counts(w.run)
     new = [float(now - seen) for now, seen in zip(counts, w.counts_seen, strict=True)]
     w.counts_seen = counts
@@ -303,8 +294,7 @@ def _data_metrics(w: _Worker) -> dict[str, float | int]:
 
 
 def _lease_metrics(w: _Worker, window: tuple[float, float], first: bool) -> dict[str, float]:
-    """concurrent_trainings (from the lease's record; NaN without a lease), the wait for the
-    device (first epoch of this run only) and the epoch's window."""
+    """concurrent_trainings, device_wait_s (first epoch of this run only) and the epoch's window."""
     concurrent = w.slot.concurrent(*window) if w.run.rank == 0 else 0.0
     concurrent = all_reduce_floats([concurrent], dist.ReduceOp.SUM)[0]   # rank 0's value everywhere
     wait = all_reduce_floats([w.slot.wait_s if first else 0.0], dist.ReduceOp.MAX)[0]
@@ -315,13 +305,8 @@ def _lease_metrics(w: _Worker, window: tuple[float, float], first: bool) -> dict
 def _other_cpu_cores(w: _Worker) -> float:
     """other_cpu_cores of the epoch: each node's busy CPU less all this run's workers there
     (a collective when distributed: the windows are gathered by node)."""
-    mine = (ray.get_runtime_context().get_node_id(), w.cpu_window)
-    views: list[Any] = [mine]
-    if dist.is_available() and dist.is_initialized():
-        views = [None] * w.run.world
-        dist.all_gather_object(views, mine)
     by_node: dict[str, list[CpuWindow | None]] = {}
-    for node, window in views:
+    for node, window in _all_gather((ray.get_runtime_context().get_node_id(), w.cpu_window)):
         by_node.setdefault(node, []).append(window)
     return other_cores(by_node)
 
@@ -361,50 +346,48 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
                       diverged: bool = False, stats: EpochStats | None = None) -> None:
     """Out of memory (this batch size does not fit) or divergence (this learning rate blows the
     weights up) is an answer for the search, not a crash: free what the run holds, report
-    worst-case metrics once (`_no_result_metrics`), no checkpoint, and let the caller return
+    worst-case metrics once (`_report_worst_case`), no checkpoint, and let the caller return
     normally so Ray does not retry. `stats`: the diverged epoch's, for its train_loss.
 
     Every rank agreed on the outcome first (`any_rank`), so none waits in a collective for a
     rank that stopped. Limitation: an OOM on one rank only, in the middle of a DDP backward,
     leaves the others inside that step's gradient all-reduce; they fail at the collective instead.
     """
+    w.slot.release()
     run = w.run
     train_loss = math.nan
     if stats is not None:
         loss_sum, clips = all_reduce_floats([stats.loss_sum, float(stats.clips)])
         train_loss = loss_sum / clips if clips else math.nan
-    peak = peak_memory_mb(run.device)  # measured before the memory is released
     run.optimizer.state.clear()
     run.optimizer.zero_grad(set_to_none=True)
-    free_memory(run.device)
-    ray.train.report(_no_result_metrics(
-        epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s, peak_mb=peak,
+    _report_worst_case(
+        run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
         diverged=diverged, train_loss=train_loss, where=w.where, **_data_metrics(w),
         **_lease_metrics(w, window, first=True), resumed_from_epoch=w.resumed_from_epoch,
-        damaged_checkpoints=w.damaged_checkpoints))
+        damaged_checkpoints=w.damaged_checkpoints)
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
     """`_report_no_result` for a run that ran out of memory before it had a model or optimiser
     (epoch 1, the configured lr; it never waited for a device)."""
-    device = train_device()
-    peak = peak_memory_mb(device)
+    _report_worst_case(
+        train_device(), epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s,
+        where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, cache_repairs=0,
+        concurrent_trainings=math.nan, device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1],
+        resumed_from_epoch=0, damaged_checkpoints=0)
+
+
+def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr: float, elapsed_s: float,
+                       where: dict[str, str], diverged: bool = False, train_loss: float = math.nan,
+                       **measured: Any) -> None:
+    """Report the METRIC_KEYS of an epoch without a result (no checkpoint): `oom=1`, or
+    `diverged=1`; no speed; an accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective
+    into a failed trial that TPE ignores, where 0 with the constraint `tune.space` sets makes it an
+    infeasible one. `measured`: the keys the caller knows (reader failures, cache hits, ...)."""
+    peak = peak_memory_mb(device)  # measured before the memory is released
     free_memory(device)
-    ray.train.report(_no_result_metrics(
-        epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s, peak_mb=peak, diverged=False,
-        where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, concurrent_trainings=math.nan,
-        device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1], resumed_from_epoch=0,
-        damaged_checkpoints=0, cache_repairs=0))
-
-
-def _no_result_metrics(*, epoch: int, batch_size: int, lr: float, elapsed_s: float, peak_mb: float,
-                       diverged: bool, where: dict[str, str], train_loss: float = math.nan,
-                       **measured: Any) -> dict[str, Any]:
-    """The METRIC_KEYS of an epoch without a result: `oom=1`, or `diverged=1`; no speed; an
-    accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective into a failed trial that
-    TPE ignores, where 0 with the constraint `tune.space` sets makes it an infeasible one.
-    `measured`: the keys the caller knows (reader failures, cache hits, lease times, ...)."""
-    peak = all_reduce_floats([peak_mb], dist.ReduceOp.MAX)[0]
+    peak = all_reduce_floats([peak], dist.ReduceOp.MAX)[0]
     metrics = {
         "epoch": epoch, "train_loss": float(train_loss), "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
         "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "compute_clips_per_s": 0.0,
@@ -413,4 +396,4 @@ def _no_result_metrics(*, epoch: int, batch_size: int, lr: float, elapsed_s: flo
         "diverged": int(diverged), "device_util_pct": math.nan, "torch_threads": torch.get_num_threads(),
         "other_cpu_cores": math.nan, **where, **measured,
     }
-    return {key: metrics[key] for key in METRIC_KEYS}
+    ray.train.report({key: metrics[key] for key in METRIC_KEYS})
