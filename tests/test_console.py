@@ -1,5 +1,6 @@
-"""The search's console and names: short trial names, the progress lines, the markdown table,
-what counts as a full disk, and which lines are Ray's (sent to the log file)."""
+"""The search's console and names: short trial names, one line per epoch (in place on a
+terminal), the trial-end line, the time left, the end block's count by outcome, the markdown
+table, what counts as a full disk, and which lines are Ray's (sent to the log file)."""
 from __future__ import annotations
 
 import errno
@@ -23,23 +24,92 @@ def test_short_names_are_readable_and_stable():
     assert short_name(SimpleNamespace(experiment_tag="", trial_id="x9", config={})) == "t-x9"
 
 
-def test_progress_lines_name_the_trial_epoch_best_and_time_left(capsys):
-    c = console.SearchConsole(num_samples=3, epochs=2, objective="val_acc")
+def test_one_line_per_epoch_names_the_trial_epoch_best_and_time_left(capsys):
+    c = console.SearchConsole(num_samples=3, epochs=2, objective="val_acc", tty=False)
     a, b = _trial(1, "a"), _trial(2, "b", status="PENDING")
     c.on_trial_start(0, [a, b], a)
     c.on_trial_result(0, [a, b], a,
                       {"epoch": 1, "val_acc": 0.75, "clips_per_s": 40.0, "data_wait_frac": 0.05})
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "trial 1/3 t01-bs8-lr2.5e-4 started: batch size 8, lr 0.00025"
-    assert out[1] == "t01-bs8-lr2.5e-4  epoch 1/2  val_acc 0.750  40.0 clips/s  data wait 5%"
-    assert out[2].startswith("  0/3 trials done, 1 running, 2 to start; best t01-bs8-lr2.5e-4 val_acc 0.750")
-    assert "left" in out[2]                                 # 5 epochs to go at the pace so far
-    a.status, a.last_result = "TERMINATED", {"epoch": 1, "val_acc": 0.75}
+    assert len(out) == 2                                    # the epoch: one line, with the search's state
+    assert out[1].startswith("t01-bs8-lr2.5e-4  epoch 1/2  val_acc 0.750  40.0 clips/s  data wait 5%  |  "
+                             "0/3 trials done, 1 running, 2 to start; best t01-bs8-lr2.5e-4 val_acc 0.750")
+    a.status, a.last_result = "TERMINATED", {"epoch": 1, "val_acc": 0.75, "clips_per_s": 40.0}
     c.on_trial_complete(0, [a, b], a)
-    assert "stopped early by ASHA after epoch 1/2" in capsys.readouterr().out
+    assert capsys.readouterr().out == ("t01-bs8-lr2.5e-4 stopped early by ASHA after epoch 1/2: "
+                                       "best val_acc 0.750 at epoch 1, 40.0 clips/s\n")
     quiet = console.SearchConsole(num_samples=1, epochs=1, objective="val_acc", quiet=True)
     quiet.on_trial_start(0, [a], a)
     assert capsys.readouterr().out == ""
+
+
+def test_the_trial_end_line_gives_the_best_epoch_and_steady_speed_like_the_table(capsys):
+    c = console.SearchConsole(num_samples=1, epochs=3, objective="val_acc", tty=False)
+    a = _trial(2, "a")
+    c.on_trial_start(0, [a], a)
+    for epoch, acc, speed in ((1, 0.6, 10.0), (2, 0.719, 40.0), (3, 0.656, 42.4)):
+        c.on_trial_result(0, [a], a, {"epoch": epoch, "val_acc": acc, "clips_per_s": speed})
+    a.status, a.last_result = "TERMINATED", {"epoch": 3, "val_acc": 0.656, "clips_per_s": 42.4}
+    capsys.readouterr()
+    c.on_trial_complete(0, [a], a)
+    # not the last epoch's 0.656: epoch 2's, and the median speed of epochs 2 and 3
+    assert capsys.readouterr().out == "t02-bs8-lr2.5e-4 done: best val_acc 0.719 at epoch 2, 41.2 clips/s\n"
+
+
+def test_on_a_terminal_the_progress_line_is_redrawn_in_place(capsys):
+    c = console.SearchConsole(num_samples=2, epochs=3, objective="val_acc", tty=True)
+    a = _trial(1, "a")
+    c.on_trial_start(0, [a], a)
+    capsys.readouterr()
+    for epoch in (1, 2):
+        c.on_trial_result(0, [a], a, {"epoch": epoch, "val_acc": 0.5, "clips_per_s": 20.0})
+    out = capsys.readouterr().out
+    assert "\n" not in out and out.count("\r\x1b[K") == 2   # two epochs, no new line
+    assert out.rsplit("\r\x1b[K", 1)[1].startswith("[#######             ] t01-bs8-lr2.5e-4  epoch 2/3")
+    b = _trial(2, "b")
+    c.on_trial_start(0, [a, b], b)                             # a line of its own above the progress line
+    out = capsys.readouterr().out
+    assert out.startswith("\r\x1b[Ktrial 2/2 t02-bs8-lr2.5e-4 started") and "\n[#######" in out
+    c.on_experiment_end([a, b])
+    assert capsys.readouterr().out == "\n"                     # the summary starts on a line of its own
+
+
+def test_time_left_comes_from_the_measured_epochs_and_the_plan(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    c = console.SearchConsole(num_samples=4, epochs=3, objective="val_acc", concurrency=2, tty=False)
+    a, b = _trial(1, "a"), _trial(2, "b")
+    for t in (a, b):
+        c.on_trial_start(0, [a, b], t)
+    clock[0] = 20.0   # start-up and epoch 1 took 20 s; the epoch itself 10 s (as the worker timed it)
+    for t in (a, b):
+        c.on_trial_result(0, [a, b], t, {"epoch": 1, "val_acc": 0.5, "epoch_start_ts": 1000.0,
+                                         "epoch_end_ts": 1010.0})
+    # a and b: 2 epochs x 10 s each; 2 trials to start: 20 s + 2 x 10 s each; 2 at a time
+    assert c.time_left([a, b]) == (2 * 20 + 2 * 40) / 2
+    assert "about 1m00s left" in c.overall([a, b])
+    clock[0] = 25.0   # epoch 2 takes 5 s: the steady epochs replace epoch 1's pace
+    c.on_trial_result(0, [a, b], a, {"epoch": 2, "val_acc": 0.5})
+    assert c.time_left([a, b]) == (1 * 5 + 2 * 5 + 2 * (20 + 2 * 5)) / 2
+    serial = console.SearchConsole(num_samples=4, epochs=3, objective="val_acc", concurrency=1)
+    serial.__dict__.update({k: v for k, v in c.__dict__.items() if k.startswith("_")})
+    assert serial.time_left([a, b]) == 2 * c.time_left([a, b])
+    assert console.SearchConsole(num_samples=1, epochs=1, objective="val_acc").time_left([a]) is None
+
+
+def test_the_end_block_counts_the_trials_by_outcome():
+    rows = [_row(f"t{i}", status) for i, status in
+            enumerate(["DONE", "DIVERGED", "DONE", "STOPPED", "DONE", "DONE"])]
+    assert console.outcome_line(rows, 252.0) == "6 trials in 4m12s: 4 done, 1 stopped early, 1 diverged"
+    assert console.outcome_line(rows[:1], 5.0) == "1 trial in 5s: 1 done"
+    assert console.outcome_line([_row("a", "OOM"), _row("b", "ERROR"), _row("c", "UNFINISHED")], 3700) == \
+        "3 trials in 1h01m: 1 out of memory, 1 failed, 1 interrupted"
+
+
+def _row(name: str, status: str) -> results.TrialRow:
+    return results.TrialRow(trial_id=name, batch_size=8, lr=1e-3, weight_decay=None, val_acc=0.5, val_f1=0.5,
+                            clips_per_s=10.0, epoch_time_s=1.0, epochs=2, status=status, checkpoint=None)
 
 
 def test_markdown_table_for_the_parent_description():
@@ -49,10 +119,12 @@ def test_markdown_table_for_the_parent_description():
     oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
                            val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1,
                            status="OOM", checkpoint=None, name="t02-bs64-lr1e-3")
-    lines = results.format_markdown([row, oom]).splitlines()
-    assert lines[0].startswith("| trial | batch | lr | val_acc |") and lines[1].startswith("|---|")
-    assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 | 0.800 | 2 | 41.2 | 3 | DONE |"
+    lines = results.format_markdown([row, oom], val_clips=32).splitlines()
+    assert lines[0].startswith("| trial | batch | lr | best val_acc | epoch |")
+    assert lines[1].startswith("|---|")
+    assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 ±0.13 | 2 | 0.800 | 41.2 | 3 | DONE |"
     assert lines[3].endswith("| - | - | - | - | 1 | OOM |")
+    assert "±" not in results.format_markdown([row])          # the clip count unknown: no interval
 
 
 def test_a_full_disk_is_recognised_along_the_exception_chain(tmp_path):

@@ -48,7 +48,7 @@ def test_oom_trial_has_no_speed_and_sharing_is_flagged_in_the_table():
                                     trial_id="s", epochs=2, finished=True)
     assert shared.concurrent_trainings == 2.0
     table = results.format_table([shared, oom])
-    assert "9.0*" in table and "compute/s" in table
+    assert "9.0*" in table and "compute/s" not in table              # one speed: the steady clips/s
 
 
 def test_pareto_front_and_best_use_the_steady_speed():
@@ -157,12 +157,12 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     oom = results.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
     *lines, legend = results.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
-    assert lines[0].split() == ["trial", "batch", "lr", "val_acc", "val_f1", "clips/s", "compute/s",
-                                "epoch_s", "epochs", "status"]
+    assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "val_f1", "clips/s",
+                                "s/epoch", "epochs", "status"]
     assert set(lines[1].replace(" ", "")) == {"-"}
     cells = {line.split()[0]: line.split() for line in lines[2:]}
-    assert cells["alone"][3:6] == ["0.750", "0.500", "12.3"]         # no `*`: it had its device alone
-    assert cells["shared"][5] == "8.0*" and cells["unknown"][5] == "8.0"
+    assert cells["alone"][3:7] == ["0.750", "-", "0.500", "12.3"]    # no `*`: it had its device alone
+    assert cells["shared"][6] == "8.0*" and cells["unknown"][6] == "8.0"
     assert cells["oom"] == ["oom", "64", "1.00e-03", "-", "-", "-", "-", "-", "1", "OOM"]
     assert len({len(line) for line in lines}) == 1                  # aligned columns
     with_wd = results.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
@@ -197,7 +197,7 @@ def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
 def test_write_csv_round_trip(tmp_path):
     import csv
 
-    # the columns are results.CSV_COLUMNS (name first, metrics_epoch for the best epoch), no longer
+    # the columns are results.CSV_COLUMNS (name first, best_epoch for the best epoch), no longer
     # TrialRow's fields in order; rows come best first and floats are rounded
     rows = [results.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
                             node_id="node-1"),
@@ -209,12 +209,12 @@ def test_write_csv_round_trip(tmp_path):
     assert list(read[0]) == list(results.CSV_COLUMNS)
     assert [r["trial_id"] for r in read] == ["a", "b"]            # the OOM trial last
     assert [r["name"] for r in read] == ["a", "b"]                # no name given: the trial id
-    assert float(read[0]["val_acc"]) == 0.75 and float(read[0]["clips_per_s"]) == 12.5
+    assert float(read[0]["best_val_acc"]) == 0.75 and float(read[0]["speed_clips_per_s"]) == 12.5
     assert float(read[0]["concurrent_trainings"]) == 2.0 and read[0]["weight_decay"] == ""
     assert (read[1]["batch_size"], read[1]["status"], read[1]["checkpoint"], read[1]["node_id"]) == \
         ("16", "OOM", "/ckpt/b", "node-1")
     assert float(read[1]["lr"]) == 3e-4 and float(read[1]["weight_decay"]) == 0.05
-    assert math.isnan(float(read[1]["val_acc"])) and float(read[1]["val_f1"]) == 0.25
+    assert math.isnan(float(read[1]["best_val_acc"])) and float(read[1]["val_f1"]) == 0.25
 
 
 def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
@@ -256,20 +256,19 @@ def test_write_csv_sorted_by_the_objective_unusable_last(tmp_path, objective, or
     assert [r["name"].split("-")[0] for r in read] == order
 
 
-def test_write_csv_rounds_and_names_the_metrics_epoch(tmp_path):
+def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
     read = _read_csv(results.write_csv(_search_rows(), tmp_path / "trials.csv"))
     first = read[0]
     assert (first["name"], first["trial_id"]) == ("t01-bs8-lr2.5e-4", "id_t01-bs8-lr2.5e-4")
-    assert (first["val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
-    assert (first["clips_per_s"], first["epoch_time_s"]) == ("41.23", "2.43")  # 2 decimals
-    assert (first["metrics_epoch"], first["epochs"]) == ("2", "4")
+    assert (first["best_val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
+    assert (first["speed_clips_per_s"], first["epoch_time_s"]) == ("41.23", "2.43")  # 2 decimals
+    assert (first["best_epoch"], first["epochs"]) == ("2", "4")
     t06 = next(r for r in read if r["name"].startswith("t06"))
     assert (t06["lr"], t06["weight_decay"]) == ("0.000412", "0.0333")          # 3 significant digits
     oom = next(r for r in read if r["status"] == "OOM")
-    assert oom["metrics_epoch"] == "0" and math.isnan(float(oom["clips_per_s"]))
-    assert "metrics_epoch" in results.__doc__ and \
-        "val_acc, val_f1 and checkpoint are from this epoch (the best by val_acc)" in \
-        " ".join(results.__doc__.split())
+    assert oom["best_epoch"] == "nan" and math.isnan(float(oom["speed_clips_per_s"]))
+    assert "best_epoch" in results.__doc__ and \
+        "best_val_acc, val_f1 and the checkpoint are from this epoch" in " ".join(results.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
         results.write_csv([], tmp_path / "x.csv", objective="speed")
 

@@ -2,14 +2,17 @@
 
 `quiet_libraries` sends Ray's, Tune's, Train's and the libraries' log records and warnings to a
 log file (the console keeps only vidtune's lines; `--verbose` skips it). `SearchConsole` is the
-Tune callback that prints, per trial, one line when it starts and one per epoch, then an overall
-line (trials done / running / to start, the best so far, the time left), and a line when it ends
-(with the last lines of its error when it failed, and where its whole traceback is kept). Lines
-of their own say when Train restarted a trial's workers (`restart_line`) and when an epoch
-decoded damaged clip-cache entries again. `--quiet` keeps only the summary.
+Tune callback that prints a line when a trial starts, at most one line per epoch, and a line when
+a trial ends: its best epoch's val_acc, that epoch and its steady clips/s, the numbers of its row
+in the table (or the last lines of its error, and where its whole traceback is kept). Lines of
+their own say when a trial ran out of memory or diverged, when Train restarted a trial's workers
+(`restart_line`) and when an epoch decoded damaged clip-cache entries again. `--quiet` keeps only
+the summary, whose first count is `outcome_line`.
 
-Every line is plain text (no redraw), so a log file or CI output reads the same as a terminal;
-on a terminal the overall line starts with a bar of the epochs trained so far.
+The epoch's line carries the search's state (trials done / running / to start, the best so far,
+the time left from the measured epoch times and the trials still planned: `SearchConsole.time_left`).
+In a log file or CI output it is one line per trial epoch; on a terminal it is one progress line,
+redrawn in place (carriage return) after a bar of the epochs trained so far, with the other lines above it.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import io
 import logging
 import math
 import re
+import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -29,8 +34,9 @@ import optuna
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
+from trainer.metrics import steady_state
 from tune.faults import exception_line, keep_traceback, read_error_file
-from tune.results import completed_trial_status
+from tune.results import STATUSES, TrialRow, completed_trial_status
 from tune.trial import short_name
 
 # Loggers whose records go to the log file, not the console.
@@ -141,30 +147,74 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+# The words for each status in the end block's count ("4 done, 1 stopped early").
+OUTCOME_WORDS = {"DONE": "done", "STOPPED": "stopped early", "OOM": "out of memory", "DIVERGED": "diverged",
+                 "ERROR": "failed", "UNFINISHED": "interrupted"}
+
+
+def outcome_line(rows: list[TrialRow], wall_s: float) -> str:
+    """The end block's first count: `6 trials in 4m12s: 4 done, 1 stopped early, 1 diverged`
+    (statuses in STATUSES order, those present only)."""
+    counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
+    ended = ", ".join(f"{n} {OUTCOME_WORDS[s]}" for s, n in counts.items() if n)
+    trials = f"{len(rows)} trial{'s' if len(rows) != 1 else ''}"
+    return f"{trials} in {_duration(wall_s)}{': ' + ended if ended else ''}"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
 class SearchConsole(Callback):
     """Prints a search's progress (see the module docstring). Holds nothing Tune cannot pickle
-    (it is saved with the experiment)."""
+    (it is saved with the experiment). `concurrency`: trials run at once (None: the most seen
+    running so far), for the time left; `tty`: draw the progress line in place (None: when
+    stdout is a terminal)."""
 
-    def __init__(self, *, num_samples: int, epochs: int, objective: str, quiet: bool = False):
+    def __init__(self, *, num_samples: int, epochs: int, objective: str, quiet: bool = False,
+                 concurrency: int | None = None, tty: bool | None = None):
         self.num_samples = num_samples
         self.epochs = epochs
         self.metric = "val_acc" if objective == "pareto" else objective
         self.quiet = quiet
-        self._started_at: float | None = None
+        self.concurrency = concurrency
+        self.tty = tty
         self._epochs_done: dict[str, int] = {}
-        self._best: tuple[float, str] | None = None
-        self._reported: set[str] = set()   # trials that reported since this process started them
+        # per trial: (epoch, val_acc, objective) of its best epoch by val_acc (ties: the later),
+        # the rule of tune.results' rows, so the trial-end line and the table give one number
+        self._best_epoch: dict[str, tuple[int, float, float]] = {}
+        self._speeds: dict[str, dict[int, float]] = {}   # per trial: clips/s of each epoch
+        self._first_s: list[float] = []     # trial start to its first report: start-up and epoch 1
+        self._epoch_s: dict[int, list[float]] = {}   # epoch -> measured durations (training + scoring)
+        self._most_running = 0
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        """What belongs to this process only: times on its clock, the progress line on its screen."""
+        self._started_at: float | None = None
+        self._last_seen: dict[str, float] = {}    # trial -> monotonic time of its start / last report
+        self._reported: set[str] = set()          # trials that reported since this process started them
+        self._progress = ""                       # the progress line now drawn in place ("" none)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_started_at"] = None   # a resumed search measures its own pace
-        state["_reported"] = set()
+        for key in ("_started_at", "_last_seen", "_reported", "_progress"):
+            state.pop(key, None)   # a resumed search measures its own pace
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fresh = SearchConsole(num_samples=state.get("num_samples", 1), epochs=state.get("epochs", 1),
+                              objective=state.get("metric", "val_acc"))
+        self.__dict__.update({**fresh.__dict__, **state})   # a callback saved before a field existed
+        self._reset_process_state()
 
     # Tune hooks -----------------------------------------------------------------------------
     def on_trial_start(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
-        self._started_at = self._started_at or time.monotonic()
-        self.__dict__.setdefault("_reported", set()).discard(trial.trial_id)
+        now = time.monotonic()
+        self._started_at = self._started_at or now
+        self._last_seen[trial.trial_id] = now
+        self._reported.discard(trial.trial_id)
+        self._note_running(trials)
         name = short_name(trial)
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
@@ -178,44 +228,47 @@ class SearchConsole(Callback):
         epoch = int(result.get("epoch") or 0)
         if epoch < 1:
             return
+        name = short_name(trial)
+        self._measure(trial.trial_id, epoch, result)
         self._epochs_done[trial.trial_id] = epoch
-        # absent from a callback saved before it existed
-        reported = self.__dict__.setdefault("_reported", set())
-        restart = restart_line(short_name(trial), result, worker_died=trial.trial_id in reported)
+        self._note_running(trials)
+        restart = restart_line(name, result, worker_died=trial.trial_id in self._reported)
         if restart:
             self._print(restart)
-        reported.add(trial.trial_id)
+        self._reported.add(trial.trial_id)
         repairs = int(result.get("cache_repairs", 0) or 0)
         if repairs > 0:
             entries = "entry" if repairs == 1 else "entries"
-            self._print(f"{short_name(trial)}: {repairs} damaged clip-cache {entries} decoded again")
+            self._print(f"{name}: {repairs} damaged clip-cache {entries} decoded again")
         if int(result.get("oom", 0) or 0):
-            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
+            self._print(f"{name}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
                         f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
+            self._progress_line(self.overall(trials))
         elif int(result.get("diverged", 0) or 0):
             # the trial's lr: the report's is the schedule's, ~0 at its end
             lr = float((trial.config or {}).get("lr", math.nan))
-            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
+            self._print(f"{name}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
                         f"{float(result.get('train_loss', math.nan))} at lr {lr:.3g}")
+            self._progress_line(self.overall(trials))
         else:
+            self._note_best(trial.trial_id, epoch, result)
+            self._speeds.setdefault(trial.trial_id, {})[epoch] = float(result.get("clips_per_s", math.nan))
             value = float(result.get(self.metric, math.nan))
-            if math.isfinite(value) and (self._best is None or value > self._best[0]):
-                self._best = (value, short_name(trial))
-            self._print(f"{short_name(trial)}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
-                        f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
-                        f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
-        self._print(self.overall(trials))
+            this = (f"{name}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
+                    f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
+                    f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
+            self._progress_line(self.overall(trials, latest=this))
 
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
-        last = trial.last_result or {}
+        last = getattr(trial, "last_result", None) or {}
         epoch = int(last.get("epoch") or 0)
         status = completed_trial_status(trial, epochs=self.epochs)
         how = {"UNFINISHED": f"interrupted after epoch {epoch}",
                "OOM": "ended: out of memory (recorded as infeasible)",
                "DIVERGED": "ended: diverged (non-finite loss; recorded as infeasible)",
-               "STOPPED": f"stopped early by ASHA after epoch {epoch}/{self.epochs}"}.get(
-            status, f"done ({self.metric} {float(last.get(self.metric, math.nan)):.3f})")
-        self._print(f"{short_name(trial)} {how}")
+               "STOPPED": f"stopped early by ASHA after epoch {epoch}/{self.epochs}"}.get(status, "done")
+        result = f": {self.trial_result(trial.trial_id, last)}" if status in ("DONE", "STOPPED") else ""
+        self._print(f"{short_name(trial)} {how}{result}")
 
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         path = getattr(trial, "error_file", None)
@@ -228,36 +281,120 @@ class SearchConsole(Callback):
         self._print(f"{short_name(trial)} FAILED{reason} "
                     f"(full traceback: {kept or path or 'see the log'}){body}")
 
+    def on_experiment_end(self, trials: list[Trial], **info: Any) -> None:
+        if self._progress and not self.quiet:   # end the line drawn in place: the summary follows
+            print(flush=True)
+        self._progress = ""
+
+    # what it measured ---------------------------------------------------------------------
+    def _measure(self, trial_id: str, epoch: int, result: dict[str, Any]) -> None:
+        """Time from the trial's start (first report in this process: start-up and an epoch) or
+        from its last report (one epoch, training and scoring)."""
+        now = time.monotonic()
+        since = self._last_seen.get(trial_id)
+        self._last_seen[trial_id] = now
+        if since is None:
+            return
+        if trial_id not in self._reported:
+            self._first_s.append(now - since)
+        else:
+            self._epoch_s.setdefault(epoch, []).append(now - since)
+        # the epoch's own span (no start-up), as the worker measured it
+        span = float(result.get("epoch_end_ts", math.nan)) - float(result.get("epoch_start_ts", math.nan))
+        if trial_id not in self._reported and math.isfinite(span) and span > 0:
+            self._epoch_s.setdefault(epoch, []).append(span)
+
+    def _note_running(self, trials: list[Trial]) -> None:
+        self._most_running = max(self._most_running, sum(1 for t in trials if t.status == "RUNNING"))
+
+    def _note_best(self, trial_id: str, epoch: int, result: dict[str, Any]) -> None:
+        acc = float(result.get("val_acc", math.nan))
+        if not math.isfinite(acc):
+            return
+        best = self._best_epoch.get(trial_id)
+        if best is None or acc >= best[1]:
+            self._best_epoch[trial_id] = (epoch, acc, float(result.get(self.metric, math.nan)))
+
+    def trial_result(self, trial_id: str, last: dict[str, Any]) -> str:
+        """`best val_acc 0.719 at epoch 3, 41.2 clips/s`: the trial's best epoch by val_acc and its
+        steady speed, as its row in the table (from the last report when none was seen)."""
+        epoch, acc, value = self._best_epoch.get(trial_id) or (
+            int(last.get("epoch") or 0), float(last.get("val_acc", math.nan)),
+            float(last.get(self.metric, math.nan)))
+        speeds = self._speeds.get(trial_id) or {epoch: float(last.get("clips_per_s", math.nan))}
+        speed = steady_state(speeds)
+        other = f" ({self.metric} {value:.3f})" if self.metric != "val_acc" else ""
+        clips = f", {speed:.1f} clips/s" if math.isfinite(speed) else ""
+        return f"best val_acc {acc:.3f}{other} at epoch {epoch}{clips}"
+
     # text -----------------------------------------------------------------------------------
-    def overall(self, trials: list[Trial]) -> str:
-        """`2/6 trials done, 1 running, 3 to start; best t02-bs8-lr1e-3 val_acc 0.812; about 3m10s left`."""
+    def overall(self, trials: list[Trial], latest: str = "") -> str:
+        """`t01-...  epoch 2/4  val_acc 0.750  ...  |  2/6 trials done, 1 running, 3 to start; best
+        t02-bs8-lr1e-3 val_acc 0.812; about 3m10s left` (`latest`: the epoch just reported)."""
         done = len(_ended(trials))
         running = sum(1 for t in trials if t.status == "RUNNING")
         to_start = max(0, self.num_samples - done - running)
-        best = f"; best {self._best[1]} {self.metric} {self._best[0]:.3f}" if self._best else ""
+        best = max(((v, n) for n, (_, _, v) in self._best_epoch.items() if math.isfinite(v)), default=None)
+        names = {t.trial_id: short_name(t) for t in trials}
+        best_text = f"; best {names.get(best[1], best[1])} {self.metric} {best[0]:.3f}" if best else ""
+        left = self.time_left(trials)
+        eta = f"; about {_duration(left)} left" if left is not None and left >= 1 else ""
         line = (f"{done}/{self.num_samples} trials done, {running} running, {to_start} to start"
-                f"{best}{self._eta(trials)}")
-        if sys.stdout.isatty():   # a bar of epochs trained out of at most every trial's epochs
-            share = min(1.0, sum(self._epochs_done.values()) / max(1, self.num_samples * self.epochs))
-            return f"  [{'#' * round(20 * share):<20}] {line}"
-        return f"  {line}"
+                f"{best_text}{eta}")
+        return f"{latest}  |  {line}" if latest else f"  {line}"
 
-    def _eta(self, trials: list) -> str:
-        """Time left at the pace so far: epochs still to train (at most every trial's last epoch;
-        ASHA may stop some sooner) over epochs trained per second."""
-        if self._started_at is None:
-            return ""
-        elapsed = time.monotonic() - self._started_at
-        trained = sum(self._epochs_done.values())
-        if trained < 1 or elapsed <= 0:
-            return ""
+    def time_left(self, trials: list[Trial]) -> float | None:
+        """Seconds left, from the measured times and the plan: the epochs the running trials still
+        have at the steady epoch time, plus each trial still to start (start-up and epoch 1 as
+        measured, then the rest), shared among `concurrency` trials at a time; never less than the
+        longest running trial's own remainder. At most (ASHA may stop trials sooner). None before
+        anything was measured."""
+        later = [s for e, spans in self._epoch_s.items() if e >= 2 for s in spans]
+        epoch_s = _median(later or [s for spans in self._epoch_s.values() for s in spans])
+        first_s = _median(self._first_s)
+        if not math.isfinite(epoch_s) and not math.isfinite(first_s):
+            return None
+        epoch_s = epoch_s if math.isfinite(epoch_s) else first_s
+        first_s = first_s if math.isfinite(first_s) else epoch_s
+        whole = first_s + (self.epochs - 1) * epoch_s
         ended = _ended(trials)
-        left = sum(self.epochs - e for tid, e in self._epochs_done.items() if tid not in ended)
-        left += self.epochs * max(0, self.num_samples - len(self._epochs_done))
-        return f"; about {_duration(left * elapsed / trained)} left" if left else ""
+        now = time.monotonic()
+        remainders = []
+        running = [t for t in trials if t.status == "RUNNING" and t.trial_id not in ended]
+        for t in running:
+            done = self._epochs_done.get(t.trial_id)
+            if done is not None:
+                remainders.append(max(0, self.epochs - done) * epoch_s)
+            else:   # started, no report yet
+                remainders.append(max(epoch_s, whole - (now - self._last_seen.get(t.trial_id, now))))
+        to_start = max(0, self.num_samples - len(ended) - len(running))
+        at_once = max(1, self.concurrency or self._most_running)
+        return max((sum(remainders) + to_start * whole) / at_once, max(remainders, default=0.0))
+
+    def _progress_line(self, text: str) -> None:
+        """The state after an epoch: one line per epoch in a log file; in place on a terminal."""
+        if self.quiet:
+            return
+        if not self._on_terminal():
+            print(text, flush=True)
+            return
+        if sum(self._epochs_done.values()):   # a bar of epochs trained out of every trial's epochs
+            share = min(1.0, sum(self._epochs_done.values()) / max(1, self.num_samples * self.epochs))
+            text = f"[{'#' * round(20 * share):<20}] {text.strip()}"
+        width = shutil.get_terminal_size((120, 24)).columns
+        self._progress = text[:max(20, width - 1)]
+        print(f"\r\x1b[K{self._progress}", end="", flush=True)
+
+    def _on_terminal(self) -> bool:
+        return sys.stdout.isatty() if self.tty is None else self.tty
 
     def _print(self, line: str) -> None:
-        if not self.quiet:
+        """A line of its own; on a terminal, above the progress line, which is drawn again."""
+        if self.quiet:
+            return
+        if self._progress:
+            print(f"\r\x1b[K{line}\n{self._progress}", end="", flush=True)
+        else:
             print(line, flush=True)
 
 

@@ -304,23 +304,24 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     return sorted((r for r in pool if not dominated(r)), key=lambda r: (-r.val_acc, -r.clips_per_s))
 
 
-def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
-    """Plain-text table: trial (its name), batch size, lr, (weight decay), val_acc and val_f1 (of
-    the best epoch by val_acc), steady clips/s (end to end, and compute only), steady epoch time,
-    epochs trained, (the GPUs it trained on, when some trial had one), status. After clips/s, `*`
-    marks a trial that shared its device with another training and `~` one that trained beside
-    other work on its machine (`speed_marks`), with a line saying so under the table: their
-    speed is not the model's alone."""
+def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int = 0) -> str:
+    """Plain-text table, one line per trial: trial (its name), batch size, lr, (weight decay),
+    best val_acc (`0.750 ±0.15`: the best epoch's accuracy and its 95% interval on `val_clips`
+    validation clips; no interval when 0), that epoch, val_f1 (same epoch), steady clips/s, steady
+    seconds per epoch, epochs trained, (the GPUs it trained on, when some trial had one), status.
+    `column_notes` says what each column means. After clips/s, `*` marks a trial that shared its
+    device with another training and `~` one that trained beside other work on its machine
+    (`speed_marks`), with a line saying so under the table: their speed is not the model's alone."""
     show_gpu = any(r.gpu_ids for r in rows)
     head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
-        ["val_acc", "val_f1", "clips/s", "compute/s", "epoch_s", "epochs"] + (["gpu"] if show_gpu else []) + \
-        ["status"]
+        ["best val_acc", "epoch", "val_f1", "clips/s", "s/epoch", "epochs"] + \
+        (["gpu"] if show_gpu else []) + ["status"]
     body = []
     for r in rows:
         body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
                     ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
-                    [_num(r.val_acc, 3), _num(r.val_f1, 3), _num(r.clips_per_s, 1) + speed_marks(r),
-                     _num(r.compute_clips_per_s, 1), _num(r.epoch_time_s, 1), str(r.epochs)] +
+                    [_accuracy_cell(r, val_clips), str(r.best_epoch or "-"), _num(r.val_f1, 3),
+                     _num(r.clips_per_s, 1) + speed_marks(r), _num(r.epoch_time_s, 1), str(r.epochs)] +
                     ([r.gpu_ids or "-"] if show_gpu else []) + [r.status])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
 
@@ -330,6 +331,30 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False) -> str:
 
     legend = [text for _, text in marks_used(rows)]
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
+
+
+# What each status means, as the end block says it (`column_notes`).
+STATUS_MEANING = {"DONE": "all epochs", "STOPPED": "stopped early by ASHA", "OOM": "out of memory",
+                  "DIVERGED": "loss inf/NaN (lr too high)", "ERROR": "raised an error",
+                  "UNFINISHED": "interrupted (--resume continues it)"}
+
+
+def column_notes(rows: list[TrialRow], *, val_clips: int = 0) -> list[str]:
+    """What each column of `format_table` means, said once under the trials table (the statuses
+    present only)."""
+    interval = " ± its 95% interval" if val_clips > 0 else ""
+    statuses = "; ".join(f"{s}: {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
+    return [f"  best val_acc  validation accuracy at the trial's best epoch (column epoch){interval}",
+            "  val_f1        macro F1 at that epoch",
+            "  clips/s       training speed, steady state (median of epochs 2 and later)",
+            "  s/epoch       seconds per epoch, training and validation, steady state",
+            "  epochs        epochs trained"] + ([f"  status        {statuses}"] if statuses else [])
+
+
+def _accuracy_cell(r: TrialRow, val_clips: int) -> str:
+    """`0.750 ±0.15` (`tune.answer.format_accuracy`); `-` for none (an OOM / DIVERGED trial's)."""
+    from tune.answer import format_accuracy  # lazy: tune.answer imports this module at its top
+    return format_accuracy(math.nan if r.status in NO_RESULT else r.val_acc, val_clips)
 
 
 MARK_LEGEND = (
@@ -354,21 +379,20 @@ def speed_marks(r: TrialRow) -> str:
     return shared + busy
 
 
-def format_markdown(rows: list[TrialRow]) -> str:
+def format_markdown(rows: list[TrialRow], val_clips: int = 0) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
-    name, batch size, lr, val_acc and val_f1 (best epoch), steady clips/s, epochs, (GPUs, when
-    some trial had one), status; under it, what the marks after clips/s mean (a list, when a
-    row carries one)."""
+    name, batch size, lr, best val_acc (with its 95% interval on `val_clips` clips; none when 0),
+    its epoch, val_f1 (same epoch), steady clips/s, epochs, (GPUs, when some trial had one),
+    status; under it, what the marks after clips/s mean (a list, when a row carries one)."""
     show_gpu = any(r.gpu_ids for r in rows)
     gpu_head, gpu_rule = (" gpu |", "---|") if show_gpu else ("", "")
-    lines = [f"| trial | batch | lr | val_acc | val_f1 | epoch | clips/s | epochs |{gpu_head} status |",
+    lines = [f"| trial | batch | lr | best val_acc | epoch | val_f1 | clips/s | epochs |{gpu_head} status |",
              f"|---|---:|---:|---:|---:|---:|---:|---:|{gpu_rule}---|"]
     for r in rows:
         gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
-        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_num(r.val_acc, 3)} | "
-                     f"{_num(r.val_f1, 3)} | "
-                     f"{r.best_epoch or '-'} | {_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} "
-                     f"{r.status} |")
+        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_accuracy_cell(r, val_clips)} | "
+                     f"{r.best_epoch or '-'} | {_num(r.val_f1, 3)} | "
+                     f"{_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} {r.status} |")
     legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
     return "\n".join(lines + ([""] + legend if legend else []))
 
@@ -394,8 +418,9 @@ def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
     95% Wilson interval of the accuracy on `val_clips` validation clips; nan where there is none
     (no accuracy, no epoch, no speed, or val_clips 0: no interval)."""
     from tune.answer import accuracy_interval  # lazy: tune.answer imports this module at its top
-    low, high = accuracy_interval(row.val_acc, val_clips)
-    return {"best_val_acc": row.val_acc, "best_epoch": float(row.best_epoch) if row.best_epoch else math.nan,
+    acc = math.nan if row.status in NO_RESULT else row.val_acc   # an OOM / DIVERGED report's 0 is no accuracy
+    low, high = accuracy_interval(acc, val_clips)
+    return {"best_val_acc": acc, "best_epoch": float(row.best_epoch) if row.best_epoch else math.nan,
             "speed_clips_per_s": row.clips_per_s, "best_val_acc_low": low, "best_val_acc_high": high}
 
 
