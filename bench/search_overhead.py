@@ -50,10 +50,9 @@ from trainer.config import TrainConfig
 from trainer.metrics import reduce_epoch
 from trainer.precision import default_device, is_cuda
 from trainer.run import TRAINED, Run, build_run, data_counts, place_model, run_epoch, save_run_checkpoint
+from tune.options import base_config, parse_options
 from tune.options import build_parser as search_parser
-from tune.options import parse_options
 from tune.runner import fill_clip_cache
-from tune.search import base_config
 from tune.trial import trial_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

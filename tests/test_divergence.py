@@ -62,7 +62,7 @@ def test_a_search_without_a_usable_trial_says_why_and_what_to_change():
     from types import SimpleNamespace
 
     from tune.options import parse_options
-    from tune.runner import no_usable_trial
+    from tune.summary import no_usable_trial
 
     rows = [SimpleNamespace(status=s) for s in ("DIVERGED", "DIVERGED", "OOM")]
     line = no_usable_trial(parse_options(["--smoke-test"]), rows)

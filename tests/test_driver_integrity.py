@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from datasets.flags import ConfigError
-from tune import lock, runner, search, trust
+from tune import lock, preflight, runner, search, trust
 from tune.lock import LOCK_NAME, SearchLock
 
 
@@ -101,8 +101,8 @@ def test_another_hosts_lock_is_stale_only_when_its_heartbeat_is_old(tmp_path, ca
 
 
 def test_the_lock_is_released_when_the_search_raises(tmp_path, monkeypatch):
-    plan = runner.Plan(opts=search.parse_options(["--storage", str(tmp_path), "--name", "x"]), base=None,
-                       storage=str(tmp_path), name="x", demo=True)
+    plan = preflight.Plan(opts=search.parse_options(["--storage", str(tmp_path), "--name", "x"]), base=None,
+                          storage=str(tmp_path), name="x", demo=True)
 
     def boom(plan):
         assert (tmp_path / "x" / LOCK_NAME).exists()

@@ -19,8 +19,7 @@ from datasets.index import build_index
 from trainer import launch
 from trainer.config import TrainConfig
 from tune import demo, search
-from tune.options import SEARCHED, SMOKE_TEST, SearchOptions, build_parser, parse_options
-from tune.search import base_config
+from tune.options import SEARCHED, SMOKE_TEST, SearchOptions, base_config, build_parser, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -270,7 +270,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     import ray.cloudpickle
     from ray.util.placement_group import placement_group_table
 
-    from tune import runner
+    from tune import preflight, runner
     from tune.options import parse_options
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
@@ -278,7 +278,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     opts = parse_options(["--data", str(synthetic_root), "--num-samples", "5", "--epochs", "4",
                           "--batch-sizes", "4,8", "--storage", str(tmp_path / "results"), "--mlflow-uri", uri,
                           "--seed", "3"])
-    plan = runner.prepare(opts)
+    plan = preflight.prepare(opts)
     pgs_before = set(placement_group_table())
     started = time.monotonic()
     code = runner.run_search(plan, trainer_factory=scripted_trainer_factory(tmp_path / "oom-claimed"))

@@ -8,7 +8,7 @@ its driver ran on this host and that process is gone, or when its heartbeat is o
 `STALE_AFTER_S` (a driver on another host, which this one cannot ask).
 
 Remote storage (s3://, gs://): Ray writes it through pyarrow.fs, which has no create-if-absent,
-so no lock is taken there (one line says so; README: Troubleshooting).
+so no lock is taken there (one line says so; docs/troubleshooting.md, "One driver per search").
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class SearchLock:
         stale one over with one line on stderr; start the heartbeat."""
         if self.path is None:
             print(f"note: no driver lock on remote storage ({self.experiment_path}): start one driver per "
-                  "search there (README: Troubleshooting)", flush=True)
+                  "search there (docs/troubleshooting.md: One driver per search)", flush=True)
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         now = time.time()

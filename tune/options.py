@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -170,6 +171,13 @@ class SearchOptions:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=list)
+
+
+def base_config(o: SearchOptions) -> TrainConfig:
+    """The training run every trial starts from: `o.train` with a batch size and learning rate
+    the search will replace (the first candidate, the middle of the log range)."""
+    return o.train.with_overrides(batch_size=(o.space.batch_sizes or (8,))[0],
+                                  lr=math.sqrt(o.space.lr_min * o.space.lr_max))
 
 
 GROUPS = {DataConfig: "data", TrainConfig: "model and training", SearchSpace: "search space",

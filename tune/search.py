@@ -4,7 +4,7 @@ transformer. Ray Tune + Optuna propose trials, each trial is a Ray Train run, ML
 With no arguments it runs the embedded demo (generated data, the `tiny` model, the CPU).
 Bad input fails in seconds, before Ray starts, with exit code 2 and a message naming the flag.
 `--help` and a bad flag are answered before Ray, torch or MLflow are imported: the search itself
-(`tune.runner`) is imported once the options are parsed.
+(`tune.preflight`, then `tune.runner`) is imported once the options are parsed.
 """
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ if __name__ == "__main__" and not __package__:
 
 import contextlib
 import io
-import math
 from collections.abc import Sequence
 
 from datasets.errors import DataError
 from datasets.flags import ConfigError
-from trainer.config import TrainConfig
 from tune.options import SearchOptions, build_parser, parse_options
 
 __all__ = ["build_parser", "main"]
@@ -50,27 +48,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(opts: SearchOptions) -> int:
-    """Check everything on the driver (`tune.runner.prepare`), then run the search or, with
-    --dry-run, print the resolved configuration."""
-    from tune import runner  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
+    """Check everything on the driver (`tune.preflight.prepare`), then run the search
+    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration."""
+    from tune import preflight, runner  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
 
-    # --quiet: nothing before the summary, which writes to the real stdout (tune.runner.summarise)
+    # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
     quiet = opts.quiet and not opts.dry_run
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        plan = runner.prepare(opts)
+        plan = preflight.prepare(opts)
         if opts.dry_run:
-            print(runner.describe(plan))
+            print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "
                   "nothing ran.")
             return 0
         return runner.execute(plan)
-
-
-def base_config(o: SearchOptions) -> TrainConfig:
-    """The training run every trial starts from: `o.train` with a batch size and learning rate
-    the search will replace (the first candidate, the middle of the log range)."""
-    return o.train.with_overrides(batch_size=(o.space.batch_sizes or (8,))[0],
-                                  lr=math.sqrt(o.space.lr_min * o.space.lr_max))
 
 
 if __name__ == "__main__":

@@ -161,7 +161,8 @@ def untrusted_message(file: str, why: str) -> str:
 class StateSigner:
     """Re-signs the state files Tune rewrites, every `period_s`, from a daemon thread of the
     driver; `stop()` signs a last time. A file changed between a save and the next pass is
-    refused on a resume after a hard kill: --trust-state then (README)."""
+    refused on a resume after a hard kill: --trust-state then (docs/troubleshooting.md, "Only state
+    you wrote")."""
 
     def __init__(self, experiment_path: str, period_s: float | None = None):
         self.experiment_path = experiment_path
