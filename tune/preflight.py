@@ -1,0 +1,157 @@
+"""The search before Ray: everything that can be checked on the driver, and the typed `Plan` it
+leaves. `prepare` runs every check that needs no Ray cluster (no driver already on this search,
+options, training config, stores, storage, the dataset indexed once, the experiment name, a
+resumed search's saved state and its signature); `describe` is `--dry-run`'s printout. A plan
+that passes is what `tune.runner.execute` runs.
+
+Bad input raises ConfigError / DataError naming the flag or file, which `tune.search.main` turns
+into exit code 2, in seconds and before any Ray process exists."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ray import tune
+
+from datasets.flags import ConfigError
+from datasets.index import VideoIndex, build_index
+from trainer.config import TrainConfig
+from trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
+from tune import faults, space, trust
+from tune.demo import ensure_demo_data
+from tune.lock import check_not_running
+from tune.options import SearchOptions, base_config
+from tune.ray_internals import check_experiment_state
+from tune.tracking import check_store_uri
+
+DEFAULT_STORAGE = "vidtune-results"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved search before Ray: options (dataset path resolved), the training run every
+    trial starts from, where results go, and the driver's index of the videos."""
+
+    opts: SearchOptions
+    base: TrainConfig
+    storage: str              # Tune storage root (absolute path or URI)
+    name: str                 # experiment name (folder under storage)
+    demo: bool
+    index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
+
+    @property
+    def experiment_path(self) -> str:
+        return f"{self.storage.rstrip('/')}/{self.name}"
+
+
+def prepare(opts: SearchOptions) -> Plan:
+    """The one validation on the driver, before Ray starts: no driver already running this
+    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here,
+    and every candidate batch size checked against the training videos each worker gets), the
+    experiment name. Raises ConfigError / DataError
+    naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
+    storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+        check_writable_folder(storage, "--storage")
+    if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
+        check_not_running(f"{storage.rstrip('/')}/{opts.name}", "--resume" if opts.resume else "--name")
+    demo = opts.demo
+    if demo:
+        root, made = ensure_demo_data()
+        print(f"demo: {'generated' if made else 'using'} the synthetic dataset in {root}"
+              " (pass --data PATH for your own videos)")
+    else:
+        root = Path(opts.train.data.root).expanduser().resolve()
+    opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
+    base = base_config(opts)
+    validate_config(base)
+    if base.data.clip_cache and base.data.clip_cache_dir is not None:
+        check_writable_folder(base.data.clip_cache_dir, "--cache-dir")
+    check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
+    if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
+        check_store_uri(opts.optuna_storage, "--optuna-storage")
+    name = experiment_name(opts, storage)
+    index = index_data(base)
+    check_num_frames(base, index)
+    if opts.space.batch_sizes is not None:   # the defaults depend on the cluster: checked once it is up
+        check_batch_sizes(opts.space.batch_sizes, len(index.train), opts.resources.workers_per_trial,
+                          flag="--batch-sizes", workers_flag="--workers-per-trial")
+    return Plan(opts=opts, base=base, storage=storage, name=name, demo=demo, index=index)
+
+
+def experiment_name(o: SearchOptions, storage: str) -> str:
+    """--name, or with --resume the latest restorable experiment in storage, else a new name."""
+    if o.resume:
+        if o.name:
+            path = f"{storage.rstrip('/')}/{o.name}"
+            if not tune.Tuner.can_restore(path):
+                raise ConfigError("--resume", f"no interrupted search to continue at {path}; "
+                                  "check --name and --storage")
+            name = o.name
+        else:
+            if "://" in storage:
+                raise ConfigError("--resume", "with remote --storage, also pass --name of the search to "
+                                  "continue")
+            found = sorted((p for p in Path(storage).glob("*")
+                            if p.is_dir() and tune.Tuner.can_restore(str(p))),
+                           key=lambda p: p.stat().st_mtime)
+            if not found:
+                raise ConfigError("--resume", f"no interrupted search to continue in {storage}; "
+                                  "pass --storage (and --name)")
+            name = found[-1].name
+        check_resumable(f"{storage.rstrip('/')}/{name}", trust_state=o.trust_state)
+        return name
+    if o.name:
+        if "://" not in storage and (Path(storage) / o.name).exists():
+            raise ConfigError("--name", f"{Path(storage) / o.name} already exists; continue it with --resume "
+                              "or pick another --name")
+        return o.name
+    return time.strftime("vidtune-%Y%m%d-%H%M%S")
+
+
+def check_resumable(path: str, *, trust_state: bool) -> None:
+    """Before anything of a search is unpickled: no live driver holds it (tune/lock.py), Tune's
+    saved state parses, and this user's key signed every state file (tune/trust.py), unless
+    --trust-state."""
+    check_not_running(path, "--resume")
+    try:
+        check_experiment_state(path)
+    except ValueError as e:
+        raise ConfigError("--resume", unreadable_state(path, e)) from None
+    if trust_state:
+        print(f"--trust-state: loading the saved state at {path} without checking who wrote it; "
+              "it is signed with your key from now on")
+        return
+    trust.verify(path)
+
+
+def index_data(base: TrainConfig) -> VideoIndex:
+    """Probe every video on the driver: fails fast (DataError) with the dropped-file report.
+    Returns the VideoIndex the trials train on."""
+    index = build_index(base.data)
+    print(index.summary())
+    return index
+
+
+def describe(plan: Plan) -> str:
+    """`--dry-run`'s printout: every option as resolved (the same names as the flags' fields),
+    with what is decided later said so."""
+    doc = plan.opts.to_dict()
+    doc["experiment"] = plan.experiment_path
+    doc["demo"] = plan.demo
+    doc["early_stopping"] = "ASHA" if space.early_stopping_enabled(plan.opts) else "off"
+    if doc["space"]["batch_sizes"] is None:
+        doc["space"]["batch_sizes"] = "by device once Ray is up (CPU 4,8; GPU 8,16,32)"
+    if doc["train"]["data"]["clip_cache_format"] == "auto":
+        doc["train"]["data"]["clip_cache_format"] = "auto (jpeg when trials train on GPUs, else raw)"
+    return "resolved configuration:\n" + json.dumps(doc, indent=2, default=list)
+
+
+def unreadable_state(experiment_path: str, error: BaseException) -> str:
+    reason = faults.one_line(error)
+    return (f"the saved state of the search at {experiment_path} cannot be read ({type(error).__name__}: "
+            f"{reason}); it was damaged, e.g. by a full disk or a copy cut short. Nothing was restarted. "
+            "Start a new search under another --name; this search's runs stay in MLflow as they are")
