@@ -40,6 +40,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+from mlflow.tracking import MlflowClient
 
 from bench.common import format_table, max_overlap, union_length, write_json
 from bench.cpu_usage import CpuSampler, CpuUsage
@@ -85,29 +86,35 @@ TRIAL_ID_TAG = "vidtune.trial_id"   # the child-run tag tune/tracking.py writes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trial-seconds", choices=("10", "60"), default="10",
                    help="preset: dataset size and epochs for ~10 s or ~60 s per plain training (default 10)")
     p.add_argument("--quick", action="store_true",
                    help="tiny preset (2 trials x 1 epoch, 24 videos) to check the script runs")
-    p.add_argument("--trials", type=int, default=None, help="trainings on each side (default: the preset's, 4)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="trainings on each side (default: the preset's, 4)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per training (default: the preset's)")
-    p.add_argument("--data", default=None, help="dataset to use instead of generating one (any layout the search reads)")
+    p.add_argument("--data", default=None,
+                   help="dataset to use instead of generating one (any layout the search reads)")
     p.add_argument("--model", default="tiny", help="model (default tiny; the presets are sized for it)")
     p.add_argument("--loader-workers", type=int, default=2,
                    help="DataLoader processes per training (default 2, the search's)")
-    p.add_argument("--seed", type=int, default=0, help="--seed of the search (sampler and training; default 0)")
-    p.add_argument("--no-cache", action="store_true", help="both sides decode every clip with decord (search: --no-cache)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="--seed of the search (sampler and training; default 0)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="both sides decode every clip with decord (search: --no-cache)")
     p.add_argument("--max-concurrent-trials", type=int, default=None,
                    help="passed to the search (default: the search decides)")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads of every training, both sides (the search's --cpu-threads; default all "
-                   "the cores). Fewer than the cores leaves some free, as a GPU training does: the search then "
-                   "starts the next trial on them while one trains")
+                   help="torch threads of every training, both sides (the search's --cpu-threads; "
+                   "default all the cores). Fewer than the cores leaves some free, as a GPU training does: "
+                   "the search then starts the next trial on them while one trains")
     p.add_argument("--plain-threads", type=int, default=None,
                    help="torch threads of the plain run (default: what the search gives a trial's worker)")
     p.add_argument("--plain-only", action="store_true", help="run only the plain side (to size a preset)")
-    p.add_argument("--timeout-s", type=float, default=900, help="give up on the search after this long (default 900)")
+    p.add_argument("--timeout-s", type=float, default=900,
+                   help="give up on the search after this long (default 900)")
     p.add_argument("--verbose", action="store_true", help="echo the search's console output to stderr")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows and ratio as JSON")
     p.add_argument("--plain-spec", help=argparse.SUPPRESS)   # internal: run the plain side (subprocess)
@@ -169,7 +176,8 @@ def _plain_epoch(run: Run, epoch: int, checkpoints: str) -> dict | None:
     with tempfile.TemporaryDirectory(dir=checkpoints) as directory:
         save_run_checkpoint(run, directory, epoch=epoch, metrics=metrics)
     return {"epoch": epoch, "start": start, "train_s": result.stats.epoch_time_s, "end": end, "exact": True,
-            "checkpoint_s": time.time() - end, "clips_per_s": metrics["clips_per_s"], "val_acc": metrics["val_acc"]}
+            "checkpoint_s": time.time() - end, "clips_per_s": metrics["clips_per_s"],
+            "val_acc": metrics["val_acc"]}
 
 
 # -- running a side ------------------------------------------------------------------------------
@@ -183,7 +191,8 @@ def run_logged(cmd: list[str], *, env: dict, cwd: Path, timeout_s: float, verbos
     lines: list[tuple[float, str]] = []
     with CpuSampler() as cpu:
         launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=cwd)
         timers = [threading.Timer(timeout_s, proc.send_signal, [signal.SIGINT]),
                   threading.Timer(timeout_s + 30, proc.kill)]
         for timer in timers:
@@ -206,8 +215,9 @@ def search_argv(args: argparse.Namespace, data: str, tmp: Path, epochs: int, tri
                 cache_flags: list[str]) -> list[str]:
     argv = ["--data", data, "--model", args.model, "--epochs", str(epochs), "--batch-sizes", str(batch),
             "--num-samples", str(trials), "--seed", str(args.seed), "--no-early-stop",
-            "--loader-workers", str(args.loader_workers), "--storage", str(tmp / "results"), "--name", EXPERIMENT,
-            "--mlflow-uri", f"sqlite:///{tmp / 'mlruns.db'}", "--experiment", EXPERIMENT, *cache_flags]
+            "--loader-workers", str(args.loader_workers), "--storage", str(tmp / "results"),
+            "--name", EXPERIMENT, "--mlflow-uri", f"sqlite:///{tmp / 'mlruns.db'}",
+            "--experiment", EXPERIMENT, *cache_flags]
     if args.max_concurrent_trials:
         argv += ["--max-concurrent-trials", str(args.max_concurrent_trials)]
     if args.cpu_threads:
@@ -241,7 +251,8 @@ def read_search_trials(experiment: Path) -> list[dict]:
     """Each trial folder's params.json and result.json lines (one per epoch)."""
     trials = []
     for folder in sorted(p for p in experiment.iterdir() if (p / "params.json").is_file()):
-        lines = (folder / "result.json").read_text().splitlines() if (folder / "result.json").is_file() else []
+        lines = ((folder / "result.json").read_text().splitlines()
+                 if (folder / "result.json").is_file() else [])
         results = [json.loads(line) for line in lines if line.strip()]
         trial_id = results[0]["trial_id"] if results else folder.name.split("_")[2]
         trials.append({"trial_id": trial_id, "params": json.loads((folder / "params.json").read_text()),
@@ -253,8 +264,6 @@ def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
     """trial id -> (start, end) unix s of its MLflow child run (opened / closed by the search's
     driver when Tune starts / ends the trial; millisecond resolution)."""
     try:
-        from mlflow.tracking import MlflowClient  # heavy (seconds): only once the search has ended
-
         client = MlflowClient(tracking_uri=uri)
         exp = client.get_experiment_by_name(EXPERIMENT)
         runs = client.search_runs([exp.experiment_id], max_results=10000) if exp else []
@@ -262,7 +271,8 @@ def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
         print(f"warning: MLflow store {uri} not readable ({e}); using Tune's timestamps (1 s resolution)",
               file=sys.stderr)
         return {}
-    return {r.data.tags[TRIAL_ID_TAG]: (r.info.start_time / 1000, r.info.end_time / 1000 if r.info.end_time else None)
+    return {r.data.tags[TRIAL_ID_TAG]: (r.info.start_time / 1000,
+                                        r.info.end_time / 1000 if r.info.end_time else None)
             for r in runs if TRIAL_ID_TAG in r.data.tags}
 
 
@@ -290,14 +300,15 @@ def search_timeline(trials: list[dict], spans: dict, est: dict[str, float]) -> l
                                "end": r["epoch_end_ts"], "exact": True})
                 continue
             end = start + float(r["time_total_s"]) - est["checkpoint_s"]
-            epochs.append({"epoch": r["epoch"], "start": end - est["eval_s"] - train, "train_s": train, "end": end,
-                           "exact": False})
+            epochs.append({"epoch": r["epoch"], "start": end - est["eval_s"] - train, "train_s": train,
+                           "end": end, "exact": False})
         end = span[1] if span and span[1] else (res[-1]["timestamp"] if res else start)
         values = functools.partial(_reported, res)
         out.append({"trial_id": t["trial_id"], "batch_size": t["params"].get("batch_size"),
                     "lr": t["params"].get("lr"), "start": start, "end": end, "epochs": epochs,
                     "device_wait_s": sum(values("device_wait_s")) if values("device_wait_s") else None,
-                    "cache_hit_frac": statistics.mean(values("cache_hit_frac")) if values("cache_hit_frac") else None,
+                    "cache_hit_frac": (statistics.mean(values("cache_hit_frac"))
+                                       if values("cache_hit_frac") else None),
                     "concurrent": max(values("concurrent_trainings"), default=None)})
     return sorted(out, key=lambda t: t["start"])
 
@@ -312,7 +323,8 @@ def stage_times(side: dict) -> dict[str, float]:
     ("launch -> data indexed": Python start, imports, option checks, the data index)."""
     first = min(t["start"] for t in side["trials"])
     marks = console_markers(side["lines"])
-    points = [("launch", side["launch"])] + [(n, marks[n]) for n, _ in CONSOLE_MARKERS if n in marks and marks[n] < first]
+    points = [("launch", side["launch"])] + [(n, marks[n]) for n, _ in CONSOLE_MARKERS
+                                             if n in marks and marks[n] < first]
     points = sorted(dict.fromkeys(points), key=lambda p: p[1]) + [("first trial starts", first)]
     return {f"{a} -> {b}".replace("_", " "): tb - ta for (a, ta), (b, tb) in pairwise(points)}
 
@@ -347,7 +359,8 @@ def side_summary(launch: float, exit_: float, trials: list[dict]) -> dict[str, f
         "between_epochs_s": 0.0 + sum(b["start"] - a["end"] for t in ran for a, b in pairwise(t["epochs"])),
         "trial_start_to_first_epoch_s": mean([t["epochs"][0]["start"] - t["start"] for t in ran]),
         "last_epoch_to_trial_end_s": mean([t["end"] - t["epochs"][-1]["end"] for t in ran]),
-        "no_training_s": (exit_ - launch) - union_length((e["start"], e["start"] + e["train_s"]) for e in epochs),
+        "no_training_s": (exit_ - launch) - union_length((e["start"], e["start"] + e["train_s"])
+                                                         for e in epochs),
         "trials_at_once": max_overlap(spans),
         "trainings_at_once": max_overlap((e["start"], e["start"] + e["train_s"]) for e in epochs),
     }
@@ -368,7 +381,8 @@ ROWS = (  # (key, label) of the side-by-side table, in print order
 )
 
 
-def report(plain: dict, search: dict | None, *, header: list[str], target: float | None) -> tuple[str, list[dict]]:
+def report(plain: dict, search: dict | None, *, header: list[str],
+           target: float | None) -> tuple[str, list[dict]]:
     """The printed tables and the JSON rows."""
     p = side_summary(plain["launch"], plain["exit"], plain["trials"])
     s = side_summary(search["launch"], search["exit"], search["trials"]) if search else {}
@@ -389,11 +403,13 @@ def report(plain: dict, search: dict | None, *, header: list[str], target: float
     lines = [*header, "", format_table(("seconds", "plain", "search", "search-plain"), table)]
     if search:
         ratio = s["wall_s"] / p["wall_s"]
-        verdict = "" if target is None else f" (target <= {target:g}: {'met' if ratio <= target else 'NOT met'})"
+        verdict = ("" if target is None
+                   else f" (target <= {target:g}: {'met' if ratio <= target else 'NOT met'})")
         lines += ["", f"ratio search / plain wall time: {ratio:.2f}{verdict}"]
         if estimated:
-            lines.append("(est.): the search reported no epoch_start_ts / epoch_end_ts; its epochs are placed from "
-                         "the report times less the plain side's mean evaluation and checkpoint times")
+            lines.append("(est.): the search reported no epoch_start_ts / epoch_end_ts; its epochs are "
+                         "placed from the report times less the plain side's mean evaluation and checkpoint "
+                         "times")
     lines += ["", "per trial:", trial_table(plain, search)]
     if plain["cpu"].by_kind:
         lines += ["", cpu_table(plain["cpu"], search["cpu"] if search else None, trials=len(plain["trials"]))]
@@ -420,13 +436,15 @@ def cpu_table(plain: CpuUsage, search: CpuUsage | None, *, trials: int, top: int
         rows.append((f"{len(rest)} other kinds", *cells(plain, rest), *cells(search, rest)))
     rows.append(("not sampled (short-lived, other load)", None, plain.machine_busy_s - plain.sampled_s,
                  None, search.machine_busy_s - search.sampled_s if search else None))
-    rows.append(("whole machine, busy", None, plain.machine_busy_s, None, search.machine_busy_s if search else None))
+    rows.append(("whole machine, busy", None, plain.machine_busy_s, None,
+                 search.machine_busy_s if search else None))
     rows.append(("  = cores busy on average", None, plain.machine_busy_s / max(plain.wall_s, 1e-9), None,
                  search.machine_busy_s / max(search.wall_s, 1e-9) if search else None))
-    table = format_table(("CPU seconds by process kind", "plain n", "plain cpu_s", "search n", "search cpu_s"), rows)
-    note = (f"(n: processes of that kind started; {trials} trials on each side. Every Ray Train run starts its "
-            "controller, its workers and helper actors in fresh processes; a worker's DataLoader processes carry "
-            "its title, ray::RayTrainWorker.)")
+    table = format_table(("CPU seconds by process kind", "plain n", "plain cpu_s", "search n",
+                          "search cpu_s"), rows)
+    note = (f"(n: processes of that kind started; {trials} trials on each side. Every Ray Train run starts "
+            "its controller, its workers and helper actors in fresh processes; a worker's DataLoader "
+            "processes carry its title, ray::RayTrainWorker.)")
     return table + "\n" + note
 
 
@@ -444,7 +462,8 @@ def training_cpu(side: dict, training_kind: str) -> dict:
     covered, busy, by_kind = side["cpu"].within(windows)
     if covered <= 0:
         return {"seconds": 0.0, "training": None, "others": None, "machine": None, "others_by_kind": {}}
-    others = {k: cpu / covered for k, cpu in sorted(by_kind.items(), key=lambda kv: -kv[1]) if k != training_kind}
+    others = {k: cpu / covered for k, cpu in sorted(by_kind.items(), key=lambda kv: -kv[1])
+              if k != training_kind}
     return {"seconds": covered, "training": by_kind.get(training_kind, 0.0) / covered,
             "others": sum(others.values(), 0.0), "machine": busy / covered, "others_by_kind": others}
 
@@ -475,8 +494,8 @@ def trial_table(plain: dict, search: dict | None) -> str:
     for side in (plain, search) if search else (plain,):
         for t in side["trials"]:
             ep = t["epochs"]
-            rows.append((t["trial_id"], t["batch_size"], f"{t['lr']:.2e}", len(ep), sum(e["train_s"] for e in ep),
-                         sum(e["end"] - e["start"] - e["train_s"] for e in ep),
+            rows.append((t["trial_id"], t["batch_size"], f"{t['lr']:.2e}", len(ep),
+                         sum(e["train_s"] for e in ep), sum(e["end"] - e["start"] - e["train_s"] for e in ep),
                          ep[0]["start"] - t["start"] if ep else None, t.get("device_wait_s"),
                          t["end"] - ep[-1]["end"] if ep else None, t["end"] - t["start"],
                          t.get("cache_hit_frac"), t.get("concurrent")))
@@ -531,7 +550,8 @@ def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
     trials = read_search_trials(experiment) if experiment.is_dir() else []
     if run["returncode"] != 0 or not any(t["results"] for t in trials):
         tail = "\n".join(text for _, text in run["lines"][-40:])
-        raise SystemExit(f"the search failed (exit {run['returncode']}, {len(trials)} trial folders):\n{tail}")
+        raise SystemExit(f"the search failed (exit {run['returncode']}, {len(trials)} trial folders):"
+                         f"\n{tail}")
     return {**run, "raw_trials": trials, "spans": mlflow_spans(f"sqlite:///{tmp / 'mlruns.db'}")}
 
 
@@ -544,9 +564,11 @@ def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int
             for side, flags in (("search", search_cache), ("plain", plain_cache))}
     if args.plain_only:
         lrs = [1e-4 * 30 ** (i / max(1, trials - 1)) for i in range(trials)]
-        chosen = [{"trial_id": f"t{i}", "batch_size": preset.batch_size, "lr": lr} for i, lr in enumerate(lrs)]
+        chosen = [{"trial_id": f"t{i}", "batch_size": preset.batch_size, "lr": lr}
+                  for i, lr in enumerate(lrs)]
     else:
-        print(f"search: {trials} trial(s) x {epochs} epoch(s) through tune/search.py ...", file=sys.stderr, flush=True)
+        print(f"search: {trials} trial(s) x {epochs} epoch(s) through tune/search.py ...", file=sys.stderr,
+              flush=True)
         search = run_search(argv["search"], tmp, args)
         load.append(os.getloadavg()[0])
         chosen = [{"trial_id": t["trial_id"], **t["params"]} for t in search["raw_trials"] if t["results"]]
@@ -568,10 +590,11 @@ def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int
 def header_lines(run: dict, args: argparse.Namespace, name: str, preset: Preset, epochs: int) -> list[str]:
     plain, search, load = run["plain"], run["search"], run["load"]
     lines = [
-        f"\nSearch overhead, preset {name}: {run['trials']} trainings x {epochs} epoch(s), {args.model}, batch "
-        f"{preset.batch_size}, {args.loader_workers} loader process(es), seed {args.seed}",
+        f"\nSearch overhead, preset {name}: {run['trials']} trainings x {epochs} epoch(s), {args.model}, "
+        f"batch {preset.batch_size}, {args.loader_workers} loader process(es), seed {args.seed}",
         f"data: {run['data']}",
-        f"plain: one process, trainings one after another, {plain['threads']} torch thread(s), {plain['device']}",
+        f"plain: one process, trainings one after another, {plain['threads']} torch thread(s), "
+        f"{plain['device']}",
         f"search: {run['command']}",
         f"frame cache: {run['cache']}",
         f"machine: {os.cpu_count()} cores; load average (1 min) before / after search / after plain: "
@@ -599,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
         run = run_sides(args, preset, trials, epochs, Path(tmp))
     plain, search = run["plain"], run["search"]
-    text, rows = report(plain, search, header=header_lines(run, args, name, preset, epochs), target=preset.target_ratio)
+    text, rows = report(plain, search, header=header_lines(run, args, name, preset, epochs),
+                        target=preset.target_ratio)
     print(text)
     if args.json:
         write_json(args.json, {
@@ -609,9 +633,11 @@ def main(argv: list[str] | None = None) -> int:
             "plain_threads": plain["threads"], "load_avg": run["load"], "search_command": run["command"],
             "trials_at_once": search["overlap"]["trials_at_once"] if search else None,
             "trainings_at_once": search["overlap"]["trainings_at_once"] if search else None,
-            "rows": rows, "plain_trials": plain["trials"], "search_trials": search["trials"] if search else None,
+            "rows": rows, "plain_trials": plain["trials"],
+            "search_trials": search["trials"] if search else None,
             "cpu": {"plain": plain["cpu"].to_dict(), "search": search["cpu"].to_dict() if search else None},
-            "cores_while_training": dict(zip(("plain", "search"), while_training(plain, search), strict=True))})
+            "cores_while_training": dict(zip(("plain", "search"), while_training(plain, search),
+                                             strict=True))})
     return 0
 
 
