@@ -51,3 +51,16 @@ def test_trials_csv_uses_the_summary_names_and_values(tmp_path):
         assert all(float(r[k]) == pytest.approx(m[k], abs=5e-3) for k in results.SUMMARY_KEYS)
     oom = read[2]
     assert all(oom[k] == "nan" for k in results.SUMMARY_KEYS)
+
+
+def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
+    rows = [_row("t01", 0.75, 41.2, best_epoch=3),
+            _row("t02", math.nan, math.nan, best_epoch=0, status="OOM")]
+    head, _, best, oom, *_ = results.format_table(rows, val_clips=32).splitlines()
+    assert head.split()[3:7] == ["best", "val_acc", "epoch", "val_f1"]
+    assert best.split()[3:6] == ["0.750", "±0.14", "3"]             # Wilson on 24 of 32 clips
+    assert oom.split()[3:5] == ["-", "-"]
+    assert "±" not in results.format_table(rows)                     # clip count unknown: no interval
+    notes = results.column_notes(rows, val_clips=32)
+    assert notes[0].split()[:2] == ["best", "val_acc"] and "95% interval" in notes[0]
+    assert notes[-1] == "  status        DONE: all epochs; OOM: out of memory"

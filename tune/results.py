@@ -347,7 +347,7 @@ def column_notes(rows: list[TrialRow], *, val_clips: int = 0) -> list[str]:
     return [f"  best val_acc  validation accuracy at the trial's best epoch (column epoch){interval}",
             "  val_f1        macro F1 at that epoch",
             "  clips/s       training speed, steady state (median of epochs 2 and later)",
-            "  s/epoch       seconds per epoch, training and validation, steady state",
+            "  s/epoch       seconds per training epoch (validation not counted), steady state",
             "  epochs        epochs trained"] + ([f"  status        {statuses}"] if statuses else [])
 
 

@@ -1,26 +1,33 @@
-"""The end of a search: what it tells the user and MLflow. `summarise` prints the trials table,
-the best trial, the Pareto front and the checkpoint; writes trials.csv, best_config.json and the
-plots; brings MLflow up to date (every epoch, final statuses, the parent's artifacts); and ends
-with how to compare, resume or flush. `tune.runner.run_search` calls it when the Tuner returns,
-raises or is interrupted."""
+"""The end of a search: what it tells the user and MLflow. `summarise` writes trials.csv,
+best_config.json and the plots, brings MLflow up to date (every epoch, final statuses, the
+parent's artifacts), then prints the last block, the answer first: the sentences a person acts
+on (`tune.answer.answer_lines`) and the MLflow link to compare the trials; the trials by outcome
+and the total time; the trials table and what its columns mean; the Pareto front; the best
+checkpoint; and how to train it again, resume or flush. `tune.runner.run_search` calls it when
+the Tuner returns, raises or is interrupted."""
 from __future__ import annotations
 
 import functools
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 from ray import tune
 
 from tune import faults
+from tune.answer import SearchedRange, answer_lines
+from tune.console import outcome_line
 from tune.options import SearchOptions
-from tune.plots import plot_objective_vs_params, plot_scatter
+from tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from tune.preflight import Plan
 from tune.ray_internals import FINISHED_STATES, trial_states
 from tune.results import (
     TrialRow,
     best_trial,
+    column_notes,
     format_markdown,
     format_table,
     pareto_front,
@@ -33,58 +40,49 @@ from tune.tracking import MLflowTracker, sqlite_path
 
 def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,
               failed: bool = False) -> int:
-    """Print the table / best / Pareto front / checkpoint; bring MLflow up to date (every epoch,
-    final statuses, the parent's artifacts; KILLED when the search did not finish), or say what
-    is pending when the store cannot be reached. Exit code: 0 with a best trial, 1 without, 130
-    when interrupted. The last lines printed say how to compare, resume or flush. `failed`: the
-    search ended in an exception, which the caller reports (no resume hint here)."""
+    """Write the result files, bring MLflow up to date (KILLED when the search did not finish; or
+    say what is pending when the store cannot be reached), then print the last block (see the
+    module docstring). Exit code: 0 with a best trial, 1 without, 130 when interrupted. `failed`:
+    the search ended in an exception, which the caller reports (no resume hint here)."""
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
-
-    rows: list[TrialRow] = []
-    pairs: list[tuple[TrialRow, tune.Result, str]] = []   # (row, Tune result, Train run folder)
-    states: list[tuple[str, str]] = []
-    if results is not None:
-        states = trial_states(results)   # (trial id, Tune status), same order as the Results
-        for (trial_id, status), result in zip(states, results, strict=True):
-            # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
-            finished = status in FINISHED_STATES and not faults.trial_unfinished(trial_id)
-            name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
-            train_run = f"{plan.experiment_path}/train_runs/{name}"
-            row = row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
-                                         train_run=train_run, name=name)
-            rows.append(row)
-            pairs.append((row, result, train_run))
+    rows, pairs, states = collect_rows(plan, opts, results)
     interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
-    if results is not None and not interrupted and len(rows) < opts.num_samples:
-        # Tune ended with nothing left to run: a resume would not add the missing trials.
-        say(f"\nnote: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
-              "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
+    val_clips = len(plan.index.val) if plan.index is not None else 0
+    searched = SearchedRange(lr_min=opts.space.lr_min, lr_max=opts.space.lr_max,
+                             batch_sizes=tuple(opts.space.batch_sizes or ()))
+    answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips, searched=searched)
     best = best_trial(rows, opts.objective)
-    if rows:
-        say("\ntrials:\n" +
-            format_table(ranked(rows, opts.objective), show_wd=opts.space.search_weight_decay))
-    if opts.objective == "pareto" and rows:
-        front = pareto_front(rows)
-        say("\nPareto front (val_acc vs clips/s):\n" +
-            format_table(front, show_wd=opts.space.search_weight_decay))
-    folder = results_folder(plan)
-    files = write_results(plan, opts, rows, best, folder)
-    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted)
+    files = write_results(plan, opts, rows, best, results_folder(plan), val_clips=val_clips)
+    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted,
+                               val_clips=val_clips, answer=answer)
     uri = opts.tracking.mlflow_uri
     resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
               f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
+
+    say("")   # the last block: the answer first
+    for line in answer:
+        say(line)
+    say(mlflow_lines(opts, tracker, pending))
+    say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
+    if results is not None and not interrupted and len(rows) < opts.num_samples:
+        # Tune ended with nothing left to run: a resume would not add the missing trials.
+        say(f"note: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
+            "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
+    if rows:
+        say(f"\ntrials, best first by {opts.objective}:\n" + format_table(
+            ranked(rows, opts.objective), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
+        say("\n".join(column_notes(rows, val_clips=val_clips)))
+    if opts.objective == "pareto" and rows:
+        say("\nPareto front (val_acc vs clips/s):\n" +
+            format_table(pareto_front(rows), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
+    say("")
     if best:
-        wd = f"  weight_decay={best.weight_decay:.3g}" if best.weight_decay is not None else ""
-        say(f"\nbest trial ({opts.objective}): {best.name or best.trial_id}  batch_size={best.batch_size}  "
-            f"lr={best.lr:.3g}{wd}  val_acc={best.val_acc:.3f}  val_f1={best.val_f1:.3f} "
-            f"(epoch {best.best_epoch})  clips/s={best.clips_per_s:.1f} (steady state)")
-        say(f"best checkpoint: {best.checkpoint or 'none kept'}")
+        say(f"best checkpoint ({best.label}, epoch {best.best_epoch}): {best.checkpoint or 'none kept'}")
         if "best_config" in files:
             say(f"train it again: python -m trainer.train --config {files['best_config']}")
     if files:
         say(f"results: {files['trials_csv'].parent} (trials.csv, best_config.json, plots)")
-    say(mlflow_lines(opts, tracker, pending))
     if pending:
         say(f"MLflow is not up to date: {pending}. Nothing is lost: every epoch of every trial is kept in "
             f"{plan.experiment_path}. Once the store answers, write it with:\n  {resume}")
@@ -94,6 +92,28 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
     if not best and rows:
         say(no_usable_trial(opts, rows))
     return 0 if best else 1
+
+
+def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None
+                 ) -> tuple[list[TrialRow], list[tuple[TrialRow, tune.Result, str]], list[tuple[str, str]]]:
+    """One TrialRow per trial of `results`, with its (row, Tune result, Train run folder) for
+    MLflow and Tune's (trial id, status) pairs, in the Results' order."""
+    rows: list[TrialRow] = []
+    pairs: list[tuple[TrialRow, tune.Result, str]] = []
+    states: list[tuple[str, str]] = []
+    if results is None:
+        return rows, pairs, states
+    states = trial_states(results)
+    for (trial_id, status), result in zip(states, results, strict=True):
+        # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
+        finished = status in FINISHED_STATES and not faults.trial_unfinished(trial_id)
+        name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
+        train_run = f"{plan.experiment_path}/train_runs/{name}"
+        row = row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
+                              train_run=train_run, name=name)
+        rows.append(row)
+        pairs.append((row, result, train_run))
+    return rows, pairs, states
 
 
 # What to change when every trial ended one way (no_usable_trial).
@@ -122,26 +142,31 @@ def results_folder(plan: Plan) -> Path | None:
 
 
 def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                  folder: Path | None) -> dict[str, Path]:
+                  folder: Path | None, *, val_clips: int = 0) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
-    the two plots. In `folder`, or a temporary folder when None or when `folder` cannot take
-    them (a full disk): MLflow gets them either way."""
+    the three plots. In `folder`, or a temporary folder when None or when `folder` cannot take
+    them (a full disk): MLflow gets them either way. `val_clips`: the validation set's size (the
+    CSV's intervals)."""
     if folder is not None:
         try:
-            return _write_results(plan, opts, rows, best, folder)
+            return _write_results(plan, opts, rows, best, folder, val_clips)
         except OSError as e:
             print(f"note: the results could not be written to {folder} ({e.strerror or e}); "
                   "they go to MLflow only")
-    return _write_results(plan, opts, rows, best, Path(tempfile.mkdtemp(prefix="vidtune-results-")))
+    temporary = Path(tempfile.mkdtemp(prefix="vidtune-results-"))
+    return _write_results(plan, opts, rows, best, temporary, val_clips)
 
 
 def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                   target: Path) -> dict[str, Path]:
-    files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective),
-             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
+                   target: Path, val_clips: int) -> dict[str, Path]:
+    files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
+                                     val_clips=val_clips),
+             "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
+                                     title=plan.name),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
-                                                objective=opts.objective, title=plan.name)}
+                                                objective=opts.objective, title=plan.name),
+             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name)}
     if best:
         wd = {"weight_decay": best.weight_decay} if best.weight_decay is not None else {}
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
@@ -155,9 +180,11 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
 
 def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, rows: list[TrialRow],
                      pairs: list[tuple[TrialRow, tune.Result, str]], states: list[tuple[str, str]],
-                     best: TrialRow | None, files: dict[str, Path], *, interrupted: bool) -> str | None:
-    """Reconcile the child runs with Tune's results, log the parent's summary and end every run.
-    Returns None when MLflow is up to date, else why it is not (the store failed)."""
+                     best: TrialRow | None, files: dict[str, Path], *, interrupted: bool, val_clips: int = 0,
+                     answer: list[str] | None = None) -> str | None:
+    """Reconcile the child runs with Tune's results, log the parent's summary (the trials table
+    with `val_clips`' intervals; `answer`: the sentences that open the description) and end every
+    run. Returns None when MLflow is up to date, else why it is not (the store failed)."""
     try:
         tracker.open_parent(refresh=True)
         if states:
@@ -170,7 +197,7 @@ def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, ro
             print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
         tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
                             best_checkpoint=best.checkpoint if best else None)
-        tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective)),
+        tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective), val_clips),
                              best_trial_id=best.trial_id if best else None, objective=opts.objective)
         tracker.close(interrupted=interrupted)
     except Exception as e:   # the store is down or full: the search's own results stand
@@ -185,11 +212,11 @@ def ui_hint(uri: str) -> str:
 
 
 def mlflow_lines(opts: SearchOptions, tracker: MLflowTracker, pending: str | None) -> str:
-    """The summary's last lines: the runs table and the parent run, ready to compare (the store's
-    URI only, when MLflow is not up to date or its experiment is unknown)."""
+    """The links that follow the answer: the runs table, ready to compare, and the parent run
+    (the store's URI only, when MLflow is not up to date or its experiment is unknown)."""
     hint = ui_hint(opts.tracking.mlflow_uri)
     if not pending and getattr(tracker, "experiment_id", None):
         parent = tracker.run_url(tracker.parent_run_id)
         return (f"compare the trials in MLflow: {tracker.runs_table_url()}{hint}\n"
-                f"  the search's run (trials table, best run, plots): {parent}")
+                f"  the search's run (answer, trials table, plots): {parent}")
     return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{hint}"
