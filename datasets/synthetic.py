@@ -39,6 +39,16 @@ import av
 import numpy as np
 
 from datasets.errors import DataError
+from datasets.flags import (
+    ConfigError,
+    FlagSpec,
+    add_flags,
+    build,
+    check_bounds,
+    flag_specs,
+    join_negative_values,
+    option,
+)
 
 CLASS_DIRS = {1: "Fight", 0: "NonFight"}   # label -> RWF-2000 folder name
 SPLITS = ("train", "val")
@@ -50,43 +60,68 @@ _ODD_NAMES = ("clip {i:03d} é", "caméra nº{i} (copie)", "監視 カメラ {i}
 
 @dataclass(frozen=True)
 class SynthSpec:
-    """Everything that decides the generated files (written to ROOT/synthetic.json)."""
+    """Everything that decides the generated files (written to ROOT/synthetic.json). Each field
+    is its CLI flag too (`datasets.flags.option`), bounds included."""
 
-    videos: int = 200            # total clips, classes balanced (Fight gets the odd one)
-    seed: int = 0                # same seed -> same frames
-    fps: int = 15                # frames per second of the written files
-    seconds: float = 3.0         # clip length; frames = round(fps * seconds)
-    size: int = 112              # square frame side in pixels (even: yuv420p needs it)
-    val_fraction: float = 0.2    # share of each class written under val/
-    avi_every: int = 5           # every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = none
-    odd_name_every: int = 6      # every k-th clip gets a name with spaces / non-ASCII; 0 = none
-    crf: int = 12                # H.264 quality (0 = lossless luma, 12 = near-lossless, 23 = x264 default)
+    # an odd count gives Fight the extra clip
+    videos: int = option(200, flag="--videos", metavar="N", ge=4,
+                         help="total clips, classes balanced; at least 4: one per class in train and val")
+    seed: int = option(0, flag="--seed", metavar="N", ge=0, help="random seed; same seed, same frames")
+    fps: int = option(15, flag="--fps", metavar="FPS", ge=1, lt=121, help="frames per second")
+    seconds: float = option(3.0, flag="--seconds", metavar="S", gt=0,
+                            help="clip length in seconds; frames = round(fps x seconds), at least 4")
+    # even: H.264 with yuv420p halves the chroma planes
+    size: int = option(112, flag="--size", metavar="PX", ge=32, lt=1025,
+                       help="square frame side in pixels, even, 32 to 1024")
+    val_fraction: float = option(0.2, flag="--val-fraction", metavar="F", gt=0, lt=1,
+                                 help="share of each class written to val/")
+    avi_every: int = option(5, flag="--avi-every", metavar="K", ge=0,
+                            help="every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = all .mp4")
+    odd_name_every: int = option(6, flag="--odd-name-every", metavar="K", ge=0,
+                                 help="every k-th clip gets a name with spaces / non-ASCII; 0 = none")
+    # 0 = lossless luma; 23 is x264's default
+    crf: int = option(12, flag="--crf", metavar="CRF", ge=0, lt=52,
+                      help="H.264 quality, 0 (lossless) to 51; 12 is near-lossless")
 
     @property
     def frames(self) -> int:
         return int(round(self.fps * self.seconds))
 
 
+@dataclass(frozen=True)
+class WriteOptions:
+    """How `generate` writes the files, which does not change them (not in synthetic.json)."""
+
+    workers: int | None = option(None, flag="--workers", metavar="N", ge=1,
+                                 help="processes rendering/encoding in parallel (default: one per core, at "
+                                 "most 4)")
+    overwrite: bool = option(False, flag="--overwrite", help="replace videos already in OUT")
+
+
+SPEC_FLAGS = tuple(flag_specs(SynthSpec))
+WRITE_FLAGS = tuple(flag_specs(WriteOptions))
+
+
+def _check_bounds(options: SynthSpec | WriteOptions, specs: Sequence[FlagSpec]) -> None:
+    """`check_bounds` as a DataError naming the flag and its value (`--videos 3: it must be ...`),
+    the error `generate`'s callers handle."""
+    try:
+        check_bounds(options, specs)
+    except ConfigError as e:
+        value = getattr(options, next(s.path for s in specs if s.flag == e.flag))
+        reason = str(e)[len(e.flag) + 2:]
+        raise DataError(f"{e.flag} {value}: {reason.partition('; ')[2] or reason}") from None
+
+
 def _validate(spec: SynthSpec) -> None:
     """Raise DataError naming the offending option (CLI flag spelling) and what to use instead."""
-    if spec.videos < 4:
-        raise DataError(f"--videos {spec.videos}: need at least 4 (one per class in train and val)")
-    if spec.seed < 0:
-        raise DataError(f"--seed {spec.seed}: use an integer >= 0")
-    if not 1 <= spec.fps <= 120:
-        raise DataError(f"--fps {spec.fps}: use a frame rate between 1 and 120")
-    if spec.seconds <= 0 or spec.frames < 4:
+    _check_bounds(spec, SPEC_FLAGS)
+    if spec.frames < 4:
         raise DataError(f"--seconds {spec.seconds} at --fps {spec.fps} gives {spec.frames} frames; "
                         "need at least 4 frames per clip")
-    if spec.size < 32 or spec.size > 1024 or spec.size % 2:
+    if spec.size % 2:
         raise DataError(f"--size {spec.size}: use an even frame side between 32 and 1024 pixels "
                         "(H.264 with yuv420p needs even sides)")
-    if not 0.0 < spec.val_fraction < 1.0:
-        raise DataError(f"--val-fraction {spec.val_fraction}: use a value strictly between 0 and 1")
-    if spec.avi_every < 0 or spec.odd_name_every < 0:
-        raise DataError("--avi-every / --odd-name-every must be >= 0 (0 turns the feature off)")
-    if not 0 <= spec.crf <= 51:
-        raise DataError(f"--crf {spec.crf}: H.264 CRF must be between 0 and 51")
 
 
 # ----------------------------------------------------------------------------------- planning
@@ -342,10 +377,9 @@ def generate(out_dir: str | Path, *, videos: int = 200, seed: int = 0, fps: int 
                      val_fraction=val_fraction, avi_every=avi_every,
                      odd_name_every=odd_name_every, crf=crf)
     _validate(spec)
+    _check_bounds(WriteOptions(workers=workers, overwrite=overwrite), WRITE_FLAGS)
     if workers is None:
         workers = min(os.cpu_count() or 1, 4) if videos > 8 else 1
-    if workers < 1:
-        raise DataError(f"--workers {workers}: use 1 or more processes")
     root = Path(out_dir)
     _prepare_root(root, overwrite)
     jobs = _plan(root, spec)
@@ -363,42 +397,22 @@ def generate(out_dir: str | Path, *, videos: int = 200, seed: int = 0, fps: int 
 
 # ---------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    d = SynthSpec()
     p = argparse.ArgumentParser(
         prog="python -m datasets.synthetic",
         description="Write a small learnable violence-like dataset (RWF-2000 layout) of real video files.")
     p.add_argument("out", metavar="OUT", help="output folder (created; becomes the dataset root)")
-    p.add_argument("--videos", type=int, default=d.videos,
-                   help="total clips, classes balanced (default %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="random seed; same seed, same frames (default %(default)s)")
-    p.add_argument("--fps", type=int, default=d.fps, help="frames per second (default %(default)s)")
-    p.add_argument("--seconds", type=float, default=d.seconds,
-                   help="clip length in seconds (default %(default)s)")
-    p.add_argument("--size", type=int, default=d.size,
-                   help="square frame side in pixels, even (default %(default)s)")
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
-                   help="share of each class written to val/ (default %(default)s)")
-    p.add_argument("--avi-every", type=int, default=d.avi_every,
-                   help="every k-th clip is an .avi (MPEG-4 part 2 / MJPEG); 0 = all .mp4 "
-                   "(default %(default)s)")
-    p.add_argument("--odd-name-every", type=int, default=d.odd_name_every,
-                   help="every k-th clip gets a name with spaces / non-ASCII; 0 = none (default %(default)s)")
-    p.add_argument("--crf", type=int, default=d.crf,
-                   help="H.264 quality, 0 (lossless) to 51; 12 is near-lossless (default %(default)s)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="processes rendering/encoding in parallel (default: one per core, at most 4)")
-    p.add_argument("--overwrite", action="store_true", help="replace videos already in OUT")
+    add_flags(p, SPEC_FLAGS, group_of=lambda s: "dataset", suppress=False)
+    add_flags(p, WRITE_FLAGS, group_of=lambda s: "writing", suppress=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(join_negative_values(argv, SPEC_FLAGS + WRITE_FLAGS))
+    spec = build(SynthSpec, {s.path: getattr(args, s.path) for s in SPEC_FLAGS})
+    run = build(WriteOptions, {s.path: getattr(args, s.path) for s in WRITE_FLAGS})
     try:
-        root = generate(args.out, videos=args.videos, seed=args.seed, fps=args.fps, seconds=args.seconds,
-                        size=args.size, val_fraction=args.val_fraction, avi_every=args.avi_every,
-                        odd_name_every=args.odd_name_every, crf=args.crf, workers=args.workers,
-                        overwrite=args.overwrite)
+        root = generate(args.out, **asdict(spec), **asdict(run))   # generate checks the bounds
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

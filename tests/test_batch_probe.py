@@ -121,3 +121,9 @@ def test_even_the_smallest_batch_leaves_too_little_headroom():
         probe_batch_size("tiny", device="cpu", try_batch=lambda b: 0.95)
     with pytest.raises(ValueError, match=r"headroom must be a share of the memory in \[0, 1\)"):
         probe_batch_size("tiny", device="cpu", try_batch=SharedMemory(), headroom=1.0)
+
+
+@pytest.mark.parametrize("flag, value", [("--headroom", "1"), ("--start", "0"), ("--height", "-8")])
+def test_cli_bounds_name_the_flag(capsys, flag, value):
+    assert batch_probe.main(["--model", "tiny", "--device", "cpu", flag, value]) == 2
+    assert f"{flag}: got" in capsys.readouterr().err

@@ -92,3 +92,9 @@ def test_probabilities_match_the_model(synthetic_root, checkpoint_dir):
     clips = torch.randint(0, 256, (2, 8, 64, 64, 3), dtype=torch.uint8)
     expected = torch.softmax(p.model(p.transform(clips)), 1)[:, 1].detach().double().numpy()
     np.testing.assert_allclose(p.probabilities(clips), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flag, value", [("--window-stride", "0"), ("--batch-size", "0")])
+def test_predict_bad_flag_exits_2_naming_it(tmp_path, capsys, flag, value):
+    assert predict.main(["--checkpoint", str(tmp_path / "nowhere"), flag, value, "v.mp4"]) == 2
+    assert f"{flag}: got" in capsys.readouterr().err

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from datasets.config import DataConfig
+from datasets.flags import add_flags, flag_specs, join_negative_values, option
+from datasets.index import read_options
 from trainer import precision as prec
 from trainer.config import TrainConfig
 from trainer.loop import make_optimizer
@@ -172,32 +175,44 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
                       memory_gib=prec.device_memory_gib(device), tight=min(tight) if tight else None)
 
 
+@dataclass(frozen=True)
+class ProbeOptions:
+    """The probe CLI's own flags. Its --precision is `TrainConfig.precision`'s (`PRECISION_FLAG`)
+    and the clip size `DataConfig`'s (`CLIP_FLAGS`), as in training."""
+
+    model: str = option("mvit_v2_s", flag="--model", choices=MODEL_NAMES, help="registry model name")
+    device: str | None = option(None, flag="--device", metavar="DEVICE",
+                                help="torch device, e.g. cuda:1 or cpu (default: first GPU, else CPU)")
+    start: int = option(2, flag="--start", metavar="B", ge=1, help="first batch size tried")
+    limit: int = option(256, flag="--limit", metavar="B", ge=1, help="largest batch size tried")
+    headroom: float = option(HEADROOM, flag="--headroom", metavar="F", ge=0, lt=1,
+                             help="share of the device's memory a step must leave free")
+
+
+PROBE_FLAGS = tuple(flag_specs(ProbeOptions))
+PRECISION_FLAG = tuple(s for s in flag_specs(TrainConfig) if s.path == "precision")
+CLIP_FLAGS = tuple(s for s in flag_specs(DataConfig) if s.path in ("num_frames", "height", "width"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.batch_probe",
                                 description="Print the largest per-device batch size whose training step "
                                 "fits in memory.")
-    p.add_argument("--model", default="mvit_v2_s", choices=MODEL_NAMES, help="registry model name")
-    p.add_argument("--precision", default="auto", choices=prec.PRECISIONS,
-                   help="autocast precision of the probed step (auto: bf16/fp16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default=None,
-                   help="torch device, e.g. cuda:1 or cpu (default: first GPU, else CPU)")
-    p.add_argument("--num-frames", type=int, default=None, help="clip length T (default: the model's)")
-    p.add_argument("--height", type=int, default=None, help="frame height (default: the model's)")
-    p.add_argument("--width", type=int, default=None, help="frame width (default: the model's)")
-    p.add_argument("--start", type=int, default=2, help="first batch size tried")
-    p.add_argument("--limit", type=int, default=256, help="largest batch size tried")
-    p.add_argument("--headroom", type=float, default=HEADROOM,
-                   help=f"share of the device's memory a step must leave free (default {HEADROOM})")
+    add_flags(p, PROBE_FLAGS + PRECISION_FLAG, group_of=lambda s: "probe", suppress=False)
+    add_flags(p, CLIP_FLAGS, group_of=lambda s: "clip size", suppress=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(join_negative_values(argv, PROBE_FLAGS + CLIP_FLAGS))
     try:
-        probe = probe_batch_size(args.model, precision=args.precision, device=args.device,
-                                 num_frames=args.num_frames, height=args.height, width=args.width,
-                                 start=args.start, limit=args.limit, headroom=args.headroom)
-    except ValueError as e:
+        opts = read_options(ProbeOptions, PROBE_FLAGS, args)
+        clip = read_options(DataConfig, CLIP_FLAGS, args)
+        probe = probe_batch_size(opts.model, precision=args.precision, device=opts.device,
+                                 num_frames=clip.num_frames, height=clip.height, width=clip.width,
+                                 start=opts.start, limit=opts.limit, headroom=opts.headroom)
+    except ValueError as e:   # ConfigError (a flag's bounds) is one
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(probe.describe(), file=sys.stderr)   # stdout keeps the bare number, for scripts

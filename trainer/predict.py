@@ -23,10 +23,13 @@ import torch
 
 from datasets.decode import read_frames
 from datasets.errors import DataError
+from datasets.flags import ConfigError, add_flags, flag_specs, join_negative_values, option
+from datasets.index import read_options
 from datasets.probe import probe_video
 from datasets.transforms import ClipTransform
 from datasets.video import fitting_stride, sample_indices
 from trainer.checkpointing import CheckpointError, load_checkpoint
+from trainer.config import TrainConfig
 from trainer.models import build_model, get_spec
 from trainer.precision import choose_precision, default_device
 
@@ -124,16 +127,29 @@ def score_video(p: Predictor, path: Path, window_stride_s: float,
     return out
 
 
+@dataclass(frozen=True)
+class PredictOptions:
+    """The prediction CLI's flags; its --precision is `TrainConfig.precision`'s (`PRECISION_FLAG`)."""
+
+    checkpoint: str | None = option(None, flag="--checkpoint", metavar="PATH",
+                                    help="checkpoint directory (printed by trainer.train) or its "
+                                    "checkpoint.pt; required")
+    window_stride: float = option(1.0, flag="--window-stride", metavar="S", gt=0,
+                                  help="seconds between window starts in long videos")
+    batch_size: int = option(8, flag="--batch-size", metavar="N", ge=1,
+                             help="windows scored per forward pass")
+    device: str = option("auto", flag="--device", metavar="DEVICE",
+                         help="auto (the GPU when present) | cpu | cuda | cuda:N")
+
+
+PREDICT_FLAGS = tuple(flag_specs(PredictOptions))
+PRECISION_FLAG = tuple(s for s in flag_specs(TrainConfig) if s.path == "precision")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.predict", description=__doc__.split("\n\n")[0])
     p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files to score")
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint directory (printed by trainer.train) or its checkpoint.pt")
-    p.add_argument("--window-stride", type=float, default=1.0,
-                   help="seconds between window starts in long videos")
-    p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass")
-    p.add_argument("--device", default="auto", help="auto (the GPU when present) | cpu | cuda | cuda:N")
-    p.add_argument("--precision", default="auto", help="auto | fp32 | fp16 | bf16")
+    add_flags(p, PREDICT_FLAGS + PRECISION_FLAG, group_of=lambda s: "prediction", suppress=False)
     return p
 
 
@@ -142,24 +158,27 @@ def _device(name: str) -> torch.device:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.window_stride <= 0:
-        print(f"error: --window-stride: got {args.window_stride}; it must be > 0 seconds", file=sys.stderr)
-        return 2
-    if args.batch_size < 1:
-        print(f"error: --batch-size: got {args.batch_size}; it must be >= 1", file=sys.stderr)
-        return 2
+    p = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(join_negative_values(argv, PREDICT_FLAGS))
     try:
-        device = _device(args.device)
-        predictor = Predictor.from_checkpoint(args.checkpoint, device, args.precision)
+        opts = read_options(PredictOptions, PREDICT_FLAGS, args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if opts.checkpoint is None:
+        p.error("the following arguments are required: --checkpoint")
+    try:
+        device = _device(opts.device)
+        predictor = Predictor.from_checkpoint(opts.checkpoint, device, args.precision)
     except (CheckpointError, RuntimeError, ValueError) as e:
-        where = f"--checkpoint {args.checkpoint}: " if isinstance(e, CheckpointError) else ""
+        where = f"--checkpoint {opts.checkpoint}: " if isinstance(e, CheckpointError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
         return 2
     failed = 0
     for video in args.videos:
         try:
-            windows = score_video(predictor, Path(video), args.window_stride, args.batch_size)
+            windows = score_video(predictor, Path(video), opts.window_stride, opts.batch_size)
         except VideoReadError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
