@@ -19,6 +19,8 @@ from pathlib import Path
 # Imported by name, so a CLI that moves or fails to import stops the generator loudly.
 import datasets.cache
 import datasets.index
+import datasets.synthetic
+import trainer.batch_probe
 import trainer.fill_cache
 import trainer.predict
 import trainer.train
@@ -42,6 +44,8 @@ CLIS: tuple[Cli, ...] = (
     # trainer.fill_cache is datasets.cache's CLI with --model resolved: the same parser, its prog.
     Cli(trainer.fill_cache.MODEL_CLI, lambda: datasets.cache.build_parser(prog=trainer.fill_cache.MODEL_CLI)),
     Cli("python -m datasets.cache", datasets.cache.build_parser),
+    Cli("python -m datasets.synthetic", datasets.synthetic.build_parser),
+    Cli("python -m trainer.batch_probe", trainer.batch_probe.build_parser),
 )
 
 HEADER = f"""\
