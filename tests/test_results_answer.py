@@ -61,6 +61,8 @@ def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
     assert best.split()[3:6] == ["0.750", "±0.14", "3"]             # Wilson on 24 of 32 clips
     assert oom.split()[3:5] == ["-", "-"]
     assert "±" not in results.format_table(rows)                     # clip count unknown: no interval
-    notes = results.column_notes(rows, val_clips=32)
-    assert notes[0].split()[:2] == ["best", "val_acc"] and "95% interval" in notes[0]
-    assert notes[-1] == "  status        DONE: all epochs; OOM: out of memory"
+    notes = " ".join(line.strip() for line in results.column_notes(rows, val_clips=32))
+    assert notes.startswith("columns: best val_acc = validation accuracy at the trial's best epoch")
+    assert "95% interval" in notes and "s/epoch = " in notes
+    assert notes.endswith("status: DONE = all epochs, OOM = out of memory")     # the statuses present
+    assert all(len(line) <= 100 for line in results.column_notes(rows, val_clips=32))

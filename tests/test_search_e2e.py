@@ -59,7 +59,7 @@ def test_search_end_to_end(synthetic_root, tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     db = tmp_path / "mlruns.db"
     assert f"mlflow ui --backend-store-uri sqlite:///{db}" in out.stdout
-    assert "best trial (val_acc):" in out.stdout and "best checkpoint: " in out.stdout
+    assert "\nBest: t" in out.stdout and "\nbest checkpoint (" in out.stdout     # the answer first
     table = out.stdout.split("\ntrials:\n", 1)[1]
     assert "batch" in table and "clips/s" in table and table.count(" DONE") == 3
 
@@ -102,9 +102,10 @@ def _check_the_mlflow_view_and_names(stdout: str, storage: Path, parent, childre
     assert "| trial | batch | lr |" in note and all(name in note for name in names)
     best = [r for r in children if r.data.tags.get("vidtune.best") == "true"]
     assert len(best) == 1 and f"/runs/{best[0].info.run_id})" in note
-    assert f"best trial (val_acc): {best[0].info.run_name}" in stdout
+    assert f"\nBest: {best[0].info.run_name} (" in stdout
     assert {r.data.tags["vidtune.outcome"] for r in children} == {"done"}
-    assert f"/#/experiments/{parent.info.experiment_id}/runs" in stdout.splitlines()[-2]
+    compare = next(ln for ln in stdout.splitlines() if ln.startswith("compare the trials in MLflow:"))
+    assert f"/#/experiments/{parent.info.experiment_id}/runs" in compare
     # vidtune's console: no Ray box tables, raylet warnings or Tune status blocks
     assert not any(mark in stdout for mark in ("╭", "│", "raylet", "Trial status:", "TensorBoard"))
     assert (experiment / "search.log").stat().st_size > 0          # they went to the log file
@@ -154,8 +155,8 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
     with tempfile.TemporaryDirectory() as tmp:
         table = Path(client.download_artifacts(parent_id, "trials.csv", tmp)).read_text()
     for row in csv.DictReader(table.splitlines()):     # rounded to 2 decimals
-        assert float(row["clips_per_s"]) == pytest.approx(epochs[row["trial_id"]][1]["clips_per_s"],
-                                                          abs=0.006)
+        assert float(row["speed_clips_per_s"]) == pytest.approx(epochs[row["trial_id"]][1]["clips_per_s"],
+                                                                abs=0.006)
     for run in children:
         history = client.get_metric_history(run.info.run_id, "concurrent_trainings")
         assert [m.value for m in history] == [1.0, 1.0]
@@ -168,13 +169,16 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
-    assert len(lines) <= 40, "\n".join(lines)
-    assert lines[-2].startswith("compare the trials in MLflow:") and "the search's run" in lines[-1]
+    # the last block opens with the answer (up to 4 lines) and says once what each column means
+    assert len(lines) <= 46, "\n".join(lines)
+    answer = max(i for i, ln in enumerate(lines) if ln.startswith("Best: "))   # the last block, answer first
+    assert any(ln.startswith("compare the trials in MLflow:") for ln in lines[answer:answer + 6])
+    assert lines[-1].startswith("results: ")
     assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and \
         any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q"],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("trials:"), quiet.stdout[:2000]
+    assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("Best: "), quiet.stdout[:2000]
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,21 +335,23 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int 
 
 
 # What each status means, as the end block says it (`column_notes`).
-STATUS_MEANING = {"DONE": "all epochs", "STOPPED": "stopped early by ASHA", "OOM": "out of memory",
-                  "DIVERGED": "loss inf/NaN (lr too high)", "ERROR": "raised an error",
-                  "UNFINISHED": "interrupted (--resume continues it)"}
+STATUS_MEANING = {"DONE": "= all epochs", "STOPPED": "= stopped early by ASHA", "OOM": "= out of memory",
+                  "DIVERGED": "= loss inf/NaN (lr too high)", "ERROR": "= raised an error",
+                  "UNFINISHED": "= interrupted (--resume continues it)"}
 
 
-def column_notes(rows: list[TrialRow], *, val_clips: int = 0) -> list[str]:
+def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) -> list[str]:
     """What each column of `format_table` means, said once under the trials table (the statuses
-    present only)."""
+    present only), wrapped to `width`."""
     interval = " ± its 95% interval" if val_clips > 0 else ""
-    statuses = "; ".join(f"{s}: {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
-    return [f"  best val_acc  validation accuracy at the trial's best epoch (column epoch){interval}",
-            "  val_f1        macro F1 at that epoch",
-            "  clips/s       training speed, steady state (median of epochs 2 and later)",
-            "  s/epoch       seconds per training epoch (validation not counted), steady state",
-            "  epochs        epochs trained"] + ([f"  status        {statuses}"] if statuses else [])
+    statuses = ", ".join(f"{s} {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
+    parts = [f"best val_acc = validation accuracy at the trial's best epoch (column epoch){interval}",
+             "val_f1 = macro F1 at that epoch",
+             "clips/s = training speed in steady state (median of epochs 2 and later)",
+             "s/epoch = seconds per training epoch (without validation), steady state",
+             "epochs = epochs trained"] + ([f"status: {statuses}"] if statuses else [])
+    return textwrap.wrap("; ".join(parts), width=width, initial_indent="columns: ", subsequent_indent="  ",
+                         break_on_hyphens=False)
 
 
 def _accuracy_cell(r: TrialRow, val_clips: int) -> str:

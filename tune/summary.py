@@ -70,7 +70,7 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
         say(f"note: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
             "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
     if rows:
-        say(f"\ntrials, best first by {opts.objective}:\n" + format_table(
+        say("\ntrials:\n" + format_table(
             ranked(rows, opts.objective), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
         say("\n".join(column_notes(rows, val_clips=val_clips)))
     if opts.objective == "pareto" and rows:
