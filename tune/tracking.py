@@ -2,12 +2,19 @@
 (driver) process: one writer (safe for SQLite), and it works on a cluster whose workers cannot
 reach the store.
 
-A run never stays RUNNING: FINISHED, FAILED (error, out of memory, diverged; reason in the tag
-`vidtune.failure_reason`: for an error, the exception's `Type: message`, its whole traceback kept
-as the run's artifact `failure/traceback.txt` and in `<experiment>/failures/<trial name>.txt`) or
-KILLED (stopped early by ASHA, or interrupted). A resumed search finds its parent run by the tag
-`vidtune.experiment_path` and its child runs by `vidtune.trial_id` under that parent, so nothing
-is logged twice as a new run.
+A run never stays RUNNING: FINISHED (all epochs, or stopped early by ASHA: a decision of the
+search, not a crash; the tag `vidtune.outcome` says which), FAILED (error, out of memory,
+diverged; reason in the tag `vidtune.failure_reason`: for an error, the exception's `Type:
+message`, its whole traceback kept as the run's artifact `failure/traceback.txt` and in
+`<experiment>/failures/<trial name>.txt`) or KILLED (interrupted: continue with --resume). A
+resumed search finds its parent run by the tag `vidtune.experiment_path` and its child runs by
+`vidtune.trial_id` under that parent, so nothing is logged twice as a new run.
+
+Each child run holds its per-epoch history (step = epoch) and the summary the trials table shows,
+under `tune.results.SUMMARY_KEYS` (best_val_acc, its 95% interval, best_epoch, speed_clips_per_s),
+plus best_val_f1, rounded as trials.csv writes them: from the tracker's own epoch records when the
+trial ends, then from its final `TrialRow` in `reconcile`, so the numbers equal trials.csv's. The
+saved runs-table view and every link are `tune.mlflow_view`'s.
 
 The store may fail mid-search (a tracking server restarted, a full disk under a SQLite file):
 tracking never blocks or stops the search. A failed write marks the store down; the Tune hooks
@@ -26,6 +33,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -38,8 +46,10 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from datasets.flags import ConfigError
 from trainer.history import latest_history
+from trainer.metrics import steady_state
+from tune import mlflow_view
 from tune.faults import error_text, exception_line, keep_traceback, one_line, read_error_file
-from tune.results import TrialRow, completed_trial_status, epoch_records
+from tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow, completed_trial_status, csv_record, epoch_records
 from tune.trial import short_name
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
@@ -71,6 +81,19 @@ OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverg
 BEST_TAG = "vidtune.best"
 READER_TAG = "vidtune.reader_failures"
 TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
+# What a trial's summary is computed from, kept per epoch while it runs (`live_row`)
+_SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "diverged")
+# The plots the parent run may hold (`tune.summary` logs them at its root), in the description's
+# order, each with the sentence under it; {objective} is the search's.
+PLOT_SENTENCES = (
+    ("objective_history.png", "Each trial's {objective} in the order the trials started, and the best so far "
+                              "as a line: a line still rising at the end says more trials may find better."),
+    ("objective_vs_params.png", "Each trial's {objective} against its lr (log scale) and batch size (trials "
+                                "of one size spread a little apart), the best marked: a best value at the "
+                                "edge of an axis says to widen that range."),
+    ("accuracy_vs_speed.png", "Validation accuracy against steady-state speed (clips/s): the trials on the "
+                              "front (up and to the right) are the ones worth choosing between."),
+)
 
 
 # -- checks before anything starts ---------------------------------------------------------------
@@ -176,8 +199,11 @@ class MLflowTracker(Callback):
     """
 
     def __init__(self, *, tracking_uri: str, experiment: str, experiment_path: str, epochs: int,
-                 parent_params: dict[str, Any], parent_tags: dict[str, str], child_params: dict[str, Any]):
+                 parent_params: dict[str, Any], parent_tags: dict[str, str], child_params: dict[str, Any],
+                 objective: str = "val_acc", val_clips: int = 0):
         self.tracking_uri = tracking_uri
+        self.objective = objective     # what the saved view sorts by (`tune.mlflow_view.objective_metric`)
+        self.val_clips = val_clips     # validation clips: the accuracies' 95% intervals (0: none)
         self.experiment = experiment
         self.experiment_path = experiment_path
         self.epochs = epochs
@@ -189,6 +215,8 @@ class MLflowTracker(Callback):
         self.child_runs: dict[str, str] = {}     # trial id -> run id
         self._node_tagged: set[str] = set()
         self._last_step: dict[str, int] = {}     # trial id -> last epoch logged
+        self._records: dict[str, dict[int, dict[str, Any]]] = {}   # trial id -> epoch -> _SUMMARY_INPUTS
+        self.view_id: str | None = None          # the saved runs-table view; "": plain links; None: not yet
         self.down_reason: str | None = None      # why the last write failed; None while the store works
         self._failed_at = 0.0
 
@@ -200,7 +228,9 @@ class MLflowTracker(Callback):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update({"down_reason": None, "_failed_at": 0.0, **state})
+        # a tracker pickled by an older vidtune lacks the later attributes
+        self.__dict__.update({"down_reason": None, "_failed_at": 0.0, "objective": "val_acc", "val_clips": 0,
+                              "_records": {}, "view_id": None, **state})
 
     def _store_failed(self, e: BaseException) -> None:
         reason = one_line(e)
@@ -243,6 +273,8 @@ class MLflowTracker(Callback):
             run = c.create_run(exp_id, tags=tags, run_name=Path(self.experiment_path).name)
             self.parent_run_id = run.info.run_id
             _log_params(c, self.parent_run_id, self.parent_params)
+        if self.view_id is None:
+            self.save_view()
         for run in c.search_runs([exp_id], filter_string=f"tags.`{PARENT_TAG}` = '{self.parent_run_id}'",
                                  max_results=10000):
             trial_id = run.data.tags.get(TRIAL_ID_TAG)
@@ -263,7 +295,13 @@ class MLflowTracker(Callback):
     @_guarded
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         status = completed_trial_status(trial, epochs=self.epochs)
-        self.end_child(trial.trial_id, *self.mlflow_status(status, trial.last_result or {}))
+        run_status, tags = self.mlflow_status(status, trial.last_result or {})
+        tags[OUTCOME_TAG] = OUTCOMES.get(status, status.lower())
+        run_id = self.child_runs.get(trial.trial_id)
+        if run_id:   # shown while the search runs; `reconcile` writes the final row's at the end
+            row = live_row(trial.trial_id, trial.config, self._records.get(trial.trial_id, {}), status)
+            self.log_trial_summary(run_id, row)
+        self.end_child(trial.trial_id, run_status, tags)
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
@@ -271,7 +309,7 @@ class MLflowTracker(Callback):
         text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
         run_id = self.child_runs.get(trial.trial_id)
         reason = self.record_failure(run_id, short_name(trial), text, fallback=path) if run_id else ""
-        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: reason})
+        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: reason, OUTCOME_TAG: OUTCOMES["ERROR"]})
 
     # the work ------------------------------------------------------------------------------
     def start_child(self, trial_id: str, config: dict[str, Any], *, name: str | None = None) -> str:
@@ -296,6 +334,8 @@ class MLflowTracker(Callback):
     def log_result(self, trial_id: str, result: dict[str, Any]) -> None:
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
+        # every report, also one MLflow has: a restarted epoch's later report is the one that counts
+        self._records.setdefault(trial_id, {})[step] = {k: result[k] for k in _SUMMARY_INPUTS if k in result}
         if _from_scratch(result):   # its checkpoints were damaged: epochs 1.. are trained (and logged) again
             self._last_step[trial_id] = step - 1
         if step <= self._last_step.get(trial_id, 0):
@@ -332,8 +372,8 @@ class MLflowTracker(Callback):
     def mlflow_status(self, status: str, last: dict[str, Any],
                       error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
         """The MLflow status and reason tag of a trial's `tune.results.trial_status`: FAILED for
-        out of memory, divergence or an error, KILLED when stopped early or interrupted, else
-        FINISHED."""
+        out of memory, divergence or an error, KILLED when interrupted, else FINISHED (stopped
+        early by ASHA too, with the reason in STOP_TAG)."""
         if status == "OOM":
             peak = last.get("peak_mem_mb", float("nan"))
             return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
@@ -350,7 +390,7 @@ class MLflowTracker(Callback):
             return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
         if status == "STOPPED":
             epoch = int(last.get("epoch") or 0)
-            return "KILLED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
+            return "FINISHED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
         return "FINISHED", {}
 
     def record_failure(self, run_id: str, name: str, text: str, *, fallback: str | None = None) -> str:
@@ -421,6 +461,7 @@ class MLflowTracker(Callback):
                                                         error_text(result.error))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
             tags.update(placement_tags(last))
+            self.log_trial_summary(run_id, row)
             run = c.get_run(run_id)
             for key in (STOP_TAG, FAILURE_TAG):
                 if key in run.data.tags and key not in tags:
@@ -471,8 +512,45 @@ class MLflowTracker(Callback):
         if local and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
 
+    def log_trial_summary(self, run_id: str, row: TrialRow) -> None:
+        """A child run's summary, the values its row in trials.csv has (`csv_record`, rounded as
+        there): SUMMARY_KEYS and best_val_f1 (the same epoch's F1), at step 0. A key without a
+        value (no accuracy, no speed) is left out, one MLflow already has is not written again."""
+        record = csv_record(row, self.val_clips)
+        values = {k: _number(record[k] or "nan") for k in SUMMARY_KEYS}
+        values["best_val_f1"] = math.nan if row.status in NO_RESULT else _number(record["val_f1"] or "nan")
+        have = self.client.get_run(run_id).data.metrics
+        ts = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), ts, 0) for k, v in values.items()
+                   if math.isfinite(v) and have.get(k) != v]
+        if metrics:
+            self.client.log_batch(run_id, metrics=metrics)
 
     # the view ----------------------------------------------------------------------------------
+    def save_view(self) -> None:
+        """Write the search's saved runs-table view (`tune.mlflow_view`: this search's trials,
+        batch size, lr, the objective, speed and outcome, best first) as an experiment tag, and
+        mark the experiment a model-training one (unless someone chose its kind), when the UI
+        showing the store reads that format; else say once that the links open the plain table."""
+        version = mlflow_view.ui_version(self.tracking_uri)
+        if not mlflow_view.view_verified(version):
+            checked = ", ".join(mlflow_view.VERIFIED_UI)
+            print(f"MLflow: the UI of MLflow {version or '(unknown version)'} was not checked to read "
+                  f"vidtune's saved runs-table view (checked: {checked}); the links open the plain runs "
+                  "table", flush=True)
+            self.view_id = ""
+            return
+        c, view = self.client, mlflow_view.view_id(self.parent_run_id)
+        state = mlflow_view.view_state(parent_run_id=self.parent_run_id, objective=self.objective,
+                                       tags=(OUTCOME_TAG,))
+        ranked_by = mlflow_view.objective_metric(self.objective)
+        name = f"vidtune {Path(self.experiment_path).name}: trials by {ranked_by}"
+        c.set_experiment_tag(self.experiment_id, *mlflow_view.view_tag(view, name=name, state=state))
+        if mlflow_view.EXPERIMENT_KIND_TAG not in c.get_experiment(self.experiment_id).tags:
+            c.set_experiment_tag(self.experiment_id, mlflow_view.EXPERIMENT_KIND_TAG,
+                                 mlflow_view.EXPERIMENT_KIND)
+        self.view_id = view
+
     def ui_base(self) -> str:
         """Where the MLflow UI of this store answers: the tracking server itself, or the address
         `mlflow ui --backend-store-uri ...` serves a SQLite store on by default."""
@@ -481,15 +559,19 @@ class MLflowTracker(Callback):
         return "http://127.0.0.1:5000"
 
     def runs_table_url(self) -> str:
-        """The experiment's runs table (MLflow 3 opens an experiment on its GenAI overview)."""
-        return f"{self.ui_base()}/#/experiments/{self.experiment_id}/runs"
+        """The experiment's runs table in the model-training UI, on the search's saved view when
+        there is one (MLflow 3 opens an experiment on its GenAI overview)."""
+        return f"{self.ui_base()}/{mlflow_view.runs_link(self.experiment_id, self.view_id)}"
 
     def run_url(self, run_id: str) -> str:
-        return f"{self.ui_base()}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        return f"{self.ui_base()}/{mlflow_view.run_link(self.experiment_id, run_id)}"
 
-    def publish_view(self, *, table_markdown: str, best_trial_id: str | None, objective: str) -> None:
-        """The parent run's description (MLflow's note, markdown): the trials table, a link to the
-        best child run and which columns to add; the best child run gets `vidtune.best`."""
+    def publish_view(self, *, table_markdown: str, best_trial_id: str | None, objective: str,
+                     answer: Sequence[str] = ()) -> None:
+        """The parent run's description (MLflow's note, markdown): the `answer` sentences first,
+        the best child run and the saved runs-table view (links relative to the UI, so they work
+        on any address, port or tunnel), the trials table, each plot the parent holds with one
+        sentence under it, and what the columns mean. The best child run gets `vidtune.best`."""
         c, parent = self.client, self.open_parent()
         best_run = self.child_runs.get(best_trial_id) if best_trial_id else None
         for run_id in self.child_runs.values():
@@ -498,22 +580,31 @@ class MLflowTracker(Callback):
             elif BEST_TAG in c.get_run(run_id).data.tags:
                 c.delete_tag(run_id, BEST_TAG)
         best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
-                     f"({self.run_url(best_run)}) (tag `{BEST_TAG}`)." if best_run
+                     f"({mlflow_view.run_link(self.experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
                      else "No trial produced a usable result.")
+        table_line = (f"[Compare the trials]({mlflow_view.runs_link(self.experiment_id, self.view_id)}): "
+                      "this search's runs table, best first.")
+        held = {a.path for a in c.list_artifacts(parent)}
+        plots = [f"![{name}](get-artifact?path={name}&run_uuid={parent})\n\n"
+                 f"{sentence.format(objective=objective)}\n"
+                 for name, sentence in PLOT_SENTENCES if name in held]
         note = "\n".join([
+            *[f"{line}\n" for line in answer],
             f"**vidtune search** `{Path(self.experiment_path).name}` ({self.experiment_path})", "",
-            best_line, "", table_markdown, "",
-            f"In the runs table, add the columns `{OUTCOME_TAG}` (done, stopped early (ASHA), out of memory, "
-            f"diverged, failed, interrupted), `{BEST_TAG}`, `{GPU_IDS_TAG}`, `{NODE_TAG}`, and the params "
-            "`batch_size`, `lr`; KILLED runs are stopped early or interrupted, FAILED ones ran out of "
-            "memory, diverged (their loss became inf or NaN) or raised (see `vidtune.stop_reason` / "
-            "`vidtune.failure_reason`). Metrics are per epoch (step = epoch); `lr_current` is the schedule's "
-            "learning rate, the param `lr` its peak.",
+            best_line + " " + table_line, "", table_markdown, "",
+            *plots,
+            "Each trial's run holds its summary (`best_val_acc`, `best_val_acc_low` / `_high`: its 95% "
+            "interval, `best_epoch`, `best_val_f1`, `speed_clips_per_s`: the steady-state clips/s) and its "
+            "history per epoch (step = epoch; `lr_current` is the schedule's learning rate, the param `lr` "
+            f"its peak). `{OUTCOME_TAG}` says how it ended: done, stopped early (by ASHA; FINISHED), out of "
+            "memory, diverged (its loss became inf or NaN), failed (FAILED; see `vidtune.failure_reason`), "
+            f"interrupted (KILLED; see `vidtune.stop_reason`). Also there: `{BEST_TAG}`, `{GPU_IDS_TAG}`, "
+            f"`{NODE_TAG}`.",
         ])
         c.set_tag(parent, "mlflow.note.content", note[:60000])
 
 
-OUTCOMES = {"DONE": "done", "STOPPED": "stopped early (ASHA)", "OOM": "out of memory", "DIVERGED": "diverged",
+OUTCOMES = {"DONE": "done", "STOPPED": "stopped early", "OOM": "out of memory", "DIVERGED": "diverged",
             "ERROR": "failed", "UNFINISHED": "interrupted"}
 
 
@@ -547,3 +638,38 @@ def _from_scratch(result: dict[str, Any]) -> bool:
     """The report is the first epoch of a run that found every checkpoint damaged and started
     again from epoch 1 (`trainer.worker._read_checkpoint`)."""
     return int(result.get("damaged_checkpoints") or 0) > 0 and int(result.get("resumed_from_epoch") or 0) == 0
+
+
+def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
+             status: str) -> TrialRow:
+    """A trial's row from the epochs the tracker saw (epoch -> its report's _SUMMARY_INPUTS), by
+    `tune.results`' rules: the best epoch by val_acc (ties: the later) among those that trained,
+    the steady-state speeds (`trainer.metrics.steady_state`), none of either for out of memory or
+    diverged (`status` in NO_RESULT). No checkpoint: the final row (`reconcile`) has it."""
+    trained = {e: r for e, r in records.items()
+               if status not in NO_RESULT and not (_flag(r, "oom") or _flag(r, "diverged"))}
+    best_epoch, best = 0, {}
+    for epoch, record in sorted(trained.items()):
+        acc = _number(record.get("val_acc"))
+        if math.isfinite(acc) and (not best or acc >= _number(best["val_acc"])):
+            best_epoch, best = epoch, record
+
+    def steady(key: str) -> float:
+        return steady_state({e: _number(r.get(key)) for e, r in trained.items()})
+
+    return TrialRow(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
+                    lr=_number(config.get("lr")), weight_decay=config.get("weight_decay"),
+                    val_acc=_number(best.get("val_acc")), val_f1=_number(best.get("val_f1")),
+                    clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
+                    epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_epoch)
+
+
+def _number(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _flag(record: dict[str, Any], key: str) -> bool:
+    return _number(record.get(key)) == 1

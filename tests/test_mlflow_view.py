@@ -1,0 +1,118 @@
+"""MLflow opens ready: the saved runs-table view a search writes (read back from the store, and
+its filter and sort run through MLflow's own search), links that open the model-training UI,
+the fallback on an MLflow whose UI was not checked, and the parent's description (the answer
+first, relative links, a sentence under each plot). A SQLite store, no Ray."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tune import mlflow_view
+from tune.mlflow_view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
+from tune.results import TrialRow
+from tune.tracking import OUTCOME_TAG, MLflowTracker
+
+
+@pytest.fixture(scope="module")
+def uri(tmp_path_factory):
+    """One store for the module (an MLflow SQLite schema costs seconds); one experiment a test."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
+
+
+def _tracker(uri: str, experiment: str, objective: str = "val_acc") -> MLflowTracker:
+    return MLflowTracker(tracking_uri=uri, experiment=experiment, experiment_path=f"/results/{experiment}",
+                         epochs=3, parent_params={}, parent_tags={}, child_params={}, objective=objective,
+                         val_clips=32)
+
+
+def _row(trial_id: str, val_acc: float, clips_per_s: float, status: str = "DONE") -> TrialRow:
+    return TrialRow(trial_id=trial_id, batch_size=4, lr=1e-3, weight_decay=None, val_acc=val_acc,
+                    val_f1=val_acc - 0.1, clips_per_s=clips_per_s, epoch_time_s=2.0, epochs=3, status=status,
+                    checkpoint=None, best_epoch=2, name=trial_id)
+
+
+def _result(row: TrialRow):
+    """What `reconcile` reads of a Tune Result: the config and the last report (no dataframe)."""
+    last = {"epoch": row.epochs, "val_acc": row.val_acc, "clips_per_s": row.clips_per_s}
+    return SimpleNamespace(config={"batch_size": row.batch_size, "lr": row.lr}, metrics=last,
+                           metrics_dataframe=None, error=None)
+
+
+def _search(uri: str, experiment: str, rows: list[TrialRow], objective: str = "val_acc") -> MLflowTracker:
+    t = _tracker(uri, experiment, objective)
+    t.setup()
+    t.reconcile([(r, _result(r), None) for r in rows])
+    return t
+
+
+def _link_query(url: str) -> dict[str, list[str]]:
+    """The query of a UI link, which sits inside its `#/...` fragment."""
+    return parse_qs(urlparse(urlparse(url).fragment).query)
+
+
+def test_the_saved_view_in_the_store_shows_the_columns_and_sorts_by_the_objective(uri):
+    rows = [_row("slow", 0.70, 10.0), _row("best", 0.80, 20.0), _row("oom", math.nan, math.nan, "OOM")]
+    t = _search(uri, "view", rows)
+    _search(uri, "view-other", [_row("elsewhere", 0.99, 5.0)])      # another search, other experiment
+    c = MlflowClient(uri)
+    exp = c.get_experiment(t.experiment_id)
+    views = {k: v for k, v in exp.tags.items() if k.startswith(VIEW_TAG_PREFIX)}
+    assert list(views) == [VIEW_TAG_PREFIX + t.view_id]
+    state = read_view(views[VIEW_TAG_PREFIX + t.view_id])
+    assert {"params.`batch_size`", "params.`lr`", "metrics.`best_val_acc`", "metrics.`speed_clips_per_s`",
+            f"tags.`{OUTCOME_TAG}`"} <= set(state["selectedColumns"])
+    assert state["orderByKey"] == "metrics.`best_val_acc`" and state["orderByAsc"] is False
+    assert exp.tags[mlflow_view.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    # The UI asks the store with the view's filter and sort: this search's trials, best first.
+    found = c.search_runs([t.experiment_id], filter_string=state["searchFilter"],
+                          order_by=[f"{state['orderByKey']} DESC"])
+    assert [r.info.run_name for r in found] == ["best", "slow", "oom"]
+
+
+def test_an_f1_search_sorts_its_view_by_the_best_f1():
+    state = mlflow_view.view_state(parent_run_id="abc", objective="val_f1", tags=(OUTCOME_TAG,))
+    assert state["orderByKey"] == "metrics.`best_val_f1`"
+    assert state["selectedColumns"][2:4] == ["metrics.`best_val_f1`", "metrics.`best_val_acc`"]
+
+
+def test_every_link_the_tracker_builds_opens_the_model_training_ui_on_the_view(uri):
+    t = _search(uri, "links", [_row("a", 0.5, 10.0)])
+    urls = [t.runs_table_url(), t.run_url(t.parent_run_id), *(t.run_url(r) for r in t.child_runs.values())]
+    assert all(_link_query(u)["workflowType"] == ["machine_learning"] for u in urls), urls
+    assert _link_query(t.runs_table_url())[SHARE_KEY_PARAM] == [t.view_id]
+    assert urlparse(t.runs_table_url()).fragment.startswith(f"/experiments/{t.experiment_id}/runs?")
+
+
+def test_an_mlflow_ui_not_checked_gets_plain_links_and_one_line(uri, monkeypatch, capsys):
+    monkeypatch.setattr(mlflow_view.mlflow, "__version__", "4.0.0")
+    t = _search(uri, "unchecked", [_row("a", 0.5, 10.0)])
+    exp = MlflowClient(uri).get_experiment(t.experiment_id)
+    assert not any(k.startswith(VIEW_TAG_PREFIX) for k in exp.tags) and t.view_id == ""
+    assert _link_query(t.runs_table_url()) == {"workflowType": ["machine_learning"]}
+    lines = [line for line in capsys.readouterr().out.splitlines() if "saved runs-table view" in line]
+    assert len(lines) == 1 and "MLflow 4.0.0" in lines[0]
+
+
+def test_the_description_opens_with_the_answer_and_its_links_are_relative(uri, tmp_path):
+    rows = [_row("best", 0.8, 20.0), _row("next", 0.7, 30.0)]
+    t = _search(uri, "description", rows)
+    history = tmp_path / "objective_history.png"
+    history.write_bytes(b"\x89PNG\r\n\x1a\n")
+    t.log_summary(files=[history])
+    answer = ["Best: best (batch 4, lr 1.00e-03), val_acc 0.800 ±0.14 at epoch 2.",
+              "The validation set has 32 clips: one clip is 3.1 points of accuracy."]
+    t.publish_view(table_markdown="| trial |\n|---|\n| best |", best_trial_id="best", objective="val_acc",
+                   answer=answer)
+    note = MlflowClient(uri).get_run(t.parent_run_id).data.tags["mlflow.note.content"]
+    assert note.startswith(answer[0]) and note.index(answer[1]) < note.index("| trial |")
+    assert "127.0.0.1" not in note and "http" not in note
+    best_run = t.child_runs["best"]
+    assert f"](#/experiments/{t.experiment_id}/runs/{best_run}?workflowType=machine_learning)" in note
+    assert f"](#/experiments/{t.experiment_id}/runs?workflowType=machine_learning&{SHARE_KEY_PARAM}=" in note
+    image = f"![objective_history.png](get-artifact?path=objective_history.png&run_uuid={t.parent_run_id})"
+    assert image in note and "best so far" in note.split(image, 1)[1].split("\n\n")[1]
+    assert "objective_vs_params.png" not in note          # a sentence only under a plot the run holds
