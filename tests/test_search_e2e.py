@@ -82,6 +82,18 @@ def test_search_end_to_end(synthetic_root, tmp_path):
     artifacts = {a.path for a in c.list_artifacts(parent.info.run_id)}
     assert {"trials.csv", "accuracy_vs_speed.png", "best_config.json", "best_checkpoint"} <= artifacts
     assert c.list_artifacts(parent.info.run_id, "best_checkpoint")
+    # MLflow opens ready: this search's saved runs-table view, model-training links, one number
+    exp_tags = c.get_experiment(parent.info.experiment_id).tags
+    views = [json.loads(json.loads(v)["state"]) for k, v in exp_tags.items()
+             if k.startswith("mlflow.sharedViewState.")]
+    assert len(views) == 1 and {"params.`batch_size`", "params.`lr`", "metrics.`best_val_acc`"} <= \
+        set(views[0]["selectedColumns"])
+    links = [u for u in re.findall(r"https?://\S+", out.stdout) if "#/" in u]
+    assert links and all("workflowType=machine_learning" in u for u in links), links
+    header, *csv_rows = [line.split(",") for line in
+                         next((tmp_path / "vidtune-results").glob("*/trials.csv")).read_text().splitlines()]
+    csv_acc = {row[0]: float(row[header.index("best_val_acc")]) for row in csv_rows}
+    assert {r.info.run_name: r.data.metrics["best_val_acc"] for r in children} == csv_acc
     _check_speed_is_the_models_own(tmp_path / "vidtune-results", children, c)
     _check_the_mlflow_view_and_names(out.stdout, tmp_path / "vidtune-results", parent, children)
     _check_the_best_trial_trains_again(tmp_path)
