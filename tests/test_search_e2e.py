@@ -305,9 +305,11 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     parent, children = _runs(uri)
     statuses = [r.info.status for r in children]
     assert len(children) == 5 and "RUNNING" not in statuses
-    killed = [r for r in children if r.info.status == "KILLED"]
-    assert killed, statuses                                          # ASHA really stopped trials
-    assert all("stopped early by ASHA" in r.data.tags[STOP_TAG] for r in killed)
+    # ASHA really stopped trials: FINISHED with the outcome "stopped early" (KILLED is interrupted)
+    stopped = [r for r in children if r.data.tags.get("vidtune.outcome") == "stopped early"]
+    assert stopped, statuses
+    assert all(r.info.status == "FINISHED" and "stopped early by ASHA" in r.data.tags[STOP_TAG]
+               for r in stopped)
     failed = [r for r in children if r.info.status == "FAILED"]     # OOM: FAILED with reason, run once
     assert len(failed) == 1 and "out of memory" in failed[0].data.tags[FAILURE_TAG], statuses
     # Every placement group this search created is gone: nothing left reserved for the next trial
@@ -326,7 +328,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     for line in (tmp_path / "oom-claimed.epochs").read_text().splitlines():
         name, epoch = line.split()
         started_epochs[name] = max(started_epochs.get(name, 0), int(epoch))
-    for run in killed:
+    for run in stopped:
         reported = len(MlflowClient(uri).get_metric_history(run.info.run_id, "val_acc"))
         assert started_epochs[run.info.run_name] <= reported + 1, \
             (run.info.run_name, reported, started_epochs)
@@ -339,9 +341,9 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
         if lines and folder.name in started_at:
             pid = json.loads(lines[0])["pid"]                                 # the trial driver's process
             trials_by_pid.setdefault(pid, []).append((started_at[folder.name], folder.name))
-    stopped = {r.info.run_name for r in killed}
+    stopped_names = {r.info.run_name for r in stopped}
     reused_after_a_stop = [trials for trials in trials_by_pid.values()
-                           if any(name in stopped for _, name in sorted(trials)[:-1])]
+                           if any(name in stopped_names for _, name in sorted(trials)[:-1])]
     assert reused_after_a_stop, trials_by_pid
     # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.launch).
     from ray.util.state import list_actors

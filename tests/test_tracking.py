@@ -83,7 +83,7 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     assert parent.data.params["batch_sizes"] == "4,8" and \
         parent.data.tags[tracking.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
     statuses = {k: r.info.status for k, r in runs.items() if k != "parent"}
-    assert statuses == {"done": "FINISHED", "stopped": "KILLED", "oom": "FAILED", "err": "FAILED"}
+    assert statuses == {"done": "FINISHED", "stopped": "FINISHED", "oom": "FAILED", "err": "FAILED"}
     for name in statuses:
         assert runs[name].data.tags[PARENT_TAG] == parent.info.run_id
     d = runs["done"].data

@@ -283,6 +283,7 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     return MLflowTracker(
         tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment,
         experiment_path=plan.experiment_path, epochs=train.epochs, parent_tags=tags,
+        objective=opts.objective, val_clips=len(plan.index.val) if plan.index is not None else 0,
         parent_params={**searched, "dataset": plan.base.data.root, "model": train.model,
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,
                        "num_samples": opts.num_samples, "seed": train.seed,
