@@ -132,6 +132,13 @@ class SearchOptions:
                                         "with optuna-dashboard")
     study_name: str | None = option(None, flag="--study-name", metavar="NAME", group="search",
                                     help="Optuna study name (default: the search's --name)")
+    time_budget: str | None = option(None, flag="--time-budget", metavar="T", group="search",
+                                     help="start no new trial after this wall time (2h, 90m, 3600s, 1h30m; a "
+                                     "plain number is seconds); the running trials finish")
+    warm_start: str | None = option(None, flag="--warm-start", metavar="PATH", group="search",
+                                    help="seed the study with an earlier search's finished trials: its "
+                                    "folder (<storage>/<name>) or its Optuna storage "
+                                    "(sqlite:///optuna.db#study); trials outside this space are left out")
     resources: Resources = field(default_factory=Resources)
     storage: str | None = option(None, flag="--storage", metavar="PATH", group="where it runs",
                                  help="results and checkpoints: a local folder, NFS or s3:// (shared on a "
@@ -294,6 +301,11 @@ def validate(o: SearchOptions) -> None:
         raise ConfigError("--grace-period", f"{o.grace_period} is above --epochs {o.train.epochs}: a trial "
                           f"ends before ASHA may stop it; pass --grace-period {o.train.epochs} or less, or "
                           "more --epochs")
+    if o.resume and (o.time_budget or o.warm_start):
+        raise ConfigError("--time-budget/--warm-start" if o.time_budget and o.warm_start else
+                          "--time-budget" if o.time_budget else "--warm-start",
+                          "not with --resume: a resumed search keeps the budget and the study it "
+                          "started with")
     if o.trust_state and not o.resume:
         raise ConfigError("--trust-state", "only with --resume (it lets a resume load a state your key did "
                           "not sign)")

@@ -20,11 +20,13 @@ from datasets.index import VideoIndex, build_index
 from trainer.config import TrainConfig
 from trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
 from tune import faults, space, trust
+from tune.budget import parse_duration
 from tune.demo import ensure_demo_data
 from tune.lock import check_not_running
 from tune.options import SearchOptions, base_config
 from tune.ray_internals import check_experiment_state
 from tune.tracking import check_store_uri
+from tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"
 
@@ -74,6 +76,13 @@ def prepare(opts: SearchOptions) -> Plan:
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
     name = experiment_name(opts, storage)
+    if opts.time_budget:
+        parse_duration(opts.time_budget)
+    # A bad --warm-start is refused here, before Ray starts; build_searcher loads it again for the
+    # study, once the batch sizes are known (they may come from the cluster).
+    if opts.warm_start and opts.space.batch_sizes is not None:
+        load_warm_start(opts.warm_start, opts.space, opts.objective, own_storage=opts.optuna_storage,
+                        own_study=opts.study_name or name)
     index = index_data(base)
     check_num_frames(base, index)
     if opts.space.batch_sizes is not None:   # the defaults depend on the cluster: checked once it is up

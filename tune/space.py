@@ -13,10 +13,13 @@ from typing import Any
 import optuna
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
+from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from tune.budget import TimeBudget, parse_duration
 from tune.options import SearchOptions
 from tune.ray_internals import optuna_pending_trial
+from tune.warm_start import load_warm_start
 
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
 # which every epoch's report carries, so Optuna ranks the same speed the table shows.
@@ -83,16 +86,24 @@ class VidtuneOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
-def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> VidtuneOptunaSearch:
-    """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given."""
+def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
+    """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given.
+    `--warm-start`: an earlier search's finished trials inside this space seed the study.
+    `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
     # A few random trials first, then TPE (Optuna's default of 10 would make a short search random).
     sampler = optuna.samplers.TPESampler(seed=opts.train.seed,
                                          n_startup_trials=min(10, max(2, opts.num_samples // 2)))
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
+    if opts.warm_start:
+        seed = load_warm_start(opts.warm_start, opts.space, opts.objective, own_storage=opts.optuna_storage,
+                               own_study=opts.study_name or study_name)
+        print(seed.line(), flush=True)
+        kwargs.update(points_to_evaluate=seed.points_to_evaluate, evaluated_rewards=seed.evaluated_rewards)
     if objective.is_pareto:
         kwargs.update(metric=objective.searcher_metric, mode=objective.searcher_mode)
-    return VidtuneOptunaSearch(**kwargs)
+    searcher = VidtuneOptunaSearch(**kwargs)
+    return TimeBudget(searcher, parse_duration(opts.time_budget)) if opts.time_budget else searcher
 
 
 def early_stopping_enabled(opts: SearchOptions) -> bool:
