@@ -1,13 +1,15 @@
 """One number per trial: `tune.results.summary_metrics` and trials.csv under the same names
-(best_val_acc, best_epoch, speed_clips_per_s, the 95% interval), on known rows."""
+(best_val_acc, best_epoch, speed_clips_per_s, the 95% interval), on known rows; the table's
+interval column; the answer and intervals handed to the MLflow description."""
 from __future__ import annotations
 
 import csv
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from tune import results
+from tune import results, summary
 from tune.answer import wilson_interval
 
 
@@ -66,3 +68,22 @@ def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
     assert "95% interval" in notes and "s/epoch = " in notes
     assert notes.endswith("status: DONE = all epochs, OOM = out of memory")     # the statuses present
     assert all(len(line) <= 100 for line in results.column_notes(rows, val_clips=32))
+
+
+def test_the_answer_and_the_intervals_reach_the_mlflow_description():
+    calls = {}
+
+    class Tracker:
+        def open_parent(self, refresh=False): pass
+        def retire_lost_runs(self, ids): return []
+        def reconcile(self, pairs): return 0
+        def log_summary(self, **kw): pass
+        def close(self, interrupted): pass
+        def publish_view(self, **kw): calls.update(kw)
+
+    rows = [_row("t01", 0.75, 41.2, best_epoch=3)]
+    opts = SimpleNamespace(objective="val_acc", tracking=SimpleNamespace(mlflow_uri="sqlite:///x.db"))
+    pending = summary.record_in_mlflow(None, opts, Tracker(), rows, [], [], rows[0], {}, interrupted=False,
+                                       val_clips=32, answer=["Best: t01."])
+    assert pending is None and calls["answer"] == ["Best: t01."] and calls["best_trial_id"] == "t01"
+    assert "0.750 ±0.14" in calls["table_markdown"]

@@ -198,7 +198,8 @@ def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, ro
         tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
                             best_checkpoint=best.checkpoint if best else None)
         tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective), val_clips),
-                             best_trial_id=best.trial_id if best else None, objective=opts.objective)
+                             best_trial_id=best.trial_id if best else None, objective=opts.objective,
+                             answer=answer or ())
         tracker.close(interrupted=interrupted)
     except Exception as e:   # the store is down or full: the search's own results stand
         reason = faults.one_line(e)
