@@ -1,19 +1,13 @@
-"""tune.answer: Wilson intervals on known counts, and the sentences that open a summary."""
+"""tune.uncertainty and tune.answer: Wilson intervals on known counts, the summary sentences."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from tune.answer import (
-    SearchedRange,
-    accuracy_interval,
-    answer_lines,
-    format_accuracy,
-    half_width,
-    wilson_interval,
-)
+from tune.answer import SearchedRange, answer_lines
 from tune.results import TrialRow
+from tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
 
 
 @pytest.mark.parametrize("correct, n, low, high", [

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tune import results, summary
-from tune.answer import wilson_interval
+from tune.uncertainty import wilson_interval
 
 
 def _row(name: str, acc: float, speed: float, *, best_epoch: int = 2, status: str = "DONE",

@@ -1,9 +1,8 @@
 """How sure a search's result is, and the one or two sentences a person acts on.
 
-An accuracy measured on n validation clips is a proportion: its 95% interval is Wilson's score
-interval (Wilson, 1927), which stays inside [0, 1] and is right for small n, unlike the normal
-approximation. `answer_lines` turns the ranked trials into the sentences that open the console's
-last block and the MLflow parent run's description: the best trial; a faster trial that is as
+`answer_lines` turns the ranked trials into the sentences that open the console's last block and
+the MLflow parent run's description, with `tune.uncertainty`'s intervals (Wilson's, from the
+validation clip count): the best trial; a faster trial that is as
 good within the uncertainty, when it uses another batch size; what one validation clip is worth;
 a warning when the best value of a parameter sits at the edge of its searched range, or when the
 top trials cannot be told apart.
@@ -15,49 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tune.results import TrialRow, objective_key, ranked, usable
+from tune.uncertainty import accuracy_interval, format_accuracy
 
-Z_95 = 1.959964   # the standard normal's 97.5% quantile: a two-sided 95% interval
 # The best lr is "at the edge" within this share of the searched log-range from either end: a
 # TPE search samples the ends rarely, so a best trial this close to one says the range is cut.
 LR_EDGE_SHARE = 0.1
-
-
-def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float]:
-    """The Wilson score interval of `correct` successes in `n` trials: (low, high) in [0, 1].
-    n = 0 gives (0, 1): nothing is known."""
-    if n <= 0:
-        return 0.0, 1.0
-    if not 0 <= correct <= n:
-        raise ValueError(f"correct={correct} must be between 0 and n={n}")
-    p = correct / n
-    z2 = z * z
-    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
-    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def accuracy_interval(acc: float, n: int) -> tuple[float, float]:
-    """The 95% interval of an accuracy `acc` measured on `n` clips (it is round(acc * n) correct);
-    (nan, nan) for a missing accuracy or no clips."""
-    if not math.isfinite(acc) or n <= 0:
-        return math.nan, math.nan
-    return wilson_interval(min(n, max(0, round(acc * n))), n)
-
-
-def half_width(acc: float, n: int) -> float:
-    """Half the width of `accuracy_interval`: the `±` shown beside an accuracy (nan when none)."""
-    low, high = accuracy_interval(acc, n)
-    return (high - low) / 2
-
-
-def format_accuracy(acc: float, n: int, digits: int = 3) -> str:
-    """`0.750 ±0.15` (the accuracy and its 95% half-width), `0.750` when n is unknown (0), `-`
-    when there is no accuracy."""
-    if not math.isfinite(acc):
-        return "-"
-    if n <= 0:
-        return f"{acc:.{digits}f}"
-    return f"{acc:.{digits}f} ±{half_width(acc, n):.2f}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +83,8 @@ def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
                      f"giving up {best.val_acc - quick.val_acc:.3f} accuracy.")
     if val_clips > 0:
         lines.append(f"The validation set has {val_clips} clips: one clip is {100 / val_clips:.1f} points of "
-                     "accuracy, and ± is the 95% interval; a bigger --val-fraction narrows it.")
+                     "accuracy, and ± is the 95% interval; more validation clips narrow it (a bigger "
+                     "--val-fraction, or more videos in val/ for a dataset split into train/ and val/).")
     if close:
         lines.append(f"The top {len(close) + 1} trials are within the best one's uncertainty: their order is "
                      "not settled by this validation set.")

@@ -50,6 +50,7 @@ from ray.tune.experiment import Trial
 from trainer.checkpointing import first_whole
 from trainer.metrics import steady_state
 from tune.faults import trial_unfinished
+from tune.uncertainty import accuracy_interval, format_accuracy
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
 # of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr
@@ -355,8 +356,7 @@ def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) 
 
 
 def _accuracy_cell(r: TrialRow, val_clips: int) -> str:
-    """`0.750 ±0.15` (`tune.answer.format_accuracy`); `-` for none (an OOM / DIVERGED trial's)."""
-    from tune.answer import format_accuracy  # lazy: tune.answer imports this module at its top
+    """`0.750 ±0.15` (`tune.uncertainty.format_accuracy`); `-` for none (an OOM / DIVERGED trial's)."""
     return format_accuracy(math.nan if r.status in NO_RESULT else r.val_acc, val_clips)
 
 
@@ -420,7 +420,6 @@ def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
     """A trial's SUMMARY_KEYS: its best epoch's val_acc, that epoch, its steady clips/s and the
     95% Wilson interval of the accuracy on `val_clips` validation clips; nan where there is none
     (no accuracy, no epoch, no speed, or val_clips 0: no interval)."""
-    from tune.answer import accuracy_interval  # lazy: tune.answer imports this module at its top
     acc = math.nan if row.status in NO_RESULT else row.val_acc   # an OOM / DIVERGED report's 0 is no accuracy
     low, high = accuracy_interval(acc, val_clips)
     return {"best_val_acc": acc, "best_epoch": float(row.best_epoch) if row.best_epoch else math.nan,
