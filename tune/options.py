@@ -42,6 +42,8 @@ from trainer.config import TrainConfig
 from trainer.gpus import simulated_gpus
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
+LR_SCALINGS = ("none", "linear", "sqrt")
+TPE_KINDS = ("univariate", "multivariate")
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
 GPU_BATCH_SIZES = (8, 16, 32)      # mvit_v2_s at 16 x 224 x 224 fits 32 in bf16 on a 40 GB card
 
@@ -67,6 +69,13 @@ class SearchSpace:
                                      help="lower weight-decay bound")
     weight_decay_max: float = option(0.1, flag="--weight-decay-max", metavar="WD", gt=0,
                                      help="upper weight-decay bound")
+    lr_scaling: str = option("none", flag="--lr-scaling", choices=LR_SCALINGS,
+                             help="the searched lr is meant for --lr-reference-batch; a trial of batch B "
+                             "trains with it x B/ref (linear), x sqrt(B/ref) (sqrt) or as drawn (none); the "
+                             "trial's table, CSV and MLflow show the lr it trained with (default none)")
+    lr_reference_batch: int | None = option(None, flag="--lr-reference-batch", metavar="B", ge=1,
+                                            help="the batch size --lr-min/--lr-max are meant for under "
+                                            "--lr-scaling (default the smallest of --batch-sizes)")
     probe_batch_size: bool = option(False, flag="--probe-batch-size", help="drop batch sizes above the "
                                     "largest that fits in GPU memory (measured once on a GPU before the "
                                     "search)")
@@ -127,6 +136,15 @@ class SearchOptions:
                               "(ASHA is on by default when --epochs >= 3, off with pareto)")
     grace_period: int = option(1, flag="--grace-period", metavar="E", ge=1, group="search",
                                help="epochs each trial runs before ASHA may stop it")
+    reduction_factor: int = option(2, flag="--reduction-factor", metavar="R", ge=2, group="search",
+                                   help="ASHA keeps the best 1/R of the trials at each rung (epochs grace "
+                                   "x R^k)")
+    tpe: str = option("univariate", flag="--tpe", choices=TPE_KINDS, group="search",
+                      help="Optuna TPE: univariate (each parameter alone) or multivariate (batch size "
+                      "and lr together) (default univariate)")
+    random_start_trials: int | None = option(None, flag="--random-start-trials", metavar="N", ge=1,
+                                             group="search", help="random trials before TPE takes over "
+                                             "(default min(10, max(2, --num-samples / 2)))")
     optuna_storage: str | None = option(None, flag="--optuna-storage", metavar="URL", group="search",
                                         help="store the Optuna study (e.g. sqlite:///optuna.db) to open it "
                                         "with optuna-dashboard")

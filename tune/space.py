@@ -7,6 +7,8 @@ multi-objective TPE) and `TuneConfig` gets none, since Tune itself knows only on
 """
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from tune.budget import TimeBudget, parse_duration
-from tune.options import SearchOptions
+from tune.options import SearchOptions, SearchSpace
 from tune.ray_internals import optuna_pending_trial
 from tune.warm_start import load_warm_start
 
@@ -86,13 +88,30 @@ class VidtuneOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
+def trial_lr(space: SearchSpace, batch_size: int, lr: float) -> float:
+    """The lr a trial of `batch_size` trains with, from the searched `lr` (`--lr-scaling`: meant
+    for the reference batch, scaled by the batch ratio or its square root; `none`: as drawn)."""
+    if space.lr_scaling == "none":
+        return lr
+    reference = space.lr_reference_batch or min(space.batch_sizes or (batch_size,))
+    ratio = batch_size / reference
+    return lr * (ratio if space.lr_scaling == "linear" else math.sqrt(ratio))
+
+
+def random_start_trials(opts: SearchOptions) -> int:
+    """Random trials before TPE: `--random-start-trials`, else min(10, max(2, n/2)) (Optuna's
+    default of 10 would make a short search random)."""
+    return opts.random_start_trials or min(10, max(2, opts.num_samples // 2))
+
+
 def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
     """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given.
     `--warm-start`: an earlier search's finished trials inside this space seed the study.
     `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
-    # A few random trials first, then TPE (Optuna's default of 10 would make a short search random).
-    sampler = optuna.samplers.TPESampler(seed=opts.train.seed,
-                                         n_startup_trials=min(10, max(2, opts.num_samples // 2)))
+    with warnings.catch_warnings():   # Optuna calls multivariate TPE experimental, on every build
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=random_start_trials(opts),
+                                             multivariate=opts.tpe == "multivariate")
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
     if opts.warm_start:
@@ -117,4 +136,5 @@ def build_scheduler(opts: SearchOptions) -> ASHAScheduler | None:
     if not early_stopping_enabled(opts):
         return None
     return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs,
-                         grace_period=min(opts.grace_period, opts.train.epochs), reduction_factor=2)
+                         grace_period=min(opts.grace_period, opts.train.epochs),
+                         reduction_factor=opts.reduction_factor)

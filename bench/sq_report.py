@@ -1,0 +1,111 @@
+"""What the replays say: per strategy, time to come within 1 point of the best (median and
+quartiles over the replay seeds), the judged val_acc at 10 / 30 / 50 % of the grid's device time,
+the two ratios issue 17 sets goals for, a console table and the picture."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from bench.common import format_table
+from bench.sq_replay import Trace
+from bench.sq_table import TARGET_POINTS, Table
+
+FRACTIONS = (0.1, 0.3, 0.5)        # of the grid's device time
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(25th, 50th, 75th percentile); inf (never reached) counts as larger than anything."""
+    q = np.percentile(np.array(values, dtype=float), [25, 50, 75], method="lower")
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def summarise(table: Table, traces: dict[str, list[Trace]], grid_s: float) -> dict[str, Any]:
+    """Per strategy: time to target (s and share of the grid's time), value at each fraction,
+    trials started; plus `ratios` for the default against the grid and random + ASHA."""
+    target = table.best_final_mean - TARGET_POINTS
+    out: dict[str, Any] = {"best_final_mean": table.best_final_mean, "target": target, "grid_s": grid_s,
+                           "strategies": {}}
+    for name, runs in traces.items():
+        times = [t.time_to(target) for t in runs]
+        q1, med, q3 = _quartiles(times)
+        at = {f"{int(f * 100)}%": [_or_nan(t.value_at(f * grid_s)) for t in runs] for f in FRACTIONS}
+        out["strategies"][name] = {
+            "time_to_1pt_s": {"q1": q1, "median": med, "q3": q3},
+            "time_to_1pt_vs_grid": {"q1": q1 / grid_s, "median": med / grid_s, "q3": q3 / grid_s},
+            "reached_share": float(np.mean([math.isfinite(t) for t in times])),
+            "value_at": {k: {"median": float(np.nanmedian(v)) if not all(map(math.isnan, v)) else None,
+                             "per_seed": v} for k, v in at.items()},
+            "trials_median": float(np.median([len(t.trials) for t in runs])),
+            "end_s_median": float(np.median([t.end_s for t in runs])),
+        }
+    s = out["strategies"]
+    if "default" in s and "random+asha" in s:
+        mine = s["default"]["value_at"]["30%"]["per_seed"]
+        theirs = s["random+asha"]["value_at"]["30%"]["per_seed"]
+        beats = [_or_zero(a) >= _or_zero(b) for a, b in zip(mine, theirs, strict=True)]
+        out["ratios"] = {"default_time_to_1pt_vs_grid": s["default"]["time_to_1pt_vs_grid"]["median"],
+                         "default_beats_random_asha": float(np.mean(beats))}
+    return out
+
+
+def _or_nan(v: float) -> float:
+    return v if math.isfinite(v) else float("nan")
+
+
+def _or_zero(v: float) -> float:
+    return v if math.isfinite(v) else 0.0
+
+
+def console_table(summary: dict[str, Any]) -> str:
+    """One row per strategy: time to within 1 point (share of the grid's time: quartiles), share
+    of seeds that got there, median judged val_acc at 10/30/50 %, median trials."""
+    rows = []
+    for name, s in summary["strategies"].items():
+        t = s["time_to_1pt_vs_grid"]
+        rows.append([name, _pct(t["q1"]), _pct(t["median"]), _pct(t["q3"]), f"{s['reached_share']:.0%}",
+                     *[_acc(s["value_at"][k]["median"]) for k in ("10%", "30%", "50%")],
+                     f"{s['trials_median']:.0f}"])
+    head = ["strategy", "t1pt q1", "median", "q3", "reached", "acc@10%", "acc@30%", "acc@50%", "trials"]
+    return format_table(head, rows)
+
+
+def _pct(v: float) -> str:
+    return f"{v:.0%}" if math.isfinite(v) else "never"
+
+
+def _acc(v: float | None) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.3f}"
+
+
+def plot(table: Table, traces: dict[str, list[Trace]], grid_s: float, path: str | Path, *,
+         names: list[str] | None = None) -> Path:
+    """Best-so-far (judged) against device time as a share of the grid's: median line and
+    quartile band per strategy, the target as a dashed line."""
+    xs = np.linspace(0, 1.0, 201)
+    fig = Figure(figsize=(9, 5.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name in names or list(traces):
+        values = np.array([[_or_nan(t.value_at(x * grid_s)) for x in xs] for t in traces[name]])
+        filled = np.where(np.isnan(values), np.nanmin(values) if np.isfinite(values).any() else 0.5, values)
+        q1, med, q3 = np.percentile(filled, [25, 50, 75], axis=0)
+        (line,) = ax.plot(xs * 100, med, label=name, lw=1.8 if name in ("default", "grid") else 1.2)
+        ax.fill_between(xs * 100, q1, q3, color=line.get_color(), alpha=0.15)
+    ax.axhline(table.best_final_mean - TARGET_POINTS, ls="--", color="k", lw=0.8, label="best - 1 point")
+    ax.set_xlabel("device time, % of the full grid's")
+    ax.set_ylabel("picked config's seed-mean final val_acc")
+    ax.set_title("best so far: median and quartiles over replay seeds")
+    lo = table.best_final_mean - 0.15
+    ax.set_ylim(lo, table.best_final_mean + 0.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

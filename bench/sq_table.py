@@ -1,0 +1,93 @@
+"""A recorded learning-curve table (`bench.sq_record`), read for replay: curves by (batch size,
+lr, seed), interpolated in log-lr between the grid's learning rates.
+
+The replay's space is the product's (`tune.space.param_space`: batch size a choice among the
+table's, lr log-uniform between the table's smallest and largest): a drawn lr gets, epoch by
+epoch, the val_acc and seconds interpolated linearly in log(lr) between the two grid points
+around it (same batch size and seed). An lr outside the grid (a scaled one) takes the nearest
+end's curve. A run that stopped early (diverged, out of memory) keeps its last epoch's values.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGET_POINTS = 0.01      # "within 1 point" of the best seed-mean final val_acc
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One run's epochs: val_acc in [0, 1] and device seconds (train + eval) per epoch."""
+
+    val_acc: tuple[float, ...]
+    epoch_s: tuple[float, ...]
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.epoch_s)
+
+
+class Table:
+    """The curves of a recorded grid; every (batch size, lr, seed) of the grid must be there."""
+
+    def __init__(self, doc: dict[str, Any]):
+        grid = doc["grid"]
+        self.doc = doc
+        self.batch_sizes: tuple[int, ...] = tuple(sorted(grid["batch_sizes"]))
+        self.lrs: tuple[float, ...] = tuple(sorted(grid["lrs"]))
+        self.seeds: tuple[int, ...] = tuple(grid["seeds"])
+        self.epochs: int = int(grid["epochs"])
+        self.runs: dict[tuple[int, float, int], Curve] = {}
+        for run in doc["runs"]:
+            rows = run["epochs"] or [{"val_acc": 0.5, "train_s": 0.0, "eval_s": 0.0}]
+            rows = rows + [rows[-1]] * (self.epochs - len(rows))
+            self.runs[(run["batch_size"], run["lr"], run["seed"])] = Curve(
+                tuple(r["val_acc"] for r in rows), tuple(r["train_s"] + r["eval_s"] for r in rows))
+        missing = [(b, lr, s) for b in self.batch_sizes for lr in self.lrs for s in self.seeds
+                   if (b, lr, s) not in self.runs]
+        if missing:
+            raise ValueError(f"the table lacks {len(missing)} run(s) of its grid, e.g. {missing[0]} "
+                             "(batch, lr, seed): finish recording it first")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Table:
+        return cls(json.loads(Path(path).read_text()))
+
+    @property
+    def configs(self) -> list[tuple[int, float]]:
+        """Every (batch size, lr) of the grid."""
+        return [(b, lr) for b in self.batch_sizes for lr in self.lrs]
+
+    def curve(self, batch_size: int, lr: float, seed: int) -> Curve:
+        """The curve of (batch_size, lr, seed), interpolated in log(lr) (module docstring)."""
+        lrs = self.lrs
+        if batch_size not in self.batch_sizes:
+            raise ValueError(f"batch size {batch_size} is not in the table ({self.batch_sizes})")
+        if lr <= lrs[0] or lr >= lrs[-1]:
+            return self.runs[(batch_size, lrs[0] if lr <= lrs[0] else lrs[-1], seed)]
+        hi = bisect.bisect_right(lrs, lr)
+        lo = hi - 1
+        w = (math.log(lr) - math.log(lrs[lo])) / (math.log(lrs[hi]) - math.log(lrs[lo]))
+        a, b = self.runs[(batch_size, lrs[lo], seed)], self.runs[(batch_size, lrs[hi], seed)]
+        return Curve(tuple((1 - w) * x + w * y for x, y in zip(a.val_acc, b.val_acc, strict=True)),
+                     tuple((1 - w) * x + w * y for x, y in zip(a.epoch_s, b.epoch_s, strict=True)))
+
+    def final_mean(self, batch_size: int, lr: float) -> float:
+        """Seed-mean val_acc at the last epoch: how a picked configuration is judged."""
+        return statistics.fmean(self.curve(batch_size, lr, s).val_acc[-1] for s in self.seeds)
+
+    @property
+    def best_final_mean(self) -> float:
+        """The best configuration's seed-mean final val_acc (interpolation never exceeds it)."""
+        return max(self.final_mean(b, lr) for b, lr in self.configs)
+
+    def grid_seconds(self, start_cost_s: float) -> float:
+        """Device time of the full grid: every configuration trained once to its last epoch
+        (seed-mean seconds), each paying the trial start cost."""
+        return sum(statistics.fmean(self.runs[(b, lr, s)].seconds for s in self.seeds) + start_cost_s
+                   for b, lr in self.configs)

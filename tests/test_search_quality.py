@@ -1,0 +1,139 @@
+"""The search-quality benchmark (bench/search_quality.py): replay against a hand-made table of a few
+configurations, and a record that resumes after it was killed."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from bench.sq_record import Grid, record, run_key
+from bench.sq_replay import GridSearcher, replay
+from bench.sq_strategies import Strategy, options_for, run_strategy
+from bench.sq_table import Table
+from trainer.config import TrainConfig
+from tune.space import build_scheduler, objective_for
+
+LRS = (1e-4, 1e-3, 1e-2)
+EPOCHS = 4
+START_S = 10.0
+
+
+def acc_curve(batch: int, lr: float, seed: int) -> list[float]:
+    """lr 1e-3 best; batch 8 a little better; seeds differ by 0.01; still rising at the last epoch."""
+    quality = {1e-4: 0.6, 1e-3: 0.9, 1e-2: 0.7}[lr] + (0.02 if batch == 8 else 0.0)
+    return [0.5 + (quality - 0.5) * e / EPOCHS + 0.01 * seed for e in range(1, EPOCHS + 1)]
+
+
+def make_doc(curve=acc_curve) -> dict:
+    runs = []
+    for seed in (0, 1):
+        for batch in (4, 8):
+            for lr in LRS:
+                epochs = [{"epoch": e + 1, "val_acc": a, "val_loss": 1 - a, "train_s": 3.0 * batch / 4 + e,
+                           "eval_s": 1.0, "clips_per_s": 10.0} for e, a in enumerate(curve(batch, lr, seed))]
+                runs.append({"key": run_key(batch, lr, seed), "batch_size": batch, "lr": lr, "seed": seed,
+                             "outcome": "trained", "start_s": 0.0, "epochs": epochs})
+    grid = {"batch_sizes": [4, 8], "lrs": list(LRS), "seeds": [0, 1], "epochs": EPOCHS}
+    return {"grid": grid, "runs": runs}
+
+
+@pytest.fixture
+def table() -> Table:
+    return Table(make_doc())
+
+
+def test_interpolation_in_log_lr(table):
+    mid = math.sqrt(1e-3 * 1e-2)     # halfway in log between two grid points
+    assert table.curve(8, mid, 0).val_acc[-1] == pytest.approx((0.92 + 0.72) / 2)
+    assert table.curve(4, 1e-6, 0) == table.runs[(4, 1e-4, 0)]     # outside the grid: the end's curve
+
+
+def test_grid_finds_the_known_best(table):
+    trace = replay(table, GridSearcher(table.configs, seed=3), None, num_samples=len(table.configs),
+                   concurrency=1, table_seed=0, start_cost_s=START_S)
+    assert len(trace.trials) == len(table.configs)
+    assert trace.steps[-1][1] == pytest.approx(table.best_final_mean)
+    best = max(trace.trials, key=lambda t: t.best_acc)
+    assert (best.batch_size, best.lr) == (8, 1e-3)
+
+
+def test_clock_is_epochs_run_plus_start_costs(table):
+    for strategy in (Strategy("default"), Strategy("fifo", changes={"early_stop": False, "num_samples": 5})):
+        trace = run_strategy(table, strategy, 2, concurrency=1, start_cost_s=START_S)
+        expected = sum(START_S + sum(t.curve.epoch_s[:t.epochs_run]) for t in trace.trials)
+        assert trace.end_s == pytest.approx(expected)
+        for t in trace.trials:
+            assert t.ended_s == pytest.approx(t.started_s + START_S + sum(t.curve.epoch_s[:t.epochs_run]))
+
+
+def test_concurrent_trials_overlap(table):
+    trace = run_strategy(table, Strategy("fifo", changes={"early_stop": False, "num_samples": 4}), 0,
+                         concurrency=2, start_cost_s=START_S)
+    assert trace.trials[1].started_s == 0.0
+    busy = sum(t.ended_s - t.started_s for t in trace.trials)
+    assert busy / 2 <= trace.end_s < busy
+
+
+def test_a_seeded_strategy_is_reproducible(table):
+    runs = [run_strategy(table, Strategy("default", changes={"num_samples": 6}), 7, concurrency=1,
+                         start_cost_s=START_S) for _ in range(2)]
+    assert [(t.batch_size, t.lr, t.epochs_run) for t in runs[0].trials] == \
+        [(t.batch_size, t.lr, t.epochs_run) for t in runs[1].trials]
+    assert runs[0].steps == runs[1].steps
+
+
+def test_asha_stops_what_its_rules_say(table):
+    """Grace 1, reduction factor 2, max_t 4: rungs at epochs 1, 2, 4; a trial is stopped at a rung
+    when it is below the median of the trials recorded there before it."""
+    opts = options_for(table, Strategy("asha", changes={"grace_period": 1, "reduction_factor": 2}), 0)
+    scheduler = build_scheduler(opts)
+    objective = objective_for("val_acc")
+    scheduler.set_search_properties(objective.metric, objective.mode)
+    order = [(4, 1e-3), (4, 1e-4), (8, 1e-3), (4, 1e-2)]      # epoch-1 acc: .60, .525, .605, .55
+    searcher = GridSearcher(order, seed=0)
+    searcher.queue = list(order)
+    trace = replay(table, searcher, scheduler, num_samples=4, concurrency=1, table_seed=0, start_cost_s=0.0)
+    # 1st: nobody before it at any rung -> runs to max_t. 2nd: below the 1st at epoch 1 -> stopped.
+    # 3rd: above the median of {.60, .525} at epoch 1 and of the 1st at epoch 2 -> runs on.
+    # 4th: .55 below the median of {.60, .525, .605} (.60) -> stopped after epoch 1.
+    assert [t.epochs_run for t in trace.trials] == [4, 1, 4, 1]
+
+
+def test_lr_scaling_trains_with_the_scaled_lr(table):
+    trace = run_strategy(table, Strategy("lin", changes={"space.lr_scaling": "linear", "num_samples": 8}), 1,
+                         concurrency=1, start_cost_s=START_S)
+    assert any(t.batch_size == 8 for t in trace.trials)
+    opts = options_for(table, Strategy("lin", changes={"space.lr_scaling": "linear"}), 1)
+    assert opts.space.lr_scaling == "linear"
+    for t in trace.trials:      # batch 8 trials train with twice the drawn lr: check it is in range
+        assert opts.space.lr_min <= t.lr / (t.batch_size / 4) <= opts.space.lr_max
+
+
+def test_record_resumes_after_a_kill(tmp_path):
+    grid = Grid(batch_sizes=(4, 8), lrs=(1e-4, 1e-3), seeds=(0,), epochs=2)
+    trained: list[tuple[int, float]] = []
+
+    def fake_trainer(cfg: TrainConfig, index, kill_at: int | None = None):
+        if kill_at is not None and len(trained) == kill_at:
+            raise KeyboardInterrupt      # the record is killed during this run
+        trained.append((cfg.batch_size, cfg.lr))
+        yield {"start_s": 0.5}
+        for epoch in range(1, cfg.epochs + 1):
+            yield {"val_acc": 0.5 + 0.1 * epoch, "val_loss": 0.5, "train_s": 1.0, "eval_s": 0.2,
+                   "clips_per_s": 9.0}
+
+    out = tmp_path / "table.json"
+    base = TrainConfig()
+    with pytest.raises(KeyboardInterrupt):
+        record(base, None, grid, out, trainer=lambda c, i: fake_trainer(c, i, kill_at=2), progress=False)
+    assert [r["key"] for r in json.loads(out.read_text())["runs"]] == [run_key(*r) for r in grid.runs()[:2]]
+    record(base, None, grid, out, trainer=fake_trainer, progress=False)
+    doc = json.loads(out.read_text())
+    assert [r["key"] for r in doc["runs"]] == [run_key(*r) for r in grid.runs()]
+    assert trained == [(b, lr) for b, lr, _ in grid.runs()]       # each run trained once
+    assert len(doc["runs"][0]["epochs"]) == 2 and doc["runs"][0]["epochs"][1]["val_acc"] == pytest.approx(0.7)
+    assert Table(doc).final_mean(4, 1e-3) == pytest.approx(0.7)
+    with pytest.raises(SystemExit, match="another grid"):
+        record(base, None, replace(grid, epochs=3), out, trainer=fake_trainer, progress=False)
