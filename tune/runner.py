@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import ray
 from ray import tune
+from ray.tune.search import Searcher
 
 from datasets.cache import FrameCache
 from datasets.cache_fill import fill_cache
@@ -26,6 +27,7 @@ from trainer.launch import REPO_ROOT, check_batch_sizes, init_ray
 from trainer.lease import start_lease
 from trainer.models import get_spec
 from tune import cleanup, faults, space
+from tune.budget import TimeBudget
 from tune.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
@@ -190,8 +192,9 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
                  SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
-                                                objective=opts.objective, quiet=opts.quiet)]
-    tuner = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
+                                                objective=opts.objective, quiet=opts.quiet,
+                                                concurrency=concurrency)]
+    tuner, searcher = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
     results, failure = None, None
     announce_mlflow(tracker)
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
@@ -201,7 +204,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         failure = e
     finally:
         faults.uninstall()
-        code = summarise(plan, opts, results, tracker, failed=failure is not None)
+        code = summarise(plan, opts, results, tracker, failed=failure is not None,
+                         budget=searcher if isinstance(searcher, TimeBudget) else None)
         del registry, lease
     if failure is not None:
         raise_failure(plan, opts, failure)
@@ -228,9 +232,10 @@ def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoRetu
 
 
 def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: int,
-               callbacks: list[tune.Callback]) -> tune.Tuner:
-    """A new Tuner for the plan, or with --resume the saved one restored (its state checked
-    first: a damaged state stops the resume with ConfigError, never restarts the search)."""
+               callbacks: list[tune.Callback]) -> tuple[tune.Tuner, Searcher | None]:
+    """A new Tuner for the plan and its searcher, or with --resume the saved one restored (its
+    state checked first: a damaged state stops the resume with ConfigError, never restarts the
+    search) and None: Tune restores the searcher itself."""
     param_space = space.param_space(opts)
     if opts.resume:
         try:
@@ -246,13 +251,14 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
                                        resume_errored=True, param_space=param_space)
         except Exception as e:   # a damaged state must stop the resume, never restart the search
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
-        return tuner
+        return tuner, None
     objective = space.objective_for(opts.objective)
-    return tune.Tuner(
+    searcher = space.build_searcher(opts, objective, study_name=plan.name)
+    tuner = tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
             metric=objective.metric, mode=objective.mode, num_samples=opts.num_samples,
-            search_alg=space.build_searcher(opts, objective, study_name=plan.name),
+            search_alg=searcher,
             scheduler=space.build_scheduler(opts), max_concurrent_trials=concurrency,
             # One readable name per trial: console, table, MLflow, trial and checkpoint folders.
             trial_name_creator=short_name, trial_dirname_creator=short_name,
@@ -268,6 +274,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             failure_config=tune.FailureConfig(max_failures=0),
             callbacks=callbacks),
     )
+    return tuner, searcher
 
 
 def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:

@@ -19,7 +19,9 @@ from ray import tune
 
 from tune import faults
 from tune.answer import SearchedRange, answer_lines
+from tune.budget import TimeBudget
 from tune.console import outcome_line
+from tune.importance import Importance, param_importances
 from tune.options import SearchOptions
 from tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from tune.preflight import Plan
@@ -39,11 +41,12 @@ from tune.tracking import MLflowTracker, sqlite_path
 
 
 def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,
-              failed: bool = False) -> int:
+              failed: bool = False, budget: TimeBudget | None = None) -> int:
     """Write the result files, bring MLflow up to date (KILLED when the search did not finish; or
     say what is pending when the store cannot be reached), then print the last block (see the
     module docstring). Exit code: 0 with a best trial, 1 without, 130 when interrupted. `failed`:
-    the search ended in an exception, which the caller reports (no resume hint here)."""
+    the search ended in an exception, which the caller reports (no resume hint here). `budget`:
+    the searcher's --time-budget wrapper, which says whether the budget ended the search."""
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
     rows, pairs, states = collect_rows(plan, opts, results)
@@ -53,9 +56,11 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
                              batch_sizes=tuple(opts.space.batch_sizes or ()))
     answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips, searched=searched)
     best = best_trial(rows, opts.objective)
-    files = write_results(plan, opts, rows, best, results_folder(plan), val_clips=val_clips)
+    importance = param_importances(rows, objective=opts.objective, space=opts.space)
+    files = write_results(plan, opts, rows, best, results_folder(plan), val_clips=val_clips,
+                          importance=importance)
     pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted,
-                               val_clips=val_clips, answer=answer)
+                               val_clips=val_clips, answer=answer, importance=importance)
     uri = opts.tracking.mlflow_uri
     resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
               f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
@@ -65,7 +70,11 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
         say(line)
     say(mlflow_lines(opts, tracker, pending))
     say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
-    if results is not None and not interrupted and len(rows) < opts.num_samples:
+    say(importance.sentence())
+    ended_by_budget = budget.summary_line(opts.num_samples) if budget is not None else None
+    if ended_by_budget:
+        say(ended_by_budget)
+    elif results is not None and not interrupted and len(rows) < opts.num_samples:
         # Tune ended with nothing left to run: a resume would not add the missing trials.
         say(f"note: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
             "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
@@ -142,31 +151,34 @@ def results_folder(plan: Plan) -> Path | None:
 
 
 def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                  folder: Path | None, *, val_clips: int = 0) -> dict[str, Path]:
+                  folder: Path | None, *, val_clips: int = 0,
+                  importance: Importance | None = None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
     the three plots. In `folder`, or a temporary folder when None or when `folder` cannot take
     them (a full disk): MLflow gets them either way. `val_clips`: the validation set's size (the
-    CSV's intervals)."""
+    CSV's intervals); `importance`: its bar chart joins the plots when it was computed."""
     if folder is not None:
         try:
-            return _write_results(plan, opts, rows, best, folder, val_clips)
+            return _write_results(plan, opts, rows, best, folder, val_clips, importance)
         except OSError as e:
             print(f"note: the results could not be written to {folder} ({e.strerror or e}); "
                   "they go to MLflow only")
     temporary = Path(tempfile.mkdtemp(prefix="vidtune-results-"))
-    return _write_results(plan, opts, rows, best, temporary, val_clips)
+    return _write_results(plan, opts, rows, best, temporary, val_clips, importance)
 
 
 def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                   target: Path, val_clips: int) -> dict[str, Path]:
+                   target: Path, val_clips: int, importance: Importance | None) -> dict[str, Path]:
     files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
                                      val_clips=val_clips),
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
                                      title=plan.name),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
                                                 objective=opts.objective, title=plan.name),
-             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name)}
+             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
+             "importance": importance.plot(target / "param_importance.png", title=plan.name)
+             if importance is not None else None}
     if best:
         wd = {"weight_decay": best.weight_decay} if best.weight_decay is not None else {}
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
@@ -181,7 +193,7 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
 def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, rows: list[TrialRow],
                      pairs: list[tuple[TrialRow, tune.Result, str]], states: list[tuple[str, str]],
                      best: TrialRow | None, files: dict[str, Path], *, interrupted: bool, val_clips: int = 0,
-                     answer: list[str] | None = None) -> str | None:
+                     answer: list[str] | None = None, importance: Importance | None = None) -> str | None:
     """Reconcile the child runs with Tune's results, log the parent's summary (the trials table
     with `val_clips`' intervals; `answer`: the sentences that open the description) and end every
     run. Returns None when MLflow is up to date, else why it is not (the store failed)."""
@@ -196,7 +208,8 @@ def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, ro
         if written:
             print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
         tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
-                            best_checkpoint=best.checkpoint if best else None)
+                            best_checkpoint=best.checkpoint if best else None,
+                            metrics=importance.metrics() if importance is not None else None)
         tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective), val_clips),
                              best_trial_id=best.trial_id if best else None, objective=opts.objective,
                              answer=answer or ())

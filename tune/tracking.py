@@ -496,9 +496,10 @@ class MLflowTracker(Callback):
         return lost
 
     def log_summary(self, *, files: list[Path] = (), best: dict[str, Any] | None = None,
-                    best_checkpoint: str | None = None) -> None:
+                    best_checkpoint: str | None = None, metrics: dict[str, float] | None = None) -> None:
         """Summary on the parent run: the result files as artifacts (trials.csv, best_config.json,
-        the plots), the best trial's metrics as `best_*`, and its checkpoint."""
+        the plots), the best trial's metrics as `best_*`, `metrics` (the parameter importances,
+        `importance_lr`, ...), and its checkpoint."""
         c, run_id = self.client, self.open_parent()
         for path in files:
             if path and Path(path).exists():
@@ -508,6 +509,8 @@ class MLflowTracker(Callback):
                 value = best.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     c.log_metric(run_id, f"best_{key}", float(value))
+        for key, value in (metrics or {}).items():
+            c.log_metric(run_id, key, float(value))
         local = best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://"))
         if local and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
