@@ -22,7 +22,7 @@ from tqdm import tqdm
 from bench.common import write_json
 from bench.sq_record import Grid, header_for, log_grid, prepare, record
 from bench.sq_replay import Trace
-from bench.sq_report import console_table, plot, summarise
+from bench.sq_report import console_table, pct, plot, summarise
 from bench.sq_strategies import run_strategy, strategies
 from bench.sq_table import Table
 
@@ -30,6 +30,7 @@ from bench.sq_table import Table
 # around the same trainings", the default table): trial start -> first epoch 8.4 s, plus the
 # last epoch -> trial end 1.6 s less the plain run's 0.3 s.
 START_COST_S = 9.7
+PLOTTED = "grid,random,random+asha,before,default"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--start-cost-s", type=float, default=START_COST_S,
                     help=f"device seconds each trial pays once to start (default {START_COST_S})")
     p_.add_argument("--only", default=None, help="comma-separated strategy names (default all)")
+    p_.add_argument("--times", choices=("per-batch", "recorded"), default="per-batch",
+                    help="epoch seconds: the median per batch size and epoch (default), or each run's own")
+    p_.add_argument("--plot-strategies", default=PLOTTED,
+                    help=f"comma-separated strategies drawn in the picture (default {PLOTTED})")
     p_.add_argument("--json", default=None, help="write the summary (and ratios) here")
     p_.add_argument("--plot", default=None, help="write the best-so-far picture (PNG) here")
     return p
@@ -68,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def replay_main(args: argparse.Namespace) -> int:
     optuna.logging.set_verbosity(optuna.logging.WARNING)   # not a line per study and trial
-    table = Table.load(args.table)
+    table = Table.load(args.table, times=args.times)
     chosen = [s for s in strategies() if args.only is None or s.name in args.only.split(",")]
     grid_s = table.grid_seconds(args.start_cost_s) / args.concurrency
     traces: dict[str, list[Trace]] = {}
@@ -82,14 +87,15 @@ def replay_main(args: argparse.Namespace) -> int:
     print(console_table(summary))
     if "ratios" in summary:
         r = summary["ratios"]
-        print(f"default: within 1 point at {r['default_time_to_1pt_vs_grid']:.0%} of the grid's time "
+        print(f"default: within 1 point at {pct(r['default_time_to_1pt_vs_grid'])} of the grid's time "
               f"(median; goal <= 30%); >= random+asha at 30% in {r['default_beats_random_asha']:.0%} "
               "of seeds (goal >= 75%)")
     if args.json:
         write_json(args.json, {"table": args.table, "seeds": args.seeds, "concurrency": args.concurrency,
                                "start_cost_s": args.start_cost_s, **summary})
     if args.plot:
-        plot(table, traces, grid_s, args.plot)
+        plot(table, traces, grid_s, args.plot,
+             names=[n for n in args.plot_strategies.split(",") if n in traces])
     return 0
 
 

@@ -19,7 +19,6 @@ configuration's seed-mean final val_acc in the table.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +41,7 @@ class SimTrial:
 
     trial_id: str
     batch_size: int
-    lr: float                      # the lr the trial trains with (scaled, when the strategy scales)
+    lr: float                      # the lr the trial trains with (the searcher scales it, if asked)
     curve: Curve
     started_s: float
     epochs_run: int = 0
@@ -72,13 +71,8 @@ class Trace:
         return next((when for when, v in self.steps if v >= target - 1e-12), float("inf"))
 
 
-# (batch size, searched lr) -> the lr the trial trains with (identity unless the strategy scales)
-LrOf = Callable[[int, float], float]
-
-
 def replay(table: Table, searcher: Searcher, scheduler: TrialScheduler | None, *, num_samples: int,
-           concurrency: int, table_seed: int, start_cost_s: float,
-           lr_of: LrOf = lambda batch, lr: lr) -> Trace:
+           concurrency: int, table_seed: int, start_cost_s: float) -> Trace:
     """Run one search against `table` (module docstring); `table_seed`: the training seed whose
     curves every trial reads (a search trains all its trials with one seed, `--seed`)."""
     trace, running = Trace(), {}
@@ -92,7 +86,7 @@ def replay(table: Table, searcher: Searcher, scheduler: TrialScheduler | None, *
         if config is None:
             return False
         batch = int(config["batch_size"])
-        lr = lr_of(batch, float(config["lr"]))
+        lr = float(config["lr"])
         trial = SimTrial(trial_id, batch, lr, table.curve(batch, lr, table_seed), started_s=clock)
         trace.trials.append(trial)
         running[trial_id] = trial

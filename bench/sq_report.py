@@ -67,14 +67,14 @@ def console_table(summary: dict[str, Any]) -> str:
     rows = []
     for name, s in summary["strategies"].items():
         t = s["time_to_1pt_vs_grid"]
-        rows.append([name, _pct(t["q1"]), _pct(t["median"]), _pct(t["q3"]), f"{s['reached_share']:.0%}",
+        rows.append([name, pct(t["q1"]), pct(t["median"]), pct(t["q3"]), f"{s['reached_share']:.0%}",
                      *[_acc(s["value_at"][k]["median"]) for k in ("10%", "30%", "50%")],
                      f"{s['trials_median']:.0f}"])
     head = ["strategy", "t1pt q1", "median", "q3", "reached", "acc@10%", "acc@30%", "acc@50%", "trials"]
     return format_table(head, rows)
 
 
-def _pct(v: float) -> str:
+def pct(v: float) -> str:
     return f"{v:.0%}" if math.isfinite(v) else "never"
 
 

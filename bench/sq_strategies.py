@@ -23,7 +23,6 @@ from tune.space import (
     build_searcher,
     objective_for,
     param_space,
-    trial_lr,
 )
 
 OBJECTIVE = objective_for("val_acc")
@@ -95,5 +94,6 @@ def run_strategy(table: Table, strategy: Strategy, seed: int, *, concurrency: in
         searcher.set_search_properties(OBJECTIVE.metric, OBJECTIVE.mode, param_space(opts))
     if scheduler is not None:
         scheduler.set_search_properties(OBJECTIVE.metric, OBJECTIVE.mode)
+    # With --lr-scaling the searcher itself hands out the lr a trial trains with (tune.space).
     return replay(table, searcher, scheduler, num_samples=n, concurrency=concurrency, table_seed=table_seed,
-                  start_cost_s=start_cost_s, lr_of=lambda batch, lr: trial_lr(opts.space, batch, lr))
+                  start_cost_s=start_cost_s)

@@ -6,6 +6,11 @@ table's, lr log-uniform between the table's smallest and largest): a drawn lr ge
 epoch, the val_acc and seconds interpolated linearly in log(lr) between the two grid points
 around it (same batch size and seed). An lr outside the grid (a scaled one) takes the nearest
 end's curve. A run that stopped early (diverged, out of memory) keeps its last epoch's values.
+
+Epoch seconds: by default (`times="per-batch"`) every run of a batch size gets, epoch by epoch,
+the median over that batch size's runs: an epoch's work depends on the batch size, not on the lr
+or seed, and the median drops what other users of a shared machine added to some runs.
+`times="recorded"` keeps each run's own seconds.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ class Curve:
 class Table:
     """The curves of a recorded grid; every (batch size, lr, seed) of the grid must be there."""
 
-    def __init__(self, doc: dict[str, Any]):
+    def __init__(self, doc: dict[str, Any], *, times: str = "per-batch"):
         grid = doc["grid"]
         self.doc = doc
         self.batch_sizes: tuple[int, ...] = tuple(sorted(grid["batch_sizes"]))
@@ -48,15 +53,25 @@ class Table:
             rows = rows + [rows[-1]] * (self.epochs - len(rows))
             self.runs[(run["batch_size"], run["lr"], run["seed"])] = Curve(
                 tuple(r["val_acc"] for r in rows), tuple(r["train_s"] + r["eval_s"] for r in rows))
+        if times == "per-batch":
+            self._median_times()
         missing = [(b, lr, s) for b in self.batch_sizes for lr in self.lrs for s in self.seeds
                    if (b, lr, s) not in self.runs]
         if missing:
             raise ValueError(f"the table lacks {len(missing)} run(s) of its grid, e.g. {missing[0]} "
                              "(batch, lr, seed): finish recording it first")
 
+    def _median_times(self) -> None:
+        for batch in self.batch_sizes:
+            keys = [k for k in self.runs if k[0] == batch]
+            median = tuple(statistics.median(self.runs[k].epoch_s[e] for k in keys)
+                           for e in range(self.epochs))
+            for k in keys:
+                self.runs[k] = Curve(self.runs[k].val_acc, median)
+
     @classmethod
-    def load(cls, path: str | Path) -> Table:
-        return cls(json.loads(Path(path).read_text()))
+    def load(cls, path: str | Path, *, times: str = "per-batch") -> Table:
+        return cls(json.loads(Path(path).read_text()), times=times)
 
     @property
     def configs(self) -> list[tuple[int, float]]:

@@ -74,7 +74,22 @@ class VidtuneOptunaSearch(OptunaSearch):
     constraint `out_of_memory` or `diverged` > 0 (feasible trials get 0 for both), with the user
     attribute `failure_reason`, so TPE learns to avoid that region (a batch size that does not
     fit, an lr that blows up) instead of ignoring the trial as it would a FAIL and proposing the
-    same values again."""
+    same values again.
+
+    With `--lr-scaling` (`space`), Optuna draws the lr for the reference batch and the trial's
+    config gets the lr it trains with (`trial_lr`), so Tune's trial config, the results table,
+    the CSV and MLflow show that one; the drawn lr stays the Optuna trial's parameter."""
+
+    def __init__(self, *args: Any, space: SearchSpace | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._lr_space = space if space is not None and space.lr_scaling != "none" else None
+
+    def suggest(self, trial_id: str) -> dict | None:
+        config = super().suggest(trial_id)
+        if self._lr_space is not None and isinstance(config, dict) and "lr" in config:
+            lr = trial_lr(self._lr_space, int(config["batch_size"]), float(config["lr"]))
+            config = {**config, "lr": lr}
+        return config
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
@@ -113,7 +128,8 @@ def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str
         sampler = optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=random_start_trials(opts),
                                              multivariate=opts.tpe == "multivariate")
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
-    kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name)
+    kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name,
+                                  space=opts.space)
     if opts.warm_start:
         seed = load_warm_start(opts.warm_start, opts.space, opts.objective, own_storage=opts.optuna_storage,
                                own_study=opts.study_name or study_name)
