@@ -5,10 +5,12 @@ import math
 import random
 
 from matplotlib.image import imread
+from mlflow.tracking import MlflowClient
 
 from tune.importance import MIN_TRIALS, finished_trials, param_importances
 from tune.options import SearchSpace
 from tune.results import TrialRow
+from tune.tracking import MLflowTracker
 
 SPACE = SearchSpace(batch_sizes=(4, 8, 16), lr_min=1e-4, lr_max=3e-3)
 
@@ -89,3 +91,20 @@ def test_the_plot_is_a_png_with_a_bar_per_parameter(tmp_path):
     assert path == tmp_path / "plots" / "importance.png"
     height, width, _ = imread(path).shape
     assert width > height > 100
+
+
+def test_importance_reaches_the_mlflow_parent_run(tmp_path):
+    """The summary's path: the importances as metrics of the parent run, the chart as its artifact."""
+    pairs = trials(lambda bs, lr: 0.9 - 0.2 * abs(math.log10(lr) + 3), n=12)
+    rows = [row(i, params["batch_size"], params["lr"], acc) for i, (params, acc) in enumerate(pairs)]
+    imp = param_importances(rows, space=SPACE)
+    assert imp.shares, imp.reason
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    tracker = MLflowTracker(tracking_uri=uri, experiment="importance", experiment_path=str(tmp_path),
+                            epochs=3, parent_params={}, parent_tags={}, child_params={})
+    chart = imp.plot(tmp_path / "param_importance.png")
+    tracker.log_summary(files=[chart], metrics=imp.metrics())
+    parent = MlflowClient(uri).get_run(tracker.open_parent())
+    metrics = parent.data.metrics
+    assert metrics["importance_lr"] == imp.shares["lr"] > metrics["importance_batch_size"]
+    assert "param_importance.png" in [a.path for a in MlflowClient(uri).list_artifacts(parent.info.run_id)]
