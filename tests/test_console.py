@@ -8,7 +8,7 @@ import io
 import math
 from types import SimpleNamespace
 
-from tune import console, faults, results
+from tune import console, faults, results, tables
 from tune.trial import short_lr, short_name
 
 
@@ -119,12 +119,12 @@ def test_markdown_table_for_the_parent_description():
     oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
                            val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1,
                            status="OOM", checkpoint=None, name="t02-bs64-lr1e-3")
-    lines = results.format_markdown([row, oom], val_clips=32).splitlines()
+    lines = tables.format_markdown([row, oom], val_clips=32).splitlines()
     assert lines[0].startswith("| trial | batch | lr | best val_acc | epoch |")
     assert lines[1].startswith("|---|")
     assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 ±0.13 | 2 | 0.800 | 41.2 | 3 | DONE |"
     assert lines[3].endswith("| - | - | - | - | 1 | OOM |")
-    assert "±" not in results.format_markdown([row])          # the clip count unknown: no interval
+    assert "±" not in tables.format_markdown([row])          # the clip count unknown: no interval
 
 
 def test_a_full_disk_is_recognised_along_the_exception_chain(tmp_path):

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tune.results import SUMMARY_KEYS, TrialRow, csv_record, row_from_result, summary_metrics
+from tune.results import SUMMARY_KEYS, TrialRow, row_from_result, summary_metrics
+from tune.tables import csv_record
 from tune.tracking import INTERRUPTED_REASON, OUTCOME_TAG, STOP_TAG, MLflowTracker, live_row
 
 VAL_CLIPS = 32

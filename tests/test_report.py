@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from tune import plots, results
+from tune import plots, results, tables
 
 
 def _result(epochs: list[dict], *, config=None, error=None):
@@ -47,7 +47,7 @@ def test_oom_trial_has_no_speed_and_sharing_is_flagged_in_the_table():
     shared = results.row_from_result(_result([_epoch(1, 5.0), _epoch(2, 9.0, concurrent_trainings=2.0)]),
                                     trial_id="s", epochs=2, finished=True)
     assert shared.concurrent_trainings == 2.0
-    table = results.format_table([shared, oom])
+    table = tables.format_table([shared, oom])
     assert "9.0*" in table and "compute/s" not in table              # one speed: the steady clips/s
 
 
@@ -155,7 +155,7 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     shared = _row("shared", 0.5, 8.0, shared=2.0)
     unknown = _row("unknown", 0.5, 8.0, shared=math.nan)
     oom = results.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
-    *lines, legend = results.format_table([alone, shared, unknown, oom]).splitlines()
+    *lines, legend = tables.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
     assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "val_f1", "clips/s",
                                 "s/epoch", "epochs", "status"]
@@ -165,9 +165,9 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     assert cells["shared"][6] == "8.0*" and cells["unknown"][6] == "8.0"
     assert cells["oom"] == ["oom", "64", "1.00e-03", "-", "-", "-", "-", "-", "1", "OOM"]
     assert len({len(line) for line in lines}) == 1                  # aligned columns
-    with_wd = results.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
+    with_wd = tables.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
     assert with_wd[0].split()[3] == "wd" and with_wd[2].split()[3] == "-"
-    assert results.format_table([]).splitlines()[0].split()[0] == "trial"
+    assert tables.format_table([]).splitlines()[0].split()[0] == "trial"
 
 
 def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
@@ -176,37 +176,37 @@ def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
                                              _epoch(2, 9.0, other_cpu_cores=0.1),
                                              _epoch(3, 9.0, other_cpu_cores=0.2)]),
                                     trial_id="q", epochs=3, finished=True)
-    assert quiet.other_cpu_cores == pytest.approx(0.15) and results.speed_marks(quiet) == ""
+    assert quiet.other_cpu_cores == pytest.approx(0.15) and tables.speed_marks(quiet) == ""
     busy = results.row_from_result(_result([_epoch(1, 5.0, other_cpu_cores=0.1),
                                             _epoch(2, 4.0, other_cpu_cores=0.9),
                                             _epoch(3, 4.5, other_cpu_cores=0.7)]),
                                    trial_id="b", epochs=3, finished=True)
-    assert busy.other_cpu_cores == pytest.approx(0.8) and results.speed_marks(busy) == "~"
+    assert busy.other_cpu_cores == pytest.approx(0.8) and tables.speed_marks(busy) == "~"
     unmeasured = results.row_from_result(_result([_epoch(1, 5.0)]), trial_id="u", epochs=1, finished=True)
-    assert math.isnan(unmeasured.other_cpu_cores) and results.speed_marks(unmeasured) == ""
-    *table, legend = results.format_table([quiet, busy, unmeasured]).splitlines()
+    assert math.isnan(unmeasured.other_cpu_cores) and tables.speed_marks(unmeasured) == ""
+    *table, legend = tables.format_table([quiet, busy, unmeasured]).splitlines()
     assert "4.2~" in table[3] and legend.startswith("~ other processes")
-    assert "4.2~" in results.format_markdown([busy])
+    assert "4.2~" in tables.format_markdown([busy])
     # its meaning
-    assert results.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")
-    assert "`~`" not in results.format_markdown([quiet])
-    assert results.csv_record(busy)["other_cpu_cores"] == "0.80"
-    assert "~" not in results.format_table([quiet])                   # no mark, no legend
+    assert tables.format_markdown([busy]).splitlines()[-1].startswith("- `~` other processes")
+    assert "`~`" not in tables.format_markdown([quiet])
+    assert tables.csv_record(busy)["other_cpu_cores"] == "0.80"
+    assert "~" not in tables.format_table([quiet])                   # no mark, no legend
 
 
 def test_write_csv_round_trip(tmp_path):
     import csv
 
-    # the columns are results.CSV_COLUMNS (name first, best_epoch for the best epoch), no longer
+    # the columns are tables.CSV_COLUMNS (name first, best_epoch for the best epoch), no longer
     # TrialRow's fields in order; rows come best first and floats are rounded
     rows = [results.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
                             node_id="node-1"),
             _row("a", 0.75, 12.5, shared=2.0)]
-    path = results.write_csv(rows, tmp_path / "deep" / "trials.csv")
+    path = tables.write_csv(rows, tmp_path / "deep" / "trials.csv")
     assert path == tmp_path / "deep" / "trials.csv"
     with open(path, newline="") as f:
         read = list(csv.DictReader(f))
-    assert list(read[0]) == list(results.CSV_COLUMNS)
+    assert list(read[0]) == list(tables.CSV_COLUMNS)
     assert [r["trial_id"] for r in read] == ["a", "b"]            # the OOM trial last
     assert [r["name"] for r in read] == ["a", "b"]                # no name given: the trial id
     assert float(read[0]["best_val_acc"]) == 0.75 and float(read[0]["speed_clips_per_s"]) == 12.5
@@ -252,12 +252,12 @@ def _read_csv(path):
     ("val_f1", ["t02", "t01", "t06", "t03", "t04", "t05"]),
 ])
 def test_write_csv_sorted_by_the_objective_unusable_last(tmp_path, objective, order):
-    read = _read_csv(results.write_csv(_search_rows(), tmp_path / "trials.csv", objective=objective))
+    read = _read_csv(tables.write_csv(_search_rows(), tmp_path / "trials.csv", objective=objective))
     assert [r["name"].split("-")[0] for r in read] == order
 
 
 def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
-    read = _read_csv(results.write_csv(_search_rows(), tmp_path / "trials.csv"))
+    read = _read_csv(tables.write_csv(_search_rows(), tmp_path / "trials.csv"))
     first = read[0]
     assert (first["name"], first["trial_id"]) == ("t01-bs8-lr2.5e-4", "id_t01-bs8-lr2.5e-4")
     assert (first["best_val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
@@ -267,10 +267,10 @@ def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
     assert (t06["lr"], t06["weight_decay"]) == ("0.000412", "0.0333")          # 3 significant digits
     oom = next(r for r in read if r["status"] == "OOM")
     assert oom["best_epoch"] == "nan" and math.isnan(float(oom["speed_clips_per_s"]))
-    assert "best_epoch" in results.__doc__ and \
-        "best_val_acc, val_f1 and the checkpoint are from this epoch" in " ".join(results.__doc__.split())
+    assert "best_epoch" in tables.__doc__ and \
+        "best_val_acc, val_f1 and the checkpoint are from this epoch" in " ".join(tables.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
-        results.write_csv([], tmp_path / "x.csv", objective="speed")
+        tables.write_csv([], tmp_path / "x.csv", objective="speed")
 
 
 def test_name_defaults_to_the_trial_id_and_leads_the_table():
@@ -279,7 +279,7 @@ def test_name_defaults_to_the_trial_id_and_leads_the_table():
     named = results.row_from_result(result, trial_id="abc_00001", epochs=2, finished=True,
                                     name="t01-bs8-lr1e-3")
     assert named.name == "t01-bs8-lr1e-3" and named.trial_id == "abc_00001"
-    lines = results.format_table([named]).splitlines()
+    lines = tables.format_table([named]).splitlines()
     assert lines[0].split()[0] == "trial" and lines[2].split()[0] == "t01-bs8-lr1e-3"
 
 
@@ -449,8 +449,8 @@ def test_a_diverged_trial_has_no_accuracy_nor_speed_and_is_never_best(tmp_path):
         assert results.best_trial([high, ok], objective) is ok
     assert results.pareto_front([high, ok]) == [ok]
     assert [r.trial_id for r in results.ranked([high, ok])] == ["ok", "d"]
-    assert results.format_table([ok, row]).splitlines()[-1].split()[-1] == "DIVERGED"
-    read = _read_csv(results.write_csv([row, ok], tmp_path / "trials.csv"))
+    assert tables.format_table([ok, row]).splitlines()[-1].split()[-1] == "DIVERGED"
+    read = _read_csv(tables.write_csv([row, ok], tmp_path / "trials.csv"))
     assert [(r["trial_id"], r["status"]) for r in read] == [("ok", "DONE"), ("d", "DIVERGED")]
 
 
@@ -477,17 +477,17 @@ def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
                                   finished=True)
     assert row.gpu_ids == "2,3"
     cpu = _row("cpu", 0.5, 8.0)
-    head, _, *body = results.format_table([row, cpu]).splitlines()
+    head, _, *body = tables.format_table([row, cpu]).splitlines()
     assert head.split()[-2:] == ["gpu", "status"]
     assert [line.split()[-2] for line in body] == ["2,3", "-"]
-    assert "| gpu |" in results.format_markdown([row, cpu]) and \
-        "| 2,3 |" in results.format_markdown([row, cpu])
-    read = _read_csv(results.write_csv([row, cpu], tmp_path / "gpu.csv"))
+    assert "| gpu |" in tables.format_markdown([row, cpu]) and \
+        "| 2,3 |" in tables.format_markdown([row, cpu])
+    read = _read_csv(tables.write_csv([row, cpu], tmp_path / "gpu.csv"))
     columns = list(read[0])
     assert columns[columns.index("node_id") + 1] == "gpu_ids" and [r["gpu_ids"] for r in read] == ["2,3", ""]
     # CPU only: no GPU column anywhere
-    assert "gpu" not in results.format_table([cpu]) and "gpu" not in results.format_markdown([cpu])
-    assert list(_read_csv(results.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(results.CSV_COLUMNS)
+    assert "gpu" not in tables.format_table([cpu]) and "gpu" not in tables.format_markdown([cpu])
+    assert list(_read_csv(tables.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(tables.CSV_COLUMNS)
     # a string metric read back from a dataframe as NaN is no GPU id
     nan_ids = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
                                      finished=True)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tune import results, summary
+from tune import results, summary, tables
 from tune.uncertainty import wilson_interval
 
 
@@ -40,9 +40,9 @@ def test_summary_metrics_are_nan_where_there_is_none():
 def test_trials_csv_uses_the_summary_names_and_values(tmp_path):
     rows = [_row("t01", 0.5, 20.0, best_epoch=1), _row("t02", 0.75, 41.234, best_epoch=3),
             _row("t03", math.nan, math.nan, best_epoch=0, status="OOM")]
-    with open(results.write_csv(rows, tmp_path / "trials.csv", val_clips=32)) as f:
+    with open(tables.write_csv(rows, tmp_path / "trials.csv", val_clips=32)) as f:
         read = list(csv.DictReader(f))
-    assert list(read[0]) == list(results.CSV_COLUMNS)
+    assert list(read[0]) == list(tables.CSV_COLUMNS)
     assert set(results.SUMMARY_KEYS) <= set(read[0])
     assert [r["name"] for r in read] == ["t02", "t01", "t03"]
     best = read[0]
@@ -58,16 +58,16 @@ def test_trials_csv_uses_the_summary_names_and_values(tmp_path):
 def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
     rows = [_row("t01", 0.75, 41.2, best_epoch=3),
             _row("t02", math.nan, math.nan, best_epoch=0, status="OOM")]
-    head, _, best, oom, *_ = results.format_table(rows, val_clips=32).splitlines()
+    head, _, best, oom, *_ = tables.format_table(rows, val_clips=32).splitlines()
     assert head.split()[3:7] == ["best", "val_acc", "epoch", "val_f1"]
     assert best.split()[3:6] == ["0.750", "±0.14", "3"]             # Wilson on 24 of 32 clips
     assert oom.split()[3:5] == ["-", "-"]
-    assert "±" not in results.format_table(rows)                     # clip count unknown: no interval
-    notes = " ".join(line.strip() for line in results.column_notes(rows, val_clips=32))
+    assert "±" not in tables.format_table(rows)                     # clip count unknown: no interval
+    notes = " ".join(line.strip() for line in tables.column_notes(rows, val_clips=32))
     assert notes.startswith("columns: best val_acc = validation accuracy at the trial's best epoch")
     assert "95% interval" in notes and "s/epoch = " in notes
     assert notes.endswith("status: DONE = all epochs, OOM = out of memory")     # the statuses present
-    assert all(len(line) <= 100 for line in results.column_notes(rows, val_clips=32))
+    assert all(len(line) <= 100 for line in tables.column_notes(rows, val_clips=32))
 
 
 def test_the_answer_and_the_intervals_reach_the_mlflow_description():

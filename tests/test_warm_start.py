@@ -12,8 +12,9 @@ from ray.tune.search.optuna import OptunaSearch
 from datasets.flags import ConfigError
 from tune.options import SearchOptions, SearchSpace
 from tune.ray_internals import optuna_study
-from tune.results import TrialRow, write_csv
+from tune.results import TrialRow
 from tune.space import param_space
+from tune.tables import write_csv
 from tune.warm_start import load_warm_start
 
 SPACE = SearchSpace(batch_sizes=(4, 8), lr_min=1e-4, lr_max=3e-3)

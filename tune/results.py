@@ -1,5 +1,6 @@
 """The end of a search: one row per trial, the best trial, the Pareto front (accuracy vs clips/s),
-the table as text, markdown and CSV (the plots of these rows: `tune.plots`).
+and the rows ranked by the search's objective (the tables and trials.csv of these rows:
+`tune.tables`; their plots: `tune.plots`).
 
 A row's val_acc and val_f1 are those of the trial's best epoch by val_acc (ties: the later
 epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are steady-state
@@ -8,36 +9,11 @@ epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are s
 One number per trial everywhere: `summary_metrics` gives a row's SUMMARY_KEYS (its best epoch's
 accuracy and that epoch, its steady speed, the accuracy's 95% interval), the values trials.csv,
 the tables, the plots and each MLflow child run show under the same names.
-
-trials.csv (`write_csv`), one row per trial, best first by the search's objective (unusable
-trials, OOM, DIVERGED and ERROR, and those without a value last):
-  name           the trial's short readable name (e.g. t03-bs8-lr2.5e-4)
-  trial_id       Tune's trial id
-  status         DONE, STOPPED, OOM, DIVERGED, ERROR or UNFINISHED (see STATUSES)
-  batch_size, lr, weight_decay   the trial's configuration (lr and weight decay to 3 significant
-                 digits; weight_decay empty when not searched)
-  best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
-  best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
-                 (4 decimals; nan when none or the count is unknown)
-  val_f1         macro F1 of the same epoch
-  best_epoch     best_val_acc, val_f1 and the checkpoint are from this epoch; nan when none
-  epochs         epochs trained (the last epoch reported)
-  speed_clips_per_s   the one speed: steady-state clips/s end to end (2 decimals; nan for OOM
-                 and DIVERGED)
-  compute_clips_per_s, epoch_time_s   steady state too: clips/s counting only the time not spent
-                 waiting for data (what a faster loader could reach), and seconds per epoch
-  concurrent_trainings   most trainings sharing its device in any epoch (1 = alone)
-  other_cpu_cores        cores other processes kept busy on its machine, steady state like the speed
-  node_id, checkpoint    where it ran; its best checkpoint that still exists (empty when none)
-  gpu_ids        the physical GPU ids it trained on ("0", "2,3"); a column only when some trial
-                 had a GPU
 """
 from __future__ import annotations
 
-import csv
 import logging
 import math
-import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +26,7 @@ from ray.tune.experiment import Trial
 from trainer.checkpointing import first_whole
 from trainer.metrics import steady_state
 from tune.faults import trial_unfinished
-from tune.uncertainty import accuracy_interval, format_accuracy
+from tune.uncertainty import accuracy_interval
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
 # of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr
@@ -196,9 +172,6 @@ def best_epoch_record(result: Result) -> tuple[int, dict[str, Any]] | None:
 
 
 SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
-# Steady-state other_cpu_cores from which the table marks a trial's speed with "~": half a core
-# of other work slows a training on every core by ~5-15 % (bench/cpu_noise.py).
-OTHER_LOAD_MARK = 0.5
 
 
 def steady_speeds(result: Result) -> dict[str, float]:
@@ -306,111 +279,6 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     return sorted((r for r in pool if not dominated(r)), key=lambda r: (-r.val_acc, -r.clips_per_s))
 
 
-def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int = 0) -> str:
-    """Plain-text table, one line per trial: trial (its name), batch size, lr, (weight decay),
-    best val_acc (`0.750 ±0.15`: the best epoch's accuracy and its 95% interval on `val_clips`
-    validation clips; no interval when 0), that epoch, val_f1 (same epoch), steady clips/s, steady
-    seconds per epoch, epochs trained, (the GPUs it trained on, when some trial had one), status.
-    `column_notes` says what each column means. After clips/s, `*` marks a trial that shared its
-    device with another training and `~` one that trained beside other work on its machine
-    (`speed_marks`), with a line saying so under the table: their speed is not the model's alone."""
-    show_gpu = any(r.gpu_ids for r in rows)
-    head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
-        ["best val_acc", "epoch", "val_f1", "clips/s", "s/epoch", "epochs"] + \
-        (["gpu"] if show_gpu else []) + ["status"]
-    body = []
-    for r in rows:
-        body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
-                    ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
-                    [_accuracy_cell(r, val_clips), str(r.best_epoch or "-"), _num(r.val_f1, 3),
-                     _num(r.clips_per_s, 1) + speed_marks(r), _num(r.epoch_time_s, 1), str(r.epochs)] +
-                    ([r.gpu_ids or "-"] if show_gpu else []) + [r.status])
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-
-    def line(cells: list[str]) -> str:
-        cols = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in cols)
-
-    legend = [text for _, text in marks_used(rows)]
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
-
-
-# What each status means, as the end block says it (`column_notes`).
-STATUS_MEANING = {"DONE": "= all epochs", "STOPPED": "= stopped early by ASHA", "OOM": "= out of memory",
-                  "DIVERGED": "= loss inf/NaN (lr too high)", "ERROR": "= raised an error",
-                  "UNFINISHED": "= interrupted (--resume continues it)"}
-
-
-def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) -> list[str]:
-    """What each column of `format_table` means, said once under the trials table (the statuses
-    present only), wrapped to `width`."""
-    interval = " ± its 95% interval" if val_clips > 0 else ""
-    statuses = ", ".join(f"{s} {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
-    parts = [f"best val_acc = validation accuracy at the trial's best epoch (column epoch){interval}",
-             "val_f1 = macro F1 at that epoch",
-             "clips/s = training speed in steady state (median of epochs 2 and later)",
-             "s/epoch = seconds per training epoch (without validation), steady state",
-             "epochs = epochs trained"] + ([f"status: {statuses}"] if statuses else [])
-    return textwrap.wrap("; ".join(parts), width=width, initial_indent="columns: ", subsequent_indent="  ",
-                         break_on_hyphens=False)
-
-
-def _accuracy_cell(r: TrialRow, val_clips: int) -> str:
-    """`0.750 ±0.15` (`tune.uncertainty.format_accuracy`); `-` for none (an OOM / DIVERGED trial's)."""
-    return format_accuracy(math.nan if r.status in NO_RESULT else r.val_acc, val_clips)
-
-
-MARK_LEGEND = (
-    ("*", "* shared its device with another training in some epoch: its speed is not its own"),
-    ("~", f"~ other processes kept >= {OTHER_LOAD_MARK:g} cores busy on its machine while it trained "
-          "(other_cpu_cores): its speed is not the model's alone"),
-)
-
-
-def marks_used(rows: list[TrialRow]) -> list[tuple[str, str]]:
-    """The (mark, what it means) of MARK_LEGEND that some row's clips/s carries."""
-    marks = "".join(speed_marks(r) for r in rows)
-    return [(mark, text) for mark, text in MARK_LEGEND if mark in marks]
-
-
-def speed_marks(r: TrialRow) -> str:
-    """What follows a trial's clips/s in the tables: `*` when it shared its device with another
-    training in some epoch (packed trials), `~` when other processes kept at least
-    OTHER_LOAD_MARK cores busy on its machine over its steady-state epochs."""
-    shared = "*" if math.isfinite(r.concurrent_trainings) and r.concurrent_trainings > 1 else ""
-    busy = "~" if math.isfinite(r.other_cpu_cores) and r.other_cpu_cores >= OTHER_LOAD_MARK else ""
-    return shared + busy
-
-
-def format_markdown(rows: list[TrialRow], val_clips: int = 0) -> str:
-    """The trials table in markdown (MLflow shows the parent run's description as markdown):
-    name, batch size, lr, best val_acc (with its 95% interval on `val_clips` clips; none when 0),
-    its epoch, val_f1 (same epoch), steady clips/s, epochs, (GPUs, when some trial had one),
-    status; under it, what the marks after clips/s mean (a list, when a row carries one)."""
-    show_gpu = any(r.gpu_ids for r in rows)
-    gpu_head, gpu_rule = (" gpu |", "---|") if show_gpu else ("", "")
-    lines = [f"| trial | batch | lr | best val_acc | epoch | val_f1 | clips/s | epochs |{gpu_head} status |",
-             f"|---|---:|---:|---:|---:|---:|---:|---:|{gpu_rule}---|"]
-    for r in rows:
-        gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
-        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_accuracy_cell(r, val_clips)} | "
-                     f"{r.best_epoch or '-'} | {_num(r.val_f1, 3)} | "
-                     f"{_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} {r.status} |")
-    legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
-    return "\n".join(lines + ([""] + legend if legend else []))
-
-
-def _num(x: float, digits: int) -> str:
-    return f"{x:.{digits}f}" if math.isfinite(x) else "-"
-
-
-# trials.csv's columns, in order (see the module docstring); gpu_ids follows node_id when some
-# trial had a GPU (`csv_columns`)
-CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "best_val_acc",
-               "best_val_acc_low", "best_val_acc_high", "val_f1", "best_epoch", "epochs", "speed_clips_per_s",
-               "compute_clips_per_s", "epoch_time_s", "concurrent_trainings", "other_cpu_cores", "node_id",
-               "checkpoint")
-
 # A trial's summary, under the same names in trials.csv, the tables and each MLflow child run:
 # the best epoch's val_acc, that epoch, the steady clips/s, the accuracy's 95% interval.
 SUMMARY_KEYS = ("best_val_acc", "best_epoch", "speed_clips_per_s", "best_val_acc_low", "best_val_acc_high")
@@ -426,14 +294,6 @@ def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
             "speed_clips_per_s": row.clips_per_s, "best_val_acc_low": low, "best_val_acc_high": high}
 
 
-def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
-    """CSV_COLUMNS, with gpu_ids after node_id when some trial trained on a GPU."""
-    if not any(r.gpu_ids for r in rows):
-        return CSV_COLUMNS
-    at = CSV_COLUMNS.index("node_id") + 1
-    return CSV_COLUMNS[:at] + ("gpu_ids",) + CSV_COLUMNS[at:]
-
-
 def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
     """Rows best first by `objective` (val_acc or val_f1 descending; pareto: by val_acc), ties to
     the faster trial; then the unusable ones (OOM, DIVERGED, ERROR, no value) in the order given."""
@@ -442,45 +302,3 @@ def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
     ranked_ids = {id(r) for r in ranked_rows}
     return sorted(ranked_rows, key=lambda r: (-getattr(r, key), -_speed_rank(r))) + \
         [r for r in rows if id(r) not in ranked_ids]
-
-
-def _fixed(x: float | None, digits: int) -> str:
-    if x is None:
-        return ""
-    return f"{x:.{digits}f}" if math.isfinite(x) else "nan"
-
-
-def _sig(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return ""
-    return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
-
-
-def csv_record(r: TrialRow, val_clips: int = 0) -> dict[str, str]:
-    """One TrialRow as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
-    set's size, for the interval (0: unknown, nan)."""
-    summary = summary_metrics(r, val_clips)
-    return {
-        "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
-        "lr": _sig(r.lr), "weight_decay": _sig(r.weight_decay),
-        **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
-        "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
-        "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
-        "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
-        "epoch_time_s": _fixed(r.epoch_time_s, 2), "concurrent_trainings": _sig(r.concurrent_trainings),
-        "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
-        "node_id": r.node_id or "", "gpu_ids": r.gpu_ids, "checkpoint": r.checkpoint or "",
-    }
-
-
-def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0) -> Path:
-    """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
-    are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no
-    interval). A plain CSV (csv.DictReader, pandas.read_csv)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(csv_columns(rows)), extrasaction="ignore")
-        w.writeheader()
-        for r in ranked(rows, objective):
-            w.writerow(csv_record(r, val_clips))
-    return path

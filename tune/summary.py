@@ -21,22 +21,13 @@ from tune import faults
 from tune.answer import SearchedRange, answer_lines
 from tune.budget import TimeBudget
 from tune.console import outcome_line
-from tune.importance import Importance, param_importances
+from tune.importance import MIN_TRIALS, Importance, param_importances
 from tune.options import SearchOptions
 from tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from tune.preflight import Plan
 from tune.ray_internals import FINISHED_STATES, trial_states
-from tune.results import (
-    TrialRow,
-    best_trial,
-    column_notes,
-    format_markdown,
-    format_table,
-    pareto_front,
-    ranked,
-    row_from_result,
-    write_csv,
-)
+from tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
+from tune.tables import column_notes, format_markdown, format_table, write_csv
 from tune.tracking import MLflowTracker, sqlite_path
 
 
@@ -70,7 +61,8 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
         say(line)
     say(mlflow_lines(opts, tracker, pending))
     say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
-    say(importance.sentence())
+    if importance.shares or opts.num_samples >= MIN_TRIALS:   # a short search was never going to have it
+        say(importance.sentence())
     ended_by_budget = budget.summary_line(opts.num_samples) if budget is not None else None
     if ended_by_budget:
         say(ended_by_budget)

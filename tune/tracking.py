@@ -49,7 +49,8 @@ from trainer.history import latest_history
 from trainer.metrics import steady_state
 from tune import mlflow_view
 from tune.faults import error_text, exception_line, keep_traceback, one_line, read_error_file
-from tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow, completed_trial_status, csv_record, epoch_records
+from tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow, completed_trial_status, epoch_records
+from tune.tables import csv_record
 from tune.trial import short_name
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"

@@ -32,7 +32,7 @@ from datasets.flags import ConfigError
 FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "
            "storage and study (sqlite:///optuna.db#study-name)")
-# trials.csv's value column per objective, newest name first (tune/results.py CSV_COLUMNS).
+# trials.csv's value column per objective, newest name first (tune/tables.py CSV_COLUMNS).
 VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("val_f1",)}
 WITH_RESULT = ("DONE", "STOPPED")   # tune/results.py STATUSES whose trials have a value
 # trials.csv writes lr and weight decay to 3 significant digits: a value written at a bound may
