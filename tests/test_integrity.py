@@ -25,7 +25,8 @@ from trainer.loop import make_optimizer, make_scheduler
 from trainer.models import build_model, get_spec
 from trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
 from tune import console, faults, results
-from tune.tracking import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG, MLflowTracker
+from tune.mlflow_schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
+from tune.tracking import MLflowTracker
 
 
 def _save(directory: Path, epoch: int, val_acc: float = 0.5) -> Path:

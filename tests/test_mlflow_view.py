@@ -12,9 +12,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tune import mlflow_view
+from tune.mlflow_schema import OUTCOME_TAG
 from tune.mlflow_view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
 from tune.results import TrialRow
-from tune.tracking import OUTCOME_TAG, MLflowTracker
+from tune.tracking import MLflowTracker
 
 
 @pytest.fixture(scope="module")

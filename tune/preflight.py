@@ -23,9 +23,9 @@ from tune import faults, space, trust
 from tune.budget import parse_duration
 from tune.demo import ensure_demo_data
 from tune.lock import check_not_running
+from tune.mlflow_store import check_store_uri
 from tune.options import SearchOptions, base_config
 from tune.ray_internals import check_experiment_state
-from tune.tracking import check_store_uri
 from tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"

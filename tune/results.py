@@ -241,6 +241,35 @@ def _first_whole(paths: list[str], name: str) -> str | None:
     return found
 
 
+# What a trial's summary is computed from, kept per epoch while it runs (`live_row`)
+SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "diverged")
+
+
+def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
+             status: str) -> TrialRow:
+    """A trial's row from the epochs seen while it ran (epoch -> its report's SUMMARY_INPUTS;
+    `tune.tracking` keeps them), by the rules of `row_from_result`: the best epoch by val_acc
+    (ties: the later) among those that trained, the steady-state speeds
+    (`trainer.metrics.steady_state`), none of either for out of memory or diverged (`status` in
+    NO_RESULT). No checkpoint: the final row (`row_from_result`) has it."""
+    trained = {e: r for e, r in records.items()
+               if status not in NO_RESULT and not (_f(r.get("oom")) == 1 or _f(r.get("diverged")) == 1)}
+    best_epoch, best = 0, {}
+    for epoch, record in sorted(trained.items()):
+        acc = _f(record.get("val_acc"))
+        if math.isfinite(acc) and (not best or acc >= _f(best["val_acc"])):
+            best_epoch, best = epoch, record
+
+    def steady(key: str) -> float:
+        return steady_state({e: _f(r.get(key)) for e, r in trained.items()})
+
+    return TrialRow(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
+                    lr=_f(config.get("lr")), weight_decay=config.get("weight_decay"),
+                    val_acc=_f(best.get("val_acc")), val_f1=_f(best.get("val_f1")),
+                    clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
+                    epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_epoch)
+
+
 def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
     """Trials with results worth ranking (not OOM, not diverged, not errored, with a finite
     accuracy)."""

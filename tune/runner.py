@@ -6,6 +6,7 @@ The plan comes from `tune.preflight.prepare`, which checked everything that need
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -45,7 +46,7 @@ from tune.options import SearchOptions
 from tune.preflight import Plan, unreadable_state
 from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles
 from tune.summary import summarise, ui_hint
-from tune.tracking import MLflowTracker, git_commit
+from tune.tracking import MLflowTracker
 from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
 from tune.trust import SignAfterSave, StateSigner
 
@@ -275,6 +276,16 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             callbacks=callbacks),
     )
     return tuner, searcher
+
+
+def git_commit(repo: Path) -> str | None:
+    """The commit checked out in `repo` (a tag of the parent run), or None outside git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=5)
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:

@@ -22,13 +22,14 @@ from tune.answer import SearchedRange, answer_lines
 from tune.budget import TimeBudget
 from tune.console import outcome_line
 from tune.importance import MIN_TRIALS, Importance, param_importances
+from tune.mlflow_store import sqlite_path
 from tune.options import SearchOptions
 from tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from tune.preflight import Plan
 from tune.ray_internals import FINISHED_STATES, trial_states
 from tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
 from tune.tables import column_notes, format_markdown, format_table, write_csv
-from tune.tracking import MLflowTracker, sqlite_path
+from tune.tracking import MLflowTracker
 
 
 def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,

@@ -1,0 +1,110 @@
+"""The parent run as the MLflow UI opens it: the search's saved runs-table view (an experiment
+tag), the links into the model-training UI, and the parent's description (MLflow's note,
+markdown): the answer, the best run, the trials table, each plot with a sentence under it, and
+what the columns and tags mean. The view's JSON and the link formats are `tune.mlflow_view`'s;
+`tune.tracking.MLflowTracker` calls these with its client and its runs' ids.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlparse
+
+from mlflow.tracking import MlflowClient
+
+from tune import mlflow_view
+from tune.mlflow_schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
+
+# The plots the parent run may hold (`tune.summary` logs them at its root), in the description's
+# order, each with the sentence under it; {objective} is the search's.
+PLOT_SENTENCES = (
+    ("objective_history.png", "Each trial's {objective} in the order the trials started, and the best so far "
+                              "as a line: a line still rising at the end says more trials may find better."),
+    ("objective_vs_params.png", "Each trial's {objective} against its lr (log scale) and batch size (trials "
+                                "of one size spread a little apart), the best marked: a best value at the "
+                                "edge of an axis says to widen that range."),
+    ("accuracy_vs_speed.png", "Validation accuracy against steady-state speed (clips/s): the trials on the "
+                              "front (up and to the right) are the ones worth choosing between."),
+)
+
+
+def save_view(client: MlflowClient, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
+              experiment_path: str, objective: str) -> str:
+    """Write the search's saved runs-table view (`tune.mlflow_view`: this search's trials,
+    batch size, lr, the objective, speed and outcome, best first) as an experiment tag, and
+    mark the experiment a model-training one (unless someone chose its kind), when the UI
+    showing the store reads that format; else say once that the links open the plain table.
+    Returns the view's id; "" for none (the links open the plain table)."""
+    version = mlflow_view.ui_version(tracking_uri)
+    if not mlflow_view.view_verified(version):
+        checked = ", ".join(mlflow_view.VERIFIED_UI)
+        print(f"MLflow: the UI of MLflow {version or '(unknown version)'} was not checked to read "
+              f"vidtune's saved runs-table view (checked: {checked}); the links open the plain runs "
+              "table", flush=True)
+        return ""
+    view = mlflow_view.view_id(parent_run_id)
+    state = mlflow_view.view_state(parent_run_id=parent_run_id, objective=objective, tags=(OUTCOME_TAG,))
+    ranked_by = mlflow_view.objective_metric(objective)
+    name = f"vidtune {Path(experiment_path).name}: trials by {ranked_by}"
+    client.set_experiment_tag(experiment_id, *mlflow_view.view_tag(view, name=name, state=state))
+    if mlflow_view.EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, mlflow_view.EXPERIMENT_KIND_TAG, mlflow_view.EXPERIMENT_KIND)
+    return view
+
+
+def ui_base(tracking_uri: str) -> str:
+    """Where the MLflow UI of this store answers: the tracking server itself, or the address
+    `mlflow ui --backend-store-uri ...` serves a SQLite store on by default."""
+    if urlparse(tracking_uri).scheme in ("http", "https"):
+        return tracking_uri.rstrip("/")
+    return "http://127.0.0.1:5000"
+
+
+def runs_table_url(tracking_uri: str, experiment_id: str, view_id: str | None) -> str:
+    """The experiment's runs table in the model-training UI, on the search's saved view when
+    there is one (MLflow 3 opens an experiment on its GenAI overview)."""
+    return f"{ui_base(tracking_uri)}/{mlflow_view.runs_link(experiment_id, view_id)}"
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{ui_base(tracking_uri)}/{mlflow_view.run_link(experiment_id, run_id)}"
+
+
+def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[str, str], experiment_id: str,
+                 experiment_path: str, view_id: str | None, table_markdown: str, best_trial_id: str | None,
+                 objective: str, answer: Sequence[str] = ()) -> None:
+    """The parent run's description (MLflow's note, markdown): the `answer` sentences first,
+    the best child run and the saved runs-table view (links relative to the UI, so they work
+    on any address, port or tunnel), the trials table, each plot the parent holds with one
+    sentence under it, and what the columns mean. The best child run gets `vidtune.best`.
+    `child_runs`: trial id -> run id."""
+    c, parent = client, parent_run_id
+    best_run = child_runs.get(best_trial_id) if best_trial_id else None
+    for run_id in child_runs.values():
+        if run_id == best_run:
+            c.set_tag(run_id, BEST_TAG, "true")
+        elif BEST_TAG in c.get_run(run_id).data.tags:
+            c.delete_tag(run_id, BEST_TAG)
+    best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
+                 f"({mlflow_view.run_link(experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
+                 else "No trial produced a usable result.")
+    table_line = (f"[Compare the trials]({mlflow_view.runs_link(experiment_id, view_id)}): "
+                  "this search's runs table, best first.")
+    held = {a.path for a in c.list_artifacts(parent)}
+    plots = [f"![{name}](get-artifact?path={name}&run_uuid={parent})\n\n"
+             f"{sentence.format(objective=objective)}\n"
+             for name, sentence in PLOT_SENTENCES if name in held]
+    note = "\n".join([
+        *[f"{line}\n" for line in answer],
+        f"**vidtune search** `{Path(experiment_path).name}` ({experiment_path})", "",
+        best_line + " " + table_line, "", table_markdown, "",
+        *plots,
+        "Each trial's run holds its summary (`best_val_acc`, `best_val_acc_low` / `_high`: its 95% "
+        "interval, `best_epoch`, `best_val_f1`, `speed_clips_per_s`: the steady-state clips/s) and its "
+        "history per epoch (step = epoch; `lr_current` is the schedule's learning rate, the param `lr` "
+        f"its peak). `{OUTCOME_TAG}` says how it ended: done, stopped early (by ASHA; FINISHED), out of "
+        "memory, diverged (its loss became inf or NaN), failed (FAILED; see `vidtune.failure_reason`), "
+        f"interrupted (KILLED; see `vidtune.stop_reason`). Also there: `{BEST_TAG}`, `{GPU_IDS_TAG}`, "
+        f"`{NODE_TAG}`.",
+    ])
+    c.set_tag(parent, "mlflow.note.content", note[:60000])

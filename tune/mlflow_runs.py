@@ -1,0 +1,176 @@
+"""What goes into one search's MLflow runs, given their ids: the tags an epoch's report sets (a
+restart, unreadable clips), a trial's final status with its reason tags (`mlflow_status`), a
+failed trial's traceback, a child run's summary metrics (the values of its trials.csv row), the
+parent's summary (result files, `best_*` metrics, the best checkpoint) and the parent's page in
+the UI (`tune.mlflow_description`).
+
+`RunWriter` is mixed into `tune.tracking.MLflowTracker`, which owns the state it reads
+(`tracking_uri`, `_client`, `experiment_id`, `experiment_path`, `parent_run_id`, `child_runs`,
+`view_id`, `epochs`, `objective`, `val_clips`) and decides which runs exist and when to write.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+from tune import mlflow_description
+from tune.faults import error_text, exception_line, keep_traceback
+from tune.mlflow_schema import (
+    FAILURE_TAG,
+    INTERRUPTED_REASON,
+    READER_TAG,
+    RESUMED_TAG,
+    STOP_TAG,
+    TRACEBACK_ARTIFACT,
+)
+from tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
+from tune.tables import csv_record
+
+
+class RunWriter:
+    """The writes into one run (see the module docstring); `open_parent` is the tracker's."""
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _tag_restart(self, run_id: str, result: dict[str, Any]) -> None:
+        """Per-epoch facts kept as tags: a restart from a checkpoint, unreadable videos."""
+        failures = int(result.get("reader_failures") or 0)
+        if failures > 0:
+            self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch "
+                                f"{result.get('epoch')}; each was replaced by another clip of the same class")
+        resumed = int(result.get("resumed_from_epoch") or 0)
+        damaged = int(result.get("damaged_checkpoints") or 0)
+        skipped = f"; {damaged} damaged checkpoint(s) skipped" if damaged else ""
+        if resumed > 0:
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a "
+                                "worker died and Ray Train restarted the group, or the search was resumed)"
+                                f"{skipped}")
+        elif from_scratch(result):
+            self.client.set_tag(run_id, RESUMED_TAG, f"restarted from epoch 1: its {damaged} checkpoint(s) "
+                                "were damaged; epochs from 1 on are logged again (the later point of a step "
+                                "is this run's)")
+
+    def mlflow_status(self, status: str, last: dict[str, Any],
+                      error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
+        """The MLflow status and reason tag of a trial's `tune.results.trial_status`: FAILED for
+        out of memory, divergence or an error, KILLED when interrupted, else FINISHED (stopped
+        early by ASHA too, with the reason in STOP_TAG)."""
+        if status == "OOM":
+            peak = last.get("peak_mem_mb", float("nan"))
+            return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
+                                           f"(epoch {last.get('epoch')}, peak {peak:.0f} MB); "
+                                           "recorded as infeasible, not retried"}
+        if status == "DIVERGED":
+            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get('train_loss')} in "
+                                           f"epoch {last.get('epoch')} (batch size "
+                                           f"{last.get('batch_size')}); the lr is too high for it; recorded "
+                                           "as infeasible, not retried"}
+        if status == "ERROR":
+            return "FAILED", {FAILURE_TAG: exception_line(error_text(error)) if error else "trial errored"}
+        if status == "UNFINISHED":
+            return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
+        if status == "STOPPED":
+            epoch = int(last.get("epoch") or 0)
+            return "FINISHED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
+        return "FINISHED", {}
+
+    def record_failure(self, run_id: str, name: str, text: str, *, fallback: str | None = None) -> str:
+        """Keep a failed trial's whole traceback `text` (`tune.faults.keep_traceback`: the first
+        one kept wins) and upload it as the run's TRACEBACK_ARTIFACT (once); returns its reason
+        tag: the exception's `Type: message` and where the traceback is (`fallback`, Tune's error
+        file, when it could not be kept)."""
+        kept = keep_traceback(self.experiment_path, name, text)
+        if kept is not None:
+            text = kept.read_text(errors="replace")
+        folder, file_name = TRACEBACK_ARTIFACT.rsplit("/", 1)
+        if not self.client.list_artifacts(run_id, folder):
+            with tempfile.TemporaryDirectory(prefix="vidtune-failure-") as tmp:
+                (Path(tmp) / file_name).write_text(text, encoding="utf-8")
+                self.client.log_artifacts(run_id, tmp, artifact_path=folder)
+        where = kept or fallback
+        return exception_line(text) + (f" (full traceback: {where})" if where else "")
+
+    def end_child(self, trial_id: str, status: str, tags: dict[str, str] | None = None) -> None:
+        run_id = self.child_runs.get(trial_id)
+        if not run_id:
+            return
+        for k, v in (tags or {}).items():
+            self.client.set_tag(run_id, k, v[:5000])
+        self.client.set_terminated(run_id, status=status)
+
+    def log_summary(self, *, files: list[Path] = (), best: dict[str, Any] | None = None,
+                    best_checkpoint: str | None = None, metrics: dict[str, float] | None = None) -> None:
+        """Summary on the parent run: the result files as artifacts (trials.csv, best_config.json,
+        the plots), the best trial's metrics as `best_*`, `metrics` (the parameter importances,
+        `importance_lr`, ...), and its checkpoint."""
+        c, run_id = self.client, self.open_parent()
+        for path in files:
+            if path and Path(path).exists():
+                c.log_artifact(run_id, str(path))
+        if best is not None:
+            for key in ("val_acc", "val_f1", "clips_per_s", "compute_clips_per_s"):
+                value = best.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    c.log_metric(run_id, f"best_{key}", float(value))
+        for key, value in (metrics or {}).items():
+            c.log_metric(run_id, key, float(value))
+        local = best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://"))
+        if local and Path(best_checkpoint).is_dir():
+            c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
+
+    def log_trial_summary(self, run_id: str, row: TrialRow) -> None:
+        """A child run's summary, the values its row in trials.csv has (`csv_record`, rounded as
+        there): SUMMARY_KEYS and best_val_f1 (the same epoch's F1), at step 0. A key without a
+        value (no accuracy, no speed) is left out, one MLflow already has is not written again."""
+        record = csv_record(row, self.val_clips)
+        values = {k: _number(record[k] or "nan") for k in SUMMARY_KEYS}
+        values["best_val_f1"] = math.nan if row.status in NO_RESULT else _number(record["val_f1"] or "nan")
+        have = self.client.get_run(run_id).data.metrics
+        ts = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), ts, 0) for k, v in values.items()
+                   if math.isfinite(v) and have.get(k) != v]
+        if metrics:
+            self.client.log_batch(run_id, metrics=metrics)
+
+    # the parent's page in the UI (`tune.mlflow_description`) ------------------------------------
+    def save_view(self) -> None:
+        self.view_id = mlflow_description.save_view(
+            self.client, tracking_uri=self.tracking_uri, experiment_id=self.experiment_id,
+            parent_run_id=self.parent_run_id, experiment_path=self.experiment_path, objective=self.objective)
+
+    def runs_table_url(self) -> str:
+        return mlflow_description.runs_table_url(self.tracking_uri, self.experiment_id, self.view_id)
+
+    def run_url(self, run_id: str) -> str:
+        return mlflow_description.run_url(self.tracking_uri, self.experiment_id, run_id)
+
+    def publish_view(self, *, table_markdown: str, best_trial_id: str | None, objective: str,
+                     answer: Sequence[str] = ()) -> None:
+        mlflow_description.publish_view(
+            self.client, parent_run_id=self.open_parent(), child_runs=self.child_runs,
+            experiment_id=self.experiment_id, experiment_path=self.experiment_path, view_id=self.view_id,
+            table_markdown=table_markdown, best_trial_id=best_trial_id, objective=objective, answer=answer)
+
+
+def from_scratch(result: dict[str, Any]) -> bool:
+    """The report is the first epoch of a run that found every checkpoint damaged and started
+    again from epoch 1 (`trainer.worker._read_checkpoint`)."""
+    return int(result.get("damaged_checkpoints") or 0) > 0 and int(result.get("resumed_from_epoch") or 0) == 0
+
+
+def _number(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan

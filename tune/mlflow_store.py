@@ -1,0 +1,61 @@
+"""Checks of the MLflow and Optuna stores before anything starts (`tune.preflight`): a tracking
+server answers, a SQLite file's folder exists and is writable; a plain file store is refused.
+"""
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+from datasets.flags import ConfigError
+
+HEALTH_TIMEOUT_S = 3.0
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///...` URI (relative to the working folder), else None."""
+    if not uri.startswith("sqlite:"):
+        return None
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+    return Path(path).expanduser().resolve() if path else None
+
+
+def check_store_uri(uri: str, flag: str) -> None:
+    """Fail fast (ConfigError naming `flag`) when a tracking / study store cannot be used:
+    http(s): GET /health answers within HEALTH_TIMEOUT_S; sqlite: the folder exists and is writable."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as resp:
+                if resp.status >= 400:
+                    raise ConfigError(flag, f"{uri} answered {resp.status} at /health; "
+                                      "check the server and its address")
+        except urllib.error.HTTPError as e:
+            raise ConfigError(flag, f"{uri} answered {e.code} at /health; "
+                              "check the server and its address") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConfigError(flag, f"cannot reach {uri} ({reason}); start the tracking server "
+                             "(mlflow server --host 127.0.0.1 --port 5000; on a cluster, reach it through "
+                             "`ray attach cluster.yaml -p 5000`) or pass another URI") from None
+        return
+    if scheme == "sqlite":
+        path = sqlite_path(uri)
+        if path is None:
+            raise ConfigError(flag, f"{uri} names no database file; write it as sqlite:///FILE (relative) "
+                              "or sqlite:////abs/FILE")
+        folder = path.parent
+        if not folder.is_dir():
+            raise ConfigError(flag, f"the folder {folder} of {uri} does not exist; "
+                              "create it or pass another URI")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise ConfigError(flag, f"{path if path.exists() else folder} is not writable; "
+                              "pass a URI in a writable folder")
+        return
+    if scheme in ("", "file"):
+        raise ConfigError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; "
+                          "use sqlite:///mlruns.db or a server URI")
+    # databricks, postgresql, mysql, ...: MLflow checks these itself when it connects.
