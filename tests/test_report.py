@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from tune import plots, results, tables
+from tune import plot_drawing, plots, results, tables
 
 
 def _result(epochs: list[dict], *, config=None, error=None):
@@ -355,7 +355,7 @@ def test_plot_scatter_writes_a_png_at_150_dpi(tmp_path, rows):
     assert path == tmp_path / "plots" / "scatter.png"
     size, dpi = _png_size(path)
     width, height = plots.scatter_figure(rows, title="t").get_size_inches()
-    assert plots.PLOT_DPI >= 150 and size == (round(width * 150), round(height * 150))
+    assert plot_drawing.PLOT_DPI >= 150 and size == (round(width * 150), round(height * 150))
     assert dpi is not None and round(dpi[0]) == 150
 
 

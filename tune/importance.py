@@ -24,7 +24,7 @@ import optuna
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tune.plots import PLOT_DPI
+from tune.plot_drawing import PLOT_DPI
 from tune.results import TrialRow, objective_key
 from tune.warm_start import Space
 
