@@ -8,7 +8,7 @@ import io
 import math
 from types import SimpleNamespace
 
-from tune import console, faults, results, tables
+from tune import console, faults, results, search_log, tables
 from tune.trial import short_lr, short_name
 
 
@@ -142,7 +142,7 @@ def test_a_full_disk_is_recognised_along_the_exception_chain(tmp_path):
 
 def test_rays_lines_go_to_the_log_and_ours_to_the_console():
     screen, log = io.StringIO(), io.StringIO()
-    out = console.RayLinesToLog(screen, log)
+    out = search_log.RayLinesToLog(screen, log)
     out.write("\x1b[33m(raylet)\x1b[0m WARNING: 8 PYTHON worker processes\ntrial 1/2 started\n")
     out.write("(RayTrainWorker pid=12, ip=10.0.0.1) Error in training function\n(epoch 2) is ours\n")
     out.flush()

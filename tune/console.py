@@ -1,7 +1,7 @@
 """The search's console: what a person reads while it runs, and where everything else goes.
 
-`quiet_libraries` sends Ray's, Tune's, Train's and the libraries' log records and warnings to a
-log file (the console keeps only vidtune's lines; `--verbose` skips it). `SearchConsole` is the
+The libraries' log records, warnings and Ray's own lines go to a log file (`tune.search_log`), so
+the console keeps only vidtune's lines (`--verbose` skips that). `SearchConsole` is the
 Tune callback that prints a line when a trial starts, at most one line per epoch, and a line when
 a trial ends: its best epoch's val_acc, that epoch and its steady clips/s, the numbers of its row
 in the table (or the last lines of its error, and where its whole traceback is kept). Lines of
@@ -16,21 +16,13 @@ redrawn in place (carriage return) after a bar of the epochs trained so far, wit
 """
 from __future__ import annotations
 
-import io
-import logging
 import math
-import re
 import shutil
 import statistics
 import sys
 import time
-import warnings
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-# Each library configures its loggers when imported: `quiet_libraries` redirects them after.
-import mlflow  # noqa: F401
-import optuna
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
@@ -38,102 +30,6 @@ from trainer.metrics import steady_state
 from tune.faults import exception_line, keep_traceback, read_error_file
 from tune.results import STATUSES, TrialRow, completed_trial_status
 from tune.trial import short_name
-
-# Loggers whose records go to the log file, not the console.
-LIBRARY_LOGGERS = ("ray", "mlflow", "optuna", "alembic", "urllib3", "filelock", "py.warnings", "matplotlib")
-LOG_FILE = "search.log"
-
-
-def log_file_for(experiment_path: str, name: str) -> Path:
-    """The search's log file: in its experiment folder, or ./vidtune-logs/NAME.log when the
-    experiment is on remote storage (s3://)."""
-    if "://" in experiment_path:
-        return Path("vidtune-logs") / f"{name}.log"
-    return Path(experiment_path) / LOG_FILE
-
-
-def quiet_libraries(log_path: Path) -> Path:
-    """Send the libraries' log records (INFO and up) and Python warnings to `log_path`, none to
-    the console. Call before `ray.init` (with `configure_logging=False`, `log_to_driver=False`)."""
-    optuna.logging.disable_default_handler()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(log_path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    # On the root logger: `ray.init` empties the "ray" logger's handlers, and its records then
-    # reach the root (a handler on "ray" itself would be gone, and Python's last-resort handler
-    # would print its warnings on the console).
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.WARNING)
-    for name in LIBRARY_LOGGERS:
-        logger = logging.getLogger(name)
-        logger.handlers[:] = []
-        logger.setLevel(logging.INFO)
-        logger.propagate = True
-    # The log may sit on a disk that fills up (--storage): a record that cannot be written is
-    # dropped, not reported with a traceback on the console.
-    logging.raiseExceptions = False
-    logging.captureWarnings(True)
-    warnings.simplefilter("default")
-    return log_path
-
-
-# What Ray prints on the driver's own streams, bypassing logging: the raylet's warnings and the
-# workers' lines, prefixed `(raylet)` or `(Name pid=123)` (with colour codes on a terminal).
-RAY_PREFIX = re.compile(r"^(\x1b\[[0-9;]*m)*\((raylet|[\w.]*\s*pid=\d+[^)]*)\)")
-
-
-class RayLinesToLog(io.TextIOBase):
-    """A stdout/stderr stand-in that sends Ray's prefixed lines (see RAY_PREFIX) to the log file
-    and everything else to the console."""
-
-    def __init__(self, console: TextIO, log: TextIO):
-        self.console, self.log, self._partial = console, log, ""
-
-    def write(self, text: str) -> int:
-        self._partial += text
-        *lines, self._partial = self._partial.split("\n")
-        for line in lines:
-            if RAY_PREFIX.match(line):
-                self._to_log(line + "\n")
-            else:
-                self.console.write(line + "\n")
-        return len(text)
-
-    def _to_log(self, text: str) -> None:
-        try:
-            self.log.write(text)
-        except (OSError, ValueError):   # a full disk (or a closed log) must not stop the search
-            pass
-
-    def flush(self) -> None:
-        if self._partial and not RAY_PREFIX.match(self._partial):
-            self.console.write(self._partial)
-            self._partial = ""
-        self.console.flush()
-        try:
-            self.log.flush()
-        except (OSError, ValueError):
-            pass
-
-    def isatty(self) -> bool:
-        return self.console.isatty()
-
-    def fileno(self) -> int:
-        return self.console.fileno()
-
-    @property
-    def encoding(self) -> str:
-        return getattr(self.console, "encoding", "utf-8")
-
-
-def keep_ray_lines_off_the_console(log_path: Path) -> TextIO:
-    """Replace sys.stdout/sys.stderr by `RayLinesToLog` filters writing Ray's lines to `log_path`.
-    Returns that file, for the caller to close once it has put the streams back."""
-    log = open(log_path, "a", encoding="utf-8", buffering=1)
-    sys.stdout = RayLinesToLog(sys.stdout, log)
-    sys.stderr = RayLinesToLog(sys.stderr, log)
-    return log
 
 
 def _duration(seconds: float) -> str:

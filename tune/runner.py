@@ -39,12 +39,13 @@ from tune.cluster import (
     trial_resources,
     waiting_line,
 )
-from tune.console import SearchConsole, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
+from tune.console import SearchConsole
 from tune.faults import DiskFullError
 from tune.lock import SearchLock
 from tune.options import SearchOptions
 from tune.preflight import Plan, unreadable_state
 from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles
+from tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from tune.summary import summarise, ui_hint
 from tune.tracking import MLflowTracker
 from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
