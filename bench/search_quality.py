@@ -22,7 +22,7 @@ from tqdm import tqdm
 from bench.common import write_json
 from bench.sq_record import Grid, header_for, log_grid, prepare, record
 from bench.sq_replay import Trace
-from bench.sq_report import console_table, pct, plot, summarise
+from bench.sq_report import console_table, grid_table, pct, plot, summarise
 from bench.sq_strategies import run_strategy, strategies
 from bench.sq_table import Table
 
@@ -84,6 +84,8 @@ def replay_main(args: argparse.Namespace) -> int:
     print(f"table {args.table}: {len(table.configs)} configs x {len(table.seeds)} seeds x {table.epochs} "
           f"epochs; best seed-mean final val_acc {table.best_final_mean:.3f}; grid {grid_s:.0f} s "
           f"(concurrency {args.concurrency}); {args.seeds} replay seeds")
+    print(grid_table(table))
+    print()
     print(console_table(summary))
     if "ratios" in summary:
         r = summary["ratios"]

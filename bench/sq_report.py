@@ -44,12 +44,15 @@ def summarise(table: Table, traces: dict[str, list[Trace]], grid_s: float) -> di
             "end_s_median": float(np.median([t.end_s for t in runs])),
         }
     s = out["strategies"]
-    if "default" in s and "random+asha" in s:
-        mine = s["default"]["value_at"]["30%"]["per_seed"]
+    if "random+asha" in s:
         theirs = s["random+asha"]["value_at"]["30%"]["per_seed"]
-        beats = [_or_zero(a) >= _or_zero(b) for a, b in zip(mine, theirs, strict=True)]
+        for entry in s.values():   # share of seeds at least as good as random + ASHA at 30 % (same seed)
+            mine = entry["value_at"]["30%"]["per_seed"]
+            entry["beats_random_asha_at_30%"] = float(np.mean(
+                [_or_zero(a) >= _or_zero(b) for a, b in zip(mine, theirs, strict=True)]))
+    if "default" in s and "random+asha" in s:
         out["ratios"] = {"default_time_to_1pt_vs_grid": s["default"]["time_to_1pt_vs_grid"]["median"],
-                         "default_beats_random_asha": float(np.mean(beats))}
+                         "default_beats_random_asha": s["default"]["beats_random_asha_at_30%"]}
     return out
 
 
@@ -61,17 +64,35 @@ def _or_zero(v: float) -> float:
     return v if math.isfinite(v) else 0.0
 
 
+def grid_table(table: Table) -> str:
+    """The recorded grid: seed-mean val_acc at the middle and the last epoch, per batch size and lr."""
+    mid = table.epochs // 2
+    rows = []
+    for batch in table.batch_sizes:
+        for epoch in (mid, table.epochs):
+            rows.append([f"batch {batch}, epoch {epoch}", *[
+                f"{np.mean([table.runs[(batch, lr, s)].val_acc[epoch - 1] for s in table.seeds]):.3f}"
+                for lr in table.lrs]])
+    return format_table(["seed-mean val_acc", *[f"{lr:.2g}" for lr in table.lrs]], rows)
+
+
 def console_table(summary: dict[str, Any]) -> str:
     """One row per strategy: time to within 1 point (share of the grid's time: quartiles), share
-    of seeds that got there, median judged val_acc at 10/30/50 %, median trials."""
+    of seeds that got there, median judged val_acc at 10/30/50 %, share of seeds at least as good
+    as random + ASHA at 30 %, median trials started."""
     rows = []
     for name, s in summary["strategies"].items():
         t = s["time_to_1pt_vs_grid"]
         rows.append([name, pct(t["q1"]), pct(t["median"]), pct(t["q3"]), f"{s['reached_share']:.0%}",
                      *[_acc(s["value_at"][k]["median"]) for k in ("10%", "30%", "50%")],
-                     f"{s['trials_median']:.0f}"])
-    head = ["strategy", "t1pt q1", "median", "q3", "reached", "acc@10%", "acc@30%", "acc@50%", "trials"]
+                     _share(s.get("beats_random_asha_at_30%")), f"{s['trials_median']:.0f}"])
+    head = ["strategy", "t1pt q1", "median", "q3", "reached", "acc@10%", "acc@30%", "acc@50%", ">=r+a@30%",
+            "trials"]
     return format_table(head, rows)
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
 
 
 def pct(v: float) -> str:

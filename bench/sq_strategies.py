@@ -3,7 +3,8 @@
 `default` is whatever `SearchOptions()` holds now (the tool's defaults with `--data` given);
 `before` is the defaults this benchmark replaced; the candidates change one knob or a few. The
 baselines: `grid` (every configuration once, shuffled), `random` (Optuna's RandomSampler through
-the same `VidtuneOptunaSearch`, as many trials as the grid) and `random+asha` (the same with the
+the same `VidtuneOptunaSearch`, twice as many trials as the grid has configurations, so that the
+count never ends it within the grid's time) and `random+asha` (the same with the
 ASHA `tune.space.build_scheduler` builds, grace 1, reduction factor 2).
 """
 from __future__ import annotations
@@ -59,6 +60,13 @@ def strategies() -> list[Strategy]:
         cand("n=12 no-asha", num_samples=12, early_stop=False),
         cand("n=12 lr-linear", num_samples=12, space__lr_scaling="linear"),
         cand("n=12 lr-sqrt", num_samples=12, space__lr_scaling="sqrt"),
+        cand("n=12 start=2", num_samples=12, random_start_trials=2),
+        cand("n=12 start=4", num_samples=12, random_start_trials=4),
+        cand("n=8 start=3", num_samples=8, random_start_trials=3),
+        cand("n=16 start=3", num_samples=16, random_start_trials=3),
+        cand("n=12 start=3 multivariate", num_samples=12, random_start_trials=3, tpe="multivariate"),
+        cand("n=12 start=3 rf=3", num_samples=12, random_start_trials=3, reduction_factor=3),
+        cand("n=12 start=3 lr-sqrt", num_samples=12, random_start_trials=3, space__lr_scaling="sqrt"),
     ]
 
 
@@ -86,7 +94,7 @@ def run_strategy(table: Table, strategy: Strategy, seed: int, *, concurrency: in
         searcher, n, scheduler = GridSearcher(table.configs, seed), len(table.configs), None
     elif strategy.kind == "random":
         searcher = VidtuneOptunaSearch(sampler=optuna.samplers.RandomSampler(seed=seed))
-        n = len(table.configs)
+        n = 2 * len(table.configs)     # never the limit within the grid's time, ASHA or not
         scheduler = scheduler if strategy.asha else None
     else:
         searcher = build_searcher(opts, OBJECTIVE, study_name=f"replay-{seed}")
