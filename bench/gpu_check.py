@@ -41,7 +41,7 @@ from mlflow.tracking import MlflowClient
 from bench.common import write_json
 from datasets.synthetic import generate
 from trainer.precision import choose_precision, configure_backends, default_device
-from tune.tracking import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
+from tune.mlflow_schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"
