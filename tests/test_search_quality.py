@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench import search_quality
 from bench.sq_record import Grid, record, run_key
 from bench.sq_replay import GridSearcher, replay
 from bench.sq_strategies import Strategy, options_for, run_strategy
@@ -142,3 +143,15 @@ def test_record_resumes_after_a_kill(tmp_path):
     assert Table(doc).final_mean(4, 1e-3) == pytest.approx(0.7)
     with pytest.raises(SystemExit, match="another grid"):
         record(base, None, replace(grid, epochs=3), out, trainer=fake_trainer, progress=False)
+
+
+def test_replay_cli_writes_the_ratios_and_the_picture(tmp_path, capsys):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(make_doc()))
+    out, png = tmp_path / "replay.json", tmp_path / "replay.png"
+    assert search_quality.main(["replay", str(path), "--seeds", "3", "--only", "grid,random+asha,default",
+                                "--json", str(out), "--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["ratios"]) == {"default_time_to_1pt_vs_grid", "default_beats_random_asha"}
+    assert doc["strategies"]["grid"]["reached_share"] == 1.0       # the grid holds the best config
+    assert png.stat().st_size > 0 and "random+asha" in capsys.readouterr().out
