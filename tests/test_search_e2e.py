@@ -63,7 +63,8 @@ def test_search_end_to_end(synthetic_root, tmp_path):
     assert f"mlflow ui --backend-store-uri sqlite:///{db}" in out.stdout
     assert "\nBest: t" in out.stdout and "\nbest checkpoint (" in out.stdout     # the answer first
     table = out.stdout.split("\ntrials:\n", 1)[1]
-    assert "batch" in table and "clips/s" in table and table.count(" DONE") == 3
+    assert "batch" in table and "clips/s" in table
+    assert sum(line.rstrip().endswith(" DONE") for line in table.splitlines()) == 3
 
     uri = f"sqlite:///{db}"
     parent, children = _runs(uri)
@@ -115,7 +116,9 @@ def _check_the_mlflow_view_and_names(stdout: str, storage: Path, parent, childre
     note = parent.data.tags["mlflow.note.content"]
     assert "| trial | batch | lr |" in note and all(name in note for name in names)
     best = [r for r in children if r.data.tags.get("vidtune.best") == "true"]
-    assert len(best) == 1 and f"/runs/{best[0].info.run_id})" in note
+    # a relative link to the best child, opening the model-training UI
+    assert len(best) == 1 and f"(#/experiments/{best[0].info.experiment_id}/runs/{best[0].info.run_id}?" \
+        "workflowType=machine_learning)" in note, note
     assert f"\nBest: {best[0].info.run_name} (" in stdout
     assert {r.data.tags["vidtune.outcome"] for r in children} == {"done"}
     compare = next(ln for ln in stdout.splitlines() if ln.startswith("compare the trials in MLflow:"))
@@ -222,7 +225,7 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
         # The console says when a trial is done (reading the MLflow store while the search
         # creates its schema would race with the migration).
         while time.monotonic() < deadline and proc.poll() is None:
-            if re.search(r"^t\d\d-\S+ done \(", (tmp_path / "first.log").read_text(errors="replace"), re.M):
+            if re.search(r"^t\d\d-\S+ done: ", (tmp_path / "first.log").read_text(errors="replace"), re.M):
                 time.sleep(3)                      # let the driver write the child run's end
                 break
             time.sleep(1)

@@ -70,3 +70,15 @@ def test_a_grandchilds_cpu_time_is_this_process_trees():
             process.kill()
         child.kill()
         child.wait()
+
+
+def test_a_descendant_that_ends_in_the_window_never_makes_the_own_time_negative():
+    """A process of the tree that used CPU before the window and ended in it (e.g. a Ray process
+    an earlier run left behind) takes its time away: the window must not count it as negative."""
+    from trainer.utilization import tree_cpu_since
+
+    before = {(10, 1.0): 5.0, (11, 2.0): 3.0}          # pid 11 used 3 s, then ended
+    now = {(10, 1.0): 5.5, (12, 9.0): 0.25}           # pid 12 is new; pid 10 is the same process
+    assert tree_cpu_since(before, now) == 0.75
+    # the same pid with another start time is another process: all of its time is new
+    assert tree_cpu_since({(10, 1.0): 5.0}, {(10, 7.0): 0.5}) == 0.5

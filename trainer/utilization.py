@@ -86,17 +86,31 @@ def _cpu_s(process: psutil.Process) -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def process_tree_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds of process `pid` (default this one) and of every live descendant (children
-    of children too), each with the children it has reaped."""
+def process_tree_cpu(pid: int | None = None) -> dict[tuple[int, float], float]:
+    """{(pid, start time): CPU seconds} of process `pid` (default this one) and of every live
+    descendant (children of children too), each with the children it has reaped. Keyed by start
+    time as well, so a reused pid is another process."""
     root = psutil.Process(pid)
-    total = _cpu_s(root)
+    out = {(root.pid, root.create_time()): _cpu_s(root)}
     for child in root.children(recursive=True):
         try:
-            total += _cpu_s(child)
+            out[(child.pid, child.create_time())] = _cpu_s(child)
         except psutil.Error:        # it ended between the listing and the read
             continue
-    return total
+    return out
+
+
+def process_tree_cpu_s(pid: int | None = None) -> float:
+    """CPU seconds of process `pid` (default this one) and of every live descendant."""
+    return sum(process_tree_cpu(pid).values())
+
+
+def tree_cpu_since(before: dict[tuple[int, float], float], now: dict[tuple[int, float], float]) -> float:
+    """CPU seconds the process tree used between two `process_tree_cpu` readings: each live
+    process's growth, all of a new one's. A process that ended in between is left out (its time
+    is gone with it, unless a process of the tree reaped it: then it is in that one's growth), so
+    a descendant that exits never makes the sum negative."""
+    return sum(cpu - before.get(key, 0.0) for key, cpu in now.items())
 
 
 @dataclass(frozen=True)
@@ -114,11 +128,11 @@ class OtherCpuLoad:
     CPU times cannot be read). Sampled at the two ends only, so it costs nothing during the epoch."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, float] | None = None
+        self._start: tuple[float, dict[tuple[int, float], float], float] | None = None
 
     def start(self) -> None:
         try:
-            self._start = (machine_busy_s(), process_tree_cpu_s(), time.perf_counter())
+            self._start = (machine_busy_s(), process_tree_cpu(), time.perf_counter())
         except (OSError, psutil.Error):
             self._start = None
 
@@ -127,7 +141,7 @@ class OtherCpuLoad:
             return None
         busy0, own0, wall0 = self._start
         try:
-            return CpuWindow(machine_busy_s() - busy0, process_tree_cpu_s() - own0,
+            return CpuWindow(machine_busy_s() - busy0, tree_cpu_since(own0, process_tree_cpu()),
                              time.perf_counter() - wall0)
         except (OSError, psutil.Error):
             return None
