@@ -192,6 +192,7 @@ ALONE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # a fresh interpreter with torch, Ray and MLflow, forked per module (10-17 s)
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """One fresh interpreter imports the third-party libraries, then forks once per project

@@ -194,6 +194,7 @@ def test_resume_needs_an_interrupted_search(capsys, synthetic_root, tmp_path):
                     "--dry-run"], "--name:", "already exists")
 
 
+@pytest.mark.slow   # a search process by path (about 8 s)
 def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_path):
     """Run as `python tune/search.py` from another folder: the repository's `datasets` must win
     over Hugging Face's (installed too), and nothing starts."""
@@ -292,6 +293,7 @@ def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     assert not may_add(cfg)
 
 
+@pytest.mark.slow   # generates the demo's 160 videos (about 12 s)
 def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     mlflow = ["--mlflow-uri", f"sqlite:///{tmp_path}/m.db", "--storage", str(tmp_path / "res")]
