@@ -194,17 +194,18 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
     assert lines[-1].startswith("results: ")
     assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and \
         any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
-    # The second search is quiet and warm-started from the first: its study holds the first's two
-    # trials (as trials.csv has them) before its own two.
+    # The second search is quiet, one trial, and warm-started from the first: its study holds the
+    # first's two trials (as trials.csv has them) before its own.
     first = next((tmp_path / "vidtune-results").glob("*/trials.csv"))
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
-                                     "--warm-start", str(first.parent), "--optuna-storage", storage],
+                                     "--num-samples", "1", "--warm-start", str(first.parent),
+                                     "--optuna-storage", storage],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("Best: "), quiet.stdout[:2000]
     study = optuna.load_study(study_name="q", storage=storage)
-    assert len(study.trials) == 4 and all(t.state.name == "COMPLETE" for t in study.trials[:2])
+    assert len(study.trials) == 3 and all(t.state.name == "COMPLETE" for t in study.trials)
     assert sorted(round(t.value, 4) for t in study.trials[:2]) == \
         sorted(float(r["best_val_acc"]) for r in seeded)
 
