@@ -12,7 +12,7 @@ from ray.tune.search.optuna import OptunaSearch
 from datasets.flags import ConfigError
 from trainer.launch import init_ray
 from tune.budget import TimeBudget, format_duration, parse_duration
-from tune.ray_internals import optuna_study
+from tune.ray_internals import optuna_study, restored_searcher
 
 SPACE = {"batch_size": tune.choice([4, 8]), "lr": tune.loguniform(1e-4, 1e-2)}
 
@@ -133,6 +133,15 @@ def test_a_tiny_budget_starts_fewer_trials_than_num_samples_and_lets_them_finish
     assert sorted(r.metrics["step"] for r in results) == [3, 3, 3]
     assert len(optuna_study(budget.searcher).trials) == 3
     assert budget.summary_line(8).startswith("the time budget (--time-budget 25s) ended the search: 3 of 8")
+
+    # --resume: the restored Tuner's searcher is the budget, its state as Tune saved it, so the
+    # summary of the resumed search still says the budget ended it (not "lost the others").
+    restored = tune.Tuner.restore(str(tmp_path / "budget"), trainable=tune.with_resources(three_steps,
+                                                                                           {"cpu": 0.5}))
+    assert len(restored.fit()) == 3
+    again = restored_searcher(restored)
+    assert isinstance(again, TimeBudget) and again is not budget
+    assert again.ended_by_budget and again.trials_started == 3
 
 
 def optuna_searcher_unset() -> OptunaSearch:

@@ -40,6 +40,10 @@ The uses (checked against Ray 2.60.0):
    folder Tune saves its state in before copying it to the experiment folder in the background;
    tune/trust.py signs the files there, so a driver killed before the copy lands leaves nothing
    unsigned.
+6. `Tuner._local_tuner._tune_config.search_alg` (`restored_searcher`): the searcher a
+   `Tuner.restore` unpickled from tuner.pkl; Tune restores its saved state into this object when
+   the search continues. A resumed search's summary reads its `--time-budget` state from it.
+   The public Tuner has no accessor for its TuneConfig.
 
 `ray._raylet.PlacementGroupID` (formerly imported by tune/cleanup.py) is public as
 `ray.PlacementGroupID`, so it is not here.
@@ -224,3 +228,10 @@ __all__ = [
     "optuna_study", "trial_states",
     "worker_group_placement_group",
 ]
+
+
+def restored_searcher(tuner: Any) -> Any:
+    """The searcher a restored `tune.Tuner` carries (use 6), or None where this Ray keeps it
+    elsewhere (the summary then just does not say that the budget ended the search)."""
+    tune_config = getattr(getattr(tuner, "_local_tuner", None), "_tune_config", None)
+    return getattr(tune_config, "search_alg", None)

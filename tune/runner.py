@@ -44,7 +44,7 @@ from tune.faults import DiskFullError
 from tune.lock import SearchLock
 from tune.options import SearchOptions
 from tune.preflight import Plan, unreadable_state
-from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles
+from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles, restored_searcher
 from tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from tune.summary import summarise, ui_hint
 from tune.tracking import MLflowTracker
@@ -237,7 +237,8 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
                callbacks: list[tune.Callback]) -> tuple[tune.Tuner, Searcher | None]:
     """A new Tuner for the plan and its searcher, or with --resume the saved one restored (its
     state checked first: a damaged state stops the resume with ConfigError, never restarts the
-    search) and None: Tune restores the searcher itself."""
+    search) with the searcher it carries: Tune restores that searcher's state (a time budget's
+    time used, the Optuna study) itself when the search continues."""
     param_space = space.param_space(opts)
     if opts.resume:
         try:
@@ -253,7 +254,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
                                        resume_errored=True, param_space=param_space)
         except Exception as e:   # a damaged state must stop the resume, never restart the search
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
-        return tuner, None
+        return tuner, restored_searcher(tuner)
     objective = space.objective_for(opts.objective)
     searcher = space.build_searcher(opts, objective, study_name=plan.name)
     tuner = tune.Tuner(
