@@ -51,7 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr-points", type=int, default=7, help="log-spaced learning rates (default 7)")
     r.add_argument("--seeds", type=_ints, default=(0, 1), help="training seeds per config (default 0,1)")
     r.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
-    r.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    r.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
+    r.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once, each in its own process (default 1); e.g. --jobs 2 "
+                   "--threads 1 on 2 cores")
+    r.add_argument("--reuse", default=None, metavar="TABLE",
+                   help="copy the runs of this earlier table (same model, training config, epochs "
+                   "and dataset) that belong to the new grid instead of training them again")
     r.add_argument("--loader-workers", type=int, default=1, help="DataLoader processes (default 1)")
     r.add_argument("--cache-dir", default=None, help="clip cache folder (default the project's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,8 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                               cache_dir=args.cache_dir)
         grid = Grid(args.batch_sizes, log_grid(args.lr_min, args.lr_max, args.lr_points), args.seeds,
                     args.epochs)
-        header = header_for(args.data, index, ["python -m bench.search_quality", *argv], args.threads)
-        table = record(base, index, grid, args.out, header=header, progress=not args.no_progress)
+        header = header_for(args.data, index, ["python -m bench.search_quality", *argv], args.threads,
+                            jobs=args.jobs)
+        table = record(base, index, grid, args.out, header=header, progress=not args.no_progress,
+                       reuse=args.reuse, jobs=args.jobs, threads=args.threads)
         print(f"{len(table['runs'])} runs in {args.out}")
         return 0
     return replay_main(args)

@@ -10,10 +10,12 @@ dataset and model. `bench.sq_replay` replays it.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -121,38 +123,113 @@ def open_table(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     for key in ("grid", "model", "train"):
         if table.get(key) != header[key]:
             raise SystemExit(f"{path}: recorded with another {key} ({table.get(key)} vs {header[key]}); "
-                             "pass another --out or delete it")
+                             "pass another --out or delete it (--reuse it to keep its runs)")
     return table
+
+
+def reusable_runs(path: Path, header: dict[str, Any], grid: Grid) -> list[dict[str, Any]]:
+    """The runs of an earlier table at `path` that belong to `grid`, to copy instead of training
+    them again (a denser or narrower grid over the same data). Refused unless the model, the
+    training config, the epoch count and the dataset are the same: a run is only the same run
+    when everything but its (batch size, lr, seed) is."""
+    if not path.is_file():
+        raise SystemExit(f"--reuse {path}: no such table")
+    old = json.loads(path.read_text())
+    for what, mine, theirs in (("model", header["model"], old.get("model")),
+                               ("training config", header["train"], old.get("train")),
+                               ("epochs", grid.epochs, old.get("grid", {}).get("epochs")),
+                               ("dataset", _dataset_identity(header), _dataset_identity(old))):
+        if mine != theirs:
+            raise SystemExit(f"--reuse {path}: recorded with another {what} ({theirs} vs {mine}); "
+                             "its runs are not this grid's")
+    wanted = {run_key(*r) for r in grid.runs()}
+    return [{**run, "reused_from": str(path)} for run in old.get("runs", []) if run["key"] in wanted]
+
+
+def _dataset_identity(doc: dict[str, Any]) -> Any:
+    """What makes two tables' datasets the same: the split sizes and the generator's settings
+    (the folder may have moved)."""
+    facts = doc.get("dataset")
+    if facts is None:
+        return None
+    return {k: v for k, v in facts.items() if k != "root"}
+
+
+def train_row(trainer: Trainer, cfg: TrainConfig, index: VideoIndex,
+              on_epoch: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One run of the grid as the table stores it: its key, settings, outcome, start and epochs."""
+    row: dict[str, Any] = {"key": run_key(cfg.batch_size, cfg.lr, cfg.seed), "batch_size": cfg.batch_size,
+                           "lr": cfg.lr, "seed": cfg.seed, "outcome": TRAINED, "start_s": 0.0, "epochs": []}
+    for step in trainer(cfg, index):
+        if "start_s" in step:
+            row["start_s"] = step["start_s"]
+        elif "outcome" in step:
+            row["outcome"] = step["outcome"]
+        else:
+            row["epochs"].append({"epoch": len(row["epochs"]) + 1, **step})
+            if on_epoch is not None:
+                on_epoch(row)
+    return row
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
 
 
 def record(base: TrainConfig, index: VideoIndex, grid: Grid, out: str | Path, *,
            trainer: Trainer = train_run, header: dict[str, Any] | None = None,
-           progress: bool = True) -> dict[str, Any]:
-    """Train every run of `grid` not yet in the table at `out`, writing the table after each."""
+           progress: bool = True, reuse: str | Path | None = None, jobs: int = 1,
+           threads: int = 1) -> dict[str, Any]:
+    """Train every run of `grid` not yet in the table at `out`, writing the table after each.
+
+    `reuse`: an earlier table whose matching runs are copied first (`reusable_runs`). `jobs` > 1
+    trains that many runs at once, each in its own process with `threads` torch threads (the
+    trainer must then be a module-level function); the table is still written by this process
+    alone, after each run, so a kill loses only the runs in flight."""
     path = Path(out)
     header = {"format": TABLE_FORMAT, "model": base.model, "grid": grid.to_dict(),
               "train": _train_facts(base), **(header or {})}
     table = open_table(path, header)
     done = {r["key"] for r in table["runs"]}
-    todo = [r for r in grid.runs() if run_key(*r) not in done]
+    if reuse is not None:
+        copied = [r for r in reusable_runs(Path(reuse), header, grid) if r["key"] not in done]
+        table["runs"].extend(copied)
+        done |= {r["key"] for r in copied}
+        write_atomically(path, table)
+        if progress:
+            print(f"reused {len(copied)} run(s) from {reuse}")
+    todo = [base.with_overrides(batch_size=b, lr=lr, seed=s, epochs=grid.epochs)
+            for b, lr, s in grid.runs() if run_key(b, lr, s) not in done]
     bar = tqdm(total=len(grid.runs()) * grid.epochs, initial=len(done) * grid.epochs, unit="epoch",
                disable=not progress, desc="record")
-    for batch_size, lr, seed in todo:
-        cfg = base.with_overrides(batch_size=batch_size, lr=lr, seed=seed, epochs=grid.epochs)
-        row: dict[str, Any] = {"key": run_key(batch_size, lr, seed), "batch_size": batch_size, "lr": lr,
-                               "seed": seed, "outcome": TRAINED, "start_s": 0.0, "epochs": []}
-        for step in trainer(cfg, index):
-            if "start_s" in step:
-                row["start_s"] = step["start_s"]
-            elif "outcome" in step:
-                row["outcome"] = step["outcome"]
-            else:
-                row["epochs"].append({"epoch": len(row["epochs"]) + 1, **step})
-                bar.update(1)
-                bar.set_postfix(run=row["key"], val_acc=f"{step['val_acc']:.3f}")
-        bar.update(grid.epochs - len(row["epochs"]))
+
+    def finished(row: dict[str, Any], epochs_shown: int) -> None:
+        bar.update(grid.epochs - epochs_shown)
         table["runs"].append(row)
         write_atomically(path, table)
+
+    def shown(row: dict[str, Any]) -> None:
+        bar.update(1)
+        bar.set_postfix(run=row["key"], val_acc=f"{row['epochs'][-1]['val_acc']:.3f}")
+
+    if jobs <= 1:
+        for cfg in todo:
+            row = train_row(trainer, cfg, index, on_epoch=shown)
+            finished(row, len(row["epochs"]))
+    else:
+        # spawn, not fork: a forked child of a process that has used torch's thread pool can hang
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init, initargs=(threads,)) as pool:
+            futures = [pool.submit(train_row, trainer, cfg, index) for cfg in todo]
+            try:
+                for future in as_completed(futures):
+                    row = future.result()
+                    finished(row, 0)
+                    bar.set_postfix(run=row["key"], val_acc=f"{row['epochs'][-1]['val_acc']:.3f}"
+                                    if row["epochs"] else row["outcome"])
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)   # the finished runs are written
+                raise
     bar.close()
     return table
 
@@ -182,7 +259,9 @@ def prepare(root: str, model: str, *, loader_workers: int, cache_dir: str | None
     return base, index
 
 
-def header_for(root: str, index: VideoIndex, command: Sequence[str], threads: int) -> dict[str, Any]:
-    return {"command": " ".join(command), "machine": {**machine_facts(), "torch_threads": threads},
+def header_for(root: str, index: VideoIndex, command: Sequence[str], threads: int,
+               jobs: int = 1) -> dict[str, Any]:
+    return {"command": " ".join(command),
+            "machine": {**machine_facts(), "torch_threads": threads, "jobs_at_once": jobs},
             "versions": versions(), "dataset": dataset_facts(index, root),
             "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S")}

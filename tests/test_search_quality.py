@@ -145,6 +145,54 @@ def test_record_resumes_after_a_kill(tmp_path):
         record(base, None, replace(grid, epochs=3), out, trainer=fake_trainer, progress=False)
 
 
+def curve_trainer(cfg: TrainConfig, index):
+    """A stand-in for `train_run` (module level, so a spawned process can import it): the curve of
+    `acc_curve`, epoch by epoch."""
+    yield {"start_s": 0.5}
+    for acc in acc_curve(cfg.batch_size, cfg.lr, cfg.seed)[:cfg.epochs]:
+        yield {"val_acc": acc, "val_loss": 1 - acc, "train_s": 1.0, "eval_s": 0.2, "clips_per_s": 9.0}
+
+
+def test_record_reuses_the_runs_of_an_earlier_grid(tmp_path):
+    """A denser grid over the same data copies the runs it shares with the old table and trains
+    only the new ones; a table with another epoch count is refused with its path named."""
+    old_grid = Grid(batch_sizes=(4,), lrs=(1e-4, 1e-2), seeds=(0,), epochs=EPOCHS)
+    old = tmp_path / "old.json"
+    record(TrainConfig(), None, old_grid, old, trainer=curve_trainer, progress=False)
+    trained: list[float] = []
+
+    def counting_trainer(cfg: TrainConfig, index):
+        trained.append(cfg.lr)
+        yield from curve_trainer(cfg, index)
+
+    new_grid = replace(old_grid, lrs=LRS)
+    doc = record(TrainConfig(), None, new_grid, tmp_path / "new.json", trainer=counting_trainer,
+                 progress=False, reuse=old)
+    assert trained == [1e-3]                                     # only the lr the old grid lacks
+    by_key = {r["key"]: r for r in json.loads((tmp_path / "new.json").read_text())["runs"]}
+    assert set(by_key) == {run_key(*r) for r in new_grid.runs()} and doc["grid"]["lrs"] == list(LRS)
+    assert by_key[run_key(4, 1e-4, 0)]["reused_from"] == str(old)
+    assert "reused_from" not in by_key[run_key(4, 1e-3, 0)]
+    assert Table(doc).final_mean(4, 1e-2) == pytest.approx(acc_curve(4, 1e-2, 0)[-1])
+    with pytest.raises(SystemExit, match=r"--reuse .*old.json: recorded with another epochs"):
+        record(TrainConfig(), None, replace(new_grid, epochs=2), tmp_path / "other.json",
+               trainer=curve_trainer, progress=False, reuse=old)
+    with pytest.raises(SystemExit, match="no such table"):
+        record(TrainConfig(), None, new_grid, tmp_path / "x.json", trainer=curve_trainer,
+               progress=False, reuse=tmp_path / "missing.json")
+
+
+@pytest.mark.slow
+def test_record_trains_runs_at_once_in_separate_processes(tmp_path):
+    """--jobs 2: every run of the grid trained once, in spawned processes, into one table."""
+    grid = Grid(batch_sizes=(4, 8), lrs=LRS, seeds=(0,), epochs=EPOCHS)
+    doc = record(TrainConfig(), None, grid, tmp_path / "t.json", trainer=curve_trainer, progress=False,
+                 jobs=2, threads=1)
+    on_disk = json.loads((tmp_path / "t.json").read_text())
+    assert sorted(r["key"] for r in on_disk["runs"]) == sorted(run_key(*r) for r in grid.runs())
+    assert Table(doc).final_mean(8, 1e-3) == pytest.approx(acc_curve(8, 1e-3, 0)[-1])
+
+
 def test_replay_cli_writes_the_ratios_and_the_picture(tmp_path, capsys):
     path = tmp_path / "table.json"
     path.write_text(json.dumps(make_doc()))
