@@ -58,7 +58,9 @@ def _runs(uri: str, experiment: str) -> dict[str, object]:
 def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     t = _tracker(uri, "statuses", path=str(tmp_path / "search-1"))
     t.setup()
-    done, stopped, oom, err = _trial("done"), _trial("stopped"), _trial("oom", batch_size=64), _trial("err")
+    # the searcher's lr as drawn; MLflow shows it to 3 significant digits, as trials.csv does
+    done, stopped, oom = _trial("done", lr=0.0010004321), _trial("stopped"), _trial("oom", batch_size=64)
+    err = _trial("err")
     for tr in (done, stopped, oom, err):
         t.on_trial_start(0, [], tr)
     for epoch in (1, 2):

@@ -27,6 +27,7 @@ of every trial in the experiment folder, and `reconcile` (at the end of the sear
 from __future__ import annotations
 
 import functools
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,7 @@ class MLflowTracker(RunWriter, Callback):
         run = c.create_run(self.experiment_id, tags=tags, run_name=name or trial_id)
         run_id = run.info.run_id
         self.child_runs[trial_id] = run_id
-        _log_params(c, run_id, {**self.child_params, **config})
+        _log_params(c, run_id, {**self.child_params, **shown_config(config)})
         return run_id
 
     def log_result(self, trial_id: str, result: dict[str, Any]) -> None:
@@ -335,6 +336,14 @@ def placement_tags(result: dict[str, Any]) -> dict[str, str]:
 
 def _q(text: str) -> str:
     return text.replace("'", "\\'")
+
+
+def shown_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's searched values as its MLflow params show them: floats (lr, weight decay) to 3
+    significant digits, as trials.csv and the console show them (0.000213, not 0.00021345678);
+    the exact values stay in the trial folder's params.json."""
+    return {k: float(f"{v:.3g}") if isinstance(v, float) and math.isfinite(v) else v
+            for k, v in config.items()}
 
 
 def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
