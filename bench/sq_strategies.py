@@ -67,6 +67,14 @@ def strategies() -> list[Strategy]:
         cand("n=12 start=3 multivariate", num_samples=12, random_start_trials=3, tpe="multivariate"),
         cand("n=12 start=3 rf=3", num_samples=12, random_start_trials=3, reduction_factor=3),
         cand("n=12 start=3 lr-sqrt", num_samples=12, random_start_trials=3, space__lr_scaling="sqrt"),
+        cand("n=10", num_samples=10),
+        cand("n=8 multivariate", num_samples=8, tpe="multivariate"),
+        cand("n=10 multivariate", num_samples=10, tpe="multivariate"),
+        cand("n=16 multivariate", num_samples=16, tpe="multivariate"),
+        cand("n=12 multivariate grace=2", num_samples=12, tpe="multivariate", grace_period=2),
+        cand("n=12 multivariate rf=3", num_samples=12, tpe="multivariate", reduction_factor=3),
+        cand("n=12 multivariate start=4", num_samples=12, tpe="multivariate", random_start_trials=4),
+        cand("n=12 multivariate lr-sqrt", num_samples=12, tpe="multivariate", space__lr_scaling="sqrt"),
     ]
 
 
