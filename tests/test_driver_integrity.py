@@ -3,6 +3,7 @@ a second driver stops before Ray starts, a stale lock is taken over, and a plant
 is refused before anything unpickles it."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -156,6 +157,35 @@ def test_signed_state_is_trusted_until_a_file_changes(tmp_path):
     assert oct(trust.key_path().stat().st_mode & 0o777) == "0o600"
     (exp / "t01" / "error.pkl").write_bytes(pickle.dumps(ValueError("y")))
     with pytest.raises(ConfigError, match=r"t01/error.pkl does not match its tag"):
+        trust.verify(str(exp))
+
+
+def test_state_saved_on_a_full_disk_is_signed_beside_the_key_and_trusted(tmp_path, monkeypatch):
+    """The disk under the state fills up: its tags cannot be written next to it, so they go to
+    the key's folder and the --resume the disk-full error asks for trusts the state as it is.
+    Once the folder takes writes again the tags move back next to the state."""
+    exp = tmp_path / "s"
+    _plant_state(exp)
+    trust.sign(str(exp))
+    written = trust._write_tags
+
+    def disk_full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trust, "_write_tags", disk_full)
+    (exp / "tuner.pkl").write_bytes(pickle.dumps({"saved": "after the disk filled"}))
+    trust.StateSigner(str(exp), period_s=3600).start().stop()   # the last signing, as the search ends
+    spare = trust.spare_tags_path(str(exp))
+    assert spare.is_file() and spare.parent.parent == trust.key_path().parent
+    assert not list(exp.glob(".vidtune-state.hmac.*.tmp"))  # no half-written temporary file left
+    trust.verify(str(exp))                                  # the new tuner.pkl is trusted
+
+    monkeypatch.setattr(trust, "_write_tags", written)      # space was freed
+    trust.sign(str(exp))
+    assert not spare.exists()
+    trust.verify(str(exp))
+    (exp / "tuner.pkl").write_bytes(pickle.dumps({"planted": True}))
+    with pytest.raises(ConfigError, match=r"tuner.pkl does not match its tag"):
         trust.verify(str(exp))
 
 

@@ -3,7 +3,8 @@
 Tune's restore unpickles the experiment's state (`tuner.pkl`, `experiment_state-*.json` with
 pickled trials inside, the searcher's `searcher-state-*.pkl`, ...) and each trial's `error.pkl`:
 a file someone else put there runs their code. Every such file gets an HMAC-SHA256 tag with a key
-that only this user can read (`key_path()`, mode 0600), kept in `TAGS_NAME` next to the state;
+that only this user can read (`key_path()`, mode 0600), kept in `TAGS_NAME` next to the state
+(or, while the state's disk is full, beside the key: `spare_tags_path`);
 the driver re-signs the files Tune rewrites while the search runs (`StateSigner`, a daemon
 thread: Tune has no hook after it saves its experiment state) and once more when it ends.
 `verify` refuses, before anything is unpickled, a file whose tag is missing or wrong.
@@ -93,18 +94,39 @@ def _read(fs, path: str) -> bytes:
         return f.readall()
 
 
-def read_tags(experiment_path: str) -> dict[str, list[str]]:
-    """{file: its accepted tags, newest last}: the last KEPT_TAGS versions this user's driver
-    signed (a file Tune saved is signed as it is saved, while its copy in the experiment folder
-    may still hold the version before)."""
-    fs, root = _fs(experiment_path)
+def spare_tags_path(experiment_path: str) -> Path:
+    """Where the tags go when they cannot be written next to the state (its disk is full): the
+    key's folder, one file per experiment path. Only this user can write there, like the key."""
+    where = experiment_path if "://" in experiment_path else os.path.abspath(experiment_path)
+    digest = hashlib.sha256(where.rstrip("/").encode()).hexdigest()[:24]
+    return key_path().parent / "tags" / f"{digest}.json"
+
+
+def _parse_tags(data: bytes) -> dict[str, list[str]]:
     try:
-        doc = json.loads(_read(fs, f"{root}/{TAGS_NAME}"))
-    except (OSError, ValueError):
+        doc = json.loads(data)
+    except ValueError:
         return {}
     if not isinstance(doc, dict):
         return {}
     return {str(k): [str(t) for t in (v if isinstance(v, list) else [v])] for k, v in doc.items()}
+
+
+def read_tags(experiment_path: str) -> dict[str, list[str]]:
+    """{file: its accepted tags, newest last}: the last KEPT_TAGS versions this user's driver
+    signed (a file Tune saved is signed as it is saved, while its copy in the experiment folder
+    may still hold the version before), from the tags file next to the state and the spare one
+    (`spare_tags_path`) a full disk left."""
+    fs, root = _fs(experiment_path)
+    tags: dict[str, list[str]] = {}
+    for read in (lambda: _read(fs, f"{root}/{TAGS_NAME}"), spare_tags_path(experiment_path).read_bytes):
+        try:
+            found = _parse_tags(read())
+        except OSError:
+            continue
+        for name, more in found.items():
+            tags[name] = [t for t in tags.get(name, []) if t not in more] + more
+    return tags
 
 
 def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | None = None,
@@ -127,14 +149,37 @@ def sign(experiment_path: str, names: Iterable[str] | None = None, key: bytes | 
     present = set(state_files(experiment_path)) | (set(state_files(source)) if source else set())
     tags = {k: v for k, v in tags.items() if k in present}
     data = (json.dumps(tags, indent=1, sort_keys=True) + "\n").encode()
+    spare = spare_tags_path(experiment_path)
+    try:
+        _write_tags(fs, root, experiment_path, data)
+    except OSError:
+        # A full disk under the state: keep the tags in the key's folder, so that the --resume the
+        # disk-full error asks for trusts the state without --trust-state.
+        _write_atomically(spare, data)
+    else:
+        spare.unlink(missing_ok=True)      # its tags are in the file next to the state now
+    return tags
+
+
+def _write_tags(fs: pyarrow.fs.FileSystem, root: str, experiment_path: str, data: bytes) -> None:
     if "://" in experiment_path:
         with fs.open_output_stream(f"{root}/{TAGS_NAME}") as f:
             f.write(data)
-    else:   # atomic: a driver killed mid-write must not leave every tag unreadable
-        tmp = Path(root) / f"{TAGS_NAME}.{os.getpid()}.tmp"
+    else:
+        _write_atomically(Path(root) / TAGS_NAME, data)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Through a temporary file and a rename: a driver killed mid-write must not leave every tag
+    unreadable. The temporary file is removed when the write fails (a full disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
         tmp.write_bytes(data)
-        os.replace(tmp, Path(root) / TAGS_NAME)
-    return tags
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def verify(experiment_path: str) -> None:
@@ -196,7 +241,7 @@ class StateSigner:
         self._thread.join(timeout=10)
         try:
             self.sign_changed()
-        except OSError as e:   # a full disk: the tags file cannot be written
+        except OSError as e:   # the tags could be written neither next to the state nor by the key
             print(f"note: the search's state at {self.experiment_path} could not be signed "
                   f"({e.strerror or e}); a --resume will name the file and ask for --trust-state",
                   file=sys.stderr, flush=True)
