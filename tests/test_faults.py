@@ -181,7 +181,7 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     log = tmp_path / "search.log"
-    epochs = 20                          # time to kill it mid-run: an epoch takes under a second here
+    epochs = 12                          # time to kill it mid-run: an epoch takes about a second here
     proc = _start(["--data", str(synthetic_root), *SMALL, "--num-samples", "1", "--epochs", str(epochs),
                    "--storage", str(storage), "--mlflow-uri", uri, "--name", "w"], tmp_path, log)
     # Epoch 3's folder: epochs 1 and 2 are surely registered with Train's checkpoint manager (a
