@@ -71,7 +71,8 @@ def test_search_end_to_end(synthetic_root, tmp_path):
     uri = f"sqlite:///{db}"
     parent, children = _runs(uri)
     assert parent.info.status == "FINISHED" and len(children) == 3
-    assert {"batch_sizes", "lr_min", "lr_max", "dataset", "model", "objective"} <= set(parent.data.params)
+    assert {"batch_sizes", "lr_min", "lr_max", "dataset", "model", "objective", "tpe", "early_stopping",
+            "random_start_trials"} <= set(parent.data.params)
     c = MlflowClient(uri)
     for run in children:
         assert run.info.status == "FINISHED"

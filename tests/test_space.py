@@ -10,6 +10,7 @@ from datasets.flags import build
 from tune import space
 from tune.options import SPECS, SearchOptions
 from tune.ray_internals import optuna_study
+from tune.runner import searcher_params
 
 PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}   # "epochs" -> "train.epochs"
 
@@ -127,3 +128,17 @@ def test_asha_only_when_it_can_work(kw, on):
         assert sched._max_t == opts.train.epochs and sched._time_attr == "epoch"
         # grace period 1, reduction factor 2: a trial may be stopped after epoch 1 and 2 of 3
         assert sorted(milestone for milestone, _ in sched._brackets[0]._rungs) == [1, 2]
+
+
+def test_the_parent_run_records_how_the_search_searched():
+    """tune.runner.searcher_params: the settings that make two searches differ, as MLflow params."""
+    default = searcher_params(_opts(num_samples=12))
+    assert default == {"tpe": "multivariate", "random_start_trials": 6, "early_stopping": "asha",
+                       "grace_period": 1, "reduction_factor": 2, "lr_scaling": "none", "time_budget": None,
+                       "warm_start": None}
+    other = searcher_params(_opts(num_samples=8, tpe="univariate", lr_scaling="sqrt", early_stop=False,
+                                  time_budget="2h"))
+    assert other["tpe"] == "univariate" and other["random_start_trials"] == 4
+    assert other["early_stopping"] == "off" and "grace_period" not in other
+    assert other["lr_scaling"] == "sqrt" and other["lr_reference_batch"] == 4   # the smallest batch
+    assert other["time_budget"] == "2h"

@@ -308,10 +308,27 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,
                        "num_samples": opts.num_samples, "seed": train.seed,
                        "workers_per_trial": res.workers_per_trial, "gpus_per_trial": gpus,
-                       "precision": train.precision},
+                       "precision": train.precision, **searcher_params(opts)},
         child_params={"precision": train.precision, "model": train.model, "workers": res.workers_per_trial,
                       "gpus": gpus, "dataset": plan.base.data.root, "epochs": train.epochs},
     )
+
+
+def searcher_params(opts: SearchOptions) -> dict[str, Any]:
+    """How the search searched, as the parent run's params, so that searches run with other
+    settings can be compared side by side in MLflow: the TPE kind and its random start, ASHA's
+    rules (or "off"), the lr scaling, the time budget and the warm start."""
+    asha = space.early_stopping_enabled(opts)
+    params: dict[str, Any] = {
+        "tpe": opts.tpe, "random_start_trials": space.random_start_trials(opts),
+        "early_stopping": "asha" if asha else "off", "lr_scaling": opts.space.lr_scaling,
+        "time_budget": opts.time_budget, "warm_start": opts.warm_start}
+    if asha:
+        params.update(grace_period=min(opts.grace_period, opts.train.epochs),
+                      reduction_factor=opts.reduction_factor)
+    if opts.space.lr_scaling != "none":
+        params["lr_reference_batch"] = space.reference_batch(opts.space)
+    return params
 
 
 def announce_mlflow(tracker: MLflowTracker) -> None:

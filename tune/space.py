@@ -103,12 +103,18 @@ class VidtuneOptunaSearch(OptunaSearch):
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
+def reference_batch(space: SearchSpace) -> int | None:
+    """The batch size a searched lr is meant for under `--lr-scaling`: `--lr-reference-batch`,
+    else the smallest searched batch size (None when there is none)."""
+    return space.lr_reference_batch or (min(space.batch_sizes) if space.batch_sizes else None)
+
+
 def trial_lr(space: SearchSpace, batch_size: int, lr: float) -> float:
     """The lr a trial of `batch_size` trains with, from the searched `lr` (`--lr-scaling`: meant
     for the reference batch, scaled by the batch ratio or its square root; `none`: as drawn)."""
     if space.lr_scaling == "none":
         return lr
-    reference = space.lr_reference_batch or min(space.batch_sizes or (batch_size,))
+    reference = reference_batch(space) or batch_size
     ratio = batch_size / reference
     return lr * (ratio if space.lr_scaling == "linear" else math.sqrt(ratio))
 
