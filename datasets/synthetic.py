@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -362,24 +363,22 @@ def _prepare_root(root: Path, overwrite: bool) -> None:
         p.mkdir(parents=True)
 
 
-def generate(out_dir: str | Path, *, videos: int = 200, seed: int = 0, fps: int = 15,
-             seconds: float = 3.0, size: int = 112, val_fraction: float = 0.2, avi_every: int = 5,
-             odd_name_every: int = 6, crf: int = 12, workers: int | None = None,
-             overwrite: bool = False) -> Path:
+def generate(out_dir: str | Path, *, workers: int | None = None, overwrite: bool = False,
+             **spec_fields: Any) -> Path:
     """Write the dataset under `out_dir` and return its root (the same path, as a Path).
 
-    See the module docstring for what the clips show; `SynthSpec` documents each option.
+    `spec_fields`: any of `SynthSpec`'s fields (videos, seed, fps, seconds, size, val_fraction,
+    avi_every, odd_name_every, crf; an unknown one is a TypeError); the others keep its
+    defaults, which live there only. See the module docstring for what the clips show.
     `workers` > 1 renders and encodes in that many processes (same files as with 1); None = one
     per CPU core (at most 4) for more than 8 videos, else 1.
     Raises DataError for unusable options or a non-empty output folder (without `overwrite`).
     """
-    spec = SynthSpec(videos=videos, seed=seed, fps=fps, seconds=seconds, size=size,
-                     val_fraction=val_fraction, avi_every=avi_every,
-                     odd_name_every=odd_name_every, crf=crf)
+    spec = SynthSpec(**spec_fields)
     _validate(spec)
     _check_bounds(WriteOptions(workers=workers, overwrite=overwrite), WRITE_FLAGS)
     if workers is None:
-        workers = min(os.cpu_count() or 1, 4) if videos > 8 else 1
+        workers = min(os.cpu_count() or 1, 4) if spec.videos > 8 else 1
     root = Path(out_dir)
     _prepare_root(root, overwrite)
     jobs = _plan(root, spec)

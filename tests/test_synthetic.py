@@ -1,6 +1,7 @@
 """The synthetic dataset generator: layout, determinism, learnable signal, encoding, errors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import decord
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from datasets.errors import DataError
-from datasets.synthetic import build_parser, generate, main, render_clip, write_video
+from datasets.synthetic import SynthSpec, build_parser, generate, main, render_clip, write_video
 
 TINY = dict(videos=4, fps=8, seconds=1.0, size=32)   # 4 clips x 8 frames x 32 px: well under a second
 
@@ -141,6 +142,17 @@ def test_bad_options_name_the_flag(tmp_path, kw, flag):
     with pytest.raises(DataError, match=flag.replace(".", r"\.")):
         generate(tmp_path / "e", **args)
     assert not (tmp_path / "e").exists()         # nothing written on a bad option
+
+
+def test_generate_defaults_are_synthspecs_and_an_unknown_option_is_refused(tmp_path):
+    root = generate(tmp_path / "d", **{**TINY, "crf": 20})
+    written = json.loads((root / "synthetic.json").read_text())
+    assert written["crf"] == 20 and written["fps"] == TINY["fps"]
+    defaults = SynthSpec()
+    assert written["avi_every"] == defaults.avi_every and written["odd_name_every"] == defaults.odd_name_every
+    with pytest.raises(TypeError, match="colour"):
+        generate(tmp_path / "x", colour="red", **TINY)
+    assert not (tmp_path / "x").exists()
 
 
 def test_output_path_that_is_a_file_is_refused(tmp_path):
