@@ -17,9 +17,7 @@ found usable only: a broken file cannot take the only validation place of a smal
 from __future__ import annotations
 
 import csv
-import hashlib
 import os
-import re
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -27,7 +25,9 @@ from pathlib import Path, PureWindowsPath
 
 from datasets.config import LAYOUT_CHOICES, DataConfig
 from datasets.errors import DataError
-from datasets.records import NON_VIOLENT, VIOLENT, VideoItem
+from datasets.labels import names_by_label, resolve_positive
+from datasets.records import VideoItem
+from datasets.splitting import stratified_split, unsplit
 
 LAYOUTS = LAYOUT_CHOICES
 VIDEO_EXTENSIONS = frozenset({".avi", ".mp4", ".mkv", ".mov", ".webm"})
@@ -37,13 +37,6 @@ MANIFEST_NAME = "manifest.csv"
 # Files vidtune writes into a dataset folder itself; never counted as skipped.
 OWN_FILE_PREFIX = ".vidtune-index"
 
-# Matched against the class name lower-cased with everything but letters and digits removed,
-# so "Non_Fight", "no fight" and "NonFight" all read "nonfight" / "nofight".
-_POSITIVE_STEMS = ("fight", "violen", "assault", "aggress", "abuse", "attack", "brawl", "riot",
-                   "shoot", "robber", "vandal", "punch", "weapon", "anomal", "abnormal")
-_NEGATIVE_PREFIXES = ("non", "not", "no")
-_NEGATIVE_NAMES = frozenset({"normal", "normalvideos", "neutral", "peaceful", "peace", "calm",
-                             "safe", "benign", "negative", "nonviolent", "nonviolence"})
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                   "validation": "val"}
 
@@ -245,8 +238,8 @@ def _discover_class_folders(root: Path, cfg: DataConfig) -> Discovery:
     classes = _two_classes(found, root, "class_folders", f"{root}/<class>/*.mp4")
     labels = resolve_positive(list(classes), cfg.positive_class, where=str(root))
     pairs = [(p, labels[name]) for name, paths in classes.items() for p in paths]
-    items = _unsplit(pairs, cfg, root=root, class_names=_class_names(labels))
-    return Discovery("class_folders", items, _class_names(labels), root, None, dict(skipped),
+    items = unsplit(pairs, cfg, root=root, class_names=names_by_label(labels))
+    return Discovery("class_folders", items, names_by_label(labels), root, None, dict(skipped),
                      val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
 
 
@@ -278,7 +271,7 @@ def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
     items = [VideoItem(p, by_lower[name.lower()], split)
              for split in ("train", "val") for name, paths in per_split[split].items() for p in paths]
     items.sort(key=lambda it: str(it.path))
-    return Discovery("rwf2000", items, _class_names(labels), root, None, dict(skipped))
+    return Discovery("rwf2000", items, names_by_label(labels), root, None, dict(skipped))
 
 
 def _two_classes(found: dict[str, list[Path]], where: Path, layout: str, tree: str) -> dict[str, list[Path]]:
@@ -336,13 +329,13 @@ def _discover_csv(manifest: Path, cfg: DataConfig) -> Discovery:
     labels = resolve_positive(names, positive, where=str(manifest))
     splits = {split for _, _, split in entries}
     if splits == {""}:
-        items = _unsplit([(p, labels[lab]) for p, lab, _ in entries], cfg, root=base,
-                         class_names=_class_names(labels))
-        return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped),
+        items = unsplit([(p, labels[lab]) for p, lab, _ in entries], cfg, root=base,
+                         class_names=names_by_label(labels))
+        return Discovery("csv", items, names_by_label(labels), base, manifest, dict(skipped),
                          val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
     items = sorted((VideoItem(p, labels[lab], split) for p, lab, split in entries),
                    key=lambda it: str(it.path))
-    return Discovery("csv", items, _class_names(labels), base, manifest, dict(skipped))
+    return Discovery("csv", items, names_by_label(labels), base, manifest, dict(skipped))
 
 
 def _read_manifest(manifest: Path) -> list[tuple[int, str, str, str]]:
@@ -385,99 +378,3 @@ def _manifest_path(base: Path, raw: str) -> Path:
     if "\\" in raw and os.sep == "/" and not (base / p).exists():
         p = Path(*PureWindowsPath(raw).parts)   # a manifest written on Windows
     return (p if p.is_absolute() else base / p).resolve()
-
-
-# ---------------------------------------------------------------------------------------------
-# labels and split
-
-def _norm(name: str) -> str:
-    return re.sub(r"[^0-9a-z]", "", name.lower())
-
-
-def is_negative_name(name: str) -> bool:
-    """True for names of the non-violent class: NonFight, NonViolence, no_fight, normal, ..."""
-    n = _norm(name)
-    if n in _NEGATIVE_NAMES:
-        return True
-    return any(n.startswith(pre) and n[len(pre):].startswith(_POSITIVE_STEMS) for pre in _NEGATIVE_PREFIXES)
-
-
-def is_positive_name(name: str) -> bool:
-    """True for names of the violent class: Fight, fights, Violence, violent, assault, ..."""
-    return _norm(name).startswith(_POSITIVE_STEMS) and not is_negative_name(name)
-
-
-def resolve_positive(names: list[str], positive_class: str | None, *, where: str) -> dict[str, int]:
-    """Map the two class names to labels (1 = violent) from `positive_class` or from the names."""
-    if positive_class is not None:
-        hits = [n for n in names if n == positive_class] or \
-               [n for n in names if n.lower() == positive_class.lower()]
-        if len(hits) != 1:
-            raise DataError(f"--positive-class {positive_class!r} is not one of the classes found in "
-                            f"{where}: {', '.join(repr(n) for n in sorted(names))}")
-        positive = hits[0]
-    else:
-        pos = [n for n in names if is_positive_name(n)]
-        neg = [n for n in names if is_negative_name(n)]
-        if len(pos) == 1:
-            positive = pos[0]
-        elif not pos and len(neg) == 1:
-            positive = next(n for n in names if n != neg[0])
-        else:
-            raise DataError(f"cannot tell which class is violent among the classes found in {where}: "
-                            f"{', '.join(repr(n) for n in sorted(names))}; pass --positive-class NAME "
-                            "(DataConfig.positive_class) naming the violent one")
-    return {n: (VIOLENT if n == positive else NON_VIOLENT) for n in names}
-
-
-def _class_names(labels: dict[str, int]) -> dict[int, str]:
-    return {lab: name for name, lab in sorted(labels.items(), key=lambda kv: -kv[1])}
-
-
-def _unsplit(pairs: list[tuple[Path, int]], cfg: DataConfig, *, root: Path,
-             class_names: dict[int, str]) -> list[VideoItem]:
-    """Items with the split still to draw (split ""), after the checks that need no probing."""
-    _check_split(pairs, val_fraction=cfg.val_fraction, root=root, class_names=class_names)
-    return sorted((VideoItem(p, lab, "") for p, lab in pairs), key=lambda it: str(it.path))
-
-
-def _check_split(pairs: list[tuple[Path, int]], *, val_fraction: float, root: Path,
-                 class_names: dict[int, str] | None) -> None:
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError("val_fraction (--val-fraction) must be between 0 and 1 (exclusive); "
-                        f"got {val_fraction}")
-    names = class_names or {}
-    for label in sorted(set(names) | {lab for _, lab in pairs}):
-        n = sum(lab == label for _, lab in pairs)
-        if n < 2:
-            raise DataError(f"class {names.get(label, label)!r} in {root} has only {n} video"
-                            f"{'' if n == 1 else 's'}; at least 2 are needed (one for training, one for "
-                            "validation)")
-
-
-def stratified_split(pairs: list[tuple[Path, int]], *, val_fraction: float, seed: int, root: Path,
-                     class_names: dict[int, str] | None = None) -> list[VideoItem]:
-    """Split (path, label) pairs into train/val with `val_fraction` of each class in val.
-
-    Deterministic for `seed`: each file is ranked by a hash of (seed, its path relative to
-    `root`), so the split does not depend on listing order or machine, and adding (or leaving
-    out) one file moves at most one other file between train and val. Every class (of `pairs`,
-    and of `class_names` when given) gets at least one video on each side, else DataError.
-    """
-    _check_split(pairs, val_fraction=val_fraction, root=root, class_names=class_names)
-    items: list[VideoItem] = []
-    for label in sorted({lab for _, lab in pairs}):
-        paths = [p for p, lab in pairs if lab == label]
-        ranked = sorted(paths, key=lambda p: _rank(seed, p, root))
-        n_val = min(max(1, round(len(paths) * val_fraction)), len(paths) - 1)
-        items += [VideoItem(p, label, "val") for p in ranked[:n_val]]
-        items += [VideoItem(p, label, "train") for p in ranked[n_val:]]
-    return sorted(items, key=lambda it: str(it.path))
-
-
-def _rank(seed: int, path: Path, root: Path) -> str:
-    try:
-        rel = path.relative_to(root).as_posix()
-    except ValueError:
-        rel = path.as_posix()
-    return hashlib.sha1(f"{seed}\0{rel}".encode()).hexdigest()

@@ -16,7 +16,8 @@ import datasets.index as index_mod
 from datasets.config import DataConfig
 from datasets.errors import DataError
 from datasets.index import build_index, main, run_pool
-from datasets.layouts import discover, stratified_split
+from datasets.layouts import discover
+from datasets.splitting import stratified_split
 
 GOOD_FRAMES = 12
 

@@ -11,7 +11,9 @@ import pytest
 
 from datasets.config import DataConfig
 from datasets.errors import DataError
-from datasets.layouts import discover, is_negative_name, is_positive_name, resolve_positive, stratified_split
+from datasets.labels import is_negative_name, is_positive_name, resolve_positive
+from datasets.layouts import discover
+from datasets.splitting import stratified_split
 
 
 def touch(path: Path, data: bytes = b"x") -> Path:
