@@ -57,11 +57,12 @@ from datasets.cache_layout import (
     update_sizes,
     write_entry,
 )
+from datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
 from datasets.config import CLIP_CACHE_FORMATS, DataConfig
 from datasets.decode import decode_jpeg_frames, read_frames
 from datasets.errors import DataError
 from datasets.flags import ConfigError, add_flags, flag_specs, option
-from datasets.index import add_dataset_arguments, build_index, dataset_config, progress_printer, read_options
+from datasets.index import build_index
 from datasets.records import VideoInfo
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from datasets.cli import read_options
 from datasets.config import DataConfig
 from datasets.flags import add_flags, flag_specs, join_negative_values, option
-from datasets.index import read_options
 from trainer import precision as prec
 from trainer.config import TrainConfig
 from trainer.loop import make_optimizer

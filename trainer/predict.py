@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from datasets.cli import read_options
 from datasets.decode import read_frames
 from datasets.errors import DataError
 from datasets.flags import ConfigError, add_flags, flag_specs, join_negative_values, option
-from datasets.index import read_options
 from datasets.probe import probe_video
 from datasets.transforms import ClipTransform
 from datasets.video import fitting_stride, sample_indices
