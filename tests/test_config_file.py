@@ -1,4 +1,4 @@
-"""datasets.flags.read_config_file, the one reader of both CLIs' --config: keys as the flags or
+"""datasets.config_file.read_config_file, the one reader of both CLIs' --config: keys as the flags or
 the fields' paths, tables, one negation rule, floats as YAML 1.2 reads them, errors naming the
 file and key."""
 from __future__ import annotations
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from datasets.flags import ConfigError, read_config_file
+from datasets.config_file import read_config_file
+from datasets.flags import ConfigError
 from trainer import train
 from trainer.config import TrainConfig
 from trainer.launch import TRAIN_FLAGS

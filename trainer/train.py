@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from datasets.config import DataConfig
+from datasets.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
 from datasets.errors import DataError
 from datasets.flags import (
-    CONFIG_SUFFIXES,
     ConfigError,
-    ConfigFile,
     FlagSpec,
     add_flags,
     build,
@@ -36,7 +35,6 @@ from datasets.flags import (
     flag_specs,
     join_negative_values,
     option,
-    read_config_file,
 )
 from datasets.index import VideoIndex, build_index
 from trainer.config import TrainConfig
@@ -107,7 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def load_config_file(path: str) -> ConfigFile:
-    """Read `--config` (`datasets.flags.read_config_file`): a search's best_config.json, whose
+    """Read `--config` (`datasets.config_file.read_config_file`): a search's best_config.json, whose
     "train_config" is read and the rest (the trial's row) kept as `about`; or a JSON/TOML/YAML
     file of options, keys as the flags (`batch-size`, `data` = the dataset path, `no-cache`) or
     as TrainConfig's fields (`grad_accum_steps`, a `data` table of DataConfig's). ConfigError

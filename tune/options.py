@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from datasets.config import DataConfig
+from datasets.config_file import ConfigFile, read_config_file
 from datasets.flags import (
     ConfigError,
-    ConfigFile,
     FlagSpec,
     add_flags,
     build,
@@ -36,7 +36,6 @@ from datasets.flags import (
     flag_specs,
     join_negative_values,
     option,
-    read_config_file,
 )
 from trainer.config import TrainConfig
 from trainer.gpus import simulated_gpus
@@ -267,7 +266,7 @@ SEARCHED_KEYS = {"batch-size": "batch-sizes", "batch_size": "batch-sizes", "lr":
 
 
 def load_config_file(path: str) -> ConfigFile:
-    """Read a `--config` file (TOML or YAML; `datasets.flags.read_config_file`, which says the
+    """Read a `--config` file (TOML or YAML; `datasets.config_file.read_config_file`, which says the
     keys and tables) of every option but `--config` itself. ConfigError naming the file and key."""
     return read_config_file(
         path, [s for s in SPECS if s.path != "config"], known=KNOWN_KEYS, flag=flag_of(SPECS, "config"),
