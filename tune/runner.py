@@ -324,8 +324,7 @@ def searcher_params(opts: SearchOptions) -> dict[str, Any]:
         "early_stopping": "asha" if asha else "off", "lr_scaling": opts.space.lr_scaling,
         "time_budget": opts.time_budget, "warm_start": opts.warm_start}
     if asha:
-        params.update(grace_period=min(opts.grace_period, opts.train.epochs),
-                      reduction_factor=opts.reduction_factor)
+        params.update(grace_period=space.grace_period(opts), reduction_factor=opts.reduction_factor)
     if opts.space.lr_scaling != "none":
         params["lr_reference_batch"] = space.reference_batch(opts.space)
     return params

@@ -157,6 +157,10 @@ def build_scheduler(opts: SearchOptions) -> ASHAScheduler | None:
     """ASHA on the per-epoch reports, or None (Tune's FIFO) when early stopping is off."""
     if not early_stopping_enabled(opts):
         return None
-    return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs,
-                         grace_period=min(opts.grace_period, opts.train.epochs),
+    return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs, grace_period=grace_period(opts),
                          reduction_factor=opts.reduction_factor)
+
+
+def grace_period(opts: SearchOptions) -> int:
+    """Epochs each trial runs before ASHA may stop it: `--grace-period`, at most `--epochs`."""
+    return min(opts.grace_period, opts.train.epochs)
