@@ -161,7 +161,8 @@ def _fixed(x: float | None, digits: int) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "nan"
 
 
-def _sig(x: float | None, digits: int = 3) -> str:
+def significant(x: float | None, digits: int = 3) -> str:
+    """`x` to `digits` significant digits as trials.csv writes it ("" for None, "nan" if not finite)."""
     if x is None:
         return ""
     return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
@@ -173,12 +174,13 @@ def csv_record(r: TrialRow, val_clips: int = 0) -> dict[str, str]:
     summary = summary_metrics(r, val_clips)
     return {
         "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
-        "lr": _sig(r.lr), "weight_decay": _sig(r.weight_decay),
+        "lr": significant(r.lr), "weight_decay": significant(r.weight_decay),
         **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
         "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
         "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
         "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
-        "epoch_time_s": _fixed(r.epoch_time_s, 2), "concurrent_trainings": _sig(r.concurrent_trainings),
+        "epoch_time_s": _fixed(r.epoch_time_s, 2),
+        "concurrent_trainings": significant(r.concurrent_trainings),
         "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
         "node_id": r.node_id or "", "gpu_ids": r.gpu_ids, "checkpoint": r.checkpoint or "",
     }

@@ -27,7 +27,6 @@ of every trial in the experiment folder, and `reconcile` (at the end of the sear
 from __future__ import annotations
 
 import functools
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ from tune.mlflow_schema import (
     numeric_metrics,
 )
 from tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
+from tune.tables import significant
 from tune.trial import short_name
 
 RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
@@ -342,8 +342,7 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
     """A trial's searched values as its MLflow params show them: floats (lr, weight decay) to 3
     significant digits, as trials.csv and the console show them (0.000213, not 0.00021345678);
     the exact values stay in the trial folder's params.json."""
-    return {k: float(f"{v:.3g}") if isinstance(v, float) and math.isfinite(v) else v
-            for k, v in config.items()}
+    return {k: significant(v) if isinstance(v, float) else v for k, v in config.items()}
 
 
 def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:
