@@ -221,17 +221,17 @@ def experiment_staging_path(trials: list[Trial]) -> str | None:
     return getattr(storage, "experiment_driver_staging_path", None) if storage is not None else None
 
 
-__all__ = [
-    "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
-    "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
-    "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial",
-    "optuna_study", "trial_states",
-    "worker_group_placement_group",
-]
-
-
 def restored_searcher(tuner: Any) -> Any:
     """The searcher a restored `tune.Tuner` carries (use 6), or None where this Ray keeps it
     elsewhere (the summary then just does not say that the budget ended the search)."""
     tune_config = getattr(getattr(tuner, "_local_tuner", None), "_tune_config", None)
     return getattr(tune_config, "search_alg", None)
+
+
+__all__ = [
+    "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
+    "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
+    "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial",
+    "optuna_study", "restored_searcher", "trial_states",
+    "worker_group_placement_group",
+]
