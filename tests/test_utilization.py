@@ -54,17 +54,18 @@ def test_a_grandchilds_cpu_time_is_this_process_trees():
     import sys
     import time
 
-    from trainer.utilization import process_tree_cpu_s
+    from trainer.utilization import process_tree_cpu, tree_cpu_since
 
     spin = "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c",
                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"])
     try:
-        before = process_tree_cpu_s()
+        before = process_tree_cpu()
         deadline = time.time() + 60
-        while process_tree_cpu_s() - before < 0.9 and time.time() < deadline:
+        while tree_cpu_since(before, process_tree_cpu()) < 0.9 and time.time() < deadline:
             time.sleep(0.1)
-        assert process_tree_cpu_s() - before >= 0.9      # the grandchild's second of CPU, while it lives
+        # the grandchild's second of CPU, while it lives
+        assert tree_cpu_since(before, process_tree_cpu()) >= 0.9
     finally:
         for process in psutil.Process(child.pid).children(recursive=True):
             process.kill()

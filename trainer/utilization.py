@@ -100,11 +100,6 @@ def process_tree_cpu(pid: int | None = None) -> dict[tuple[int, float], float]:
     return out
 
 
-def process_tree_cpu_s(pid: int | None = None) -> float:
-    """CPU seconds of process `pid` (default this one) and of every live descendant."""
-    return sum(process_tree_cpu(pid).values())
-
-
 def tree_cpu_since(before: dict[tuple[int, float], float], now: dict[tuple[int, float], float]) -> float:
     """CPU seconds the process tree used between two `process_tree_cpu` readings: each live
     process's growth, all of a new one's. A process that ended in between is left out (its time
