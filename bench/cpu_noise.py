@@ -95,10 +95,10 @@ class Training:
     def __init__(self, model: str, batch_size: int, steps: int):
         import torch  # heavy (seconds): --help and argument errors answer without torch
 
-        from datasets.transforms import ClipTransform  # imports torch: as above
-        from trainer.loop import make_optimizer, make_scheduler  # imports torch: as above
-        from trainer.models import build_model, get_spec  # imports torch: as above
-        from trainer.precision import choose_precision  # imports torch: as above
+        from vidtune.datasets.transforms import ClipTransform  # imports torch: as above
+        from vidtune.trainer.loop import make_optimizer, make_scheduler  # imports torch: as above
+        from vidtune.trainer.models import build_model, get_spec  # imports torch: as above
+        from vidtune.trainer.precision import choose_precision  # imports torch: as above
 
         spec = get_spec(model)
         g = torch.Generator().manual_seed(0)
@@ -115,7 +115,7 @@ class Training:
 
     def epoch(self) -> tuple[float, float]:
         """(wall s, this process's CPU s) of one pass over the clips."""
-        from trainer.loop import train_one_epoch  # imports torch (see Training.__init__)
+        from vidtune.trainer.loop import train_one_epoch  # imports torch (see Training.__init__)
 
         wall, cpu = time.perf_counter(), time.process_time()
         train_one_epoch(self.model, self.batches, transform=self.transform, optimizer=self.optimizer,

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from datasets.config import DataConfig
-from datasets.index import build_index
-from datasets.synthetic import generate
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
+from vidtune.datasets.synthetic import generate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,7 @@ def _time_dataset(ds, clips: int) -> tuple[float, float]:
 
 def _time_loader(ds, *, workers: int, batch_size: int, clips: int) -> tuple[float, float]:
     """(clips/s after the first batch, seconds to the first batch incl. worker start)."""
-    from datasets.video import build_loader  # imports torch: heavy (seconds), not for --help
+    from vidtune.datasets.video import build_loader  # imports torch: heavy (seconds), not for --help
 
     loader = build_loader(ds, batch_size=batch_size, train=True, num_workers=workers, pin_memory=False)
     done, first, t0, t1 = 0, 0.0, time.perf_counter(), 0.0
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def decode_table(args: argparse.Namespace, tmp: str) -> list[dict]:
     """The decode table (decord, no cache): rows per decode size, T and reader; prints it."""
-    from datasets.video import VideoClipDataset  # imports torch: heavy (seconds), not for --help
+    from vidtune.datasets.video import VideoClipDataset  # imports torch: heavy (seconds), not for --help
 
     root, videos = _videos(args, tmp)
     rows = []
@@ -230,7 +230,7 @@ def cache_table(args: argparse.Namespace, tmp: str) -> dict:
     the table, returns {"rows", "ratios", "disk", "settings"}."""
     import torch  # heavy (seconds): not for --help
 
-    from datasets.cache import resolve_format  # imports torch: as above
+    from vidtune.datasets.cache import resolve_format  # imports torch: as above
 
     # The format a search on this machine would store (auto: jpeg when training on a GPU, else raw).
     default = resolve_format(DataConfig().clip_cache_format, on_gpu=torch.cuda.is_available())
@@ -275,8 +275,8 @@ def _measure_corpus(args: argparse.Namespace, tmp: str, corpus: str, videos: lis
     each format's first reads (through a fresh FrameCache) and decord in `args.rounds`
     interleaved rounds (a change in the machine's load hits them all alike), each reporting its
     median round. Returns (readers by name, caches by format, rows)."""
-    from datasets.cache import FrameCache  # imports torch: heavy (seconds), not for --help
-    from datasets.video import VideoClipDataset  # imports torch: as above
+    from vidtune.datasets.cache import FrameCache  # imports torch: heavy (seconds), not for --help
+    from vidtune.datasets.video import VideoClipDataset  # imports torch: as above
 
     def dataset(cache=None, encoded=False):
         return VideoClipDataset(videos, num_frames=args.cache_frames, frame_stride=args.frame_stride,

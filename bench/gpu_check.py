@@ -6,7 +6,7 @@ says. It needs a CUDA device and refuses without one (exit 2).
   2. on this GPU, the two calls every Train worker makes before training: `choose_precision
      ("auto", device)` gives bf16 on sm 8.0+ (fp16 below) and `configure_backends(device)` turns
      cudnn.benchmark on. The workers report neither, so nothing in MLflow can show them;
-  3. a real 4-trial search on the GPU: `python tune/search.py --model mvit_v2_s --weights none
+  3. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
      --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
      MLflow store (SQLite), Ray storage and clip cache in the work folder;
   4. that store, read back with MlflowClient: every trial's child run FINISHED with all its
@@ -39,9 +39,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from bench.common import write_json
-from datasets.synthetic import generate
-from trainer.precision import choose_precision, configure_backends, default_device
-from tune.mlflow_schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
+from vidtune.datasets.synthetic import generate
+from vidtune.trainer.precision import choose_precision, configure_backends, default_device
+from vidtune.tune.mlflow_schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"

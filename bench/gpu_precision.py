@@ -42,21 +42,21 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.common import format_table, has_module, write_json
-from datasets.config import DataConfig
-from datasets.index import build_index
-from datasets.synthetic import generate
-from datasets.transforms import ClipTransform
-from datasets.video import VideoClipDataset, build_loader
-from trainer import precision as prec
-from trainer.loop import make_optimizer, train_one_epoch
-from trainer.models import (
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
+from vidtune.datasets.synthetic import generate
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.datasets.video import VideoClipDataset, build_loader
+from vidtune.trainer import precision as prec
+from vidtune.trainer.loop import make_optimizer, train_one_epoch
+from vidtune.trainer.models import (
     MODEL_NAMES,
     build_model,
     get_spec,
     prepare_input_transform,
     prepare_model_memory_format,
 )
-from trainer.precision import is_out_of_memory
+from vidtune.trainer.precision import is_out_of_memory
 
 # --max-seconds counts from the process's start: Python's start and torch's import are part of the run.
 STARTED = psutil.Process().create_time()
@@ -198,10 +198,10 @@ def make_corpus(tmp: Path, args: argparse.Namespace, spec: Any) -> Corpus:
     corpus = Corpus(videos=list(index.train) + list(index.val))
     notes = [f"{len(corpus.videos)} generated videos at {args.source_size} px "
              f"({time.perf_counter() - t0:.0f} s)"]
-    if args.cache_formats and not has_module("datasets.cache"):
+    if args.cache_formats and not has_module("vidtune.datasets.cache"):
         notes.append("no frame cache in this code (datasets/cache.py): cache rows skipped")
     elif args.cache_formats:
-        from datasets.cache import FrameCache, fill_cache  # optional: older checkouts lack it (above)
+        from vidtune.datasets.cache import FrameCache, fill_cache  # optional: older checkouts lack it (above)
 
         for fmt in args.cache_formats:
             t1 = time.perf_counter()

@@ -1,7 +1,7 @@
 """What Ray Tune + Train + MLflow cost around the same trainings: prints a side-by-side table.
 
 The same N trainings run twice on this machine, one after the other:
-  - search: `python tune/search.py` as a subprocess (Tune + Optuna + Train + MLflow into a
+  - search: `vidtune search` as a subprocess (Tune + Optuna + Train + MLflow into a
     temporary sqlite store and --storage), --no-early-stop, one batch size, --num-samples N;
   - plain: one Python process (also a subprocess, so both pay Python start and imports) running
     the project's own loop (`trainer.loop.train_one_epoch` / `evaluate`, data, model, optimiser
@@ -44,17 +44,25 @@ from mlflow.tracking import MlflowClient
 
 from bench.common import format_table, max_overlap, union_length, write_json
 from bench.cpu_usage import CpuSampler, CpuUsage
-from datasets.config import DataConfig
-from datasets.index import VideoIndex, build_index
-from datasets.synthetic import generate
-from trainer.config import TrainConfig
-from trainer.metrics import reduce_epoch
-from trainer.precision import default_device, is_cuda
-from trainer.run import TRAINED, Run, build_run, data_counts, place_model, run_epoch, save_run_checkpoint
-from tune.options import base_config, parse_options
-from tune.options import build_parser as search_parser
-from tune.runner import fill_clip_cache
-from tune.trial import trial_config
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.datasets.synthetic import generate
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.metrics import reduce_epoch
+from vidtune.trainer.precision import default_device, is_cuda
+from vidtune.trainer.run import (
+    TRAINED,
+    Run,
+    build_run,
+    data_counts,
+    place_model,
+    run_epoch,
+    save_run_checkpoint,
+)
+from vidtune.tune.options import base_config, parse_options
+from vidtune.tune.options import build_parser as search_parser
+from vidtune.tune.runner import fill_clip_cache
+from vidtune.tune.trial import trial_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -582,7 +590,7 @@ def run_sides(args: argparse.Namespace, preset: Preset, trials: int, epochs: int
                "checkpoint_s": statistics.mean(e["checkpoint_s"] for e in p_epochs)}
         search["trials"] = search_timeline(search["raw_trials"], search["spans"], est)
         search["overlap"] = side_summary(search["launch"], search["exit"], search["trials"])
-    command = "python tune/search.py " + " ".join(argv["search"]).replace(str(tmp), "TMP")
+    command = "vidtune search " + " ".join(argv["search"]).replace(str(tmp), "TMP")
     return {"plain": plain, "search": search, "data": data_line, "cache": cache_line, "load": load,
             "command": command, "trials": len(chosen)}
 

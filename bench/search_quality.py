@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("record", help="train the grid and write the learning-curve table")
-    r.add_argument("--data", required=True, help="dataset folder (e.g. from python -m datasets.synthetic)")
+    r.add_argument("--data", required=True, help="dataset folder (e.g. from vidtune synth)")
     r.add_argument("--model", default="tiny", help="model name (default tiny)")
     r.add_argument("--out", required=True, help="the table (JSON); an existing one is continued")
     r.add_argument("--batch-sizes", type=_ints, default=(4, 8), help="batch sizes (default 4,8)")

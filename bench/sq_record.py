@@ -27,13 +27,13 @@ import torch
 from tqdm import tqdm
 
 from bench.common import machine_facts
-from datasets.cache import FrameCache
-from datasets.cache_fill import fill_cache
-from datasets.index import VideoIndex, build_index
-from trainer.config import TrainConfig
-from trainer.metrics import reduce_epoch
-from trainer.models import get_spec
-from trainer.run import TRAINED, build_run, place_model, run_epoch
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.cache_fill import fill_cache
+from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.metrics import reduce_epoch
+from vidtune.trainer.models import get_spec
+from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
 
 TABLE_FORMAT = 1
 

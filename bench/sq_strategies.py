@@ -17,8 +17,8 @@ import optuna
 
 from bench.sq_replay import GridSearcher, Trace, replay
 from bench.sq_table import Table
-from tune.options import SearchOptions
-from tune.space import (
+from vidtune.tune.options import SearchOptions
+from vidtune.tune.space import (
     VidtuneOptunaSearch,
     build_scheduler,
     build_searcher,

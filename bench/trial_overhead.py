@@ -31,8 +31,8 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from trainer.launch import init_ray
-from tune.trial import DRIVER_CPUS
+from vidtune.trainer.launch import init_ray
+from vidtune.tune.trial import DRIVER_CPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,8 +25,8 @@ Budget (`max_gb`): before writing, the root is listed and an entry that would ta
 the budget is not written: that video is decoded with decord on every read, as without a cache.
 Writers that check at the same moment can each overshoot the budget by the entry they write.
 
-Fill before a search:  python -m datasets.cache ROOT --height 224 --width 224
-(or at a model's input size:  python -m trainer.fill_cache ROOT --model mvit_v2_s)
+Fill before a search:  python -m vidtune.datasets.cache ROOT --height 224 --width 224
+(or at a model's input size:  vidtune cache ROOT --model mvit_v2_s)
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datasets.cache_fill import fill_cache
-from datasets.cache_layout import (
+from vidtune.datasets.cache_fill import fill_cache
+from vidtune.datasets.cache_layout import (
     FORMATS,
     META_FILE,
     check_crc32,
@@ -57,13 +57,13 @@ from datasets.cache_layout import (
     update_sizes,
     write_entry,
 )
-from datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
-from datasets.config import CLIP_CACHE_FORMATS, DataConfig
-from datasets.decode import decode_jpeg_frames, read_frames
-from datasets.errors import DataError
-from datasets.flags import ConfigError, add_flags, flag_specs, option
-from datasets.index import build_index
-from datasets.records import VideoInfo
+from vidtune.datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
+from vidtune.datasets.config import CLIP_CACHE_FORMATS, DataConfig
+from vidtune.datasets.decode import decode_jpeg_frames, read_frames
+from vidtune.datasets.index import build_index
+from vidtune.datasets.records import VideoInfo
+from vidtune.errors import DataError
+from vidtune.flags import ConfigError, add_flags, flag_specs, option
 
 log = logging.getLogger(__name__)
 
@@ -278,8 +278,8 @@ class FrameCache:
 
 
 # ----------------------------------------------------------------------------------------- CLI
-PROG = "python -m datasets.cache"
-MODEL_CLI = "python -m trainer.fill_cache"     # the same CLI with --model looked up in trainer.models
+PROG = "python -m vidtune.datasets.cache"
+MODEL_CLI = "vidtune cache"     # the same CLI with --model looked up in trainer.models
 
 
 @dataclass(frozen=True)

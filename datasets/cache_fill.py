@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from datasets.errors import DataError
-from datasets.probe import run_pool
-from datasets.records import VideoInfo
+from vidtune.datasets.probe import run_pool
+from vidtune.datasets.records import VideoInfo
+from vidtune.errors import DataError
 
 
 class FillableCache(Protocol):

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from datasets.decode import encode_jpeg_frames, read_frames
-from datasets.errors import DataError
-from datasets.records import VideoInfo
+from vidtune.datasets.decode import encode_jpeg_frames, read_frames
+from vidtune.datasets.records import VideoInfo
+from vidtune.errors import DataError
 
 FORMAT_VERSION = 1                 # bump when the entry layout changes: old entries are no longer read
 FORMATS = ("jpeg", "raw")

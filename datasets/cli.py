@@ -1,4 +1,4 @@
-"""What the data CLIs share (`python -m datasets.index`, `python -m datasets.cache`, and the
+"""What the data CLIs share (`vidtune index`, `python -m vidtune.datasets.cache`, and the
 trainer's `predict` and `batch_probe`): the dataset's positional ROOT and layout flags, reading a
 CLI's own option dataclass from its parsed flags, and the progress line of a long pass."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, TextIO, TypeVar
 
 from tqdm import tqdm
 
-from datasets.config import DataConfig
-from datasets.flags import FlagSpec, add_flags, build, check_bounds, flag_specs
+from vidtune.datasets.config import DataConfig
+from vidtune.flags import FlagSpec, add_flags, build, check_bounds, flag_specs
 
 _PLAIN_EVERY_S = 2.0        # progress off a terminal: a line this often, not one per file
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """Typed configuration of the data layer (one frozen dataclass; a dict only at the Ray boundary).
 
-Each field is declared once with its flag, help and bounds (`datasets.flags.option`): the CLIs
-(`python -m trainer.train`, `python tune/search.py`, `python -m datasets.index`) and the search's
+Each field is declared once with its flag, help and bounds (`vidtune.flags.option`): the CLIs
+(`vidtune train`, `vidtune search`, `vidtune index`) and the search's
 config file are generated from these declarations.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from datasets.flags import option
+from vidtune.flags import option
 
 LAYOUT_CHOICES = ("auto", "rwf2000", "class_folders", "csv")
 
@@ -59,7 +59,7 @@ class DataConfig:
                               "read (no decode-once clip cache)")
     clip_cache_dir: str | None = option(None, flag="--cache-dir", metavar="DIR",
                                         help="node-local folder of the decode-once clip cache (default "
-                                        "~/.cache/vidtune/clips; python -m datasets.cache fills it ahead)")
+                                        "~/.cache/vidtune/clips; vidtune cache fills it ahead)")
     # RWF-2000 (300k frames) at 224 px takes ~4 GB as jpeg, 45 GB raw
     clip_cache_max_gb: float = option(50.0, flag="--cache-max-gb", metavar="GB", ge=0,
                                       help="clip cache disk budget; past it the rest is decoded on "

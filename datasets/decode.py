@@ -2,7 +2,7 @@
 
 Used by the clip Dataset (`datasets.video`), the clip cache (`datasets.cache`,
 `datasets.cache_layout`) and prediction (`trainer.predict`). Imports nothing of this project but
-`datasets.errors`, so every module above can import it at the top.
+`vidtune.errors`, so every module above can import it at the top.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torchvision.io import decode_jpeg, encode_jpeg
 
-from datasets.errors import DataError, decoder_reason
+from vidtune.errors import DataError, decoder_reason
 
 try:  # guarded: the module imports (and its errors explain) without decord installed
     import decord

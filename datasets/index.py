@@ -5,7 +5,7 @@
 interrupted in-process, so a stuck worker is killed and replaced), leaves out files that cannot
 be used (listed with the reason), and caches the probe results keyed by path, size and mtime.
 
-Check a dataset before a long search:  python -m datasets.index ROOT
+Check a dataset before a long search:  vidtune index ROOT
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
-from datasets.config import DataConfig
-from datasets.errors import DataError
-from datasets.flags import ConfigError, add_flags, flag_specs, option
-from datasets.layouts import OWN_FILE_PREFIX, discover
-from datasets.probe import probe_video, run_pool
-from datasets.records import DroppedVideo, VideoInfo
+from vidtune.datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.layouts import OWN_FILE_PREFIX, discover
+from vidtune.datasets.probe import probe_video, run_pool
+from vidtune.datasets.records import DroppedVideo, VideoInfo
+from vidtune.errors import DataError
+from vidtune.flags import ConfigError, add_flags, flag_specs, option
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ INDEX_CACHE_DIR_FLAG = tuple(s for s in flag_specs(DataConfig) if s.path == "cac
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m datasets.index",
+        prog="vidtune index",
         description="Find and check the videos of a dataset before a long search: prints the layout, "
                     "counts per split and class, and every file left out with the reason. Exits 1 "
                     "(with the reason) when the data cannot be used.")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from datasets.errors import DataError
-from datasets.records import NON_VIOLENT, VIOLENT
+from vidtune.datasets.records import NON_VIOLENT, VIOLENT
+from vidtune.errors import DataError
 
 # Matched against the class name lower-cased with everything but letters and digits removed,
 # so "Non_Fight", "no fight" and "NonFight" all read "nonfight" / "nofight".

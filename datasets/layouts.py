@@ -23,11 +23,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
 
-from datasets.config import LAYOUT_CHOICES, DataConfig
-from datasets.errors import DataError
-from datasets.labels import names_by_label, resolve_positive
-from datasets.records import VideoItem
-from datasets.splitting import stratified_split, unsplit
+from vidtune.datasets.config import LAYOUT_CHOICES, DataConfig
+from vidtune.datasets.labels import names_by_label, resolve_positive
+from vidtune.datasets.records import VideoItem
+from vidtune.datasets.splitting import stratified_split, unsplit
+from vidtune.errors import DataError
 
 LAYOUTS = LAYOUT_CHOICES
 VIDEO_EXTENSIONS = frozenset({".avi", ".mp4", ".mkv", ".mov", ".webm"})

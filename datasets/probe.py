@@ -18,7 +18,7 @@ from typing import Any
 import av
 import decord
 
-from datasets.errors import decoder_reason
+from vidtune.errors import decoder_reason
 
 log = logging.getLogger(__name__)
 

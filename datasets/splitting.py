@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from datasets.config import DataConfig
-from datasets.errors import DataError
-from datasets.records import VideoItem
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.records import VideoItem
+from vidtune.errors import DataError
 
 
 def unsplit(pairs: list[tuple[Path, int]], cfg: DataConfig, *, root: Path,

@@ -19,7 +19,7 @@ Files are H.264 ``.mp4`` (yuv420p, CRF 12 by default: near-lossless) and some ``
 The same seed gives the same frames (each video draws from its own ``(seed, index)`` stream,
 so the result also does not depend on ``workers``).
 
-CLI: ``python -m datasets.synthetic OUT --videos 200 [--seed 0 --fps 15 --seconds 3 --size 112]``.
+CLI: ``vidtune synth OUT --videos 200 [--seed 0 --fps 15 --seconds 3 --size 112]``.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from typing import Any
 import av
 import numpy as np
 
-from datasets.errors import DataError
-from datasets.flags import (
+from vidtune.errors import DataError
+from vidtune.flags import (
     ConfigError,
     FlagSpec,
     add_flags,
@@ -62,7 +62,7 @@ _ODD_NAMES = ("clip {i:03d} é", "caméra nº{i} (copie)", "監視 カメラ {i}
 @dataclass(frozen=True)
 class SynthSpec:
     """Everything that decides the generated files (written to ROOT/synthetic.json). Each field
-    is its CLI flag too (`datasets.flags.option`), bounds included."""
+    is its CLI flag too (`vidtune.flags.option`), bounds included."""
 
     # an odd count gives Fight the extra clip
     videos: int = option(200, flag="--videos", metavar="N", ge=4,
@@ -397,7 +397,7 @@ def generate(out_dir: str | Path, *, workers: int | None = None, overwrite: bool
 # ---------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m datasets.synthetic",
+        prog="vidtune synth",
         description="Write a small learnable violence-like dataset (RWF-2000 layout) of real video files.")
     p.add_argument("out", metavar="OUT", help="output folder (created; becomes the dataset root)")
     add_flags(p, SPEC_FLAGS, group_of=lambda s: "dataset", suppress=False)

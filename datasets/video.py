@@ -17,10 +17,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from datasets.cache import FrameCache
-from datasets.decode import decode_jpeg_frames, read_frames  # also imported from here: trainer.predict
-from datasets.errors import DataError
-from datasets.records import VideoInfo
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.decode import (  # also imported from here: trainer.predict
+    decode_jpeg_frames,
+    read_frames,
+)
+from vidtune.datasets.records import VideoInfo
+from vidtune.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class VideoClipDataset(Dataset):
         self.videos = list(videos)
         if not self.videos:
             raise DataError("VideoClipDataset got no videos; check the dataset folder and the index summary "
-                            "(python -m datasets.index ROOT)")
+                            "(vidtune index ROOT)")
         for name, value in (("num_frames", num_frames), ("frame_stride", frame_stride),
                             ("height", height), ("width", width)):
             if not isinstance(value, (int, np.integer)) or value < 1:
@@ -104,7 +107,7 @@ class VideoClipDataset(Dataset):
         bad = [v for v in self.videos if v.num_frames < 1]
         if bad:
             raise DataError(f"video {bad[0].path} has num_frames={bad[0].num_frames} in the index; "
-                            "rebuild the index (python -m datasets.index ROOT)")
+                            "rebuild the index (vidtune index ROOT)")
         self.num_frames, self.frame_stride = int(num_frames), int(frame_stride)
         self.height, self.width = int(height), int(width)
         self.train, self.seed = bool(train), int(seed)
@@ -200,7 +203,7 @@ class VideoClipDataset(Dataset):
         shown = "\n  ".join(errors[:10]) + more
         raise DataError(f"every video of class {label} failed to read ({len(errors)} files):\n  {shown}\n"
                         "The files changed or were removed after indexing; rebuild the index "
-                        "(python -m datasets.index ROOT) and check the disk.")
+                        "(vidtune index ROOT) and check the disk.")
 
     def __getstate__(self) -> dict:
         # Shared counters travel to DataLoader workers (inheritance at process start). Pickled in any

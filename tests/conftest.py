@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 @pytest.fixture(scope="session")
 def synthetic_root(tmp_path_factory) -> Path:
     """A small learnable RWF-2000-layout dataset of real encoded videos, made once per session."""
-    from datasets.synthetic import generate
+    from vidtune.datasets.synthetic import generate
 
     out = tmp_path_factory.mktemp("synthetic") / "rwf"
     return generate(out, videos=48, seed=0)
@@ -26,7 +26,7 @@ def ray_session():
     """One local Ray for the whole run (ray.init costs ~3 s; a second init in a process fails)."""
     import ray
 
-    from trainer.launch import init_ray
+    from vidtune.trainer.launch import init_ray
 
     init_ray(num_cpus=2)
     yield ray

@@ -1,13 +1,13 @@
-"""tune.uncertainty and tune.answer: Wilson intervals on known counts, the summary sentences."""
+"""vidtune.tune.uncertainty and tune.answer: Wilson intervals on known counts, the summary sentences."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from tune.answer import SearchedRange, answer_lines
-from tune.results import TrialRow
-from tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
+from vidtune.tune.answer import SearchedRange, answer_lines
+from vidtune.tune.results import TrialRow
+from vidtune.tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
 
 
 @pytest.mark.parametrize("correct, n, low, high", [

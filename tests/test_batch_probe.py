@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import batch_probe
-from trainer.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
+from vidtune.trainer import batch_probe
+from vidtune.trainer.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
 
 
 class FakeMemory:

@@ -15,9 +15,9 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from bench import gpu_check, gpu_precision
-from trainer import precision
-from trainer.models import build_model, get_spec
-from tune.options import parse_options
+from vidtune.trainer import precision
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.tune.options import parse_options
 
 # -- bench/gpu_check.py -----------------------------------------------------------------------------
 

@@ -9,10 +9,10 @@ from ray import tune
 from ray.tune.search import Searcher, SearchGenerator
 from ray.tune.search.optuna import OptunaSearch
 
-from datasets.flags import ConfigError
-from trainer.launch import init_ray
-from tune.budget import TimeBudget, format_duration, parse_duration
-from tune.ray_internals import optuna_study, restored_searcher
+from vidtune.flags import ConfigError
+from vidtune.trainer.launch import init_ray
+from vidtune.tune.budget import TimeBudget, format_duration, parse_duration
+from vidtune.tune.ray_internals import optuna_study, restored_searcher
 
 SPACE = {"batch_size": tune.choice([4, 8]), "lr": tune.loguniform(1e-4, 1e-2)}
 

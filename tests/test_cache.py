@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-import datasets.cache as cache_module
-from datasets.cache import FrameCache, default_root, fill_cache, main, resolve_format
-from datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
-from datasets.config import DataConfig
-from datasets.decode import read_frames
-from datasets.errors import DataError
-from datasets.records import VideoInfo
-from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips
-from trainer import fill_cache as fill_cache_cli
-from trainer.models import get_spec
+import vidtune.datasets.cache as cache_module
+from vidtune.datasets.cache import FrameCache, default_root, fill_cache, main, resolve_format
+from vidtune.datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.decode import read_frames
+from vidtune.datasets.records import VideoInfo
+from vidtune.datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips
+from vidtune.errors import DataError
+from vidtune.trainer import fill_cache as fill_cache_cli
+from vidtune.trainer.models import get_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZE = dict(height=32, width=32)
@@ -202,7 +202,7 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(videos, tmp_path, caplog
         with open(target, "r+b") as f:
             f.truncate(target.stat().st_size // 2)
     fresh = FrameCache(cache.root, format=fmt, max_gb=1)     # as another epoch's worker would
-    with caplog.at_level(logging.WARNING, logger="datasets.cache"):
+    with caplog.at_level(logging.WARNING, logger="vidtune.datasets.cache"):
         # encoded: a jpeg entry's bytes go to the device undecoded, so only the checksum stands guard
         frames, hit = fresh.read(v, [4, 8], encoded=True, **SIZE)
     assert not hit and np.array_equal(frames, good) and fresh.repairs == 1
@@ -242,7 +242,7 @@ def test_an_entry_without_a_checksum_is_written_again_once(videos, tmp_path, cap
     del meta["crc32"]                                            # as the version before checksums wrote it
     (entry / META_FILE).write_text(json.dumps(meta))
     fresh = FrameCache(cache.root, format="jpeg", max_gb=1)
-    with caplog.at_level(logging.WARNING, logger="datasets.cache"):
+    with caplog.at_level(logging.WARNING, logger="vidtune.datasets.cache"):
         frames, hit = fresh.read(v, [0, 5], **SIZE)
     assert not hit and np.array_equal(frames, good) and fresh.repairs == 0    # an upgrade, not damage
     assert "without a checksum" in caplog.text
@@ -255,7 +255,7 @@ def test_a_broken_video_is_replaced_by_a_same_class_clip_and_counted(videos, tmp
     ds = VideoClipDataset(videos, num_frames=4, frame_stride=2, train=False, cache=cache, **SIZE)
     expected, _ = ds[1]                                      # the next Fight video
     videos[0].path.write_bytes(b"\x00garbage" * 64)
-    with caplog.at_level(logging.WARNING, logger="datasets.video"):
+    with caplog.at_level(logging.WARNING, logger="vidtune.datasets.video"):
         clip, label = ds[0]
     assert label == 1 and torch.equal(clip, expected)
     assert ds.failures == 1 and str(videos[0].path) in caplog.text
@@ -368,7 +368,7 @@ def test_cli_model_needs_trainer_fill_cache_which_looks_it_up(tmp_path, capsys):
         main([*argv, "--model", "tiny"])
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert "python -m trainer.fill_cache --model tiny" in err and "--height" in err and "--width" in err
+    assert "vidtune cache --model tiny" in err and "--height" in err and "--width" in err
 
     asked = []
     assert main([*argv, "--model", "m"], clip_size_of=lambda name: asked.append(name) or (32, 32)) == 1
@@ -396,7 +396,7 @@ def test_cli_fills_the_cache_then_finds_it_filled(synthetic_root, tmp_path):
         (root / split / name).mkdir(parents=True)
         for src in sorted((synthetic_root / split / name).iterdir())[:2]:
             shutil.copy(src, root / split / name / src.name)
-    cmd = [sys.executable, "-m", "datasets.cache", str(root), "--height", "32", "--width", "32",
+    cmd = [sys.executable, "-m", "vidtune.datasets.cache", str(root), "--height", "32", "--width", "32",
            "--cache-dir", str(tmp_path / "clips"), "--workers", "2"]
     first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr

@@ -1,4 +1,4 @@
-"""datasets.config_file.read_config_file, the one reader of both CLIs' --config: keys as the flags or
+"""vidtune.config_file.read_config_file, the one reader of both CLIs' --config: keys as the flags or
 the fields' paths, tables, one negation rule, floats as YAML 1.2 reads them, errors naming the
 file and key."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from datasets.config_file import read_config_file
-from datasets.flags import ConfigError
-from trainer import train
-from trainer.config import TrainConfig
-from trainer.launch import TRAIN_FLAGS
-from tune.options import load_config_file, parse_options
+from vidtune.config_file import read_config_file
+from vidtune.flags import ConfigError
+from vidtune.trainer import train
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import TRAIN_FLAGS
+from vidtune.tune.options import load_config_file, parse_options
 
 
 def _read(path, **kw):

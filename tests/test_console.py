@@ -8,8 +8,8 @@ import io
 import math
 from types import SimpleNamespace
 
-from tune import console, faults, results, search_log, tables
-from tune.trial import short_lr, short_name
+from vidtune.tune import console, faults, results, search_log, tables
+from vidtune.tune.trial import short_lr, short_name
 
 
 def _trial(number: int, trial_id: str = "abc123", status: str = "RUNNING", **config):

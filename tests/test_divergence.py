@@ -1,4 +1,4 @@
-"""A run whose training loss becomes inf or NaN ends as DIVERGED: `python -m trainer.train` says
+"""A run whose training loss becomes inf or NaN ends as DIVERGED: `vidtune train` says
 so and exits 1, and the search's console says so. (The loop's check: tests/test_loop.py; the
 worker's report: tests/test_worker.py; the table, Optuna and MLflow: tests/test_report.py,
 tests/test_space.py, tests/test_tracking.py.)"""
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from tune import console
+from vidtune.tune import console
 
 
 def test_train_cli_says_why_a_run_has_no_result():
-    from trainer.train import failure_message, format_epoch
+    from vidtune.trainer.train import failure_message, format_epoch
 
     diverged = {"epoch": 2, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 9.5e5, "batch_size": 8}
     message = failure_message(diverged, lr=1e6)
@@ -43,10 +43,10 @@ def test_search_console_says_a_trial_diverged(capsys):
 
 @pytest.mark.slow
 def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, tmp_path, capsys):
-    """`python -m trainer.train --lr 1e6` prints the diverged epoch, says to lower --lr and exits
+    """`vidtune train --lr 1e6` prints the diverged epoch, says to lower --lr and exits
     1; it does not end on "training reported no checkpoint" (Train's result holds only reports
     that came with a checkpoint, so the worker's last report is read from the printer)."""
-    from trainer import train
+    from vidtune.trainer import train
 
     code = train.main(["--data", str(synthetic_root), "--epochs", "2", "--batch-size", "8",
                        "--precision", "fp32", "--model", "tiny", "--lr", "1e6", "--loader-workers", "0",
@@ -61,8 +61,8 @@ def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, t
 def test_a_search_without_a_usable_trial_says_why_and_what_to_change():
     from types import SimpleNamespace
 
-    from tune.options import parse_options
-    from tune.summary import no_usable_trial
+    from vidtune.tune.options import parse_options
+    from vidtune.tune.summary import no_usable_trial
 
     rows = [SimpleNamespace(status=s) for s in ("DIVERGED", "DIVERGED", "OOM")]
     line = no_usable_trial(parse_options(["--smoke-test"]), rows)

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from datasets.flags import ConfigError
-from tune import lock, preflight, runner, search, trust
-from tune.lock import LOCK_NAME, SearchLock
+from vidtune.flags import ConfigError
+from vidtune.tune import lock, preflight, runner, search, trust
+from vidtune.tune.lock import LOCK_NAME, SearchLock
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tune.mlflow_schema import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
+from vidtune.tune.mlflow_schema import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -91,7 +91,7 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_roo
     out = _finish(proc, log)
     assert proc.returncode == 130, out[-3000:]
     assert "SIGINT received" in out and "UNFINISHED" in out
-    assert "continue it with:\n  python tune/search.py --resume --name s" in out
+    assert "continue it with:\n  vidtune search --resume --name s" in out
     _, parent, children = _runs(uri)
     assert parent.info.status == "KILLED"
     assert children and all(r.info.status != "RUNNING" for r in children)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.lease import FOLLOW, LEAD, LeaseBook
+from vidtune.trainer.lease import FOLLOW, LEAD, LeaseBook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +29,8 @@ def test_roles_give_each_gpu_one_lead_before_any_trial_follows():
 # Run in a fresh process: it needs a Ray with 4 (simulated) GPUs, the test session's has none.
 PLACEMENT_SCRIPT = textwrap.dedent("""
     import json, ray
-    from trainer.lease import LeaseBook
-    from tune.trial import TrialResources
+    from vidtune.trainer.lease import LeaseBook
+    from vidtune.tune.trial import TrialResources
 
     ray.init(num_cpus=8, num_gpus=4, include_dashboard=False)
 
@@ -76,10 +76,10 @@ def test_ray_packs_half_gpus_but_leads_spread_over_every_gpu():
 TWO_WORKER_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray.train, torch.distributed as dist
-    from trainer.config import TrainConfig
-    from trainer.gpus import physical_gpu_ids, train_device
-    from trainer.launch import build_torch_trainer, init_ray
-    from trainer.lease import device_keys
+    from vidtune.trainer.config import TrainConfig
+    from vidtune.trainer.gpus import physical_gpu_ids, train_device
+    from vidtune.trainer.launch import build_torch_trainer, init_ray
+    from vidtune.trainer.lease import device_keys
 
     OUT = sys.argv[1]   # captured with `loop` (pickled by value: it is defined in __main__)
 

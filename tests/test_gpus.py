@@ -1,11 +1,11 @@
-"""trainer.gpus: simulated GPUs, and the device a worker that Ray gave a GPU trains on."""
+"""vidtune.trainer.gpus: simulated GPUs, and the device a worker that Ray gave a GPU trains on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from datasets.flags import ConfigError
-from trainer import gpus
+from vidtune.flags import ConfigError
+from vidtune.trainer import gpus
 
 
 def test_simulated_gpus_is_a_whole_number_or_refused_naming_the_variable(monkeypatch):

@@ -38,7 +38,7 @@ MODULES = module_files()
 
 def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
     """The project modules an import statement names (`from tune import report` names
-    tune.report; `from datasets.flags import option` names datasets.flags)."""
+    tune.report; `from vidtune.flags import option` names vidtune.flags)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     elif node.level or node.module is None:

@@ -12,12 +12,12 @@ import av
 import numpy as np
 import pytest
 
-import datasets.index as index_mod
-from datasets.config import DataConfig
-from datasets.errors import DataError
-from datasets.index import build_index, main, run_pool
-from datasets.layouts import discover
-from datasets.splitting import stratified_split
+import vidtune.datasets.index as index_mod
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index, main, run_pool
+from vidtune.datasets.layouts import discover
+from vidtune.datasets.splitting import stratified_split
+from vidtune.errors import DataError
 
 GOOD_FRAMES = 12
 

@@ -13,20 +13,20 @@ import ray.train
 import torch
 from mlflow.tracking import MlflowClient
 
-from trainer.checkpointing import (
+from vidtune.trainer.checkpointing import (
     CHECKSUM_FILE,
     FILE_NAME,
     checkpoint_problem,
     save_checkpoint,
     verify_checkpoint,
 )
-from trainer.history import write_history
-from trainer.loop import make_optimizer, make_scheduler
-from trainer.models import build_model, get_spec
-from trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
-from tune import console, faults, results
-from tune.mlflow_schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
-from tune.tracking import MLflowTracker
+from vidtune.trainer.history import write_history
+from vidtune.trainer.loop import make_optimizer, make_scheduler
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
+from vidtune.tune import console, faults, results
+from vidtune.tune.mlflow_schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
+from vidtune.tune.tracking import MLflowTracker
 
 
 def _save(directory: Path, epoch: int, val_acc: float = 0.5) -> Path:

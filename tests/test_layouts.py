@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from datasets.config import DataConfig
-from datasets.errors import DataError
-from datasets.labels import is_negative_name, is_positive_name, resolve_positive
-from datasets.layouts import discover
-from datasets.splitting import stratified_split
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.labels import is_negative_name, is_positive_name, resolve_positive
+from vidtune.datasets.layouts import discover
+from vidtune.datasets.splitting import stratified_split
+from vidtune.errors import DataError
 
 
 def touch(path: Path, data: bytes = b"x") -> Path:

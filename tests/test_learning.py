@@ -13,16 +13,16 @@ import random
 import pytest
 import torch
 
-from datasets.cache import FrameCache
-from datasets.config import DataConfig
-from datasets.index import build_index
-from datasets.synthetic import generate
-from datasets.transforms import ClipTransform
-from datasets.video import VideoClipDataset, build_loader
-from trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
-from trainer.metrics import classification_metrics
-from trainer.models import build_model, get_spec
-from trainer.precision import choose_precision
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
+from vidtune.datasets.synthetic import generate
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.datasets.video import VideoClipDataset, build_loader
+from vidtune.trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.metrics import classification_metrics
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.precision import choose_precision
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import time
 import pytest
 import ray
 
-from trainer.lease import LeaseBook, start_lease
+from vidtune.trainer.lease import LeaseBook, start_lease
 
 
 class FakeClock:

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import trainer.loop
-from datasets.transforms import ClipTransform
-from trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
-from trainer.models import build_model, get_spec
-from trainer.precision import choose_precision
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.precision import choose_precision
 
 MEAN, STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)
 FP32 = choose_precision("fp32", "cpu")
@@ -244,7 +243,7 @@ def test_data_wait_is_timed_apart_from_the_step(monkeypatch):
     time alone (read-ahead included, compute excluded), and the epoch is the sum of both."""
     clips, labels = _data(8)
     clock = _FakeClock()
-    monkeypatch.setattr(trainer.loop, "time", clock)
+    monkeypatch.setattr("vidtune.trainer.loop.time", clock)
 
     def slow_loader():
         for i in range(0, 8, 2):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer import precision
-from trainer.metrics import (
+from vidtune.trainer import precision
+from vidtune.trainer.metrics import (
     METRIC_KEYS,
     EpochStats,
     EvalOutputs,

@@ -92,8 +92,8 @@ def mlflow_server(tmp_path_factory):
 
 
 def test_unreachable_tracking_server_fails_before_ray_starts(tmp_path, monkeypatch, capsys):
-    from tune import runner
-    from tune.search import main
+    from vidtune.tune import runner
+    from vidtune.tune.search import main
 
     def no_ray(*args, **kwargs):
         raise AssertionError("the search started Ray although its tracking server is unreachable")
@@ -114,7 +114,7 @@ def test_search_records_runs_and_artifacts_through_the_server(mlflow_server, ray
                                                               tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    from tune.search import main
+    from vidtune.tune.search import main
 
     url, artifacts_dir = mlflow_server.wait_healthy(), mlflow_server.artifacts
     code = main([

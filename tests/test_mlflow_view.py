@@ -11,11 +11,11 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tune import mlflow_view
-from tune.mlflow_schema import OUTCOME_TAG
-from tune.mlflow_view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
-from tune.results import TrialRow
-from tune.tracking import MLflowTracker
+from vidtune.tune import mlflow_view
+from vidtune.tune.mlflow_schema import OUTCOME_TAG
+from vidtune.tune.mlflow_view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
+from vidtune.tune.results import TrialRow
+from vidtune.tune.tracking import MLflowTracker
 
 
 @pytest.fixture(scope="module")

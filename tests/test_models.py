@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torchvision.models.video.swin_transformer import SwinTransformer3d
 
-from trainer import models
-from trainer.models import (
+from vidtune.trainer import models
+from vidtune.trainer.models import (
     MODEL_NAMES,
     WeightsError,
     build_model,

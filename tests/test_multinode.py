@@ -159,7 +159,6 @@ def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_nod
 def test_trial_overhead_bench_refuses_bad_flags_before_starting_ray(argv, flag, monkeypatch):
     import importlib.util
 
-    import trainer.launch
 
     spec = importlib.util.spec_from_file_location("trial_overhead", REPO_ROOT / "bench" / "trial_overhead.py")
     trial_overhead = importlib.util.module_from_spec(spec)
@@ -168,7 +167,7 @@ def test_trial_overhead_bench_refuses_bad_flags_before_starting_ray(argv, flag, 
     def no_ray(*args, **kwargs):
         raise AssertionError("the bench started Ray despite a bad flag")
 
-    monkeypatch.setattr(trainer.launch, "init_ray", no_ray)
+    monkeypatch.setattr("vidtune.trainer.launch.init_ray", no_ray)
     with pytest.raises(SystemExit) as exc:
         trial_overhead.main(argv)
     assert flag in str(exc.value)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import precision
-from trainer.precision import PrecisionPolicy, choose_precision, configure_backends, decide_precision
+from vidtune.trainer import precision
+from vidtune.trainer.precision import PrecisionPolicy, choose_precision, configure_backends, decide_precision
 
 
 @pytest.mark.parametrize("requested, device_type, capability, expected", [

@@ -1,4 +1,4 @@
-"""trainer.predict: per-video and per-window violence probabilities from a checkpoint; a
+"""vidtune.trainer.predict: per-video and per-window violence probabilities from a checkpoint; a
 missing or damaged video is named, the others are still scored, the exit code says so."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import predict
-from trainer.checkpointing import save_checkpoint
-from trainer.config import TrainConfig
-from trainer.models import build_model, get_spec
+from vidtune.trainer import predict
+from vidtune.trainer.checkpointing import save_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.models import build_model, get_spec
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""tune.ray_internals: the one module allowed to touch Ray's private APIs, and its version check."""
+"""vidtune.tune.ray_internals: the one module allowed to touch Ray's private APIs, and its version check."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tune import ray_internals
+from vidtune.tune import ray_internals
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("datasets", "trainer", "tune", "bench")
@@ -165,7 +165,7 @@ def test_worker_group_placement_group_names_what_moved():
 
 
 def test_cleanup_recorder_is_a_train_worker_group_callback():
-    from tune import cleanup
+    from vidtune.tune import cleanup
 
     assert issubclass(cleanup.PlacementGroupRecorder, ray_internals.WorkerGroupCallback)
 

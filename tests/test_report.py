@@ -1,4 +1,4 @@
-"""tune.results and tune.plots: a trial's row takes its steady-state speed,
+"""vidtune.tune.results and tune.plots: a trial's row takes its steady-state speed,
 not its last (or first) epoch's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from tune import plot_drawing, plots, results, tables
+from vidtune.tune import plot_drawing, plots, results, tables
 
 
 def _result(epochs: list[dict], *, config=None, error=None):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tune import results, summary, tables
-from tune.uncertainty import wilson_interval
+from vidtune.tune import results, summary, tables
+from vidtune.tune.uncertainty import wilson_interval
 
 
 def _row(name: str, acc: float, speed: float, *, best_epoch: int = 2, status: str = "DONE",

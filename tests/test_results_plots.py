@@ -1,4 +1,4 @@
-"""tune.plots: the history plot (objective by trial in start order, best so far never going
+"""vidtune.tune.plots: the history plot (objective by trial in start order, best so far never going
 down, unusable trials at the bottom), readable log-lr ticks, the best trial ringed."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 from matplotlib.image import imread
 
-from tune import plots, results
+from vidtune.tune import plots, results
 
 
 def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8, lr: float = 1e-3) -> results.TrialRow:

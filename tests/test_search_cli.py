@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from datasets.config import DataConfig
-from datasets.flags import ConfigError
-from datasets.index import build_index
-from trainer import launch
-from trainer.config import TrainConfig
-from tune import demo, search
-from tune.options import SEARCHED, SMOKE_TEST, SearchOptions, base_config, build_parser, parse_options
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
+from vidtune.flags import ConfigError
+from vidtune.trainer import launch
+from vidtune.trainer.config import TrainConfig
+from vidtune.tune import demo, search
+from vidtune.tune.options import SEARCHED, SMOKE_TEST, SearchOptions, base_config, build_parser, parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,7 +70,7 @@ def test_training_options_reach_the_trials(tmp_path):
     assert (t.grad_accum_steps, t.channels_last, t.warmup_frac, t.label_smoothing, t.freeze_backbone_epochs,
             t.data.clip_cache, t.data.height, t.seed, t.cpu_threads) == \
         (2, True, 0.2, 0.1, 1, False, 64, 7, 3)
-    from tune.trial import trial_config  # imports Ray: only in the test that needs it
+    from vidtune.tune.trial import trial_config  # imports Ray: only in the test that needs it
 
     cfg = trial_config(base_config(opts), {"batch_size": 4, "lr": 1e-3})
     assert cfg.grad_accum_steps == 2 and cfg.batch_size == 4 and cfg.lr == 1e-3 and not cfg.data.clip_cache
@@ -196,7 +196,7 @@ def test_resume_needs_an_interrupted_search(capsys, synthetic_root, tmp_path):
 
 @pytest.mark.slow   # a search process by path (about 8 s)
 def test_dry_run_by_path_prints_the_resolved_configuration(synthetic_root, tmp_path):
-    """Run as `python tune/search.py` from another folder: the repository's `datasets` must win
+    """Run as `vidtune search` from another folder: the repository's `datasets` must win
     over Hugging Face's (installed too), and nothing starts."""
     out = subprocess.run(
         [sys.executable, str(REPO / "tune" / "search.py"), "--data", str(synthetic_root), "--dry-run",
@@ -277,7 +277,10 @@ def test_usage_error_names_its_flag():
 def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     """On the head of an autoscaling cluster, 0 GPUs at connect time is not an error when a
     worker node type can bring GPUs (cluster.yaml leaves resources for AWS to detect)."""
-    from tune.cluster import ClusterCapacity, read_node_types  # imports Ray: only in the test that needs it
+    from vidtune.tune.cluster import (  # imports Ray: only in the test that needs it
+        ClusterCapacity,
+        read_node_types,
+    )
 
     def may_add(cfg):
         return ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), read_node_types(cfg)).may_add_gpus

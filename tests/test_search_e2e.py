@@ -1,4 +1,4 @@
-"""The search end to end on the CPU: `python tune/search.py` as a user runs it (subprocess, its
+"""The search end to end on the CPU: `vidtune search` as a user runs it (subprocess, its
 own Ray), a driver killed mid-search and resumed, and ASHA stopping trials with their resources
 released at once."""
 from __future__ import annotations
@@ -18,9 +18,9 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from trainer import train
-from trainer.launch import validate_config
-from tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
+from vidtune.trainer import train
+from vidtune.trainer.launch import validate_config
+from vidtune.tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -132,7 +132,7 @@ def _check_the_mlflow_view_and_names(stdout: str, storage: Path, parent, childre
 
 
 def _check_the_best_trial_trains_again(tmp_path: Path, data: Path) -> None:
-    """`python -m trainer.train --config best_config.json` (the file the search wrote) gives the
+    """`vidtune train --config best_config.json` (the file the search wrote) gives the
     best trial's training config, valid as the CLI checks it before Ray; a flag overrides the file.
     (Training from a config is `test_train_cli`'s; here only the file the search wrote is new.)"""
     best_config = next((tmp_path / "vidtune-results").glob("*/best_config.json"))
@@ -311,8 +311,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     import ray.cloudpickle
     from ray.util.placement_group import placement_group_table
 
-    from tune import preflight, runner
-    from tune.options import parse_options
+    from vidtune.tune import preflight, runner
+    from vidtune.tune.options import parse_options
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"

@@ -15,8 +15,8 @@ from bench.sq_record import Grid, record, run_key
 from bench.sq_replay import GridSearcher, replay
 from bench.sq_strategies import Strategy, options_for, run_strategy
 from bench.sq_table import Table
-from trainer.config import TrainConfig
-from tune.space import build_scheduler, build_searcher, objective_for, param_space
+from vidtune.trainer.config import TrainConfig
+from vidtune.tune.space import build_scheduler, build_searcher, objective_for, param_space
 
 CHECKED_IN = Path(__file__).resolve().parents[1] / "bench" / "tables" / "tiny-synth480-lr11.json"
 LRS = (1e-4, 1e-3, 1e-2)

@@ -1,4 +1,4 @@
-"""`python tune/search.py` with VIDTUNE_SIMULATE_GPUS=4: placement, leases and recorded GPU ids as
+"""`vidtune search` with VIDTUNE_SIMULATE_GPUS=4: placement, leases and recorded GPU ids as
 on a 4-GPU machine, the trainings themselves on the CPU."""
 from __future__ import annotations
 

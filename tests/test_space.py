@@ -6,11 +6,11 @@ import optuna
 import pytest
 from ray.tune.search.sample import Categorical, Float, LogUniform
 
-from datasets.flags import build
-from tune import space
-from tune.options import SPECS, SearchOptions
-from tune.ray_internals import optuna_study
-from tune.runner import searcher_params
+from vidtune.flags import build
+from vidtune.tune import space
+from vidtune.tune.options import SPECS, SearchOptions
+from vidtune.tune.ray_internals import optuna_study
+from vidtune.tune.runner import searcher_params
 
 PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}   # "epochs" -> "train.epochs"
 
@@ -131,7 +131,7 @@ def test_asha_only_when_it_can_work(kw, on):
 
 
 def test_the_parent_run_records_how_the_search_searched():
-    """tune.runner.searcher_params: the settings that make two searches differ, as MLflow params."""
+    """vidtune.tune.runner.searcher_params: the settings that make two searches differ, as MLflow params."""
     default = searcher_params(_opts(num_samples=12))
     assert default == {"tpe": "multivariate", "random_start_trials": 6, "early_stopping": "asha",
                        "grace_period": 1, "reduction_factor": 2, "lr_scaling": "none", "time_budget": None,

@@ -8,8 +8,8 @@ import decord
 import numpy as np
 import pytest
 
-from datasets.errors import DataError
-from datasets.synthetic import SynthSpec, build_parser, generate, main, render_clip, write_video
+from vidtune.datasets.synthetic import SynthSpec, build_parser, generate, main, render_clip, write_video
+from vidtune.errors import DataError
 
 TINY = dict(videos=4, fps=8, seconds=1.0, size=32)   # 4 clips x 8 frames x 32 px: well under a second
 

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from datasets.flags import ConfigError
-from tune import mlflow_schema, mlflow_store
-from tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
-from tune.tracking import MLflowTracker
+from vidtune.flags import ConfigError
+from vidtune.tune import mlflow_schema, mlflow_store
+from vidtune.tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
+from vidtune.tune.tracking import MLflowTracker
 
 
 def _tracker(uri: str, experiment: str, path: str = "/results/search-1", epochs: int = 2) -> MLflowTracker:
@@ -182,7 +182,7 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     the same tags for a run whose live epochs MLflow missed."""
     import pandas as pd
 
-    from tune.results import row_from_result
+    from vidtune.tune.results import row_from_result
 
     t = _tracker(uri, "diverged", epochs=3)
     t.setup()

@@ -1,4 +1,4 @@
-"""trainer.train: bad input is refused before Ray starts (exit 2, the flag named); a real run
+"""vidtune.trainer.train: bad input is refused before Ray starts (exit 2, the flag named); a real run
 prints one line per epoch and the best checkpoint, which trainer.predict then uses."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from datasets.config import DataConfig
-from trainer import predict, train
-from trainer.config import TrainConfig
-from trainer.launch import TRAIN_FLAGS, ConfigError, validate_config
-from trainer.models import build_model
-from tune.options import build_parser as search_parser
+from vidtune.datasets.config import DataConfig
+from vidtune.trainer import predict, train
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import TRAIN_FLAGS, ConfigError, validate_config
+from vidtune.trainer.models import build_model
+from vidtune.tune.options import build_parser as search_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def test_cli_bad_input_exits_2_before_ray(tmp_path):
     and no Ray started (it would print Ray's banner and take seconds)."""
     env = {**os.environ, "PYTHONPATH": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--data", str(tmp_path), "--batch-size", "0"],
+        [sys.executable, "-m", "vidtune.trainer.train", "--data", str(tmp_path), "--batch-size", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "--batch-size" in proc.stderr and "got 0" in proc.stderr
@@ -158,7 +158,7 @@ def test_negative_values_reach_the_range_check(capsys, tmp_path):
 @pytest.mark.slow
 def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_session, synthetic_root, tmp_path,
                                                                        capsys):
-    """`python -m trainer.train` end to end (in-process, on the shared Ray): one line per epoch,
+    """`vidtune train` end to end (in-process, on the shared Ray): one line per epoch,
     the best checkpoint's path at the end; trainer.predict scores 2 videos with it and names a
     missing one."""
     code = train.main(["--data", str(synthetic_root), "--epochs", "1", "--batch-size", "8", "--precision",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from datasets.transforms import ClipTransform
+from vidtune.datasets.transforms import ClipTransform
 
 MEAN, STD = (0.45, 0.40, 0.35), (0.225, 0.25, 0.2)
 

@@ -1,12 +1,12 @@
-"""tune.trial.TrialResources: what a trial asks Ray for, so that the next trial can start beside a
+"""vidtune.tune.trial.TrialResources: what a trial asks Ray for, so that the next trial can start beside a
 training one while the device lease keeps the trainings apart."""
 from __future__ import annotations
 
-from tune.trial import TrialResources
+from vidtune.tune.trial import TrialResources
 
 
 def test_one_worker_gpu_trial_asks_ray_for_a_lead_or_follower_share():
-    from trainer.lease import FOLLOW, LEAD
+    from vidtune.trainer.lease import FOLLOW, LEAD
 
     whole = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=1.0)
     assert whole.overlaps and whole.trainings_per_gpu == 1       # the lease lets one train per GPU
@@ -33,8 +33,8 @@ def test_multi_worker_and_cpu_trials_ask_for_what_they_train_on():
 def test_trial_config_puts_the_sampled_values_in_and_keeps_the_rest():
     import pytest
 
-    from trainer.config import TrainConfig
-    from tune.trial import trial_config
+    from vidtune.trainer.config import TrainConfig
+    from vidtune.tune.trial import trial_config
 
     base = TrainConfig(epochs=5, grad_accum_steps=2, seed=7)
     cfg = trial_config(base, {"batch_size": 16.0, "lr": "0.001", "weight_decay": 0.01})
@@ -49,7 +49,7 @@ def test_trial_config_puts_the_sampled_values_in_and_keeps_the_rest():
 # -- fit_to_cluster: hardware defaults, refusals and trials at once -----------------------------
 
 def _opts(*argv):
-    from tune.options import parse_options
+    from vidtune.tune.options import parse_options
 
     return parse_options(["--smoke-test", *argv])
 
@@ -57,7 +57,7 @@ def _opts(*argv):
 def _fit(opts, *, cpus=2.0, gpus=0.0, cpu_nodes=1, node_types=()):
     """fit_to_cluster on `cpu_nodes` nodes sharing `cpus`, the GPUs all on the last one (the first
     node the head), and the autoscaler's `node_types`. Returns (options, concurrency, local_gpu)."""
-    from tune.cluster import ClusterCapacity, fit_to_cluster
+    from vidtune.tune.cluster import ClusterCapacity, fit_to_cluster
 
     nodes = tuple((cpus / cpu_nodes, gpus if i == cpu_nodes - 1 else 0.0) for i in range(cpu_nodes))
     fit = fit_to_cluster(opts, ClusterCapacity(nodes, nodes[0], tuple(node_types)))
@@ -106,7 +106,7 @@ def test_one_gpu_machine_is_local_mode_with_a_trial_starting_behind_the_training
 def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
     import pytest
 
-    from datasets.flags import ConfigError
+    from vidtune.flags import ConfigError
 
     with pytest.raises(ConfigError) as e:
         _fit(_opts("--gpus-per-trial", "2"), gpus=1.0)
@@ -118,7 +118,7 @@ def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
         _fit(_opts("--workers-per-trial", "3"))
     assert e.value.flag == "--workers-per-trial/--cpus-per-worker"
     # The head of an autoscaling cluster with GPU node types: 0 GPUs now is not an error.
-    from tune.cluster import NodeType
+    from vidtune.tune.cluster import NodeType
 
     opts, _, _ = _fit(_opts("--gpus-per-trial", "1", "--address", "auto"),
                       node_types=[NodeType("gpu", 8, None, 2)])
@@ -128,7 +128,7 @@ def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
 def test_fractional_gpus_per_worker_with_several_workers_are_refused_naming_the_flag():
     import pytest
 
-    from datasets.flags import ConfigError
+    from vidtune.flags import ConfigError
 
     with pytest.raises(ConfigError) as e:
         _opts("--workers-per-trial", "2", "--gpus-per-trial", "1")
@@ -147,7 +147,7 @@ def test_fractional_gpus_per_worker_with_several_workers_are_refused_naming_the_
 
 def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
     """The README's cluster: a 4-CPU head alone at first, up to 2 + 4 g5.2xlarge (8 CPUs, 1 GPU)."""
-    from tune.cluster import NodeType
+    from vidtune.tune.cluster import NodeType
 
     types = [NodeType("gpu_ondemand", 8, 1, 2), NodeType("gpu_spot", 8, 1, 4)]
     args = ("--address", "auto", "--num-samples", "20")
@@ -161,7 +161,7 @@ def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
     assert opts.resources.gpus_per_worker == 1.0
     _, overlapping, _ = _fit(_opts(*args, "--cpus-per-worker", "3.5"), cpus=4.0, node_types=types)
     assert overlapping == 12                                   # a lead and a follower per GPU node
-    from tune.cluster import ClusterCapacity, fit_to_cluster
+    from vidtune.tune.cluster import ClusterCapacity, fit_to_cluster
 
     alive = ((4.0, 0.0), (8.0, 1.0))                           # the head and one GPU node
     fit = fit_to_cluster(_opts(*args, "--cpus-per-worker", "7"), ClusterCapacity(alive, alive[0]))
@@ -171,7 +171,7 @@ def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
 
 
 def test_the_cluster_config_node_types_are_read_and_capped_by_max_workers(tmp_path):
-    from tune.cluster import NodeType, read_node_types
+    from vidtune.tune.cluster import NodeType, read_node_types
 
     cfg = tmp_path / "ray_bootstrap_config.yaml"
     assert read_node_types(cfg) == ()                          # not a cluster head
@@ -188,7 +188,7 @@ def test_the_cluster_config_node_types_are_read_and_capped_by_max_workers(tmp_pa
 
 
 def test_a_search_that_waits_for_gpu_nodes_says_so():
-    from tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, waiting_line
+    from vidtune.tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, waiting_line
 
     capacity = ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), (NodeType("gpu_spot", 8, 1, 4),))
     fit = fit_to_cluster(_opts("--address", "auto", "--num-samples", "8", "--cpus-per-worker", "3"), capacity)
@@ -202,8 +202,8 @@ def test_a_folder_or_weights_file_that_another_node_lacks_is_refused(tmp_path):
 
     import pytest
 
-    from datasets.flags import ConfigError
-    from tune.cluster import check_paths_on_every_node
+    from vidtune.flags import ConfigError
+    from vidtune.tune.cluster import check_paths_on_every_node
 
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"x")

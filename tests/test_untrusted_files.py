@@ -12,8 +12,8 @@ import zipfile
 import pytest
 import torch
 
-from trainer.checkpointing import FORMAT, CheckpointError, load_checkpoint
-from trainer.predict import Predictor
+from vidtune.trainer.checkpointing import FORMAT, CheckpointError, load_checkpoint
+from vidtune.trainer.predict import Predictor
 
 
 class _Payload:

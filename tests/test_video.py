@@ -15,13 +15,19 @@ import pytest
 import torch
 from torchvision.io import encode_jpeg
 
-from datasets.decode import read_frames
-from datasets.errors import DataError
-from datasets.flags import ConfigError
-from datasets.records import VideoInfo
-from datasets.synthetic import write_video
-from datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips, sample_indices
-from trainer.launch import check_batch_sizes
+from vidtune.datasets.decode import read_frames
+from vidtune.datasets.records import VideoInfo
+from vidtune.datasets.synthetic import write_video
+from vidtune.datasets.video import (
+    VideoClipDataset,
+    build_loader,
+    clips_to_device,
+    collate_clips,
+    sample_indices,
+)
+from vidtune.errors import DataError
+from vidtune.flags import ConfigError
+from vidtune.trainer.launch import check_batch_sizes
 
 SMALL = dict(num_frames=4, frame_stride=2, height=32, width=32)
 
@@ -164,7 +170,7 @@ def test_deleted_or_garbage_file_is_replaced_by_same_class_and_counted(small_cop
     ds = VideoClipDataset(small_copy, train=False, **SMALL)
     expected_for_0 = ds.read(1)                                   # the next Fight video
     small_copy[0].path.unlink()
-    with caplog.at_level(logging.WARNING, logger="datasets.video"):
+    with caplog.at_level(logging.WARNING, logger="vidtune.datasets.video"):
         clip, label = ds[0]
     assert label == 1 and torch.equal(clip, expected_for_0)
     assert ds.failures == 1
@@ -172,7 +178,7 @@ def test_deleted_or_garbage_file_is_replaced_by_same_class_and_counted(small_cop
 
     small_copy[3].path.write_bytes(b"\x00garbage" * 64)          # a NonFight file overwritten
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="datasets.video"):
+    with caplog.at_level(logging.WARNING, logger="vidtune.datasets.video"):
         clip, label = ds[3]
     assert label == 0 and torch.equal(clip, ds.read(4))
     assert ds.failures == 2 and str(small_copy[3].path) in caplog.text

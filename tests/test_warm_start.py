@@ -9,13 +9,13 @@ import optuna
 import pytest
 from ray.tune.search.optuna import OptunaSearch
 
-from datasets.flags import ConfigError
-from tune.options import SearchOptions, SearchSpace
-from tune.ray_internals import optuna_study
-from tune.results import TrialRow
-from tune.space import param_space
-from tune.tables import write_csv
-from tune.warm_start import load_warm_start
+from vidtune.flags import ConfigError
+from vidtune.tune.options import SearchOptions, SearchSpace
+from vidtune.tune.ray_internals import optuna_study
+from vidtune.tune.results import TrialRow
+from vidtune.tune.space import param_space
+from vidtune.tune.tables import write_csv
+from vidtune.tune.warm_start import load_warm_start
 
 SPACE = SearchSpace(batch_sizes=(4, 8), lr_min=1e-4, lr_max=3e-3)
 HEADER = "name,trial_id,status,batch_size,lr,weight_decay,best_val_acc,val_f1,best_epoch\n"

@@ -13,16 +13,21 @@ import torch
 from ray.util.queue import Queue
 from torch import nn
 
-from datasets.config import DataConfig
-from trainer import models
-from trainer.checkpointing import CheckpointError, load_checkpoint, restore_training_state, save_checkpoint
-from trainer.config import TrainConfig
-from trainer.launch import build_torch_trainer
-from trainer.loop import make_optimizer, make_scheduler
-from trainer.models import build_model, get_spec
-from trainer.precision import is_out_of_memory
-from trainer.run import ShardSampler
-from trainer.worker import METRIC_KEYS, train_loop_per_worker
+from vidtune.datasets.config import DataConfig
+from vidtune.trainer import models
+from vidtune.trainer.checkpointing import (
+    CheckpointError,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+)
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import build_torch_trainer
+from vidtune.trainer.loop import make_optimizer, make_scheduler
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.precision import is_out_of_memory
+from vidtune.trainer.run import ShardSampler
+from vidtune.trainer.worker import METRIC_KEYS, train_loop_per_worker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ fragmentation over many steps, other processes' CUDA contexts), so a size counts
 only when its step leaves HEADROOM (10%) of the device's memory free: its allocator's peak
 reserved memory stays <= 90% of the total. `probe_batch_size` says how much it used.
 
-CLI: `python -m trainer.batch_probe --model mvit_v2_s --precision auto`
+CLI: `vidtune batch-probe --model mvit_v2_s --precision auto`
 """
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from datasets.cli import read_options
-from datasets.config import DataConfig
-from datasets.flags import add_flags, flag_specs, join_negative_values, option
-from trainer import precision as prec
-from trainer.config import TrainConfig
-from trainer.loop import make_optimizer
-from trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec
-from trainer.precision import is_out_of_memory
-from trainer.run import input_transform
+from vidtune.datasets.cli import read_options
+from vidtune.datasets.config import DataConfig
+from vidtune.flags import add_flags, flag_specs, join_negative_values, option
+from vidtune.trainer import precision as prec
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.loop import make_optimizer
+from vidtune.trainer.models import MODEL_NAMES, build_model, check_input_size, get_spec
+from vidtune.trainer.precision import is_out_of_memory
+from vidtune.trainer.run import input_transform
 
 # Runs one step at that batch size and returns the peak share of the device's memory it used
 # (None: unknown, e.g. on the CPU); raises torch.OutOfMemoryError when it does not fit.
@@ -195,7 +195,7 @@ CLIP_FLAGS = tuple(s for s in flag_specs(DataConfig) if s.path in ("num_frames",
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.batch_probe",
+    p = argparse.ArgumentParser(prog="vidtune batch-probe",
                                 description="Print the largest per-device batch size whose training step "
                                 "fits in memory.")
     add_flags(p, PROBE_FLAGS + PRECISION_FLAG, group_of=lambda s: "probe", suppress=False)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models import load_error_detail, refused_pickle, unwrap
+from vidtune.trainer.models import load_error_detail, refused_pickle, unwrap
 
 FILE_NAME = "checkpoint.pt"
 CHECKSUM_FILE = "checksums.json"

@@ -1,8 +1,8 @@
 """Typed configuration of one training run (a trial). Turned into a dict only at the Ray boundary:
 `TorchTrainer(train_loop_config=cfg.to_dict())`, and back with `TrainConfig.from_dict`.
 
-Each field is declared once with its flag, help and bounds (`datasets.flags.option`); both
-`python -m trainer.train` and `python tune/search.py` generate their training flags from it, so
+Each field is declared once with its flag, help and bounds (`vidtune.flags.option`); both
+`vidtune train` and `vidtune search` generate their training flags from it, so
 every training option is reachable from the search under the same flag name.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from datasets.config import DataConfig
-from datasets.flags import option
+from vidtune.datasets.config import DataConfig
+from vidtune.flags import option
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 MODEL_CHOICES_HELP = "tiny (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from datasets.flags import ConfigError
+from vidtune.flags import ConfigError
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,4 @@
-"""Driver-side launch helpers: start Ray so workers import this project, check a config before
+"""Driver-side launch helpers: start or join Ray, check a config before
 any worker starts, and build the Ray Train `TorchTrainer` of one training run.
 
 Used by `trainer.train` (one run), `tune.search` (one trainer per trial) and the tests.
@@ -11,12 +11,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from datasets.flags import ConfigError, check_bounds, flag_specs
-from datasets.index import VideoIndex
-from trainer.config import PRECISIONS, TrainConfig
-from trainer.gpus import SIMULATE_ENV, simulated_gpus
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from vidtune.datasets.index import VideoIndex
+from vidtune.flags import ConfigError, check_bounds, flag_specs
+from vidtune.trainer.config import PRECISIONS, TrainConfig
+from vidtune.trainer.gpus import SIMULATE_ENV, simulated_gpus
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on a poll,
 # so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver ->
@@ -36,28 +34,24 @@ __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", 
 
 
 def worker_env_vars() -> dict[str, str]:
-    """Environment of every Ray worker process: the repository root first on PYTHONPATH.
+    """Environment every Ray worker process gets from this driver: today only the simulated-GPU
+    count of a CPU test run (`vidtune.trainer.gpus`).
 
-    Ray workers start in a temporary folder, so without this `import datasets` would find
-    Hugging Face's package (installed too) instead of this project's.
+    The code itself is not shipped: workers import the installed `vidtune` package of their node
+    (on this machine, the driver's own interpreter and site-packages; on a cluster, what
+    `cluster.yaml`'s setup installed on every node).
     """
-    existing = os.environ.get("PYTHONPATH", "")
-    parts = [str(REPO_ROOT)] + [p for p in existing.split(os.pathsep) if p and p != str(REPO_ROOT)]
-    env = {"PYTHONPATH": os.pathsep.join(parts)}
-    if simulated_gpus():   # the workers train on the CPU on the GPUs Ray gives them (trainer.gpus)
-        env[SIMULATE_ENV] = os.environ[SIMULATE_ENV]
-    return env
+    return {SIMULATE_ENV: os.environ[SIMULATE_ENV]} if simulated_gpus() else {}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any) -> bool:
-    """Start (or connect to) Ray with this repository on the workers' PYTHONPATH.
+    """Start (or connect to) Ray.
 
     A no-op when Ray is already initialised in this process (tests share one session).
-    `address`: None starts a local Ray, "auto" or "ray://host:10001" joins a cluster (there the
-    repository must sit at the same path on every node, as `cluster.yaml` arranges).
-    Extra keyword arguments go to `ray.init`; a `runtime_env` given there is merged (its
-    env_vars win except PYTHONPATH, which gets the repository root prepended). A local Ray gets
-    VIDTUNE_SIMULATE_GPUS GPUs when that is set (`trainer.gpus`).
+    `address`: None starts a local Ray, "auto" or "ray://host:10001" joins a cluster, whose nodes
+    must have vidtune installed (`cluster.yaml`'s setup does it). Extra keyword arguments go to
+    `ray.init`; a `runtime_env` given there is merged with `worker_env_vars()` (its own env_vars
+    win). A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`).
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
@@ -70,13 +64,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
         if simulated_gpus():
             kw["num_gpus"] = simulated_gpus()
     runtime_env = dict(kw.pop("runtime_env", None) or {})
-    env_vars = dict(runtime_env.get("env_vars") or {})
-    ours = worker_env_vars()
-    if "PYTHONPATH" in env_vars:
-        ours["PYTHONPATH"] = os.pathsep.join([ours["PYTHONPATH"], env_vars["PYTHONPATH"]])
-    env_vars.update(ours)
-    runtime_env["env_vars"] = env_vars
-    ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env, **kw)
+    env_vars = {**worker_env_vars(), **(runtime_env.get("env_vars") or {})}
+    if env_vars:
+        runtime_env["env_vars"] = env_vars
+    ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
     return True
 
 
@@ -98,7 +89,7 @@ def validate_config(cfg: TrainConfig) -> None:
     """
     check_bounds(cfg, TRAIN_FLAGS)
     _check_data(cfg)
-    from trainer.models import MODEL_NAMES  # imports torch + torchvision: seconds, so checked last
+    from vidtune.trainer.models import MODEL_NAMES  # imports torch + torchvision: seconds, so checked last
 
     if cfg.model not in MODEL_NAMES:
         raise ConfigError("--model", f"unknown model {cfg.model!r}; choose one of {', '.join(MODEL_NAMES)}")
@@ -163,7 +154,10 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 def _check_clip_size(cfg: TrainConfig) -> None:
-    from trainer.models import check_input_size, get_spec  # heavy: torch + torchvision, as in validate_config
+    from vidtune.trainer.models import (  # heavy: torch + torchvision, as in validate_config
+        check_input_size,
+        get_spec,
+    )
 
     spec, d = get_spec(cfg.model), cfg.data
     num_frames, height, width = (d.num_frames or spec.num_frames, d.height or spec.height,
@@ -177,7 +171,10 @@ def _check_clip_size(cfg: TrainConfig) -> None:
 
 
 def _check_weights_file(model_name: str, path: Path) -> None:
-    from trainer.models import WeightsError, build_model  # heavy: torch + torchvision, as in validate_config
+    from vidtune.trainer.models import (  # heavy: torch + torchvision, as in validate_config
+        WeightsError,
+        build_model,
+    )
 
     if not path.is_file():
         raise ConfigError(
@@ -224,8 +221,8 @@ def build_torch_trainer(
     import ray.train  # heavy: only once a run is built, not for the CLIs' --help or a bad flag
     from ray.train.torch import TorchConfig, TorchTrainer  # heavy: as ray.train
 
-    from trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
-    from trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
+    from vidtune.trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
+    from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
 
     run_config = ray.train.RunConfig(
         name=name,

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from trainer.gpus import physical_gpu_ids
+from vidtune.trainer.gpus import physical_gpu_ids
 
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
 LEAD, FOLLOW = "lead", "follow"       # a trial's GPU role (LeaseBook.take_role)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from datasets.video import clips_to_device
-from trainer import precision
-from trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
-from trainer.precision import PrecisionPolicy
+from vidtune.datasets.video import clips_to_device
+from vidtune.trainer import precision
+from vidtune.trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
+from vidtune.trainer.precision import PrecisionPolicy
 
 # Optimizer steps between two reads of the running loss. Each read is a CPU-GPU sync point (the
 # GPU idles while the next step is queued) plus a one-float all-reduce under DDP, so it is not

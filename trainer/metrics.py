@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import precision
+from vidtune.trainer import precision
 
 METRIC_KEYS = ("train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
                "clips_per_s", "compute_clips_per_s", "epoch_time_s", "data_wait_frac")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.config import PRECISIONS  # one list, beside the --precision flag
+from vidtune.trainer.config import PRECISIONS  # one list, beside the --precision flag
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _CUDA = "cuda"

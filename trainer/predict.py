@@ -1,6 +1,6 @@
 """Violence probability of videos with a trained checkpoint, on the CPU or a GPU, without Ray.
 
-    python -m trainer.predict --checkpoint PATH VIDEO [VIDEO ...]
+    vidtune predict --checkpoint PATH VIDEO [VIDEO ...]
 
 The model sees fixed-length clips (`num_frames` frames, every `frame_stride`-th), so a video
 longer than one clip is scored window by window: the clip window slides over the video every
@@ -21,17 +21,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from datasets.cli import read_options
-from datasets.decode import read_frames
-from datasets.errors import DataError
-from datasets.flags import ConfigError, add_flags, flag_specs, join_negative_values, option
-from datasets.probe import probe_video
-from datasets.transforms import ClipTransform
-from datasets.video import fitting_stride, sample_indices
-from trainer.checkpointing import CheckpointError, load_checkpoint
-from trainer.config import TrainConfig
-from trainer.models import build_model, get_spec
-from trainer.precision import choose_precision, default_device
+from vidtune.datasets.cli import read_options
+from vidtune.datasets.decode import read_frames
+from vidtune.datasets.probe import probe_video
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.datasets.video import fitting_stride, sample_indices
+from vidtune.errors import DataError
+from vidtune.flags import ConfigError, add_flags, flag_specs, join_negative_values, option
+from vidtune.trainer.checkpointing import CheckpointError, load_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.precision import choose_precision, default_device
 
 
 class VideoReadError(RuntimeError):
@@ -147,7 +147,7 @@ PRECISION_FLAG = tuple(s for s in flag_specs(TrainConfig) if s.path == "precisio
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.predict", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vidtune predict", description=__doc__.split("\n\n")[0])
     p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files to score")
     add_flags(p, PREDICT_FLAGS + PRECISION_FLAG, group_of=lambda s: "prediction", suppress=False)
     return p

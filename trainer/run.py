@@ -29,15 +29,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from datasets.cache import FrameCache
-from datasets.index import VideoIndex
-from datasets.transforms import ClipTransform
-from datasets.video import VideoClipDataset, build_loader
-from trainer.checkpointing import restore_training_state, save_checkpoint
-from trainer.config import TrainConfig
-from trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
-from trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
-from trainer.models import (
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.index import VideoIndex
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.datasets.video import VideoClipDataset, build_loader
+from vidtune.trainer.checkpointing import restore_training_state, save_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
+from vidtune.trainer.models import (
     ModelSpec,
     build_model,
     get_spec,
@@ -47,7 +47,7 @@ from trainer.models import (
     set_backbone_trainable,
     unwrap,
 )
-from trainer.precision import (
+from vidtune.trainer.precision import (
     PrecisionPolicy,
     choose_precision,
     configure_backends,

@@ -1,10 +1,10 @@
 """One fine-tuning run without a search, on Ray Train (one or more workers, GPUs when present).
 
-    python -m trainer.train --data DIR --model tiny --epochs 3 --batch-size 8 --lr 3e-4
-    python -m trainer.train --config best_config.json --epochs 10    # retrain a search's best trial
+    vidtune train --data DIR --model tiny --epochs 3 --batch-size 8 --lr 3e-4
+    vidtune train --config best_config.json --epochs 10    # retrain a search's best trial
 
 Prints one line per epoch as it ends and, at the end, the best checkpoint (by val_acc), which
-`python -m trainer.predict --checkpoint PATH VIDEO...` uses. Rerunning with the same --name and
+`vidtune predict --checkpoint PATH VIDEO...` uses. Rerunning with the same --name and
 --storage resumes after the last finished epoch. `--config` reads a search's best_config.json
 (its "train_config") or a TOML/YAML file of options, keys as the flags; flags given override it.
 Exit codes: 0 done, 1 training failed, ran out of memory or diverged (its loss became inf or
@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from datasets.config import DataConfig
-from datasets.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
-from datasets.errors import DataError
-from datasets.flags import (
+from vidtune.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.errors import DataError
+from vidtune.flags import (
     ConfigError,
     FlagSpec,
     add_flags,
@@ -36,9 +37,8 @@ from datasets.flags import (
     join_negative_values,
     option,
 )
-from datasets.index import VideoIndex, build_index
-from trainer.config import TrainConfig
-from trainer.launch import (
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import (
     TRAIN_FLAGS,
     build_torch_trainer,
     check_batch_sizes,
@@ -53,7 +53,7 @@ GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What `python -m trainer.train` takes besides the `TrainConfig`: its config file and where
+    """What `vidtune train` takes besides the `TrainConfig`: its config file and where
     the run goes. None: decided when Ray is up (GPUs) or named by Ray (storage, name)."""
 
     config: str | None = option(None, flag="--config", metavar="FILE",
@@ -82,7 +82,7 @@ ALL_FLAGS = TRAIN_FLAGS + RUN_FLAGS
 # (to_dict() field names, the data's in a nested "data" table) in "train_config", the rest of it
 # being the trial's row, which is described at start, not read.
 DOCUMENT_TABLE = "train_config"
-KNOWN_KEYS = ("known: the flags of `python -m trainer.train --help` without their dashes (batch-size or "
+KNOWN_KEYS = ("known: the flags of `vidtune train --help` without their dashes (batch-size or "
               "batch_size, no-cache), or TrainConfig's fields as a search's best_config.json writes them in "
               "its train_config (the data's in a \"data\" table)")
 BEST_CONFIG_HINT = ("a search's best_config.json needs its \"train_config\" (written by searches since it "
@@ -93,7 +93,7 @@ SEARCH_NAME_KEYS = ("search", "search_name", "experiment")   # best_config.json'
 def build_parser() -> argparse.ArgumentParser:
     """Every `TrainConfig` field's flag (the same names as the search's), plus `RunOptions`'. Flags
     not given are left out of the parsed namespace, so the config file can set them."""
-    p = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vidtune train", description=__doc__.split("\n\n")[0])
     add_flags(p, TRAIN_FLAGS, group_of=lambda s: GROUPS[s.owner])
     add_flags(p, RUN_FLAGS, group_of=lambda s: "where it runs")
     return p
@@ -105,7 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def load_config_file(path: str) -> ConfigFile:
-    """Read `--config` (`datasets.config_file.read_config_file`): a search's best_config.json, whose
+    """Read `--config` (`vidtune.config_file.read_config_file`): a search's best_config.json, whose
     "train_config" is read and the rest (the trial's row) kept as `about`; or a JSON/TOML/YAML
     file of options, keys as the flags (`batch-size`, `data` = the dataset path, `no-cache`) or
     as TrainConfig's fields (`grad_accum_steps`, a `data` table of DataConfig's). ConfigError
@@ -276,7 +276,7 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    from trainer.checkpointing import first_whole  # heavy: torch, not before the flags are checked
+    from vidtune.trainer.checkpointing import first_whole  # heavy: torch, not before the flags are checked
 
     # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
     ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)),

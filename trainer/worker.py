@@ -21,16 +21,16 @@ import torch.distributed as dist
 from pyarrow import fs
 from torch import nn
 
-from datasets.index import VideoIndex, build_index
-from trainer.checkpointing import CheckpointError, checkpoint_problem, load_checkpoint
-from trainer.config import TrainConfig
-from trainer.gpus import physical_gpu_ids, train_device
-from trainer.history import read_history, write_history
-from trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
-from trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
-from trainer.metrics import EpochStats, all_reduce_floats, peak_memory_mb, reduce_epoch, steady_state
-from trainer.precision import free_memory
-from trainer.run import (
+from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.trainer.checkpointing import CheckpointError, checkpoint_problem, load_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.gpus import physical_gpu_ids, train_device
+from vidtune.trainer.history import read_history, write_history
+from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
+from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
+from vidtune.trainer.metrics import EpochStats, all_reduce_floats, peak_memory_mb, reduce_epoch, steady_state
+from vidtune.trainer.precision import free_memory
+from vidtune.trainer.run import (
     DIVERGED,
     TRAINED,
     Run,
@@ -43,7 +43,7 @@ from trainer.run import (
     save_run_checkpoint,
     unless_out_of_memory,
 )
-from trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
+from vidtune.trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
 
 INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
 

@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tune.results import TrialRow, objective_key, ranked, usable
-from tune.uncertainty import accuracy_interval, format_accuracy
+from vidtune.tune.results import TrialRow, objective_key, ranked, usable
+from vidtune.tune.uncertainty import accuracy_interval, format_accuracy
 
 # The best lr is "at the edge" within this share of the searched log-range from either end: a
 # TPE search samples the ends rarely, so a best trial this close to one says the range is cut.

@@ -22,7 +22,7 @@ from typing import Any
 
 from ray.tune.search import Searcher
 
-from datasets.flags import ConfigError
+from vidtune.flags import ConfigError
 
 FLAG = "--time-budget"
 FORMS = "a number of seconds (3600) or hours, minutes and seconds with units (2h, 90m, 3600s, 1h30m)"

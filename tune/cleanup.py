@@ -36,7 +36,7 @@ from ray.tune.experiment import Trial
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 # Train V2 has no public callback that sees the worker group: the private one is fenced there.
-from tune.ray_internals import WorkerGroupCallback, worker_group_placement_group
+from vidtune.tune.ray_internals import WorkerGroupCallback, worker_group_placement_group
 
 log = logging.getLogger(__name__)
 

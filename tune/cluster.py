@@ -20,9 +20,9 @@ import ray
 import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from datasets.flags import ConfigError
-from tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
-from tune.trial import DRIVER_CPUS, TrialResources
+from vidtune.flags import ConfigError
+from vidtune.tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
+from vidtune.tune.trial import DRIVER_CPUS, TrialResources
 
 AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
 HEAD_RESOURCE = "node:__internal_head__"                   # Ray's resource that marks the head node

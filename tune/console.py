@@ -26,10 +26,10 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
-from trainer.metrics import steady_state
-from tune.faults import exception_line, keep_traceback, read_error_file
-from tune.results import STATUSES, TrialRow, completed_trial_status
-from tune.trial import short_name
+from vidtune.trainer.metrics import steady_state
+from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
+from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
+from vidtune.tune.trial import short_name
 
 
 def _duration(seconds: float) -> str:

@@ -1,12 +1,12 @@
 """The embedded demo's data: a small synthetic violence-like dataset, generated once into the
-user's cache folder and reused by every later `python tune/search.py` without `--data`."""
+user's cache folder and reused by every later `vidtune search` without `--data`."""
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
 
-from datasets.synthetic import generate
+from vidtune.datasets.synthetic import generate
 
 DEMO_VIDEOS = 160         # 128 train / 32 val clips: ~5 s per epoch for the tiny model on one core
 # Frame size and length are the generator's defaults (112 px, 3 s): the data on which

@@ -24,9 +24,9 @@ import optuna
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from tune.plot_drawing import PLOT_DPI
-from tune.results import TrialRow, objective_key
-from tune.warm_start import Space
+from vidtune.tune.plot_drawing import PLOT_DPI
+from vidtune.tune.results import TrialRow, objective_key
+from vidtune.tune.warm_start import Space
 
 MIN_TRIALS = 8
 SEED = 0                       # the forest's: the same trials give the same shares

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datasets.flags import ConfigError
+from vidtune.flags import ConfigError
 
 LOCK_NAME = ".vidtune-driver.lock"
 HEARTBEAT_S = 30.0     # how often the driver rewrites the heartbeat

@@ -12,8 +12,8 @@ from urllib.parse import urlparse
 
 from mlflow.tracking import MlflowClient
 
-from tune import mlflow_view
-from tune.mlflow_schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
+from vidtune.tune import mlflow_view
+from vidtune.tune.mlflow_schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
 
 # The plots the parent run may hold (`tune.summary` logs them at its root), in the description's
 # order, each with the sentence under it; {objective} is the search's.

@@ -20,9 +20,9 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from tune import mlflow_description
-from tune.faults import error_text, exception_line, keep_traceback
-from tune.mlflow_schema import (
+from vidtune.tune import mlflow_description
+from vidtune.tune.faults import error_text, exception_line, keep_traceback
+from vidtune.tune.mlflow_schema import (
     FAILURE_TAG,
     INTERRUPTED_REASON,
     READER_TAG,
@@ -30,8 +30,8 @@ from tune.mlflow_schema import (
     STOP_TAG,
     TRACEBACK_ARTIFACT,
 )
-from tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
-from tune.tables import csv_record
+from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
+from vidtune.tune.tables import csv_record
 
 
 class RunWriter:

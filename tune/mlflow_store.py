@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
-from datasets.flags import ConfigError
+from vidtune.flags import ConfigError
 
 HEALTH_TIMEOUT_S = 3.0
 

@@ -29,7 +29,7 @@ from urllib.parse import urlencode, urlparse
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from tune.results import objective_key
+from vidtune.tune.results import objective_key
 
 WORKFLOW_QUERY = {"workflowType": "machine_learning"}   # MLflow 3's model-training UI, not GenAI's
 SHARE_KEY_PARAM = "viewStateShareKey"

@@ -2,7 +2,7 @@
 
 `SearchOptions` holds the training run every trial starts from (`train`, a `TrainConfig` with its
 `DataConfig`), the search space, the resources, the tracking settings and the run switches. Each
-field is declared once, with its flag (`datasets.flags.option`); the flags, the config file's
+field is declared once, with its flag (`vidtune.flags.option`); the flags, the config file's
 keys and `--dry-run`'s printout all come from those declarations, so a new training option is
 reachable from the search as soon as `TrainConfig` has it. The batch size and learning rate are
 the search's to choose: their flags here are `--batch-sizes` and `--lr-min`/`--lr-max`.
@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from datasets.config import DataConfig
-from datasets.config_file import ConfigFile, read_config_file
-from datasets.flags import (
+from vidtune.config_file import ConfigFile, read_config_file
+from vidtune.datasets.config import DataConfig
+from vidtune.flags import (
     ConfigError,
     FlagSpec,
     add_flags,
@@ -37,8 +37,8 @@ from datasets.flags import (
     join_negative_values,
     option,
 )
-from trainer.config import TrainConfig
-from trainer.gpus import simulated_gpus
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.gpus import simulated_gpus
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -122,7 +122,7 @@ class Tracking:
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """Everything `python tune/search.py` can be told."""
+    """Everything `vidtune search` can be told."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -228,12 +228,12 @@ DEMO: dict[str, Any] = {"train.epochs": 6, "space.lr_min": 2e-4, "space.lr_max":
 
 EXAMPLES = """\
 examples:
-  python tune/search.py                                   # the demo: generated videos, CPU, ~2 minutes
-  python tune/search.py --smoke-test --data ~/RWF-2000    # a first look at your own data
-  python tune/search.py --data ~/RWF-2000 --model mvit_v2_s --weights kinetics \\
+  vidtune search                                   # the demo: generated videos, CPU, ~2 minutes
+  vidtune search --smoke-test --data ~/RWF-2000    # a first look at your own data
+  vidtune search --data ~/RWF-2000 --model mvit_v2_s --weights kinetics \\
       --epochs 5 --num-samples 12 --batch-sizes 8,16,32   # a real search on one GPU
-  python tune/search.py --config search.toml --dry-run    # check a config file, run nothing
-  python tune/search.py --resume                          # continue the latest interrupted search
+  vidtune search --config search.toml --dry-run    # check a config file, run nothing
+  vidtune search --resume                          # continue the latest interrupted search
 
 presets: without --data the demo runs --num-samples 4 --epochs 6 --lr-min 2e-4 --lr-max 2e-3
 --grace-period 3; --smoke-test runs --num-samples 2 --epochs 1 --batch-sizes 4 --loader-workers 1
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI. Flags not given are left out of the parsed namespace (SUPPRESS), so the config
     file and the presets can fill them; the defaults shown are the fields'."""
     p = argparse.ArgumentParser(
-        prog="python tune/search.py",
+        prog="vidtune search",
         description="Search batch size and learning rate (Ray Tune + Optuna) for fine-tuning a video\n"
         "transformer; every trial is a Ray Train run recorded in MLflow. With no arguments it runs\n"
         "a short demo on generated data on the CPU (see the presets at the end).",
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 # and one per nested part named by its field ([train], [train.data], [space], [resources],
 # [tracking]), whose keys may also be the fields' names, as --dry-run prints them.
 CONFIG_TABLES = ("search",)
-KNOWN_KEYS = ("known options are the flags of `python tune/search.py --help` without the leading dashes "
+KNOWN_KEYS = ("known options are the flags of `vidtune search --help` without the leading dashes "
               "(lr-min or lr_min), at the top level or in a [search] table, or the fields' names in a table "
               "per part as --dry-run prints them ([train], [train.data], [space], [resources], [tracking])")
 # Keys of trainer.train's config that the search draws itself.
@@ -266,7 +266,7 @@ SEARCHED_KEYS = {"batch-size": "batch-sizes", "batch_size": "batch-sizes", "lr":
 
 
 def load_config_file(path: str) -> ConfigFile:
-    """Read a `--config` file (TOML or YAML; `datasets.config_file.read_config_file`, which says the
+    """Read a `--config` file (TOML or YAML; `vidtune.config_file.read_config_file`, which says the
     keys and tables) of every option but `--config` itself. ConfigError naming the file and key."""
     return read_config_file(
         path, [s for s in SPECS if s.path != "config"], known=KNOWN_KEYS, flag=flag_of(SPECS, "config"),

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.transforms import Bbox, Transform
 
-from tune.results import NO_RESULT, TrialRow
+from vidtune.tune.results import NO_RESULT, TrialRow
 
 PLOT_DPI = 150
 # tab10 without its olive (too light, yellowish, on white), then black: one colour per batch size

@@ -15,7 +15,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from tune.plot_drawing import (
+from vidtune.tune.plot_drawing import (
     OOM_BAND,
     batch_colours,
     draw_legend,
@@ -28,8 +28,8 @@ from tune.plot_drawing import (
     save_png,
     strip_label,
 )
-from tune.results import NO_RESULT, TrialRow, best_trial, objective_key, pareto_front, usable
-from tune.trial import short_lr
+from vidtune.tune.results import NO_RESULT, TrialRow, best_trial, objective_key, pareto_front, usable
+from vidtune.tune.trial import short_lr
 
 
 def _oom_y(i: int) -> float:

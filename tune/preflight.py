@@ -15,18 +15,18 @@ from pathlib import Path
 
 from ray import tune
 
-from datasets.flags import ConfigError
-from datasets.index import VideoIndex, build_index
-from trainer.config import TrainConfig
-from trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
-from tune import faults, space, trust
-from tune.budget import parse_duration
-from tune.demo import ensure_demo_data
-from tune.lock import check_not_running
-from tune.mlflow_store import check_store_uri
-from tune.options import SearchOptions, base_config
-from tune.ray_internals import check_experiment_state
-from tune.warm_start import load_warm_start
+from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.flags import ConfigError
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
+from vidtune.tune import faults, space, trust
+from vidtune.tune.budget import parse_duration
+from vidtune.tune.demo import ensure_demo_data
+from vidtune.tune.lock import check_not_running
+from vidtune.tune.mlflow_store import check_store_uri
+from vidtune.tune.options import SearchOptions, base_config
+from vidtune.tune.ray_internals import check_experiment_state
+from vidtune.tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"
 

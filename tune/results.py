@@ -23,10 +23,10 @@ import ray.train
 from ray.tune import Result
 from ray.tune.experiment import Trial
 
-from trainer.checkpointing import first_whole
-from trainer.metrics import steady_state
-from tune.faults import trial_unfinished
-from tune.uncertainty import accuracy_interval
+from vidtune.trainer.checkpointing import first_whole
+from vidtune.trainer.metrics import steady_state
+from vidtune.tune.faults import trial_unfinished
+from vidtune.tune.uncertainty import accuracy_interval
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
 # of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr

@@ -17,19 +17,20 @@ import ray
 from ray import tune
 from ray.tune.search import Searcher
 
-from datasets.cache import FrameCache
-from datasets.cache_fill import fill_cache
-from datasets.flags import ConfigError
-from datasets.index import VideoIndex
-from trainer.batch_probe import BatchProbe, probe_batch_size
-from trainer.config import TrainConfig
-from trainer.gpus import simulated_gpus, train_device
-from trainer.launch import REPO_ROOT, check_batch_sizes, init_ray
-from trainer.lease import start_lease
-from trainer.models import get_spec
-from tune import cleanup, faults, space
-from tune.budget import TimeBudget
-from tune.cluster import (
+from vidtune import __version__
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.cache_fill import fill_cache
+from vidtune.datasets.index import VideoIndex
+from vidtune.flags import ConfigError
+from vidtune.trainer.batch_probe import BatchProbe, probe_batch_size
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.gpus import simulated_gpus, train_device
+from vidtune.trainer.launch import check_batch_sizes, init_ray
+from vidtune.trainer.lease import start_lease
+from vidtune.trainer.models import get_spec
+from vidtune.tune import cleanup, faults, space
+from vidtune.tune.budget import TimeBudget
+from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
     check_paths_on_every_node,
@@ -39,17 +40,21 @@ from tune.cluster import (
     trial_resources,
     waiting_line,
 )
-from tune.console import SearchConsole
-from tune.faults import DiskFullError
-from tune.lock import SearchLock
-from tune.options import SearchOptions
-from tune.preflight import Plan, unreadable_state
-from tune.ray_internals import check_experiment_state, drop_unreadable_error_pickles, restored_searcher
-from tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
-from tune.summary import summarise, ui_hint
-from tune.tracking import MLflowTracker
-from tune.trial import DRIVER_CPUS, make_trial_driver, short_name
-from tune.trust import SignAfterSave, StateSigner
+from vidtune.tune.console import SearchConsole
+from vidtune.tune.faults import DiskFullError
+from vidtune.tune.lock import SearchLock
+from vidtune.tune.options import SearchOptions
+from vidtune.tune.preflight import Plan, unreadable_state
+from vidtune.tune.ray_internals import (
+    check_experiment_state,
+    drop_unreadable_error_pickles,
+    restored_searcher,
+)
+from vidtune.tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
+from vidtune.tune.summary import summarise, ui_hint
+from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
+from vidtune.tune.trust import SignAfterSave, StateSigner
 
 
 def execute(plan: Plan) -> int:
@@ -280,8 +285,15 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
     return tuner, searcher
 
 
+# The clone this code runs from, under an editable install (its pyproject.toml beside the
+# folders); an installed wheel has no commit of its own, only its version.
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
 def git_commit(repo: Path) -> str | None:
-    """The commit checked out in `repo` (a tag of the parent run), or None outside git."""
+    """The commit checked out in `repo` (a tag of the parent run), or None outside a vidtune clone."""
+    if not (repo / "pyproject.toml").is_file():   # site-packages, perhaps inside someone else's repository
+        return None
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                              timeout=5)
@@ -295,8 +307,8 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     searched = {"batch_sizes": ",".join(map(str, sp.batch_sizes)), "lr_min": sp.lr_min, "lr_max": sp.lr_max}
     if sp.search_weight_decay:
         searched.update(weight_decay_min=sp.weight_decay_min, weight_decay_max=sp.weight_decay_max)
-    commit = git_commit(REPO_ROOT)
-    tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search"}
+    commit = git_commit(SOURCE_ROOT)
+    tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search", "vidtune.version": __version__}
     if commit:
         tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
     gpus = (res.gpus_per_worker or 0.0) * res.workers_per_trial

@@ -1,27 +1,36 @@
-"""`python tune/search.py`: search batch size and learning rate for fine-tuning a video
-transformer. Ray Tune + Optuna propose trials, each trial is a Ray Train run, MLflow records them.
+"""`vidtune search` (also `python tune/search.py` from a clone): search batch size and learning rate
+for fine-tuning a video transformer. Ray Tune + Optuna propose trials, each trial is a Ray Train
+run, MLflow records them.
 
 With no arguments it runs the embedded demo (generated data, the `tiny` model, the CPU).
 Bad input fails in seconds, before Ray starts, with exit code 2 and a message naming the flag.
 `--help` and a bad flag are answered before Ray, torch or MLflow are imported: the search itself
-(`tune.preflight`, then `tune.runner`) is imported once the options are parsed.
+(`vidtune.tune.preflight`, then `vidtune.tune.runner`) is imported once the options are parsed.
 """
 from __future__ import annotations
 
+import os
 import sys
 
-# Run by path (not as tune.search, nor as the copy multiprocessing's spawned children import,
-# which inherit the fixed sys.path): put the repository root first on sys.path.
 if __name__ == "__main__" and not __package__:
-    import script_path  # noqa: F401
+    # Run by path, `python tune/search.py`: Python put `tune/` first on sys.path, where its
+    # modules (options, tables, trial, ...) would shadow installed ones of the same names. Run
+    # the installed module instead, in this same process (exec keeps the pid, the terminal and
+    # Ctrl-C), as `python -m vidtune.tune.search` would.
+    import importlib.util
+
+    if importlib.util.find_spec("vidtune") is None:
+        sys.exit("vidtune search: error: the vidtune package is not installed in this Python "
+                 f"({sys.executable}); run `make install` (or `pip install -e .`) in the repository first")
+    os.execv(sys.executable, [sys.executable, "-m", "vidtune.tune.search", *sys.argv[1:]])
 
 import contextlib
 import io
 from collections.abc import Sequence
 
-from datasets.errors import DataError
-from datasets.flags import ConfigError
-from tune.options import SearchOptions, build_parser, parse_options
+from vidtune.errors import DataError
+from vidtune.flags import ConfigError
+from vidtune.tune.options import SearchOptions, build_parser, parse_options
 
 __all__ = ["build_parser", "main"]
 
@@ -35,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from tune.faults import DiskFullError  # imports Ray: loaded by then if the search ran
+        from vidtune.tune.faults import DiskFullError  # imports Ray: loaded by then if the search ran
 
         if not isinstance(e, DiskFullError):
             raise
@@ -50,7 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(opts: SearchOptions) -> int:
     """Check everything on the driver (`tune.preflight.prepare`), then run the search
     (`tune.runner.execute`) or, with --dry-run, print the resolved configuration."""
-    from tune import preflight, runner  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
+    from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
+        preflight,
+        runner,
+    )
 
     # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
     quiet = opts.quiet and not opts.dry_run

@@ -18,10 +18,10 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from tune.budget import TimeBudget, parse_duration
-from tune.options import SearchOptions, SearchSpace
-from tune.ray_internals import optuna_pending_trial
-from tune.warm_start import load_warm_start
+from vidtune.tune.budget import TimeBudget, parse_duration
+from vidtune.tune.options import SearchOptions, SearchSpace
+from vidtune.tune.ray_internals import optuna_pending_trial
+from vidtune.tune.warm_start import load_warm_start
 
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
 # which every epoch's report carries, so Optuna ranks the same speed the table shows.

@@ -17,19 +17,19 @@ from pathlib import Path
 import psutil
 from ray import tune
 
-from tune import faults
-from tune.answer import SearchedRange, answer_lines
-from tune.budget import TimeBudget
-from tune.console import outcome_line
-from tune.importance import MIN_TRIALS, Importance, param_importances
-from tune.mlflow_store import sqlite_path
-from tune.options import SearchOptions
-from tune.plots import plot_history, plot_objective_vs_params, plot_scatter
-from tune.preflight import Plan
-from tune.ray_internals import FINISHED_STATES, trial_states
-from tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
-from tune.tables import column_notes, format_markdown, format_table, write_csv
-from tune.tracking import MLflowTracker
+from vidtune.tune import faults
+from vidtune.tune.answer import SearchedRange, answer_lines
+from vidtune.tune.budget import TimeBudget
+from vidtune.tune.console import outcome_line
+from vidtune.tune.importance import MIN_TRIALS, Importance, param_importances
+from vidtune.tune.mlflow_store import sqlite_path
+from vidtune.tune.options import SearchOptions
+from vidtune.tune.plots import plot_history, plot_objective_vs_params, plot_scatter
+from vidtune.tune.preflight import Plan
+from vidtune.tune.ray_internals import FINISHED_STATES, trial_states
+from vidtune.tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
+from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
+from vidtune.tune.tracking import MLflowTracker
 
 
 def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,
@@ -54,7 +54,7 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
     pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted,
                                val_clips=val_clips, answer=answer, importance=importance)
     uri = opts.tracking.mlflow_uri
-    resume = (f"python tune/search.py --resume --name {plan.name} --storage {plan.storage}"
+    resume = (f"vidtune search --resume --name {plan.name} --storage {plan.storage}"
               f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
 
     say("")   # the last block: the answer first
@@ -82,7 +82,7 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
     if best:
         say(f"best checkpoint ({best.label}, epoch {best.best_epoch}): {best.checkpoint or 'none kept'}")
         if "best_config" in files:
-            say(f"train it again: python -m trainer.train --config {files['best_config']}")
+            say(f"train it again: vidtune train --config {files['best_config']}")
     if files:
         say(f"results: {files['trials_csv'].parent} (trials.csv, best_config.json, plots)")
     if pending:

@@ -32,8 +32,8 @@ import math
 import textwrap
 from pathlib import Path
 
-from tune.results import NO_RESULT, STATUSES, TrialRow, ranked, summary_metrics
-from tune.uncertainty import format_accuracy
+from vidtune.tune.results import NO_RESULT, STATUSES, TrialRow, ranked, summary_metrics
+from vidtune.tune.uncertainty import format_accuracy
 
 # Steady-state other_cpu_cores from which the table marks a trial's speed with "~": half a core
 # of other work slows a training on every core by ~5-15 % (bench/cpu_noise.py).

@@ -36,10 +36,10 @@ from mlflow.tracking import MlflowClient
 from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
-from trainer.history import latest_history
-from tune.faults import error_text, one_line, read_error_file
-from tune.mlflow_runs import RunWriter, from_scratch
-from tune.mlflow_schema import (
+from vidtune.trainer.history import latest_history
+from vidtune.tune.faults import error_text, one_line, read_error_file
+from vidtune.tune.mlflow_runs import RunWriter, from_scratch
+from vidtune.tune.mlflow_schema import (
     EXPERIMENT_PATH_TAG,
     FAILURE_TAG,
     GPU_IDS_TAG,
@@ -54,9 +54,9 @@ from tune.mlflow_schema import (
     TRIAL_ID_TAG,
     numeric_metrics,
 )
-from tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
-from tune.tables import significant
-from tune.trial import short_name
+from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
+from vidtune.tune.tables import significant
+from vidtune.tune.trial import short_name
 
 RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
 

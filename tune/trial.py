@@ -17,11 +17,11 @@ from ray.train import Result
 from ray.tune.experiment import Trial
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from datasets.index import VideoIndex
-from trainer.config import TrainConfig
-from trainer.launch import build_torch_trainer
-from trainer.lease import LEAD, LeaseSettings
-from tune.cleanup import PlacementGroupRecorder, was_released
+from vidtune.datasets.index import VideoIndex
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import build_torch_trainer
+from vidtune.trainer.lease import LEAD, LeaseSettings
+from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")

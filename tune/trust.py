@@ -29,8 +29,8 @@ import pyarrow.fs
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
-from datasets.flags import ConfigError
-from tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES, experiment_staging_path
+from vidtune.flags import ConfigError
+from vidtune.tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES, experiment_staging_path
 
 TAGS_NAME = ".vidtune-state.hmac"
 KEPT_TAGS = 4     # tags kept per file: its last versions (a copy to storage may lag the signing)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import optuna
 
-from datasets.flags import ConfigError
+from vidtune.flags import ConfigError
 
 FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "

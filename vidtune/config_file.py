@@ -1,7 +1,7 @@
-"""The one reader of both CLIs' `--config` file (`python -m trainer.train`, `tune/search.py`):
+"""The one reader of both CLIs' `--config` file (`vidtune train`, `tune/search.py`):
 TOML or YAML (JSON included, as YAML), keys as the flags or the fields' dotted paths, tables, the
 one `no-X` negation rule; `ConfigFile.blame` names the file's key when a value it set fails a
-check. The keys and types come from the fields' declarations (`datasets.flags`).
+check. The keys and types come from the fields' declarations (`vidtune.flags`).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from datasets.flags import ConfigError, FlagSpec, coerce
+from vidtune.flags import ConfigError, FlagSpec, coerce
 
 # The suffixes a config file may have, and the format each is read as. JSON is read by the YAML
 # parser (JSON is YAML), so a search's best_config.json is one more YAML file.

@@ -5,9 +5,9 @@ The typed configurations (`datasets.config.DataConfig`, `trainer.config.TrainCon
 and bounds. From that one definition come
 
 - the argparse flags of every CLI that exposes the field (`add_flags`), with the same flag name
-  in `python -m trainer.train` and `python tune/search.py`;
+  in `vidtune train` and `vidtune search`;
 - the config file's keys (the flag without its dashes, `-` or `_`, or the field's dotted path)
-  and their types (`coerce`), which `datasets.config_file.read_config_file`, the one reader of
+  and their types (`coerce`), which `vidtune.config_file.read_config_file`, the one reader of
   both CLIs' `--config`, reads;
 - the nested dataclass built from flat `{dotted.path: value}` pairs (`build`);
 - the range checks, whose errors name the flag (`check_bounds`, raising `ConfigError`).
