@@ -30,7 +30,7 @@ test-fast: install
 	$(PY) -m pytest -m "not slow"
 
 demo: install
-	$(PY) tune/search.py
+	$(VENV)/bin/vidtune demo
 
 # On a machine with one GPU (under 5 minutes): the precision table of bench/gpu_precision.py,
 # then a 4-trial mvit_v2_s search on generated videos, checked in the MLflow store it wrote

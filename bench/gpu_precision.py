@@ -201,7 +201,8 @@ def make_corpus(tmp: Path, args: argparse.Namespace, spec: Any) -> Corpus:
     if args.cache_formats and not has_module("vidtune.datasets.cache"):
         notes.append("no frame cache in this code (datasets/cache.py): cache rows skipped")
     elif args.cache_formats:
-        from vidtune.datasets.cache import FrameCache, fill_cache  # optional: older checkouts lack it (above)
+        from vidtune.datasets.cache import FrameCache  # optional: older checkouts lack it (above)
+        from vidtune.datasets.cache_fill import fill_cache  # optional, as above
 
         for fmt in args.cache_formats:
             t1 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vidtune.trainer import batch_probe
+from vidtune.trainer import batch_probe, batch_probe_cli
 from vidtune.trainer.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
 
 
@@ -83,12 +83,12 @@ def test_bad_arguments(kwargs, match):
 
 def test_real_training_step_on_cpu_reaches_the_limit(capsys):
     """The default try: a real tiny forward/backward/AdamW step at batch 1 and 2 (CLI path)."""
-    assert batch_probe.main(["--model", "tiny", "--device", "cpu", "--start", "1", "--limit", "2"]) == 0
+    assert batch_probe_cli.main(["--model", "tiny", "--device", "cpu", "--start", "1", "--limit", "2"]) == 0
     assert capsys.readouterr().out.strip() == "2"
 
 
 def test_cli_reports_bad_input():
-    assert batch_probe.main(["--model", "tiny", "--device", "cpu", "--height", "32"]) == 2
+    assert batch_probe_cli.main(["--model", "tiny", "--device", "cpu", "--height", "32"]) == 2
 
 
 class SharedMemory(FakeMemory):
@@ -125,5 +125,14 @@ def test_even_the_smallest_batch_leaves_too_little_headroom():
 
 @pytest.mark.parametrize("flag, value", [("--headroom", "1"), ("--start", "0"), ("--height", "-8")])
 def test_cli_bounds_name_the_flag(capsys, flag, value):
-    assert batch_probe.main(["--model", "tiny", "--device", "cpu", flag, value]) == 2
+    assert batch_probe_cli.main(["--model", "tiny", "--device", "cpu", flag, value]) == 2
     assert f"{flag}: got" in capsys.readouterr().err
+
+
+def test_the_clis_default_headroom_is_the_probes():
+    assert batch_probe_cli.DEFAULT_HEADROOM == batch_probe.HEADROOM
+
+
+def test_cli_refuses_an_unknown_model_listing_the_known_ones(capsys):
+    assert batch_probe_cli.main(["--model", "mvit_xxl", "--device", "cpu"]) == 2
+    assert "unknown model 'mvit_xxl'" in capsys.readouterr().err

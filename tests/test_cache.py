@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import vidtune.datasets.cache as cache_module
-from vidtune.datasets.cache import FrameCache, default_root, fill_cache, main, resolve_format
+from vidtune.datasets.cache import FrameCache, default_root, resolve_format
+from vidtune.datasets.cache_cli import main
+from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.cache_layout import FRAMES_FILE, META_FILE, check_crc32, file_crc32, load_meta
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.decode import read_frames

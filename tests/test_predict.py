@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vidtune.trainer import predict
+from vidtune.trainer import predict, scoring
 from vidtune.trainer.checkpointing import save_checkpoint
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.models import build_model, get_spec
@@ -35,17 +35,17 @@ def _videos(root: Path, n: int) -> list[Path]:
 
 
 def test_window_starts_cover_the_whole_video():
-    assert predict.window_starts(45, 15, 15) == [0, 15, 30]
-    assert predict.window_starts(50, 15, 15) == [0, 15, 30, 35]  # the tail gets its own window
-    assert predict.window_starts(10, 15, 15) == [0]
+    assert scoring.window_starts(45, 15, 15) == [0, 15, 30]
+    assert scoring.window_starts(50, 15, 15) == [0, 15, 30, 35]  # the tail gets its own window
+    assert scoring.window_starts(10, 15, 15) == [0]
 
 
 def test_clip_windows_short_and_long_videos():
-    long = predict.clip_windows(45, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    long = scoring.clip_windows(45, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
     assert long.shape == (3, 8) and long[1, 0] == 15 and long.max() <= 44
-    short = predict.clip_windows(12, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    short = scoring.clip_windows(12, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
     assert short.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9, 10, 11]]  # stride shrunk to fit
-    tiny = predict.clip_windows(4, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
+    tiny = scoring.clip_windows(4, num_frames=8, frame_stride=2, fps=15, window_stride_s=1.0)
     assert tiny.shape == (1, 8) and tiny.max() == 3      # fewer frames than T: repeated
 
 
@@ -88,7 +88,7 @@ def test_predict_bad_checkpoint_exits_2(tmp_path, synthetic_root, capsys):
 
 def test_probabilities_match_the_model(synthetic_root, checkpoint_dir):
     """The printed number is softmax(model(clip))[violent] of the decoded, normalised clip."""
-    p = predict.Predictor.from_checkpoint(checkpoint_dir, torch.device("cpu"), "fp32")
+    p = scoring.Predictor.from_checkpoint(checkpoint_dir, torch.device("cpu"), "fp32")
     clips = torch.randint(0, 256, (2, 8, 64, 64, 3), dtype=torch.uint8)
     expected = torch.softmax(p.model(p.transform(clips)), 1)[:, 1].detach().double().numpy()
     np.testing.assert_allclose(p.probabilities(clips), expected, rtol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vidtune.trainer.checkpointing import FORMAT, CheckpointError, load_checkpoint
-from vidtune.trainer.predict import Predictor
+from vidtune.trainer.scoring import Predictor
 
 
 class _Payload:

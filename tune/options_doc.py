@@ -54,7 +54,7 @@ change the option's `help` where it is declared, then run `{COMMAND}`. -->
 Every flag of every vidtune command, with its default and what it does, as `--help` prints
 them. Most options are declared once, beside their field in a typed configuration
 (`datasets/config.py`, `trainer/config.py`, `tune/options.py`, with `vidtune.flags.option`), so
-the search and `trainer.train` share every training and data flag under the same name; the
+`vidtune search` and `vidtune train` share every training and data flag under the same name; the
 search replaces `--batch-size` and `--lr` by the ranges it searches (`--batch-sizes`,
 `--lr-min`/`--lr-max`).
 

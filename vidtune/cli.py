@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vidtune import __version__
+
 PROG = "vidtune"
 
 
@@ -37,7 +39,7 @@ COMMANDS: dict[str, Command] = {
                      "decode a data folder once into the clip cache, at a model's input size"),
     "synth": Command("vidtune.datasets.synthetic",
                      "write a small learnable violence-like dataset of real video files"),
-    "batch-probe": Command("vidtune.trainer.batch_probe",
+    "batch-probe": Command("vidtune.trainer.batch_probe_cli",
                            "find the largest batch size that fits in one GPU's memory"),
 }
 
@@ -67,8 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     if name in ("-V", "--version"):
-        from vidtune import __version__
-
         print(f"{PROG} {__version__}")
         return 0
     if name not in COMMANDS:
