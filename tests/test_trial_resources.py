@@ -202,8 +202,9 @@ def test_a_folder_or_weights_file_that_another_node_lacks_is_refused(tmp_path):
 
     import pytest
 
+    from vidtune import __version__
     from vidtune.flags import ConfigError
-    from vidtune.tune.cluster import check_paths_on_every_node
+    from vidtune.tune.cluster import check_every_node
 
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"x")
@@ -212,17 +213,42 @@ def test_a_folder_or_weights_file_that_another_node_lacks_is_refused(tmp_path):
         def views(marker, weights_path):
             assert marker is None or Path(marker).exists()       # the driver wrote the marker first
             here = {"node": "10.0.0.1", "storage": marker is None or Path(marker).exists(),
-                    "weights": weights_path is None or Path(weights_path).is_file()}
+                    "weights": weights_path is None or Path(weights_path).is_file(), "vidtune": __version__}
             return [here, {"node": "10.0.0.2", "storage": marker is None or other_sees_storage,
-                           "weights": weights_path is None or other_has_weights}]
+                           "weights": weights_path is None or other_has_weights, "vidtune": __version__}]
         return views
 
     storage = tmp_path / "results"
-    check_paths_on_every_node(str(storage), str(weights), views=two_nodes(True, True))   # shared: fine
+    check_every_node(str(storage), str(weights), views=two_nodes(True, True))   # shared: fine
     assert list(storage.iterdir()) == []                                                # the marker is gone
     with pytest.raises(ConfigError) as e:
-        check_paths_on_every_node(str(storage), "none", views=two_nodes(False, True))
+        check_every_node(str(storage), "none", views=two_nodes(False, True))
     assert e.value.flag == "--storage" and "10.0.0.2" in str(e.value) and "s3://" in str(e.value)
     with pytest.raises(ConfigError) as e:
-        check_paths_on_every_node("s3://bucket/x", str(weights), views=two_nodes(False, False))
+        check_every_node("s3://bucket/x", str(weights), views=two_nodes(False, False))
     assert e.value.flag == "--weights" and "10.0.0.2" in str(e.value) and "every node" in str(e.value)
+
+
+def test_a_node_without_this_vidtune_is_refused_naming_it_and_the_fix(tmp_path):
+    """Trials import the vidtune installed on their node: a node without it (the check's own task
+    cannot be unpickled there) or with another version stops the search before any trial."""
+    import pytest
+
+    from vidtune import __version__
+    from vidtune.flags import ConfigError
+    from vidtune.tune.cluster import check_every_node
+
+    def nodes(*others):
+        def views(marker, weights_path):
+            return [{"node": "10.0.0.1", "storage": True, "weights": True, "vidtune": __version__}, *others]
+        return views
+
+    same = {"node": "10.0.0.2", "storage": True, "weights": True, "vidtune": __version__}
+    check_every_node("s3://bucket/x", "none", views=nodes(same))
+    missing = {"node": "10.0.0.2", "error": "ModuleNotFoundError: No module named 'vidtune'"}
+    older = {"node": "10.0.0.3", "storage": True, "weights": True, "vidtune": "0.0.9"}
+    with pytest.raises(ConfigError) as e:
+        check_every_node("s3://bucket/x", "none", views=nodes(missing, older))
+    assert e.value.flag == "--address"
+    assert "10.0.0.2 (ModuleNotFoundError: No module named 'vidtune')" in str(e.value)
+    assert "10.0.0.3 (vidtune 0.0.9)" in str(e.value) and "pip install" in str(e.value)

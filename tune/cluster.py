@@ -20,6 +20,7 @@ import ray
 import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from vidtune import __version__
 from vidtune.flags import ConfigError
 from vidtune.tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from vidtune.tune.trial import DRIVER_CPUS, TrialResources
@@ -227,41 +228,49 @@ def driver_node_gpus() -> float:
 
 
 def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
-    """What one node sees of the driver's paths: its address, whether the `marker` file (in
-    --storage) exists there and whether --weights is a file there. Run on each node."""
+    """What one node sees of the driver's paths and code: its address, whether the `marker` file
+    (in --storage) exists there, whether --weights is a file there, and the vidtune version it
+    imports (this function is unpickled there by reference, so the node must import vidtune to
+    run it at all). Run on each node."""
     return {"node": ray.util.get_node_ip_address(),
             "storage": marker is None or Path(marker).exists(),
-            "weights": weights is None or Path(weights).is_file()}
+            "weights": weights is None or Path(weights).is_file(),
+            "vidtune": __version__}
 
 
 def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[str, object]]:
     """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each);
-    [] on a one-node Ray."""
-    alive = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    [] on a one-node Ray. A node whose task fails (most often: vidtune is not installed there,
+    so the function cannot be unpickled) is {"node": its address, "error": the reason}."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
     if len(alive) < 2:   # one machine: nothing to compare, and no task to start
         return []
-    task = ray.remote(num_cpus=0)(node_view)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            .remote(marker, weights) for node in alive]
-    return ray.get(refs, timeout=120)
+    task = ray.remote(num_cpus=0, max_retries=0)(node_view)
+    views = []
+    for node in alive:
+        ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+                           ).remote(marker, weights)
+        try:
+            views.append(ray.get(ref, timeout=120))
+        except ray.exceptions.RayError as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            views.append({"node": node.get("NodeManagerAddress", node["NodeID"]), "error": reason[:300]})
+    return views
 
 
 NodeViews = Callable[[str | None, str | None], list[dict[str, object]]]
 
 
-def check_paths_on_every_node(storage: str, weights: str | None, *,
-                              views: NodeViews = views_of_every_node) -> None:
-    """On a cluster of more than one node, every node must see the same --storage folder (each
+def check_every_node(storage: str, weights: str | None, *, views: NodeViews = views_of_every_node) -> None:
+    """On a cluster of more than one node, every node must run the driver's vidtune (trials
+    import the package installed on the node they run on), see the same --storage folder (each
     trial's checkpoints are written by the node it trains on and read back by the driver) and
-    the --weights file at the same path. A local --storage that other nodes do not share, or a
-    weights file missing on a node, raises ConfigError naming the flag, the node and the fix.
-    Checked on the nodes alive now; nodes the autoscaler starts later run the same setup.
-    `views`: how the nodes' views are gathered (`views_of_every_node`)."""
+    the --weights file at the same path. Otherwise ConfigError, naming the flag (--address for
+    the code), the node and the fix. Checked on the nodes alive now; nodes the autoscaler starts
+    later run the same setup. `views`: how the nodes' views are gathered (`views_of_every_node`)."""
     local_storage = "://" not in storage
     weights_file = weights if weights and weights not in ("none", "kinetics") else None
     marker = Path(storage).expanduser() / f".vidtune-node-check-{uuid.uuid4().hex}" if local_storage else None
-    if marker is None and weights_file is None:
-        return
     if marker is not None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
@@ -273,6 +282,13 @@ def check_paths_on_every_node(storage: str, weights: str | None, *,
             marker.unlink(missing_ok=True)
     if len(seen) < 2:
         return
+    code = [f"{v['node']} ({v['error']})" if "error" in v else f"{v['node']} (vidtune {v['vidtune']})"
+            for v in seen if "error" in v or v.get("vidtune") != __version__]
+    if code:
+        raise ConfigError("--address", f"node(s) {', '.join(code)} of the Ray cluster cannot run this "
+                          f"search's code (vidtune {__version__} here): install the same vidtune on every "
+                          "node (cluster.yaml's setup_commands run `pip install -e .` in the copied clone; "
+                          "`ray up` again after a change)")
     blind = [v["node"] for v in seen if not v["storage"]]
     if blind:
         raise ConfigError("--storage", f"{storage} is a folder of this machine only: node(s) "

@@ -1,6 +1,7 @@
 """Running the planned search on Ray: take the search's lock, start (or join) Ray, check the
 cluster, size the trials, fill the clip cache, run (or resume) the Tuner with the MLflow writer,
-the resource releaser and the console, then hand the results to `tune.summary.summarise`.
+the resource releaser and the console; then summarise the results (`tune.summary`, no MLflow),
+have the tracker record that summary in MLflow, and print it.
 
 The plan comes from `tune.preflight.prepare`, which checked everything that needs no Ray."""
 from __future__ import annotations
@@ -33,7 +34,7 @@ from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
-    check_paths_on_every_node,
+    check_every_node,
     driver_node_gpus,
     fit_to_cluster,
     read_capacity,
@@ -51,8 +52,9 @@ from vidtune.tune.ray_internals import (
     restored_searcher,
 )
 from vidtune.tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
-from vidtune.tune.summary import summarise, ui_hint
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.summary import print_summary, summarise
+from vidtune.tune.tracking.description import ui_hint
+from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
 from vidtune.tune.trust import SignAfterSave, StateSigner
 
@@ -70,7 +72,7 @@ def execute(plan: Plan) -> int:
 
 def _execute(plan: Plan) -> int:
     # A tracking server that stops answering must not hold the search: MLflow's client would
-    # retry each call for minutes. One try, a short wait; tune/tracking.py catches up later.
+    # retry each call for minutes. One try, a short wait; tune/tracking/tracker.py catches up later.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     log_options, ray_lines = {}, None
@@ -175,7 +177,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
                           flag="--batch-sizes", workers_flag="--workers-per-trial")
     opts = probe_batch_sizes(opts, plan.base)
     resources = trial_resources(opts)
-    check_paths_on_every_node(plan.storage, opts.train.weights)
+    check_every_node(plan.storage, opts.train.weights)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,
                            trains_here=not resources.use_gpu or driver_node_gpus() > 0)
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
@@ -211,8 +213,11 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         failure = e
     finally:
         faults.uninstall()
-        code = summarise(plan, opts, results, tracker, failed=failure is not None,
-                         budget=searcher if isinstance(searcher, TimeBudget) else None)
+        summary = summarise(plan, opts, results)        # with trials.csv, best_config.json, the plots
+        pending = tracker.record_summary(summary)       # None once MLflow is up to date
+        code = print_summary(plan, opts, summary, mlflow_links=tracker.summary_links(pending),
+                             pending=pending, failed=failure is not None,
+                             budget=searcher if isinstance(searcher, TimeBudget) else None)
         del registry, lease
     if failure is not None:
         raise_failure(plan, opts, failure)
