@@ -41,7 +41,7 @@ from mlflow.tracking import MlflowClient
 from bench.common import write_json
 from vidtune.datasets.synthetic import generate
 from vidtune.trainer.precision import choose_precision, configure_backends, default_device
-from vidtune.tune.mlflow_schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
+from vidtune.tune.tracking.schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"

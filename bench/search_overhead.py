@@ -90,7 +90,7 @@ PRESETS = {
     "60": Preset(videos=480, size=112, epochs=13, batch_size=8, trials=4, target_ratio=1.10),
 }
 EXPERIMENT = "search-overhead"      # the MLflow experiment and the Tune experiment name
-TRIAL_ID_TAG = "vidtune.trial_id"   # the child-run tag tune/tracking.py writes
+TRIAL_ID_TAG = "vidtune.trial_id"   # the child-run tag tune/tracking/tracker.py writes
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,7 +54,7 @@ def test_the_search_it_runs_is_one_the_search_cli_accepts(tmp_path):
 
 def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurrent=None, gpu_ids=None,
                         status: str = "FINISHED") -> None:
-    """A store shaped like tune/tracking.py's: one parent run, one child run per trial (params,
+    """A store shaped like tune/tracking/tracker.py's: one parent run, one child run per trial (params,
     per-epoch metrics at step=epoch), the `gpu_ids` tag."""
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment(gpu_check.EXPERIMENT)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.mlflow_schema import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
+from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from vidtune.tune.importance import MIN_TRIALS, finished_trials, param_importances
 from vidtune.tune.options import SearchSpace
 from vidtune.tune.results import TrialRow
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.tracking.tracker import MLflowTracker
 
 SPACE = SearchSpace(batch_sizes=(4, 8, 16), lr_min=1e-4, lr_max=3e-3)
 

@@ -25,8 +25,8 @@ from vidtune.trainer.loop import make_optimizer, make_scheduler
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
 from vidtune.tune import console, faults, results
-from vidtune.tune.mlflow_schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.tracking.schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
+from vidtune.tune.tracking.tracker import MLflowTracker
 
 
 def _save(directory: Path, epoch: int, val_acc: float = 0.5) -> Path:

@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.mlflow_schema import INTERRUPTED_REASON, OUTCOME_TAG, STOP_TAG
 from vidtune.tune.results import SUMMARY_KEYS, TrialRow, live_row, row_from_result, summary_metrics
 from vidtune.tune.tables import csv_record
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.tracking.schema import INTERRUPTED_REASON, OUTCOME_TAG, STOP_TAG
+from vidtune.tune.tracking.tracker import MLflowTracker
 
 VAL_CLIPS = 32
 

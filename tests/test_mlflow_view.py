@@ -11,11 +11,11 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune import mlflow_view
-from vidtune.tune.mlflow_schema import OUTCOME_TAG
-from vidtune.tune.mlflow_view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
 from vidtune.tune.results import TrialRow
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.tracking import view
+from vidtune.tune.tracking.schema import OUTCOME_TAG
+from vidtune.tune.tracking.tracker import MLflowTracker
+from vidtune.tune.tracking.view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_the_saved_view_in_the_store_shows_the_columns_and_sorts_by_the_objectiv
     assert {"params.`batch_size`", "params.`lr`", "metrics.`best_val_acc`", "metrics.`speed_clips_per_s`",
             f"tags.`{OUTCOME_TAG}`"} <= set(state["selectedColumns"])
     assert state["orderByKey"] == "metrics.`best_val_acc`" and state["orderByAsc"] is False
-    assert exp.tags[mlflow_view.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert exp.tags[view.EXPERIMENT_KIND_TAG] == "custom_model_development"
     # The UI asks the store with the view's filter and sort: this search's trials, best first.
     found = c.search_runs([t.experiment_id], filter_string=state["searchFilter"],
                           order_by=[f"{state['orderByKey']} DESC"])
@@ -75,7 +75,7 @@ def test_the_saved_view_in_the_store_shows_the_columns_and_sorts_by_the_objectiv
 
 
 def test_an_f1_search_sorts_its_view_by_the_best_f1():
-    state = mlflow_view.view_state(parent_run_id="abc", objective="val_f1", tags=(OUTCOME_TAG,))
+    state = view.view_state(parent_run_id="abc", objective="val_f1", tags=(OUTCOME_TAG,))
     assert state["orderByKey"] == "metrics.`best_val_f1`"
     assert state["selectedColumns"][2:4] == ["metrics.`best_val_f1`", "metrics.`best_val_acc`"]
 
@@ -89,7 +89,7 @@ def test_every_link_the_tracker_builds_opens_the_model_training_ui_on_the_view(u
 
 
 def test_an_mlflow_ui_not_checked_gets_plain_links_and_one_line(uri, monkeypatch, capsys):
-    monkeypatch.setattr(mlflow_view.mlflow, "__version__", "4.0.0")
+    monkeypatch.setattr(view.mlflow, "__version__", "4.0.0")
     t = _search(uri, "unchecked", [_row("a", 0.5, 10.0)])
     exp = MlflowClient(uri).get_experiment(t.experiment_id)
     assert not any(k.startswith(VIEW_TAG_PREFIX) for k in exp.tags) and t.view_id == ""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import csv
 import math
-from types import SimpleNamespace
 
 import pytest
 
 from vidtune.tune import results, summary, tables
+from vidtune.tune.importance import Importance
+from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.uncertainty import wilson_interval
 
 
@@ -73,7 +74,8 @@ def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
 def test_the_answer_and_the_intervals_reach_the_mlflow_description():
     calls = {}
 
-    class Tracker:
+    class Tracker(MLflowTracker):   # the store's calls faked; record_summary's own
+        def __init__(self): self.tracking_uri = "sqlite:///x.db"
         def open_parent(self, refresh=False): pass
         def retire_lost_runs(self, ids): return []
         def reconcile(self, pairs): return 0
@@ -82,8 +84,9 @@ def test_the_answer_and_the_intervals_reach_the_mlflow_description():
         def publish_view(self, **kw): calls.update(kw)
 
     rows = [_row("t01", 0.75, 41.2, best_epoch=3)]
-    opts = SimpleNamespace(objective="val_acc", tracking=SimpleNamespace(mlflow_uri="sqlite:///x.db"))
-    pending = summary.record_in_mlflow(None, opts, Tracker(), rows, [], [], rows[0], {}, interrupted=False,
-                                       val_clips=32, answer=["Best: t01."])
+    done = summary.Summary(objective="val_acc", rows=rows, trials=[], trial_states=[], interrupted=False,
+                           val_clips=32, answer=["Best: t01."], best=rows[0],
+                           importance=Importance("val_acc", 1), files={})
+    pending = Tracker().record_summary(done)
     assert pending is None and calls["answer"] == ["Best: t01."] and calls["best_trial_id"] == "t01"
     assert "0.750 ±0.14" in calls["table_markdown"]

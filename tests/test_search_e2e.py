@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.trainer import train
 from vidtune.trainer.launch import validate_config
-from vidtune.tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
+from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -187,8 +187,9 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
 
 
 @pytest.mark.slow
-def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, tmp_path):
-    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root)], cwd=tmp_path, env=_env(),
+def test_smoke_test_console_is_short_and_ends_with_the_summary(ray_address, synthetic_root, tmp_path):
+    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--address", ray_address],
+                         cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
@@ -206,8 +207,8 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
-                                     "--num-samples", "1", "--warm-start", str(first.parent),
-                                     "--optuna-storage", storage],
+                                     "--num-samples", "1", "--address", ray_address,
+                                     "--warm-start", str(first.parent), "--optuna-storage", storage],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("Best: "), quiet.stdout[:2000]
     study = optuna.load_study(study_name="q", storage=storage)

@@ -11,9 +11,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from vidtune.flags import ConfigError
-from vidtune.tune import mlflow_schema, mlflow_store
-from vidtune.tune.mlflow_schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
-from vidtune.tune.tracking import MLflowTracker
+from vidtune.tune.tracking import schema, store
+from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
+from vidtune.tune.tracking.tracker import MLflowTracker
 
 
 def _tracker(uri: str, experiment: str, path: str = "/results/search-1", epochs: int = 2) -> MLflowTracker:
@@ -84,7 +84,7 @@ def test_statuses_params_and_per_epoch_metrics(uri, tmp_path):
     parent = runs["parent"]
     assert parent.info.status == "FINISHED"
     assert parent.data.params["batch_sizes"] == "4,8" and \
-        parent.data.tags[mlflow_schema.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
+        parent.data.tags[schema.EXPERIMENT_PATH_TAG] == str(tmp_path / "search-1")
     statuses = {k: r.info.status for k, r in runs.items() if k != "parent"}
     assert statuses == {"done": "FINISHED", "stopped": "FINISHED", "oom": "FAILED", "err": "FAILED"}
     for name in statuses:
@@ -199,7 +199,7 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     tags = _runs(uri, "diverged")["gpu"].data.tags
     assert _runs(uri, "diverged")["gpu"].info.status == "FAILED"
     assert tags[FAILURE_TAG].startswith("diverged: the training loss became nan in epoch 2")
-    assert (tags[mlflow_schema.GPU_IDS_TAG], tags[mlflow_schema.NODE_TAG], tags[NODE_ID_TAG]) == \
+    assert (tags[schema.GPU_IDS_TAG], tags[schema.NODE_TAG], tags[NODE_ID_TAG]) == \
         ("2,3", "10.0.0.7", "node-abc")
     assert "diverged" not in _runs(uri, "diverged")["gpu"].data.metrics
 
@@ -213,24 +213,24 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     assert [row.status for row, _, _ in rows] == ["DIVERGED", "DONE"]
     t.reconcile(rows)
     runs = _runs(uri, "diverged")
-    assert runs["gpu"].data.tags[mlflow_schema.OUTCOME_TAG] == "diverged" and \
+    assert runs["gpu"].data.tags[schema.OUTCOME_TAG] == "diverged" and \
         runs["gpu"].info.status == "FAILED"
     cpu_tags = runs["cpu"].data.tags
-    assert (cpu_tags[mlflow_schema.GPU_IDS_TAG], cpu_tags[mlflow_schema.NODE_TAG]) == ("", "10.0.0.8")
-    assert cpu_tags[mlflow_schema.OUTCOME_TAG] == "done" and runs["cpu"].info.status == "FINISHED"
+    assert (cpu_tags[schema.GPU_IDS_TAG], cpu_tags[schema.NODE_TAG]) == ("", "10.0.0.8")
+    assert cpu_tags[schema.OUTCOME_TAG] == "done" and runs["cpu"].info.status == "FINISHED"
     assert not {"gpu_ids", "node_ip", "diverged"} & set(runs["cpu"].data.metrics)
 
 
 def test_numeric_metrics_keep_trainer_values_only():
-    m = mlflow_schema.numeric_metrics(_result(3, oom=1, val_loss=math.nan))
+    m = schema.numeric_metrics(_result(3, oom=1, val_loss=math.nan))
     assert math.isnan(m["val_loss"]) and m["lr_current"] == 1e-3 and "lr" not in m
     # constants are params or tags, not metrics: the epoch is the step, batch size a param
     assert not {"epoch", "oom", "batch_size", "reader_failures"} & set(m)
     # where it ran is a tag, even when a dataframe reads the GPU id "0" back as the number 0
     assert not {"diverged", "gpu_ids", "node_ip"} & set(
-        mlflow_schema.numeric_metrics(_result(1, diverged=0, gpu_ids=0, node_ip="10.0.0.1")))
+        schema.numeric_metrics(_result(1, diverged=0, gpu_ids=0, node_ip="10.0.0.1")))
     # a row of Tune's per-epoch dataframe (what reconcile backfills from) flattens the config
-    row = mlflow_schema.numeric_metrics({**_result(2), "config/batch_size": 4, "config/lr": 1e-3})
+    row = schema.numeric_metrics({**_result(2), "config/batch_size": 4, "config/lr": 1e-3})
     assert not any(k.startswith("config") for k in row) and row["val_acc"] == 0.7
     assert "node_id" not in m and "training_iteration" not in m and "config" not in m
 
@@ -238,11 +238,11 @@ def test_numeric_metrics_keep_trainer_values_only():
 # -- store checks (before Ray) ----------------------------------------------------------------
 
 def test_sqlite_store_folder_must_exist(tmp_path):
-    mlflow_store.check_store_uri(f"sqlite:///{tmp_path / 'ok.db'}", "--mlflow-uri")
+    store.check_store_uri(f"sqlite:///{tmp_path / 'ok.db'}", "--mlflow-uri")
     with pytest.raises(ConfigError, match=r"--mlflow-uri: the folder .*missing.* does not exist"):
-        mlflow_store.check_store_uri(f"sqlite:///{tmp_path / 'missing' / 'x.db'}", "--mlflow-uri")
+        store.check_store_uri(f"sqlite:///{tmp_path / 'missing' / 'x.db'}", "--mlflow-uri")
     with pytest.raises(ConfigError, match="--mlflow-uri: .*refuses plain file stores"):
-        mlflow_store.check_store_uri(str(tmp_path / "mlruns"), "--mlflow-uri")
+        store.check_store_uri(str(tmp_path / "mlruns"), "--mlflow-uri")
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -265,9 +265,9 @@ def test_tracking_server_health_is_checked(status, ok):
     try:
         uri = f"http://127.0.0.1:{server.server_port}"
         if ok:
-            mlflow_store.check_store_uri(uri, "--mlflow-uri")
+            store.check_store_uri(uri, "--mlflow-uri")
         else:
             with pytest.raises(ConfigError, match="--mlflow-uri: .* answered 503 at /health"):
-                mlflow_store.check_store_uri(uri, "--mlflow-uri")
+                store.check_store_uri(uri, "--mlflow-uri")
     finally:
         server.shutdown()

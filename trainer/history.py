@@ -4,7 +4,7 @@ Written by rank 0 into the checkpoint folder at the end of every epoch ({epoch: 
 report}), carried over when a run resumes from a checkpoint. It is the run's own record of its
 metrics, independent of Tune and MLflow: when an epoch was checkpointed but never reached Tune
 (the search was interrupted right after it), or never reached MLflow (the store was down),
-`tune.tracking.MLflowTracker.reconcile` writes it from here.
+`tune.tracking.tracker.MLflowTracker.reconcile` writes it from here.
 """
 from __future__ import annotations
 

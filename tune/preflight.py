@@ -23,9 +23,9 @@ from vidtune.tune import faults, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
 from vidtune.tune.lock import check_not_running
-from vidtune.tune.mlflow_store import check_store_uri
 from vidtune.tune.options import SearchOptions, base_config
 from vidtune.tune.ray_internals import check_experiment_state
+from vidtune.tune.tracking.store import check_store_uri
 from vidtune.tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"

@@ -248,7 +248,7 @@ SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "di
 def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
              status: str) -> TrialRow:
     """A trial's row from the epochs seen while it ran (epoch -> its report's SUMMARY_INPUTS;
-    `tune.tracking` keeps them), by the rules of `row_from_result`: the best epoch by val_acc
+    `tune.tracking.tracker` keeps them), by the rules of `row_from_result`: the best epoch by val_acc
     (ties: the later) among those that trained, the steady-state speeds
     (`trainer.metrics.steady_state`), none of either for out of memory or diverged (`status` in
     NO_RESULT). No checkpoint: the final row (`row_from_result`) has it."""

@@ -1,10 +1,12 @@
-"""The end of a search: what it tells the user and MLflow. `summarise` writes trials.csv,
-best_config.json and the plots, brings MLflow up to date (every epoch, final statuses, the
-parent's artifacts), then prints the last block, the answer first: the sentences a person acts
-on (`tune.answer.answer_lines`) and the MLflow link to compare the trials; the trials by outcome
-and the total time; the trials table and what its columns mean; the Pareto front; the best
-checkpoint; and how to train it again, resume or flush. `tune.runner.run_search` calls it when
-the Tuner returns, raises or is interrupted."""
+"""The end of a search, computed from its results alone: `summarise` turns Tune's results into a
+`Summary` (one row per trial, the answer, the best trial, the parameter importances) and writes
+trials.csv, best_config.json and the plots; no MLflow. `tune.runner.run_search` calls it when the
+Tuner returns, raises or is interrupted, hands the value to the MLflow tracker to record
+(`tune.tracking.tracker.MLflowTracker.record_summary`), then `print_summary` prints the last
+block, the answer first: the sentences a person acts on (`tune.answer.answer_lines`) and the
+MLflow link to compare the trials; the trials by outcome and the total time; the trials table and
+what its columns mean; the Pareto front; the best checkpoint; and how to train it again, resume
+or flush."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -22,26 +25,41 @@ from vidtune.tune.answer import SearchedRange, answer_lines
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.console import outcome_line
 from vidtune.tune.importance import MIN_TRIALS, Importance, param_importances
-from vidtune.tune.mlflow_store import sqlite_path
 from vidtune.tune.options import SearchOptions
 from vidtune.tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from vidtune.tune.preflight import Plan
 from vidtune.tune.ray_internals import FINISHED_STATES, trial_states
 from vidtune.tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
 from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
-from vidtune.tune.tracking import MLflowTracker
 
 
-def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, tracker: MLflowTracker, *,
-              failed: bool = False, budget: TimeBudget | None = None) -> int:
-    """Write the result files, bring MLflow up to date (KILLED when the search did not finish; or
-    say what is pending when the store cannot be reached), then print the last block (see the
-    module docstring). Exit code: 0 with a best trial, 1 without, 130 when interrupted. `failed`:
-    the search ended in an exception, which the caller reports (no resume hint here). `budget`:
-    the searcher's --time-budget wrapper, which says whether the budget ended the search."""
-    # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
-    say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
-    rows, pairs, states = collect_rows(plan, opts, results)
+@dataclass(frozen=True)
+class Summary:
+    """What a search found, as a plain value: what the console's last block shows and what the
+    tracker records in MLflow. The files in `files` are written when it is made."""
+
+    objective: str                 # the search's --objective: ranks the rows, chose `best`
+    rows: list[TrialRow]           # one per trial, in the Results' order
+    # (row, Tune result, Train run folder) per trial: what MLflow's reconcile writes epochs from
+    trials: list[tuple[TrialRow, tune.Result, str]]
+    trial_states: list[tuple[str, str]]   # Tune's (trial id, status) of every trial it knows
+    interrupted: bool              # Ctrl-C / SIGTERM, or no results at all: continue with --resume
+    val_clips: int                 # the validation set's size: the accuracies' 95% intervals (0: none)
+    answer: list[str]              # the sentences a person acts on (`tune.answer.answer_lines`)
+    best: TrialRow | None          # by the objective; None without a usable trial
+    importance: Importance         # the searched parameters' shares (fANOVA), or why there are none
+    files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
+
+    @property
+    def table_markdown(self) -> str:
+        """The trials table, ranked by the objective, as MLflow's description shows it."""
+        return format_markdown(ranked(self.rows, self.objective), self.val_clips)
+
+
+def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) -> Summary:
+    """The search's `Summary` from Tune's `results` (None: the Tuner raised or never returned),
+    with its files written (`write_results`). Touches no MLflow store."""
+    rows, trials, states = collect_rows(plan, opts, results)
     interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
     val_clips = len(plan.index.val) if plan.index is not None else 0
     searched = SearchedRange(lr_min=opts.space.lr_min, lr_max=opts.space.lr_max,
@@ -51,23 +69,38 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None, 
     importance = param_importances(rows, objective=opts.objective, space=opts.space)
     files = write_results(plan, opts, rows, best, results_folder(plan), val_clips=val_clips,
                           importance=importance)
-    pending = record_in_mlflow(plan, opts, tracker, rows, pairs, states, best, files, interrupted=interrupted,
-                               val_clips=val_clips, answer=answer, importance=importance)
+    return Summary(objective=opts.objective, rows=rows, trials=trials, trial_states=states,
+                   interrupted=interrupted, val_clips=val_clips, answer=answer, best=best,
+                   importance=importance, files=files)
+
+
+def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_links: str,
+                  pending: str | None, failed: bool = False, budget: TimeBudget | None = None) -> int:
+    """Print the last block (see the module docstring). Exit code: 0 with a best trial, 1
+    without, 130 when interrupted. `mlflow_links`: the lines that follow the answer (the
+    tracker's `summary_links`); `pending`: why MLflow is not up to date, None when it is (the
+    tracker's `record_summary`). `failed`: the search ended in an exception, which the caller
+    reports (no resume hint here). `budget`: the searcher's --time-budget wrapper, which says
+    whether the budget ended the search."""
+    # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
+    say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
+    rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips
+    interrupted, importance = summary.interrupted, summary.importance
     uri = opts.tracking.mlflow_uri
     resume = (f"vidtune search --resume --name {plan.name} --storage {plan.storage}"
               f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
 
     say("")   # the last block: the answer first
-    for line in answer:
+    for line in summary.answer:
         say(line)
-    say(mlflow_lines(opts, tracker, pending))
+    say(mlflow_links)
     say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
     if importance.shares or opts.num_samples >= MIN_TRIALS:   # a short search was never going to have it
         say(importance.sentence())
     ended_by_budget = budget.summary_line(opts.num_samples) if budget is not None else None
     if ended_by_budget:
         say(ended_by_budget)
-    elif results is not None and not interrupted and len(rows) < opts.num_samples:
+    elif not interrupted and len(rows) < opts.num_samples:   # not interrupted: Tune returned results
         # Tune ended with nothing left to run: a resume would not add the missing trials.
         say(f"note: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
             "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
@@ -181,49 +214,3 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
         path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
         files["best_config"] = path
     return {k: v for k, v in files.items() if v}
-
-
-def record_in_mlflow(plan: Plan, opts: SearchOptions, tracker: MLflowTracker, rows: list[TrialRow],
-                     pairs: list[tuple[TrialRow, tune.Result, str]], states: list[tuple[str, str]],
-                     best: TrialRow | None, files: dict[str, Path], *, interrupted: bool, val_clips: int = 0,
-                     answer: list[str] | None = None, importance: Importance | None = None) -> str | None:
-    """Reconcile the child runs with Tune's results, log the parent's summary (the trials table
-    with `val_clips`' intervals; `answer`: the sentences that open the description) and end every
-    run. Returns None when MLflow is up to date, else why it is not (the store failed)."""
-    try:
-        tracker.open_parent(refresh=True)
-        if states:
-            lost = tracker.retire_lost_runs({trial_id for trial_id, _ in states})
-            if lost:
-                print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to the "
-                      f"trash: {lost}")
-        written = tracker.reconcile(pairs)
-        if written:
-            print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
-        tracker.log_summary(files=list(files.values()), best=best.__dict__ if best else None,
-                            best_checkpoint=best.checkpoint if best else None,
-                            metrics=importance.metrics() if importance is not None else None)
-        tracker.publish_view(table_markdown=format_markdown(ranked(rows, opts.objective), val_clips),
-                             best_trial_id=best.trial_id if best else None, objective=opts.objective,
-                             answer=answer or ())
-        tracker.close(interrupted=interrupted)
-    except Exception as e:   # the store is down or full: the search's own results stand
-        reason = faults.one_line(e)
-        return f"{opts.tracking.mlflow_uri} failed ({reason})"
-    return None
-
-
-def ui_hint(uri: str) -> str:
-    path = sqlite_path(uri)
-    return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
-
-
-def mlflow_lines(opts: SearchOptions, tracker: MLflowTracker, pending: str | None) -> str:
-    """The links that follow the answer: the runs table, ready to compare, and the parent run
-    (the store's URI only, when MLflow is not up to date or its experiment is unknown)."""
-    hint = ui_hint(opts.tracking.mlflow_uri)
-    if not pending and getattr(tracker, "experiment_id", None):
-        parent = tracker.run_url(tracker.parent_run_id)
-        return (f"compare the trials in MLflow: {tracker.runs_table_url()}{hint}\n"
-                f"  the search's run (answer, trials table, plots): {parent}")
-    return f"compare the trials in MLflow: {opts.tracking.mlflow_uri}{hint}"

@@ -1,8 +1,8 @@
 """The parent run as the MLflow UI opens it: the search's saved runs-table view (an experiment
 tag), the links into the model-training UI, and the parent's description (MLflow's note,
 markdown): the answer, the best run, the trials table, each plot with a sentence under it, and
-what the columns and tags mean. The view's JSON and the link formats are `tune.mlflow_view`'s;
-`tune.tracking.MLflowTracker` calls these with its client and its runs' ids.
+what the columns and tags mean. The view's JSON and the link formats are `tune.tracking.view`'s;
+`tune.tracking.tracker.MLflowTracker` calls these with its client and its runs' ids.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from urllib.parse import urlparse
 
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune import mlflow_view
-from vidtune.tune.mlflow_schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
+from vidtune.tune.tracking import view
+from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
+from vidtune.tune.tracking.store import sqlite_path
 
 # The plots the parent run may hold (`tune.summary` logs them at its root), in the description's
 # order, each with the sentence under it; {objective} is the search's.
@@ -30,26 +31,26 @@ PLOT_SENTENCES = (
 
 def save_view(client: MlflowClient, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
               experiment_path: str, objective: str) -> str:
-    """Write the search's saved runs-table view (`tune.mlflow_view`: this search's trials,
+    """Write the search's saved runs-table view (`tune.tracking.view`: this search's trials,
     batch size, lr, the objective, speed and outcome, best first) as an experiment tag, and
     mark the experiment a model-training one (unless someone chose its kind), when the UI
     showing the store reads that format; else say once that the links open the plain table.
     Returns the view's id; "" for none (the links open the plain table)."""
-    version = mlflow_view.ui_version(tracking_uri)
-    if not mlflow_view.view_verified(version):
-        checked = ", ".join(mlflow_view.VERIFIED_UI)
+    version = view.ui_version(tracking_uri)
+    if not view.view_verified(version):
+        checked = ", ".join(view.VERIFIED_UI)
         print(f"MLflow: the UI of MLflow {version or '(unknown version)'} was not checked to read "
               f"vidtune's saved runs-table view (checked: {checked}); the links open the plain runs "
               "table", flush=True)
         return ""
-    view = mlflow_view.view_id(parent_run_id)
-    state = mlflow_view.view_state(parent_run_id=parent_run_id, objective=objective, tags=(OUTCOME_TAG,))
-    ranked_by = mlflow_view.objective_metric(objective)
+    share_key = view.view_id(parent_run_id)
+    state = view.view_state(parent_run_id=parent_run_id, objective=objective, tags=(OUTCOME_TAG,))
+    ranked_by = view.objective_metric(objective)
     name = f"vidtune {Path(experiment_path).name}: trials by {ranked_by}"
-    client.set_experiment_tag(experiment_id, *mlflow_view.view_tag(view, name=name, state=state))
-    if mlflow_view.EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
-        client.set_experiment_tag(experiment_id, mlflow_view.EXPERIMENT_KIND_TAG, mlflow_view.EXPERIMENT_KIND)
-    return view
+    client.set_experiment_tag(experiment_id, *view.view_tag(share_key, name=name, state=state))
+    if view.EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, view.EXPERIMENT_KIND_TAG, view.EXPERIMENT_KIND)
+    return share_key
 
 
 def ui_base(tracking_uri: str) -> str:
@@ -60,14 +61,20 @@ def ui_base(tracking_uri: str) -> str:
     return "http://127.0.0.1:5000"
 
 
+def ui_hint(tracking_uri: str) -> str:
+    """For the console, after a link: how to start the UI of a SQLite store ("" for a server)."""
+    path = sqlite_path(tracking_uri)
+    return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
+
+
 def runs_table_url(tracking_uri: str, experiment_id: str, view_id: str | None) -> str:
     """The experiment's runs table in the model-training UI, on the search's saved view when
     there is one (MLflow 3 opens an experiment on its GenAI overview)."""
-    return f"{ui_base(tracking_uri)}/{mlflow_view.runs_link(experiment_id, view_id)}"
+    return f"{ui_base(tracking_uri)}/{view.runs_link(experiment_id, view_id)}"
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui_base(tracking_uri)}/{mlflow_view.run_link(experiment_id, run_id)}"
+    return f"{ui_base(tracking_uri)}/{view.run_link(experiment_id, run_id)}"
 
 
 def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[str, str], experiment_id: str,
@@ -86,9 +93,9 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
         elif BEST_TAG in c.get_run(run_id).data.tags:
             c.delete_tag(run_id, BEST_TAG)
     best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
-                 f"({mlflow_view.run_link(experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
+                 f"({view.run_link(experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
                  else "No trial produced a usable result.")
-    table_line = (f"[Compare the trials]({mlflow_view.runs_link(experiment_id, view_id)}): "
+    table_line = (f"[Compare the trials]({view.runs_link(experiment_id, view_id)}): "
                   "this search's runs table, best first.")
     held = {a.path for a in c.list_artifacts(parent)}
     plots = [f"![{name}](get-artifact?path={name}&run_uuid={parent})\n\n"

@@ -1,10 +1,11 @@
-"""What goes into one search's MLflow runs, given their ids: the tags an epoch's report sets (a
-restart, unreadable clips), a trial's final status with its reason tags (`mlflow_status`), a
+"""What goes into one search's MLflow runs, given their ids: a trial's searched values as params
+(`shown_config`), the tags an epoch's report sets (a restart, unreadable clips, where the trial
+trained: `placement_tags`), a trial's final status with its reason tags (`mlflow_status`), a
 failed trial's traceback, a child run's summary metrics (the values of its trials.csv row), the
-parent's summary (result files, `best_*` metrics, the best checkpoint) and the parent's page in
-the UI (`tune.mlflow_description`).
+parent's summary (result files, `best_*` metrics, the best checkpoint), the parent's page in the
+UI (`tune.tracking.description`) and the console's links to it (`summary_links`).
 
-`RunWriter` is mixed into `tune.tracking.MLflowTracker`, which owns the state it reads
+`RunWriter` is mixed into `tune.tracking.tracker.MLflowTracker`, which owns the state it reads
 (`tracking_uri`, `_client`, `experiment_id`, `experiment_path`, `parent_run_id`, `child_runs`,
 `view_id`, `epochs`, `objective`, `val_clips`) and decides which runs exist and when to write.
 """
@@ -20,18 +21,21 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune import mlflow_description
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.mlflow_schema import (
+from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
+from vidtune.tune.tables import csv_record, significant
+from vidtune.tune.tracking import description
+from vidtune.tune.tracking.schema import (
     FAILURE_TAG,
+    GPU_IDS_TAG,
     INTERRUPTED_REASON,
+    NODE_ID_TAG,
+    NODE_TAG,
     READER_TAG,
     RESUMED_TAG,
     STOP_TAG,
     TRACEBACK_ARTIFACT,
 )
-from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
-from vidtune.tune.tables import csv_record
 
 
 class RunWriter:
@@ -143,24 +147,58 @@ class RunWriter:
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
 
-    # the parent's page in the UI (`tune.mlflow_description`) ------------------------------------
+    # the parent's page in the UI (`tune.tracking.description`) ------------------------------------
     def save_view(self) -> None:
-        self.view_id = mlflow_description.save_view(
+        self.view_id = description.save_view(
             self.client, tracking_uri=self.tracking_uri, experiment_id=self.experiment_id,
             parent_run_id=self.parent_run_id, experiment_path=self.experiment_path, objective=self.objective)
 
     def runs_table_url(self) -> str:
-        return mlflow_description.runs_table_url(self.tracking_uri, self.experiment_id, self.view_id)
+        return description.runs_table_url(self.tracking_uri, self.experiment_id, self.view_id)
 
     def run_url(self, run_id: str) -> str:
-        return mlflow_description.run_url(self.tracking_uri, self.experiment_id, run_id)
+        return description.run_url(self.tracking_uri, self.experiment_id, run_id)
+
+    def summary_links(self, pending: str | None) -> str:
+        """The console lines that follow the summary's answer: the runs table, ready to compare,
+        and the parent run (the store's URI only, when MLflow is not up to date, `pending` saying
+        why, or its experiment is unknown)."""
+        hint = description.ui_hint(self.tracking_uri)
+        if not pending and getattr(self, "experiment_id", None):
+            parent = self.run_url(self.parent_run_id)
+            return (f"compare the trials in MLflow: {self.runs_table_url()}{hint}\n"
+                    f"  the search's run (answer, trials table, plots): {parent}")
+        return f"compare the trials in MLflow: {self.tracking_uri}{hint}"
 
     def publish_view(self, *, table_markdown: str, best_trial_id: str | None, objective: str,
                      answer: Sequence[str] = ()) -> None:
-        mlflow_description.publish_view(
+        description.publish_view(
             self.client, parent_run_id=self.open_parent(), child_runs=self.child_runs,
             experiment_id=self.experiment_id, experiment_path=self.experiment_path, view_id=self.view_id,
             table_markdown=table_markdown, best_trial_id=best_trial_id, objective=objective, answer=answer)
+
+
+def placement_tags(result: dict[str, Any]) -> dict[str, str]:
+    """The tags saying where a trial trained, from one of its reports (`trainer.worker`):
+    NODE_TAG (the nodes' IPs, else the Ray node id), GPU_IDS_TAG ("" on the CPU) and
+    NODE_ID_TAG; only those the report holds as strings."""
+    text = {k: result.get(k) for k in ("node_id", "node_ip", "gpu_ids")}
+    text = {k: v for k, v in text.items() if isinstance(v, str)}
+    tags = {}
+    if text.get("node_id"):
+        tags[NODE_ID_TAG] = text["node_id"]
+    if text.get("node_ip") or text.get("node_id"):
+        tags[NODE_TAG] = text.get("node_ip") or text["node_id"]
+    if "gpu_ids" in text:
+        tags[GPU_IDS_TAG] = text["gpu_ids"]
+    return tags
+
+
+def shown_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's searched values as its MLflow params show them: floats (lr, weight decay) to 3
+    significant digits, as trials.csv and the console show them (0.000213, not 0.00021345678);
+    the exact values stay in the trial folder's params.json."""
+    return {k: significant(v) if isinstance(v, float) else v for k, v in config.items()}
 
 
 def from_scratch(result: dict[str, Any]) -> bool:

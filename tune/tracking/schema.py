@@ -1,7 +1,7 @@
 """What vidtune writes in MLflow, and under which names: the tags of the parent run and of each
 trial's child run, the words of a trial's outcome, and which values of a trial's report are
-metrics (`numeric_metrics`). The writer is `tune.tracking`; the parent's description
-(`tune.mlflow_description`), bench/ and the tests read the same names from here.
+metrics (`numeric_metrics`). The writer is `tune.tracking.tracker`; the parent's description
+(`tune.tracking.description`), bench/ and the tests read the same names from here.
 """
 from __future__ import annotations
 

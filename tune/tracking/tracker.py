@@ -15,8 +15,11 @@ under `tune.results.SUMMARY_KEYS` (best_val_acc, its 95% interval, best_epoch, s
 plus best_val_f1, rounded as trials.csv writes them: from the tracker's own epoch records when the
 trial ends, then from its final `TrialRow` in `reconcile`, so the numbers equal trials.csv's.
 This module decides which runs exist and when to write; what goes into a run is
-`tune.mlflow_runs`' (the parent's view, links and description: `tune.mlflow_description`'s), the
-names of the tags and metrics `tune.mlflow_schema`'s.
+`tune.tracking.runs`' (the parent's view, links and description: `tune.tracking.description`'s),
+the names of the tags and metrics `tune.tracking.schema`'s. At the end, the search's summary is
+computed without MLflow (`tune.summary.Summary`) and handed to `record_summary`, which writes it
+into the parent run (result files, `best_*` and importance metrics, the description) and ends
+every run.
 
 The store may fail mid-search (a tracking server restarted, a full disk under a SQLite file):
 tracking never blocks or stops the search. A failed write marks the store down; the Tune hooks
@@ -38,14 +41,13 @@ from ray.tune.experiment import Trial
 
 from vidtune.trainer.history import latest_history
 from vidtune.tune.faults import error_text, one_line, read_error_file
-from vidtune.tune.mlflow_runs import RunWriter, from_scratch
-from vidtune.tune.mlflow_schema import (
+from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
+from vidtune.tune.summary import Summary
+from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, shown_config
+from vidtune.tune.tracking.schema import (
     EXPERIMENT_PATH_TAG,
     FAILURE_TAG,
-    GPU_IDS_TAG,
     INTERRUPTED_REASON,
-    NODE_ID_TAG,
-    NODE_TAG,
     OUTCOME_TAG,
     OUTCOMES,
     PARENT_TAG,
@@ -54,8 +56,6 @@ from vidtune.tune.mlflow_schema import (
     TRIAL_ID_TAG,
     numeric_metrics,
 )
-from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
-from vidtune.tune.tables import significant
 from vidtune.tune.trial import short_name
 
 RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
@@ -89,14 +89,14 @@ class MLflowTracker(RunWriter, Callback):
 
     `child_params`: params every child run gets (precision, model, workers, gpus, dataset);
     the sampled values (batch_size, lr, weight_decay) are added per trial. What it writes into a
-    run is `tune.mlflow_runs.RunWriter`'s.
+    run is `tune.tracking.runs.RunWriter`'s.
     """
 
     def __init__(self, *, tracking_uri: str, experiment: str, experiment_path: str, epochs: int,
                  parent_params: dict[str, Any], parent_tags: dict[str, str], child_params: dict[str, Any],
                  objective: str = "val_acc", val_clips: int = 0):
         self.tracking_uri = tracking_uri
-        self.objective = objective     # what the saved view sorts by (`tune.mlflow_view.objective_metric`)
+        self.objective = objective     # what the saved view sorts by (`tune.tracking.view.objective_metric`)
         self.val_clips = val_clips     # validation clips: the accuracies' 95% intervals (0: none)
         self.experiment = experiment
         self.experiment_path = experiment_path
@@ -250,6 +250,34 @@ class MLflowTracker(RunWriter, Callback):
                 c.set_terminated(run_id, status="KILLED")
         c.set_terminated(self.parent_run_id, status="KILLED" if interrupted else "FINISHED")
 
+    def record_summary(self, summary: Summary) -> str | None:
+        """Record the end of the search, computed without MLflow (`tune.summary.summarise`): move
+        the runs of trials Tune lost to the trash, bring every child run up to date (`reconcile`),
+        log the parent's summary (the result files, `best_*` and importance metrics, the best
+        checkpoint), publish its description (the answer first, the trials table) and end every
+        run (`close`: KILLED when interrupted). Returns None when MLflow is up to date, else why it
+        is not (the store failed); never raises."""
+        best = summary.best
+        try:
+            self.open_parent(refresh=True)
+            if summary.trial_states:
+                lost = self.retire_lost_runs({trial_id for trial_id, _ in summary.trial_states})
+                if lost:
+                    print(f"MLflow: {len(lost)} run(s) of trials lost when the earlier driver died moved to "
+                          f"the trash: {lost}")
+            written = self.reconcile(summary.trials)
+            if written:
+                print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
+            self.log_summary(files=list(summary.files.values()), best=best.__dict__ if best else None,
+                             best_checkpoint=best.checkpoint if best else None,
+                             metrics=summary.importance.metrics())
+            self.publish_view(table_markdown=summary.table_markdown, objective=summary.objective,
+                              best_trial_id=best.trial_id if best else None, answer=summary.answer)
+            self.close(interrupted=summary.interrupted)
+        except Exception as e:   # the store is down or full: the search's own results stand
+            return f"{self.tracking_uri} failed ({one_line(e)})"
+        return None
+
     def reconcile(self, trials: list[tuple[TrialRow, Result, str | None]]) -> int:
         """Bring every child run up to date with what its trial did. Each `(row, result,
         train_run)` holds a `tune.results.TrialRow` (final status), the trial's Tune `Result`
@@ -318,31 +346,8 @@ class MLflowTracker(RunWriter, Callback):
         return lost
 
 
-def placement_tags(result: dict[str, Any]) -> dict[str, str]:
-    """The tags saying where a trial trained, from one of its reports (`trainer.worker`):
-    NODE_TAG (the nodes' IPs, else the Ray node id), GPU_IDS_TAG ("" on the CPU) and
-    NODE_ID_TAG; only those the report holds as strings."""
-    text = {k: result.get(k) for k in ("node_id", "node_ip", "gpu_ids")}
-    text = {k: v for k, v in text.items() if isinstance(v, str)}
-    tags = {}
-    if text.get("node_id"):
-        tags[NODE_ID_TAG] = text["node_id"]
-    if text.get("node_ip") or text.get("node_id"):
-        tags[NODE_TAG] = text.get("node_ip") or text["node_id"]
-    if "gpu_ids" in text:
-        tags[GPU_IDS_TAG] = text["gpu_ids"]
-    return tags
-
-
 def _q(text: str) -> str:
     return text.replace("'", "\\'")
-
-
-def shown_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A trial's searched values as its MLflow params show them: floats (lr, weight decay) to 3
-    significant digits, as trials.csv and the console show them (0.000213, not 0.00021345678);
-    the exact values stay in the trial folder's params.json."""
-    return {k: significant(v) if isinstance(v, float) else v for k, v in config.items()}
 
 
 def _log_params(client: MlflowClient, run_id: str, params: dict[str, Any]) -> None:

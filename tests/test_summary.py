@@ -1,0 +1,118 @@
+"""The end of a search as a value: `tune.summary.summarise` computes the Summary from Tune's
+results alone (trials.csv, best_config.json and the plots written; no MLflow store touched), and
+the tracker records in MLflow what it is handed. Fake Tune results, a SQLite store, no Ray."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+from vidtune.tune.options import base_config, parse_options
+from vidtune.tune.preflight import Plan
+from vidtune.tune.summary import Summary, print_summary, summarise
+from vidtune.tune.tracking.schema import BEST_TAG, TRIAL_ID_TAG
+from vidtune.tune.tracking.tracker import MLflowTracker
+
+EPOCHS = 2
+# trial name -> (batch size, lr, val_acc per epoch)
+TRIALS = {"t01-bs4-lr1e-3": (4, 1e-3, (0.55, 0.70)), "t02-bs4-lr2e-4": (4, 2e-4, (0.50, 0.60))}
+
+
+def _plan(tmp_path: Path) -> Plan:
+    opts = parse_options(["--smoke-test", "--epochs", str(EPOCHS), "--num-samples", str(len(TRIALS)),
+                          "--storage", str(tmp_path / "results"), "--name", "s"])
+    plan = Plan(opts=opts, base=base_config(opts), storage=str(tmp_path / "results"), name="s", demo=False)
+    Path(plan.experiment_path).mkdir(parents=True)
+    return plan
+
+
+def _results(plan: Plan) -> list[SimpleNamespace]:
+    """A stand-in for Tune's ResultGrid: one finished Result per trial, every epoch reported."""
+    out, trials = [], []
+    for i, (name, (batch, lr, accs)) in enumerate(TRIALS.items()):
+        epochs = [{"epoch": e, "val_acc": acc, "val_f1": acc - 0.05, "clips_per_s": 20.0 + e,
+                   "compute_clips_per_s": 40.0, "epoch_time_s": 5.0, "concurrent_trainings": 1.0, "oom": 0,
+                   "train_loss": 0.6, "batch_size": batch, "timestamp": 1_700_000_000 + e}
+                  for e, acc in enumerate(accs, start=1)]
+        out.append(SimpleNamespace(metrics=dict(epochs[-1]), config={"batch_size": batch, "lr": lr},
+                                   error=None, metrics_dataframe=pd.DataFrame(epochs),
+                                   path=f"{plan.experiment_path}/{name}"))
+        trials.append(SimpleNamespace(trial_id=f"abc_0000{i}", status="TERMINATED"))
+
+    class Grid(list):   # what tune.ray_internals.trial_states reads
+        _experiment_analysis = SimpleNamespace(trials=trials)
+
+    return Grid(out)
+
+
+@pytest.fixture
+def summary(tmp_path, monkeypatch) -> tuple[Plan, Summary]:
+    """A search's Summary, computed where any MLflow client would fail."""
+    monkeypatch.chdir(tmp_path)   # the default store, sqlite:///mlruns.db, would land here
+
+    def no_store(*args, **kwargs):
+        raise AssertionError("computing the summary touched MLflow")
+
+    with monkeypatch.context() as m:
+        m.setattr(MlflowClient, "__init__", no_store)
+        plan = _plan(tmp_path)
+        return plan, summarise(plan, plan.opts, _results(plan))
+
+
+def test_a_summary_is_computed_without_mlflow(summary, tmp_path):
+    plan, done = summary
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]          # no mlruns.db, no mlruns/
+    assert [r.status for r in done.rows] == ["DONE", "DONE"] and not done.interrupted
+    assert done.best is not None and done.best.name == "t01-bs4-lr1e-3" and done.best.val_acc == 0.70
+    assert done.answer and "t01-bs4-lr1e-3" in " ".join(done.answer)
+    assert [t for t, _ in done.trial_states] == ["abc_00000", "abc_00001"]
+    assert {"trials_csv", "best_config", "history", "params", "scatter"} <= set(done.files)
+    assert all(path.parent == Path(plan.experiment_path) for path in done.files.values())
+    with open(done.files["trials_csv"]) as f:
+        assert [r["name"] for r in csv.DictReader(f)] == ["t01-bs4-lr1e-3", "t02-bs4-lr2e-4"]
+    best_config = json.loads(done.files["best_config"].read_text())
+    assert (best_config["name"], best_config["train_config"]["lr"]) == ("t01-bs4-lr1e-3", 1e-3)
+    assert "t01-bs4-lr1e-3" in done.table_markdown
+
+
+def test_the_summary_prints_without_a_tracker(summary, capsys):
+    plan, done = summary
+    code = print_summary(plan, plan.opts, done, mlflow_links="compare the trials in MLflow: (links)",
+                         pending=None)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.index(done.answer[0]) < out.index("compare the trials in MLflow: (links)") \
+        < out.index("trials:")
+    assert f"train it again: vidtune train --config {done.files['best_config']}" in out
+
+
+def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
+    plan, done = summary
+    db = tmp_path / "mlflow" / "mlruns.db"
+    db.parent.mkdir()
+    uri = f"sqlite:///{db}"
+    tracker = MLflowTracker(tracking_uri=uri, experiment="summary", experiment_path=plan.experiment_path,
+                            epochs=EPOCHS, parent_params={}, parent_tags={}, child_params={}, val_clips=0)
+    assert tracker.record_summary(done) is None
+    c = MlflowClient(uri)
+    parent = c.get_run(tracker.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in c.list_artifacts(parent.info.run_id)} == {p.name for p in done.files.values()}
+    assert parent.data.metrics["best_val_acc"] == done.best.val_acc
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(done.answer[0]) and done.table_markdown in note
+    children = {r.data.tags[TRIAL_ID_TAG]: r for r in c.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    assert set(children) == {t for t, _ in done.trial_states}
+    assert all(r.info.status == "FINISHED" for r in children.values())
+    assert children["abc_00000"].data.tags.get(BEST_TAG) == "true"
+    assert [m.step for m in c.get_metric_history(children["abc_00000"].info.run_id, "val_acc")] == [1, 2]
+    links = tracker.summary_links(None)
+    assert links.startswith("compare the trials in MLflow: http://127.0.0.1:5000/#/experiments/")
+    assert tracker.summary_links("down") == \
+        f"compare the trials in MLflow: {uri}  (after: mlflow ui --backend-store-uri sqlite:///{db})"
