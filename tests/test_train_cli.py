@@ -184,7 +184,7 @@ def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_sessio
 # --config: retrain a search's best trial from its best_config.json; flags override the file.
 
 def _best_config(path: Path, train_config: TrainConfig, **row) -> Path:
-    """A best_config.json as the search writes it (tune.tracking.Tracker.log_summary): the best
+    """A best_config.json as the search writes it (vidtune.tune.summary.summarise): the best
     trial's row, the objective, and that trial's full TrainConfig."""
     doc = {"trial_id": "a1b2c_00003", "name": "t03-bs16-lr1.5e-4", "search": "vidtune-search-demo",
            "batch_size": train_config.batch_size,

@@ -1,4 +1,4 @@
-"""The one reader of both CLIs' `--config` file (`vidtune train`, `tune/search.py`):
+"""The one reader of both CLIs' `--config` file (`vidtune train`, `vidtune search`):
 TOML or YAML (JSON included, as YAML), keys as the flags or the fields' dotted paths, tables, the
 one `no-X` negation rule; `ConfigFile.blame` names the file's key when a value it set fails a
 check. The keys and types come from the fields' declarations (`vidtune.flags`).

@@ -1,7 +1,7 @@
 """A configuration field's command-line flag, defined once, beside the field.
 
-The typed configurations (`datasets.config.DataConfig`, `trainer.config.TrainConfig`,
-`tune.options.SearchOptions`) declare each field with `option(...)`: its default, flag, help text
+The typed configurations (`vidtune.datasets.config.DataConfig`, `vidtune.trainer.config.TrainConfig`,
+`vidtune.tune.options.SearchOptions`) declare each field with `option(...)`: its default, flag, help text
 and bounds. From that one definition come
 
 - the argparse flags of every CLI that exposes the field (`add_flags`), with the same flag name
@@ -12,8 +12,8 @@ and bounds. From that one definition come
 - the nested dataclass built from flat `{dotted.path: value}` pairs (`build`);
 - the range checks, whose errors name the flag (`check_bounds`, raising `ConfigError`).
 
-Lives in the lowest layer (`datasets`) so the data configuration can use it; it imports nothing
-of this project.
+Lives on the floor under the three layers (`vidtune`, beside `config_file` and `errors`), so the
+data, training and search configurations all use it; it imports nothing of this project.
 """
 from __future__ import annotations
 
