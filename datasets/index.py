@@ -26,7 +26,8 @@ from typing import Any
 
 from vidtune.datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
 from vidtune.datasets.config import DataConfig
-from vidtune.datasets.layouts import OWN_FILE_PREFIX, discover
+from vidtune.datasets.folder_walk import OWN_FILE_PREFIX
+from vidtune.datasets.layouts import discover
 from vidtune.datasets.probe import probe_video, run_pool
 from vidtune.datasets.records import DroppedVideo, VideoInfo
 from vidtune.errors import DataError
@@ -144,6 +145,7 @@ class VideoIndex:
     probed: int = 0                      # files probed in this build
     cached: int = 0                      # files whose probe came from the cache
     cache_path: Path | None = None
+    links: list[str] = field(default_factory=list)   # each link in the data folder not followed, and why
 
     def _rel(self, p: Path) -> str:
         return _relative(p, self.root)
@@ -182,6 +184,9 @@ class VideoIndex:
             lines.append("\nSkipped (not used): " + ", ".join(
                 f"{n} " + (what if n == 1 else re.sub(r"\b(file|row)\b", r"\1s", what, count=1))
                 for what, n in sorted(self.skipped.items())))
+        if self.links:
+            lines.append(f"\nLinks not followed ({len(self.links)}; each folder and video is read once):")
+            lines += [f"  {note}" for note in self.links]
         where = f" ({self.cache_path})" if self.cache_path else " (cache off)"
         lines.append(f"\nProbed {_plural(self.probed, 'video')}, {self.cached} from the cache{where}")
         return "\n".join(lines)
@@ -295,7 +300,7 @@ def _assemble(disc, probes: dict[Path, dict], cfg: DataConfig, **counts) -> Vide
                                r["height"], r["num_frames"] / fps if fps > 0 else 0.0))
     index = VideoIndex(disc.layout, disc.class_names, [v for v in infos if v.split == "train"],
                        [v for v in infos if v.split == "val"], dropped, disc.root, disc.manifest,
-                       disc.skipped, overstated, **counts)
+                       disc.skipped, overstated, **counts, links=disc.links)
     _check_no_empty_cell(index, disc, item_of)
     return index
 

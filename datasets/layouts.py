@@ -24,18 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path, PureWindowsPath
 
 from vidtune.datasets.config import LAYOUT_CHOICES, DataConfig
+from vidtune.datasets.folder_walk import OWN_FILE_PREFIX, VIDEO_EXTENSIONS, FolderWalk
 from vidtune.datasets.labels import names_by_label, resolve_positive
 from vidtune.datasets.records import VideoItem
 from vidtune.datasets.splitting import stratified_split, unsplit
 from vidtune.errors import DataError
 
 LAYOUTS = LAYOUT_CHOICES
-VIDEO_EXTENSIONS = frozenset({".avi", ".mp4", ".mkv", ".mov", ".webm"})
 TRAIN_DIR_NAMES = ("train",)
 VAL_DIR_NAMES = ("val", "valid", "validation")
 MANIFEST_NAME = "manifest.csv"
-# Files vidtune writes into a dataset folder itself; never counted as skipped.
-OWN_FILE_PREFIX = ".vidtune-index"
 
 _SPLIT_ALIASES = {"train": "train", "training": "train", "val": "val", "valid": "val",
                   "validation": "val"}
@@ -55,6 +53,7 @@ class Discovery:
     # split is then "" until `split_usable` draws it over the usable videos.
     val_fraction: float | None = None
     split_seed: int = 0
+    links: list[str] = field(default_factory=list)   # each link not followed, and why (FolderWalk)
 
     @property
     def split_given(self) -> bool:
@@ -200,30 +199,6 @@ def _csv_header(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # scanning folders
 
-def _scan_videos(folder: Path, skipped: Counter) -> list[Path]:
-    """Every video file under `folder` (recursive, sorted); other files are counted in `skipped`."""
-    videos = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        hidden = sum(len(fs) for d in dirnames if d.startswith(".")
-                     for _, _, fs in os.walk(Path(dirpath) / d))
-        if hidden:
-            skipped["file in a hidden folder"] += hidden
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in filenames:
-            p = Path(dirpath) / name
-            if name.startswith(OWN_FILE_PREFIX):
-                continue
-            if name.startswith("."):
-                skipped["hidden file"] += 1
-            elif p.suffix.lower() not in VIDEO_EXTENSIONS:
-                skipped[f"{p.suffix.lower()} file" if p.suffix else "file without extension"] += 1
-            elif not p.is_file():
-                skipped["non-regular file"] += 1
-            else:
-                videos.append(p)
-    return sorted(videos)
-
-
 def _count_loose_files(folder: Path, skipped: Counter, where: str) -> None:
     for p in folder.iterdir():
         if not p.is_file() or p.name.startswith(OWN_FILE_PREFIX):
@@ -232,20 +207,22 @@ def _count_loose_files(folder: Path, skipped: Counter, where: str) -> None:
 
 
 def _discover_class_folders(root: Path, cfg: DataConfig) -> Discovery:
-    skipped: Counter = Counter()
-    found = {d.name: _scan_videos(d, skipped) for d in _visible_dirs(root)}
+    walk = FolderWalk()
+    skipped = walk.skipped
+    found = {d.name: walk.scan(d, d.name) for d in _visible_dirs(root)}
     _count_loose_files(root, skipped, "in ROOT")
     classes = _two_classes(found, root, "class_folders", f"{root}/<class>/*.mp4")
     labels = resolve_positive(list(classes), cfg.positive_class, where=str(root))
     pairs = [(p, labels[name]) for name, paths in classes.items() for p in paths]
     items = unsplit(pairs, cfg, root=root, class_names=names_by_label(labels))
     return Discovery("class_folders", items, names_by_label(labels), root, None, dict(skipped),
-                     val_fraction=cfg.val_fraction, split_seed=cfg.split_seed)
+                     val_fraction=cfg.val_fraction, split_seed=cfg.split_seed, links=walk.links)
 
 
 def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
     splits = _split_dirs(root)
-    skipped: Counter = Counter()
+    walk = FolderWalk()
+    skipped = walk.skipped
     _count_loose_files(root, skipped, "in ROOT")
     tree = f"{root}/{{train,val}}/{{Fight,NonFight}}/*.avi"
     for split in ("train", "val"):
@@ -259,7 +236,7 @@ def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
     per_split: dict[str, dict[str, list[Path]]] = {}
     for split in ("train", "val"):
         sdir = splits[split][0]
-        per_split[split] = {d.name: _scan_videos(d, skipped) for d in _visible_dirs(sdir)}
+        per_split[split] = {d.name: walk.scan(d, f"{sdir.name}/{d.name}") for d in _visible_dirs(sdir)}
         _count_loose_files(sdir, skipped, f"in {sdir.name}/")
         per_split[split] = _two_classes(per_split[split], sdir, "rwf2000", tree)
     train_names, val_names = sorted(per_split["train"]), sorted(per_split["val"])
@@ -271,7 +248,7 @@ def _discover_rwf2000(root: Path, cfg: DataConfig) -> Discovery:
     items = [VideoItem(p, by_lower[name.lower()], split)
              for split in ("train", "val") for name, paths in per_split[split].items() for p in paths]
     items.sort(key=lambda it: str(it.path))
-    return Discovery("rwf2000", items, names_by_label(labels), root, None, dict(skipped))
+    return Discovery("rwf2000", items, names_by_label(labels), root, None, dict(skipped), links=walk.links)
 
 
 def _two_classes(found: dict[str, list[Path]], where: Path, layout: str, tree: str) -> dict[str, list[Path]]:
