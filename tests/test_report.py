@@ -492,3 +492,27 @@ def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
     nan_ids = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
                                      finished=True)
     assert nan_ids.gpu_ids == ""
+
+
+def test_a_resumed_trial_keeps_the_epochs_from_before_its_interruption(tmp_path):
+    """After --resume, Tune's results for a trial start again at the epoch it resumed from; the
+    epochs before live in the checkpoint's epochs.json (trainer.history). The row, its best epoch
+    and its epoch count come from both: here epoch 1 (0.500) stays the best of 4."""
+    from vidtune.trainer.history import write_history
+
+    before = {1: _epoch(1, 10.0, val_acc=0.5, val_f1=0.45), 2: _epoch(2, 12.0, val_acc=0.45)}
+    after = [_epoch(3, 12.0, val_acc=0.40), _epoch(4, 12.0, val_acc=0.375)]
+    run = tmp_path / "train_runs" / "t01"
+    for epoch in (2, 4):   # each checkpoint carries the record of every epoch up to it
+        folder = run / f"epoch_{epoch:04d}"
+        folder.mkdir(parents=True)
+        write_history(folder, {e: r for e, r in {**before, 3: after[0], 4: after[1]}.items() if e <= epoch})
+    resumed = _result(after)                   # what Tune holds after the resume: epochs 3 and 4
+    lost = results.row_from_result(resumed, trial_id="t01", epochs=4, finished=True)
+    assert (lost.best_epoch, lost.val_acc) == (3, 0.40)   # without the record: the issue's wrong answer
+    row = results.row_from_result(resumed, trial_id="t01", epochs=4, finished=True, train_run=str(run))
+    assert (row.best_epoch, row.val_acc, row.val_f1, row.epochs) == (1, 0.5, 0.45, 4)
+    assert row.clips_per_s == 12.0                        # steady state over epochs 2..4, all of them
+    # Tune's report of an epoch wins over the record's: a re-reported epoch 4 counts once, Tune's
+    records = results.epoch_records(_result([*after[:1], {**after[1], "val_acc": 0.6}]), str(run))
+    assert sorted(records) == [1, 2, 3, 4] and records[4]["val_acc"] == 0.6

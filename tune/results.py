@@ -24,6 +24,7 @@ from ray.tune import Result
 from ray.tune.experiment import Trial
 
 from vidtune.trainer.checkpointing import first_whole
+from vidtune.trainer.history import latest_history
 from vidtune.trainer.metrics import steady_state
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.uncertainty import accuracy_interval
@@ -112,10 +113,11 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
     m = dict(result.metrics or {})
     cfg = dict(result.config or {})
     status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
-    speed = steady_speeds(result)
+    records = epoch_records(result, train_run)
+    speed = steady_speeds(result, records)
     val_acc, val_f1, best_epoch = _f(m.get("val_acc")), _f(m.get("val_f1")), 0
     if status not in NO_RESULT:
-        best = best_epoch_record(result)
+        best = best_epoch_record(result, records)
         if best is not None:
             best_epoch, record = best
             val_acc, val_f1 = _f(record.get("val_acc")), _f(record.get("val_f1"))
@@ -126,7 +128,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
         weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
-        epochs=max(epoch_records(result), default=0), status=status,
+        epochs=max(records, default=0), status=status,
         checkpoint=best_checkpoint(train_run, result, name or trial_id),
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
@@ -139,10 +141,20 @@ def _text(x: Any) -> str:
     return x if isinstance(x, str) else ""
 
 
-def epoch_records(result: Result) -> dict[int, dict[str, Any]]:
-    """{epoch: that epoch's report} from every epoch Tune recorded (`metrics_dataframe`, one row
-    per report; a resumed trial re-reports an epoch: the later report of an epoch wins), plus the
-    last result (which fills in what the dataframe lacks for its epoch)."""
+def epoch_records(result: Result, train_run: str | None = None) -> dict[int, dict[str, Any]]:
+    """{epoch: that epoch's report} of every epoch the trial trained, across interruptions.
+
+    Two sources, one per kind of loss:
+    - the trial's own record, `epochs.json` in its latest checkpoint (`trainer.history`, read
+      from the Train run folder `train_run`): carried over from checkpoint to checkpoint when a
+      trial resumes, so it holds the epochs from before an interruption, which Tune's results
+      for the trial no longer do (after `--resume`, Tune restarts them at iteration 1);
+    - what Tune recorded (`metrics_dataframe`, one row per report; a resumed trial re-reports an
+      epoch: the later report wins), plus the last result (filling in what the dataframe lacks
+      for its epoch): the epochs reported since the last checkpoint, and every key of a report.
+    Tune's report of an epoch wins over the record's (the same epoch, with more keys); the
+    record is the authority for the epochs Tune lost, since it is written with the checkpoint
+    whose weights the next epoch continues from."""
     out: dict[int, dict[str, Any]] = {}
     df = getattr(result, "metrics_dataframe", None)
     if df is not None and "epoch" in getattr(df, "columns", ()):
@@ -154,15 +166,16 @@ def epoch_records(result: Result) -> dict[int, dict[str, Any]]:
     last = _epoch_of(m.get("epoch"))
     if last >= 1:
         out[last] = {**m, **out.get(last, {})}
-    return out
+    return {**(latest_history(train_run) if train_run else {}), **out}
 
 
-def best_epoch_record(result: Result) -> tuple[int, dict[str, Any]] | None:
+def best_epoch_record(result: Result, records: dict[int, dict[str, Any]] | None = None
+                      ) -> tuple[int, dict[str, Any]] | None:
     """(epoch, report) of the trial's best epoch by val_acc (ties: the later epoch), among the
     epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
-    val_acc."""
+    val_acc. `records`: `epoch_records(result, train_run)` where already read."""
     best = None
-    for epoch, record in sorted(epoch_records(result).items()):
+    for epoch, record in sorted((records if records is not None else epoch_records(result)).items()):
         acc = _f(record.get("val_acc"))
         if _f(record.get("oom")) == 1 or _f(record.get("diverged")) == 1 or not math.isfinite(acc):
             continue
@@ -174,20 +187,20 @@ def best_epoch_record(result: Result) -> tuple[int, dict[str, Any]] | None:
 SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
 
 
-def steady_speeds(result: Result) -> dict[str, float]:
+def steady_speeds(result: Result, records: dict[int, dict[str, Any]] | None = None) -> dict[str, float]:
     """A trial's steady-state speed (`trainer.metrics.steady_state` of each of SPEED_KEYS over
     its reported epochs, and of other_cpu_cores: what ran beside those epochs) and the most
     trainings that shared its device in any epoch.
 
-    Read from every epoch Tune recorded (`epoch_records`: a resumed trial re-reports an epoch,
-    the last report of an epoch wins), falling back to the last result alone. An out-of-memory
-    or diverged trial reports 0 clips/s: it has no speed (NaN)."""
+    Read from every epoch the trial trained (`records`: `epoch_records(result, train_run)`;
+    default: Tune's alone). An out-of-memory or diverged trial reports 0 clips/s: it has no
+    speed (NaN)."""
     m = dict(result.metrics or {})
     if int(m.get("oom", 0) or 0) == 1 or int(m.get("diverged", 0) or 0) == 1:
         return {**{k: math.nan for k in SPEED_KEYS},
                 "concurrent_trainings": _f(m.get("concurrent_trainings")),
                 "other_cpu_cores": math.nan}
-    records = epoch_records(result)
+    records = records if records is not None else epoch_records(result)
     by_epoch = {k: {e: _f(rec[k]) for e, rec in records.items() if k in rec}
                 for k in (*SPEED_KEYS, "other_cpu_cores", "concurrent_trainings")}
     shared = [v for v in by_epoch["concurrent_trainings"].values() if math.isfinite(v)]

@@ -39,7 +39,6 @@ from mlflow.tracking import MlflowClient
 from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
-from vidtune.trainer.history import latest_history
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
 from vidtune.tune.summary import Summary
@@ -293,7 +292,7 @@ class MLflowTracker(RunWriter, Callback):
             run_id = self.child_runs.get(row.trial_id) or self.start_child(
                 row.trial_id, dict(result.config or {}), name=getattr(row, "name", "") or None)
             have = {m.step for m in c.get_metric_history(run_id, STEP_METRIC)}
-            records = {**(latest_history(train_run) if train_run else {}), **epoch_records(result)}
+            records = epoch_records(result, train_run)
             for epoch, record in sorted(records.items()):
                 if epoch in have:
                     continue
