@@ -4,7 +4,9 @@ trial's reason is its exception's line, its whole traceback kept; the console sa
 restarted a trial. Unit tests: no Ray cluster, no search."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,12 +128,38 @@ def test_a_truncated_best_checkpoint_is_not_named_best(run_folder, tmp_path, mon
     _truncate(folder / "epoch_0003")                      # the best by val_acc
     _fake_run(monkeypatch, [(folder / "epoch_0002", 0.6, 2), (folder / "epoch_0003", 0.8, 3)])
     result = SimpleNamespace(metrics={"checkpoint_path": str(folder / "epoch_0003")})
-    assert results.best_checkpoint(str(folder), result, "t02") == str(folder / "epoch_0002")
+    # the next best, with its own epoch and val_acc
+    assert results.best_checkpoint(str(folder), result, "t02") == (str(folder / "epoch_0002"), 2, 0.6)
     assert "t02: checkpoint" in capsys.readouterr().out
 
     _truncate(folder / "epoch_0002")
-    assert results.best_checkpoint(str(folder), result, "t02") is None
+    path, epoch, acc = results.best_checkpoint(str(folder), result, "t02")
+    assert (path, epoch) == (None, 0) and math.isnan(acc)
     assert "no whole checkpoint is left" in capsys.readouterr().out
+
+
+def test_the_best_checkpoint_is_the_best_whole_one_of_the_search():
+    """The issue's case: t01's best epoch (0.500 at epoch 1) has a damaged checkpoint and its
+    next whole one is epoch 4 (0.375); t02 has a whole 0.500 checkpoint. The search's best
+    checkpoint is t02's, named with t02's own epoch and val_acc on every line, best_config too."""
+    from vidtune.tune.summary import checkpoint_line
+
+    t01 = results.TrialRow("a_00001", 4, 1e-3, None, 0.5, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
+                           name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.375)
+    t02 = dataclasses.replace(t01, trial_id="a_00002", name="t02", checkpoint="/r/t02/epoch_0002",
+                              best_epoch=2, checkpoint_epoch=2, checkpoint_val_acc=0.5)
+    assert results.best_whole_checkpoint([t01, t02], t01) is t02
+    line = checkpoint_line(t01, t02)
+    assert line == ("t01's epoch 1 has no whole checkpoint; the best whole one of the search: "
+                    "best checkpoint (t02, epoch 2, val_acc 0.500): /r/t02/epoch_0002")
+    # the best trial's own best epoch, when whole, is the answer; with none whole anywhere: none
+    whole = dataclasses.replace(t01, checkpoint="/r/t01/epoch_0001", checkpoint_epoch=1,
+                                checkpoint_val_acc=0.5)
+    assert results.best_whole_checkpoint([whole, t02], whole) is whole
+    assert checkpoint_line(whole, whole) == "best checkpoint (t01, epoch 1, val_acc 0.500): /r/t01/epoch_0001"
+    gone = [dataclasses.replace(r, checkpoint=None) for r in (t01, t02)]
+    assert results.best_whole_checkpoint(gone, gone[0]) is None
+    assert checkpoint_line(gone[0], None).startswith("best checkpoint: none kept")
 
 
 # ---------------------------------------------------------------- failure text

@@ -85,7 +85,7 @@ def test_the_answer_and_the_intervals_reach_the_mlflow_description():
 
     rows = [_row("t01", 0.75, 41.2, best_epoch=3)]
     done = summary.Summary(objective="val_acc", rows=rows, trials=[], trial_states=[], interrupted=False,
-                           val_clips=32, answer=["Best: t01."], best=rows[0],
+                           val_clips=32, answer=["Best: t01."], best=rows[0], checkpoint=rows[0],
                            importance=Importance("val_acc", 1), files={})
     pending = Tracker().record_summary(done)
     assert pending is None and calls["answer"] == ["Best: t01."] and calls["best_trial_id"] == "t01"

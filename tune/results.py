@@ -50,7 +50,7 @@ class TrialRow:
     epoch_time_s: float     # steady state, like clips_per_s
     epochs: int             # epochs trained (the last epoch reported)
     status: str             # one of STATUSES
-    checkpoint: str | None  # best-val_acc checkpoint of the trial that still exists
+    checkpoint: str | None  # the trial's best whole checkpoint by val_acc (best_checkpoint)
     node_id: str | None = None
     compute_clips_per_s: float = math.nan   # steady state of clips / time not waiting for data
     concurrent_trainings: float = math.nan  # most trainings on its device at once, any epoch (1 = alone)
@@ -58,6 +58,9 @@ class TrialRow:
     name: str = ""          # short readable name (e.g. t03-bs8-lr2.5e-4); "" reads as the trial_id
     best_epoch: int = 0     # the best epoch by val_acc: val_acc, val_f1 and checkpoint are its (0: none)
     gpu_ids: str = ""       # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
+    # The epoch and val_acc of `checkpoint`: best_epoch's, unless that checkpoint is damaged or gone
+    checkpoint_epoch: int = 0
+    checkpoint_val_acc: float = math.nan
 
     @property
     def label(self) -> str:
@@ -121,6 +124,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
         if best is not None:
             best_epoch, record = best
             val_acc, val_f1 = _f(record.get("val_acc")), _f(record.get("val_f1"))
+    checkpoint, checkpoint_epoch, checkpoint_val_acc = best_checkpoint(train_run, result, name or trial_id)
     return TrialRow(
         trial_id=trial_id,
         batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
@@ -129,7 +133,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
         epochs=max(records, default=0), status=status,
-        checkpoint=best_checkpoint(train_run, result, name or trial_id),
+        checkpoint=checkpoint, checkpoint_epoch=checkpoint_epoch, checkpoint_val_acc=checkpoint_val_acc,
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
         other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
@@ -208,15 +212,14 @@ def steady_speeds(result: Result, records: dict[int, dict[str, Any]] | None = No
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
-def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> str | None:
-    """The trial's best whole checkpoint by val_acc (the best epoch by val_acc, whose metrics its
-    row reports): the best of the checkpoints its Ray Train run kept
-    (`ray.train.Result.from_path(train_run).best_checkpoints`) that `checkpoint_problem` finds
-    whole, else the next best. Without a readable run folder (none given, or gone), the last
-    checkpoint the trial reported, if it still exists and is whole. None when none is; a damaged
-    one skipped is said in one line (`name`: the trial's). Remote (s3://) checkpoints are not
-    downloaded to be checked."""
-    candidates: list[str] = []
+def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> tuple[str | None, int, float]:
+    """(path, epoch, val_acc) of the trial's best whole checkpoint by val_acc: the best of the
+    checkpoints its Ray Train run kept (`ray.train.Result.from_path(train_run).best_checkpoints`)
+    that `checkpoint_problem` finds whole, else the next best (ties: the later epoch). Without a
+    readable run folder (none given, or gone), the last checkpoint the trial reported, if it still
+    exists and is whole. (None, 0, nan) when none is; a damaged one skipped is said in one line
+    (`name`: the trial's). Remote (s3://) checkpoints are not downloaded to be checked."""
+    candidates: list[tuple[str, dict[str, Any]]] = []
     if train_run:
         quiet = logging.getLogger("ray.train")   # from_path logs a paragraph per run read at INFO
         level = quiet.level
@@ -225,16 +228,37 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> st
             run = ray.train.Result.from_path(train_run)
             # Later epochs first, so that the stable sort keeps the later of equal val_acc.
             by_epoch = sorted(run.best_checkpoints or [], key=lambda cm: _f(cm[1].get("epoch")), reverse=True)
-            candidates = [c.path for c, _ in sorted(by_epoch, key=lambda cm: _sort_acc(cm[1]), reverse=True)]
+            ranked_by_acc = sorted(by_epoch, key=lambda cm: _sort_acc(cm[1]), reverse=True)
+            candidates = [(c.path, m) for c, m in ranked_by_acc]
         except (RuntimeError, OSError, ValueError):
             pass   # an interrupted run may have no checkpoint manager snapshot yet
         finally:
             quiet.setLevel(level)
     if not candidates:
-        last = (result.metrics or {}).get("checkpoint_path")
-        if last and ("://" in last or Path(last).exists()):
-            candidates = [last]
-    return _first_whole(candidates, name)
+        last = dict(result.metrics or {})
+        path = last.get("checkpoint_path")
+        if path and ("://" in path or Path(path).exists()):
+            candidates = [(path, last)]
+    found = _first_whole([path for path, _ in candidates], name)
+    if found is None:
+        return None, 0, math.nan
+    metrics = next(m for path, m in candidates if path == found)
+    return found, _epoch_of(metrics.get("epoch")), _f(metrics.get("val_acc"))
+
+
+def best_whole_checkpoint(rows: list[TrialRow], best: TrialRow | None) -> TrialRow | None:
+    """The row whose checkpoint is the search's best whole one: the best trial's, when it is of
+    its best epoch (the table's answer); else, since that one is damaged or gone, the whole
+    checkpoint of highest val_acc among all trials (ties: the best trial, then the earlier row),
+    so that another trial's checkpoint as good as the answer is not passed over for a worse
+    epoch of the best trial. None when no trial has a whole checkpoint."""
+    if best is not None and best.checkpoint and best.checkpoint_epoch == best.best_epoch:
+        return best
+    kept = [r for r in rows if r.checkpoint]
+    if not kept:
+        return None
+    return max(kept, key=lambda r: (_sort_acc({"val_acc": r.checkpoint_val_acc}), r is best,
+                                    -kept.index(r)))
 
 
 def _sort_acc(metrics: dict[str, Any]) -> float:

@@ -29,7 +29,14 @@ from vidtune.tune.options import SearchOptions
 from vidtune.tune.plots import plot_history, plot_objective_vs_params, plot_scatter
 from vidtune.tune.preflight import Plan
 from vidtune.tune.ray_internals import FINISHED_STATES, trial_states
-from vidtune.tune.results import TrialRow, best_trial, pareto_front, ranked, row_from_result
+from vidtune.tune.results import (
+    TrialRow,
+    best_trial,
+    best_whole_checkpoint,
+    pareto_front,
+    ranked,
+    row_from_result,
+)
 from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
 
 
@@ -47,6 +54,9 @@ class Summary:
     val_clips: int                 # the validation set's size: the accuracies' 95% intervals (0: none)
     answer: list[str]              # the sentences a person acts on (`tune.answer.answer_lines`)
     best: TrialRow | None          # by the objective; None without a usable trial
+    # The row whose checkpoint is the search's best whole one (`best_whole_checkpoint`): `best`,
+    # unless its best epoch's checkpoint is damaged or gone
+    checkpoint: TrialRow | None
     importance: Importance         # the searched parameters' shares (fANOVA), or why there are none
     files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
 
@@ -66,12 +76,13 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) 
                              batch_sizes=tuple(opts.space.batch_sizes or ()))
     answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips, searched=searched)
     best = best_trial(rows, opts.objective)
+    checkpoint = best_whole_checkpoint(rows, best) if best else None
     importance = param_importances(rows, objective=opts.objective, space=opts.space)
     files = write_results(plan, opts, rows, best, results_folder(plan), val_clips=val_clips,
-                          importance=importance)
+                          importance=importance, checkpoint=checkpoint)
     return Summary(objective=opts.objective, rows=rows, trials=trials, trial_states=states,
                    interrupted=interrupted, val_clips=val_clips, answer=answer, best=best,
-                   importance=importance, files=files)
+                   checkpoint=checkpoint, importance=importance, files=files)
 
 
 def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_links: str,
@@ -113,7 +124,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
             format_table(pareto_front(rows), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
     say("")
     if best:
-        say(f"best checkpoint ({best.label}, epoch {best.best_epoch}): {best.checkpoint or 'none kept'}")
+        say(checkpoint_line(best, summary.checkpoint))
         if "best_config" in files:
             say(f"train it again: vidtune train --config {files['best_config']}")
     if files:
@@ -127,6 +138,19 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     if not best and rows:
         say(no_usable_trial(opts, rows))
     return 0 if best else 1
+
+
+def checkpoint_line(best: TrialRow, checkpoint: TrialRow | None) -> str:
+    """The summary's line naming the search's best whole checkpoint with its own trial, epoch and
+    val_acc (and, when it is not the best trial's best epoch, why)."""
+    if checkpoint is None:
+        return "best checkpoint: none kept (no trial has a whole checkpoint)"
+    own = (f"best checkpoint ({checkpoint.label}, epoch {checkpoint.checkpoint_epoch}, val_acc "
+           f"{checkpoint.checkpoint_val_acc:.3f}): {checkpoint.checkpoint}")
+    if checkpoint is best and checkpoint.checkpoint_epoch == best.best_epoch:
+        return own
+    return (f"{best.label}'s epoch {best.best_epoch} has no whole checkpoint; "
+            f"the best whole one of the search: {own}")
 
 
 def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None
@@ -177,25 +201,27 @@ def results_folder(plan: Plan) -> Path | None:
 
 
 def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                  folder: Path | None, *, val_clips: int = 0,
-                  importance: Importance | None = None) -> dict[str, Path]:
+                  folder: Path | None, *, val_clips: int = 0, importance: Importance | None = None,
+                  checkpoint: TrialRow | None = None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
     the three plots. In `folder`, or a temporary folder when None or when `folder` cannot take
     them (a full disk): MLflow gets them either way. `val_clips`: the validation set's size (the
-    CSV's intervals); `importance`: its bar chart joins the plots when it was computed."""
+    CSV's intervals); `importance`: its bar chart joins the plots when it was computed;
+    `checkpoint`: the row of the search's best whole checkpoint, which best_config.json names."""
     if folder is not None:
         try:
-            return _write_results(plan, opts, rows, best, folder, val_clips, importance)
+            return _write_results(plan, opts, rows, best, folder, val_clips, importance, checkpoint)
         except OSError as e:
             print(f"note: the results could not be written to {folder} ({e.strerror or e}); "
                   "they go to MLflow only")
     temporary = Path(tempfile.mkdtemp(prefix="vidtune-results-"))
-    return _write_results(plan, opts, rows, best, temporary, val_clips, importance)
+    return _write_results(plan, opts, rows, best, temporary, val_clips, importance, checkpoint)
 
 
 def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
-                   target: Path, val_clips: int, importance: Importance | None) -> dict[str, Path]:
+                   target: Path, val_clips: int, importance: Importance | None,
+                   checkpoint: TrialRow | None) -> dict[str, Path]:
     files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
                                      val_clips=val_clips),
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
@@ -209,7 +235,12 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
         wd = {"weight_decay": best.weight_decay} if best.weight_decay is not None else {}
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
-                                                        **wd).to_dict()}
+                                                        **wd).to_dict(),
+               # the search's best whole checkpoint, with its own trial, epoch and val_acc
+               "checkpoint": checkpoint.checkpoint if checkpoint else None,
+               "checkpoint_trial": checkpoint.name if checkpoint else None,
+               "checkpoint_epoch": checkpoint.checkpoint_epoch if checkpoint else 0,
+               "checkpoint_val_acc": checkpoint.checkpoint_val_acc if checkpoint else None}
         path = target / "best_config.json"
         path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
         files["best_config"] = path
