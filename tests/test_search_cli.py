@@ -240,6 +240,18 @@ def test_num_frames_above_the_shortest_video_fails_before_ray(capsys, synthetic_
            "--num-frames:", "takes clips of exactly 8 frames")
 
 
+def test_dry_run_checks_warm_start_without_batch_sizes(capsys, synthetic_root, tmp_path):
+    """--warm-start is checked by --dry-run even when the batch sizes are left to the cluster's
+    defaults: a missing folder, or one that is not a search, fails before Ray with nothing made."""
+    storage = tmp_path / "results"
+    args = ["--data", str(synthetic_root), "--dry-run", "--storage", str(storage),
+            "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"]
+    _fails(capsys, args + ["--warm-start", str(tmp_path / "nowhere")], "--warm-start:")
+    (tmp_path / "not-a-search").mkdir()
+    _fails(capsys, args + ["--warm-start", str(tmp_path / "not-a-search")], "--warm-start:")
+    assert not storage.exists() or not any(storage.iterdir())
+
+
 def test_demo_preset_grace_period_follows_a_shorter_epochs():
     assert parse_options(["--epochs", "2"]).grace_period == 2 and parse_options([]).grace_period == 3
 

@@ -116,6 +116,20 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
     assert "--batch-size" in err and "1000" in err
 
 
+def test_cli_num_frames_above_the_shortest_video_exits_2_before_ray(synthetic_root, capsys, monkeypatch):
+    """The search's check, shared (trainer.launch.check_training_inputs): a clip longer than the
+    shortest video is refused before Ray starts, after the data report."""
+    def no_ray(*args, **kwargs):
+        raise AssertionError("vidtune train started Ray despite a clip longer than every video")
+
+    monkeypatch.setattr(train, "init_ray", no_ray)
+    assert train.main(["--data", str(synthetic_root), "--model", "swin3d_t", "--weights", "none",
+                       "--num-frames", "1000"]) == 2
+    captured = capsys.readouterr()
+    assert "--num-frames: 1000 frames per clip is more than the shortest usable video" in captured.err
+    assert captured.out.startswith("Dataset ")          # the data report came first
+
+
 def test_cli_flags_reach_the_config():
     args = train.build_parser().parse_args(
         ["--data", "d", "--height", "48", "--width", "48", "--num-frames", "4", "--grad-accum", "2",

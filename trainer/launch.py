@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from vidtune.datasets.index import VideoIndex
+from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
 from vidtune.trainer.config import PRECISIONS, TrainConfig
 from vidtune.trainer.gpus import SIMULATE_ENV, simulated_gpus
@@ -127,6 +127,30 @@ def check_num_frames(cfg: TrainConfig, index: VideoIndex, *, flag: str = "--num-
                           f"({shortest.path.name}: {shortest.num_frames} frames); pass {flag} "
                           f"{shortest.num_frames} or less, or --min-frames {wanted} to leave the shorter "
                           "videos out")
+
+
+def check_training_inputs(cfg: TrainConfig, *, batch_sizes: Iterable[int] | None, workers: int,
+                          batch_flag: str, workers_flag: str, storage: str | None = None,
+                          show: Callable[[VideoIndex], None] | None = None) -> VideoIndex:
+    """The one set of checks a training needs before Ray starts, for `vidtune train` and the
+    search alike: every option of `cfg` (`validate_config`), the --storage and --cache-dir
+    folders, the dataset (indexed here: `datasets.index.build_index`), frames per clip against
+    the shortest video, and each batch size (`batch_sizes`; None: decided once the cluster is
+    known) against the training videos each of `workers` workers gets. `show` is handed the index
+    before the checks that read it, so a refusal follows the data report. Returns the index (the
+    workers get it). ConfigError / DataError naming the flag or file at fault."""
+    validate_config(cfg)
+    if storage and "://" not in storage:
+        check_writable_folder(storage, "--storage")
+    if cfg.data.clip_cache and cfg.data.clip_cache_dir is not None:
+        check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
+    index = build_index(cfg.data)
+    if show is not None:
+        show(index)
+    check_num_frames(cfg, index)
+    if batch_sizes is not None:
+        check_batch_sizes(batch_sizes, len(index.train), workers, flag=batch_flag, workers_flag=workers_flag)
+    return index
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from vidtune.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
 from vidtune.datasets.config import DataConfig
-from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.datasets.index import VideoIndex
 from vidtune.errors import DataError
 from vidtune.flags import (
     ConfigError,
@@ -41,11 +41,9 @@ from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import (
     TRAIN_FLAGS,
     build_torch_trainer,
-    check_batch_sizes,
-    check_writable_folder,
+    check_training_inputs,
     cluster_gpus,
     init_ray,
-    validate_config,
 )
 
 GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
@@ -160,15 +158,9 @@ def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:
     """Everything checkable before Ray starts; returns the dataset index (handed to the workers).
     Raises ConfigError / DataError naming the flag or file at fault."""
     check_bounds(where, RUN_FLAGS)   # first: validate_config may load torch to read --weights
-    validate_config(cfg)
-    if where.storage:
-        check_writable_folder(where.storage, "--storage")
-    if cfg.data.clip_cache and cfg.data.clip_cache_dir:
-        check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
-    index = build_index(cfg.data)
-    check_batch_sizes((cfg.batch_size,), len(index.train), where.workers, flag="--batch-size",
-                      workers_flag="--workers")
-    return index
+    return check_training_inputs(cfg, batch_sizes=(cfg.batch_size,), workers=where.workers,
+                                 batch_flag="--batch-size", workers_flag="--workers", storage=where.storage,
+                                 show=lambda index: print(index.summary(), flush=True))
 
 
 def format_epoch(m: dict[str, Any], epochs: int) -> str:
@@ -315,7 +307,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(index.summary(), flush=True)
     return run(cfg, where, index)
 
 

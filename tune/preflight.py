@@ -15,15 +15,15 @@ from pathlib import Path
 
 from ray import tune
 
-from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import check_batch_sizes, check_num_frames, check_writable_folder, validate_config
+from vidtune.trainer.launch import check_training_inputs, check_writable_folder
 from vidtune.tune import faults, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
 from vidtune.tune.lock import check_not_running
-from vidtune.tune.options import SearchOptions, base_config
+from vidtune.tune.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
 from vidtune.tune.ray_internals import check_experiment_state
 from vidtune.tune.tracking.store import check_store_uri
 from vidtune.tune.warm_start import load_warm_start
@@ -69,25 +69,25 @@ def prepare(opts: SearchOptions) -> Plan:
         root = Path(opts.train.data.root).expanduser().resolve()
     opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
     base = base_config(opts)
-    validate_config(base)
-    if base.data.clip_cache and base.data.clip_cache_dir is not None:
-        check_writable_folder(base.data.clip_cache_dir, "--cache-dir")
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
     name = experiment_name(opts, storage)
     if opts.time_budget:
         parse_duration(opts.time_budget)
-    # A bad --warm-start is refused here, before Ray starts; build_searcher loads it again for the
-    # study, once the batch sizes are known (they may come from the cluster).
-    if opts.warm_start and opts.space.batch_sizes is not None:
-        load_warm_start(opts.warm_start, opts.space, opts.objective, own_storage=opts.optuna_storage,
+    # A bad --warm-start is refused here, before Ray starts (and by --dry-run); build_searcher loads
+    # it again for the study once the batch sizes are known. Until then (their defaults depend on
+    # the cluster) it is checked against every batch size a default may have.
+    if opts.warm_start:
+        space = opts.space if opts.space.batch_sizes is not None else replace(
+            opts.space, batch_sizes=tuple(sorted({*CPU_BATCH_SIZES, *GPU_BATCH_SIZES})))
+        load_warm_start(opts.warm_start, space, opts.objective, own_storage=opts.optuna_storage,
                         own_study=opts.study_name or name)
-    index = index_data(base)
-    check_num_frames(base, index)
-    if opts.space.batch_sizes is not None:   # the defaults depend on the cluster: checked once it is up
-        check_batch_sizes(opts.space.batch_sizes, len(index.train), opts.resources.workers_per_trial,
-                          flag="--batch-sizes", workers_flag="--workers-per-trial")
+    # The batch-size defaults depend on the cluster: checked once it is up (tune.runner)
+    index = check_training_inputs(base, batch_sizes=opts.space.batch_sizes,
+                                  workers=opts.resources.workers_per_trial, batch_flag="--batch-sizes",
+                                  workers_flag="--workers-per-trial",
+                                  show=lambda index: print(index.summary()))
     return Plan(opts=opts, base=base, storage=storage, name=name, demo=demo, index=index)
 
 
@@ -135,14 +135,6 @@ def check_resumable(path: str, *, trust_state: bool) -> None:
               "it is signed with your key from now on")
         return
     trust.verify(path)
-
-
-def index_data(base: TrainConfig) -> VideoIndex:
-    """Probe every video on the driver: fails fast (DataError) with the dropped-file report.
-    Returns the VideoIndex the trials train on."""
-    index = build_index(base.data)
-    print(index.summary())
-    return index
 
 
 def describe(plan: Plan) -> str:
