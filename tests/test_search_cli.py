@@ -252,6 +252,13 @@ def test_dry_run_checks_warm_start_without_batch_sizes(capsys, synthetic_root, t
     assert not storage.exists() or not any(storage.iterdir())
 
 
+def test_a_negative_time_budget_reaches_its_own_check(capsys, synthetic_root, tmp_path):
+    """`--time-budget -5m` used to get argparse's "expected one argument"."""
+    _fails(capsys, ["--data", str(synthetic_root), "--dry-run", "--time-budget", "-5m",
+                    "--mlflow-uri", f"sqlite:///{tmp_path}/m.db"],
+           "--time-budget: '-5m' is not a time budget")
+
+
 def test_demo_preset_grace_period_follows_a_shorter_epochs():
     assert parse_options(["--epochs", "2"]).grace_period == 2 and parse_options([]).grace_period == 3
 

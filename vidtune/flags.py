@@ -182,15 +182,20 @@ def add_flags(parser: argparse.ArgumentParser, specs: Iterable[FlagSpec], *,
 
 
 def join_negative_values(argv: list[str], specs: Iterable[FlagSpec]) -> list[str]:
-    """`--lr-min -1e-3` -> `--lr-min=-1e-3` for the number flags of `specs`, so a negative value
-    reaches the range check (which names the flag and the rule) instead of argparse's "expected
-    one argument": argparse takes a token that starts with '-' and is not a plain decimal for a flag."""
+    """`--lr-min -1e-3` -> `--lr-min=-1e-3` (and `--time-budget -5m` -> `--time-budget=-5m`) for
+    the value flags of `specs`, so a negative value reaches the flag's own check (which names the
+    flag and the rule) instead of argparse's "expected one argument": argparse takes a token that
+    starts with '-' and is not a plain decimal for a flag. A token starting with '-' and a digit
+    is never a flag."""
     numeric = {s.flag for s in specs if s.kind in ("int", "float")}
+    text = {s.flag for s in specs if s.kind == "str"}
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token in numeric and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if (token in numeric and value.startswith("-") and _is_number(value)) or \
+                (token in text and value[:1] == "-" and value[1:2].isdigit()):
             out.append(f"{token}={argv[i + 1]}")
             i += 2
             continue
