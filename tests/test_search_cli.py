@@ -329,3 +329,24 @@ def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, 
     assert doc["train"]["model"] == "tiny" and doc["train"]["epochs"] == 6      # the demo preset
     assert search.main(["--dry-run", *mlflow]) == 0              # second run: reused, not regenerated
     assert f"demo: using the synthetic dataset in {root}" in capsys.readouterr().out
+
+
+def test_a_search_with_ray_token_authentication_off_says_so(monkeypatch, capsys):
+    """vidtune never turns Ray's token authentication off; started with it off, it says so in one
+    line before Ray starts (trainer.launch.init_ray, which the search and vidtune train call)."""
+    import ray
+
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert launch.init_ray(num_cpus=1) and started
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "token authentication is off (RAY_AUTH_MODE=disabled)" in out
+    for mode in ("token", "TOKEN"):
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+        assert launch.auth_off_note() is None
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert launch.auth_off_note() is None
+    launch.init_ray(num_cpus=1)
+    assert capsys.readouterr().out == ""

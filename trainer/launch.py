@@ -44,6 +44,20 @@ def worker_env_vars() -> dict[str, str]:
     return {SIMULATE_ENV: os.environ[SIMULATE_ENV]} if simulated_gpus() else {}
 
 
+AUTH_MODE_ENV = "RAY_AUTH_MODE"   # Ray's token authentication: on unless this says otherwise
+
+
+def auth_off_note() -> str | None:
+    """One line when Ray's token authentication is switched off in this environment (Ray 2.60
+    turns it on for a Ray it starts unless RAY_AUTH_MODE says otherwise); vidtune never does it."""
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is None or mode.strip().lower() == "token":
+        return None
+    return (f"note: Ray's token authentication is off ({AUTH_MODE_ENV}={mode}): anyone who can reach this "
+            f"machine's Ray ports can run code as you; unset {AUTH_MODE_ENV} to turn it back on "
+            "(docs/troubleshooting.md, \"What a search exposes\")")
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any) -> bool:
     """Start (or connect to) Ray.
 
@@ -59,6 +73,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
 
     if ray.is_initialized():
         return False
+    note = auth_off_note()
+    if note:
+        print(note, flush=True)
     if address is None and not os.environ.get("RAY_ADDRESS"):      # a local Ray, started here
         os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
         if simulated_gpus():
