@@ -12,7 +12,14 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.flags import ConfigError
 from vidtune.tune.tracking import schema, store
-from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
+from vidtune.tune.tracking.schema import (
+    FAILURE_TAG,
+    NODE_ID_TAG,
+    PARENT_TAG,
+    RESUMED_TAG,
+    STOP_TAG,
+    TRIAL_ID_TAG,
+)
 from vidtune.tune.tracking.tracker import MLflowTracker
 
 
@@ -156,6 +163,35 @@ def test_interrupted_search_leaves_no_running_run_and_resume_reuses_runs(uri):
                             run_view_type=ViewType.DELETED_ONLY)
     assert [(r.data.tags[TRIAL_ID_TAG], r.info.status) for r in trashed] == [("lost", "KILLED")]
     assert "lost when the search driver died" in trashed[0].data.tags[STOP_TAG]
+
+
+def test_a_trial_resumed_from_an_older_checkpoint_logs_its_epochs_again_and_says_so(uri):
+    """--resume after epoch_0003's checkpoint was damaged: the trial restarts from epoch 2, its
+    first report (epoch 3) carries resumed_from_epoch 2 and damaged_checkpoints 1. MLflow had
+    epoch 3 from before the interruption; the retrained epoch 3 is logged too (the later point of
+    the step is the run's) and the run's vidtune.resumed tag says what happened."""
+    t = _tracker(uri, "older")
+    t.setup()
+    a = _trial("a")
+    t.on_trial_start(0, [], a)
+    for epoch in (1, 2, 3):
+        t.on_trial_result(0, [], a, _result(epoch))
+    t.close(interrupted=True)
+    t2 = _tracker(uri, "older")
+    t2.setup()
+    t2.on_trial_start(0, [], a)
+    t2.on_trial_result(0, [], a, _result(3, val_acc=0.42, resumed_from_epoch=2, damaged_checkpoints=1,
+                                         timestamp=1_800_000_000))
+    t2.on_trial_result(0, [], a, _result(4))
+    a.last_result = _result(4)
+    t2.on_trial_complete(0, [], a)
+    t2.close(interrupted=False)
+    run = _runs(uri, "older")["a"]
+    history = sorted((m.step, m.timestamp, m.value)
+                     for m in MlflowClient(uri).get_metric_history(run.info.run_id, "val_acc"))
+    assert [s for s, _, _ in history] == [1, 2, 3, 3, 4] and history[3][2] == 0.42   # step 3's later point
+    assert "restarted from its epoch-2 checkpoint" in run.data.tags[RESUMED_TAG]
+    assert "1 damaged checkpoint(s) skipped" in run.data.tags[RESUMED_TAG]
 
 
 def test_summary_artifacts_on_the_parent(uri, tmp_path):

@@ -223,8 +223,12 @@ class MLflowTracker(RunWriter, Callback):
         step = int(result.get("epoch") or result.get("training_iteration") or 0)
         # every report, also one MLflow has: a restarted epoch's later report is the one that counts
         self._records.setdefault(trial_id, {})[step] = {k: result[k] for k in SUMMARY_INPUTS if k in result}
-        if from_scratch(result):   # its checkpoints were damaged: epochs 1.. are trained (and logged) again
-            self._last_step[trial_id] = step - 1
+        if int(result.get("resumed_from_epoch") or 0) > 0 or from_scratch(result):
+            # The first report since the run restarted from a checkpoint (or from scratch, its
+            # checkpoints damaged): the epochs after that checkpoint are trained, and logged,
+            # again. A later checkpoint than this one was damaged, or the report of the epoch
+            # this one ends never reached MLflow: either way this report is the run's from here.
+            self._last_step[trial_id] = min(self._last_step.get(trial_id, 0), step - 1)
         if step <= self._last_step.get(trial_id, 0):
             return
         self._last_step[trial_id] = step
