@@ -28,6 +28,7 @@ class FillableCache(Protocol):
     root: Path
     format: str                        # stored format: jpeg | raw
     max_bytes: int                     # disk budget
+    repairs: int                       # damaged entries this cache object found (and discarded) so far
 
     def has(self, info: VideoInfo, *, height: int, width: int) -> bool:
         """Whether a readable entry of `info` at `height` x `width` is published."""
@@ -46,6 +47,7 @@ class FillReport:
     written: int = 0                   # entries decoded and written now
     cached: int = 0                    # entries that were already there
     over_budget: int = 0               # not written: the cache would pass --cache-max-gb (or is unwritable)
+    repaired: int = 0                  # entries found damaged, decoded again (counted in `written` too)
     # (video, reason): training replaces these by another video of the same class
     failed: list[tuple[Path, str]] = field(default_factory=list)
     bytes_written: int = 0
@@ -57,7 +59,8 @@ class FillReport:
         lines = [f"Clip cache {cache.root} ({cache.format}): wrote {self.written} entries "
                  f"({self.bytes_written / 1e9:.3f} GB) in {self.seconds:.1f} s; {self.cached} already cached"
                  + (f"; {self.over_budget} not written (over the {cache.max_bytes / 1e9:g} GB budget, "
-                    "these are decoded on every read)" if self.over_budget else "")]
+                    "these are decoded on every read)" if self.over_budget else "")
+                 + (f"; {self.repaired} damaged entries found and decoded again" if self.repaired else "")]
         if self.written:
             lines.append(f"Disk per video {self.bytes_written / self.written / 1e6:.2f} MB, per frame "
                          f"{self.bytes_written / self.frames_written / 1e3:.1f} KB")
@@ -73,14 +76,16 @@ _WORKER_CACHES: dict[tuple, FillableCache] = {}   # per pool process: keeps its 
 
 
 def _fill_task(cache_type: Callable[..., FillableCache], root: str, fmt: str, max_bytes: int,
-               info: VideoInfo, height: int, width: int) -> tuple[str, int, int]:
+               info: VideoInfo, height: int, width: int) -> tuple[str, int, int, int]:
     """In a pool process: fill `info`'s entry through this process's cache of (type, root, format,
-    budget). The class travels by reference, not the parent's cache with every meta.json it read."""
+    budget); (outcome, bytes, frames, damaged entries found). The class travels by reference, not
+    the parent's cache with every meta.json it read."""
     key = (cache_type, root, fmt, max_bytes)
     cache = _WORKER_CACHES.get(key)
     if cache is None:
         cache = _WORKER_CACHES[key] = cache_type(root, format=fmt, max_gb=max_bytes / 1e9)
-    return cache.fill_status(info, height=height, width=width)
+    before = cache.repairs
+    return (*cache.fill_status(info, height=height, width=width), cache.repairs - before)
 
 
 def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: FillableCache,
@@ -93,6 +98,7 @@ def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: Filla
     workers = workers or min(cores, 8)
     t0 = time.perf_counter()
     report = FillReport()
+    repairs_before = cache.repairs
     todo = []
     for v in videos:   # entries already there are counted here: no worker processes (seconds to start)
         try:
@@ -103,6 +109,7 @@ def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: Filla
             report.cached += 1
         else:
             todo.append(v)
+    report.repaired = cache.repairs - repairs_before   # a damaged entry is a miss: filled below
     done = [report.cached]
 
     def on_done(_: int) -> None:
@@ -117,7 +124,8 @@ def fill_cache(videos: list[VideoInfo], *, height: int, width: int, cache: Filla
         progress(len(videos), len(videos))
     for video, (kind, value) in zip(todo, outcomes, strict=True):
         if kind == "ok":
-            outcome, size, frames = value
+            outcome, size, frames, repaired = value
+            report.repaired += repaired
             key = "over_budget" if outcome == "unwritable" else outcome
             setattr(report, key, getattr(report, key) + 1)
             report.bytes_written += size

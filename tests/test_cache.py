@@ -345,6 +345,12 @@ def test_fill_cache_reports_written_cached_and_failed(videos, tmp_path):
     again = fill_cache(videos[:4], cache=cache, workers=1, **SIZE)
     assert (again.written, again.cached, again.bytes_written) == (0, 4, 0)
     assert "0 entries" in again.summary(cache) and "4 already cached" in again.summary(cache)
+    # A damaged entry found while filling is counted, decoded again and said
+    meta = cache.entry_path(videos[1], **SIZE) / META_FILE
+    meta.write_text(meta.read_text()[:10])
+    repaired = fill_cache(videos[:4], cache=cache, workers=1, **SIZE)
+    assert (repaired.written, repaired.cached, repaired.repaired) == (1, 3, 1)
+    assert "1 damaged entries found and decoded again" in repaired.summary(cache)
 
 
 @pytest.mark.parametrize("argv,flag", [
