@@ -6,6 +6,7 @@ Slow (each starts Ray once or twice) and bounded: every wait has a deadline.
 """
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, STOP_TAG
+from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -99,11 +100,36 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_roo
     assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
     assert not any("ASHA" in r.data.tags.get(STOP_TAG, "") for r in children)
 
+    # The interrupted trial's latest checkpoint is cut short (a full disk, a killed copy): the
+    # resume goes on from an older one (or from scratch) and must keep every epoch trained.
+    table = storage / "s" / "trials.csv"
+    unfinished = [r for r in csv.DictReader(table.open()) if r["status"] == "UNFINISHED"]
+    assert unfinished, "the Ctrl-C left no trial unfinished"
+    name = unfinished[0]["name"]
+    latest = sorted((storage / "s" / "train_runs" / name).glob("epoch_*"))[-1]
+    checkpoint = latest / "checkpoint.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
+
     log2 = tmp_path / "resume.log"
     proc = _start([*args, "--resume"], tmp_path, log2)
     out = _finish(proc, log2)
     assert proc.returncode == 0, out[-3000:]
     _assert_complete(uri)
+    # Every epoch counts, those before the interruption too: each trial's table row is the best
+    # of its whole MLflow history (the later point of a step retrained after the resume)
+    c, _, children = _runs(uri)
+    rows = {r["name"]: r for r in csv.DictReader((storage / "s" / "trials.csv").open())}
+    for run in children:
+        final: dict[int, float] = {}
+        points = c.get_metric_history(run.info.run_id, "val_acc")
+        for m in sorted(points, key=lambda m: (m.step, m.timestamp)):
+            final[m.step] = m.value
+        best = max(final.values())
+        row = rows[run.info.run_name]
+        assert (float(row["best_val_acc"]), int(row["epochs"])) == (round(best, 4), EPOCHS), (row, final)
+    resumed = next(r for r in children if r.info.run_name == name)
+    assert "restarted from" in resumed.data.tags.get(RESUMED_TAG, ""), resumed.data.tags
+    assert "damaged" in resumed.data.tags[RESUMED_TAG]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -169,16 +170,23 @@ def _collecting_callback():
 
 
 @pytest.mark.slow
-def test_ray_workers_import_this_projects_datasets(ray_session):
-    """init_ray puts the repository first on the workers' PYTHONPATH: a Ray worker, whose cwd is
-    elsewhere, imports this project's `datasets`, not Hugging Face's (installed too)."""
+def test_ray_workers_import_vidtune_from_the_installed_package_beside_hugging_faces(ray_session):
+    """Nothing ships the code on PYTHONPATH: a Ray worker, whose cwd is elsewhere, imports
+    `vidtune.datasets` from the installed package (this clone, through the editable install) and
+    `datasets` is Hugging Face's, in one process."""
     @ray_session.remote(num_cpus=0)
     def where():
-        import datasets  # in the Ray worker, on purpose: which `datasets` it finds is the test
+        import os  # in the Ray worker, on purpose: what it finds is the test
 
-        return datasets.__file__
+        import datasets
+        import vidtune.datasets.index
 
-    assert Path(ray_session.get(where.remote())).resolve().parent == REPO_ROOT / "datasets"
+        return datasets.__file__, vidtune.datasets.index.__file__, os.environ.get("PYTHONPATH", "")
+
+    hf, ours, pythonpath = ray_session.get(where.remote())
+    assert Path(ours).resolve() == REPO_ROOT / "datasets" / "index.py"
+    assert "site-packages" in Path(hf).parts and Path(hf).resolve().parent != REPO_ROOT / "datasets"
+    assert str(REPO_ROOT) not in pythonpath.split(os.pathsep)
 
 
 @pytest.mark.slow
