@@ -15,6 +15,7 @@ from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
 from vidtune.trainer.config import PRECISIONS, TrainConfig
 from vidtune.trainer.gpus import SIMULATE_ENV, simulated_gpus
+from vidtune.trainer.ray_start import RayStart, start_local_ray
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on a poll,
 # so 0.5 s saves ~5 s per short trial (bench/trial_overhead.py). Ray propagates it driver ->
@@ -58,14 +59,17 @@ def auth_off_note() -> str | None:
             "(docs/troubleshooting.md, \"What a search exposes\")")
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any) -> bool:
+def init_ray(address: str | None = None, num_cpus: int | None = None, *,
+             ray_start: RayStart | None = None, **kw: Any) -> bool:
     """Start (or connect to) Ray.
 
     A no-op when Ray is already initialised in this process (tests share one session).
     `address`: None starts a local Ray, "auto" or "ray://host:10001" joins a cluster, whose nodes
     must have vidtune installed (`cluster.yaml`'s setup does it). Extra keyword arguments go to
     `ray.init`; a `runtime_env` given there is merged with `worker_env_vars()` (its own env_vars
-    win). A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`).
+    win). A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`),
+    and starts as `ray_start` says (`vidtune.trainer.ray_start`: object store, time limit;
+    RayStartError when it cannot).
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
@@ -76,7 +80,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
     note = auth_off_note()
     if note:
         print(note, flush=True)
-    if address is None and not os.environ.get("RAY_ADDRESS"):      # a local Ray, started here
+    local = address is None and not os.environ.get("RAY_ADDRESS")      # a local Ray, started here
+    if local:
         os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
         if simulated_gpus():
             kw["num_gpus"] = simulated_gpus()
@@ -84,7 +89,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **kw: Any)
     env_vars = {**worker_env_vars(), **(runtime_env.get("env_vars") or {})}
     if env_vars:
         runtime_env["env_vars"] = env_vars
-    ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
+    if local:
+        start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
+                        **kw)
+    else:
+        ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
     return True
 
 

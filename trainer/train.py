@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vidtune.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
@@ -45,6 +45,7 @@ from vidtune.trainer.launch import (
     cluster_gpus,
     init_ray,
 )
+from vidtune.trainer.ray_start import RayStart, RayStartError, import_failure_message
 
 GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
 
@@ -71,6 +72,7 @@ class RunOptions:
                               help="run name (default vidtune-train-TIMESTAMP); reuse it to resume")
     address: str | None = option(None, flag="--address", metavar="ADDR",
                                  help="Ray cluster address (auto, ray://host:10001); default: local Ray")
+    ray_start: RayStart = field(default_factory=RayStart)   # a local Ray's object store and time limit
 
 
 RUN_FLAGS = tuple(flag_specs(RunOptions))
@@ -248,7 +250,7 @@ def _resources(where: RunOptions) -> tuple[bool, dict[str, float]]:
 
 def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) -> int:
     """Start Ray, fit, print the best checkpoint. Inputs must have been checked."""
-    init_ray(address=where.address)
+    init_ray(address=where.address, ray_start=where.ray_start)
     use_gpu, resources = _resources(where)
     name = where.name or time.strftime("vidtune-train-%Y%m%d-%H%M%S")
     callback, close = _epoch_printer(cfg.epochs)
@@ -307,7 +309,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run(cfg, where, index)
+    except ImportError as e:      # torch or Ray cannot load: most often a memory limit (ulimit -v)
+        print(f"error: {import_failure_message(e)}", file=sys.stderr)
+        return 1
+    try:
+        return run(cfg, where, index)
+    except RayStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        print(f"error: {import_failure_message(e)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

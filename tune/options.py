@@ -39,6 +39,7 @@ from vidtune.flags import (
 )
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
+from vidtune.trainer.ray_start import RayStart
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -109,6 +110,7 @@ class Resources:
         help="trials at once (default: 2 per GPU, one training and one starting behind it; "
         "1 per CPU-only machine; within what the resources allow)")
 
+    ray_start: RayStart = field(default_factory=RayStart)   # a local Ray's object store and time limit
 
 @dataclass(frozen=True)
 class Tracking:

@@ -86,7 +86,8 @@ def _execute(plan: Plan) -> int:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
     started, signer = False, None
     try:
-        started = init_ray(address=plan.opts.resources.address, **log_options)
+        started = init_ray(address=plan.opts.resources.address, ray_start=plan.opts.resources.ray_start,
+                           **log_options)
         # Tags Tune's state files as it saves them, so that a later --resume trusts them (tune/trust.py)
         signer = StateSigner(plan.experiment_path).start()
         return run_search(plan)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from vidtune.errors import DataError
 from vidtune.flags import ConfigError
+from vidtune.trainer.ray_start import RayStartError, import_failure_message
 from vidtune.tune.options import SearchOptions, build_parser, parse_options
 
 __all__ = ["build_parser", "main"]
@@ -43,10 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:      # torch or Ray cannot load: most often a memory limit (ulimit -v)
+        print(f"vidtune search: error: {import_failure_message(e)}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         from vidtune.tune.faults import DiskFullError  # imports Ray: loaded by then if the search ran
 
-        if not isinstance(e, DiskFullError):
+        if not isinstance(e, (DiskFullError, RayStartError)):
             raise
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 1

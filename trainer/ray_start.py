@@ -1,0 +1,146 @@
+"""Starting a local Ray on a machine that may be short of memory: a bounded wait, one line.
+
+Ray sizes its shared object store from the machine's memory (30% of it), and every Ray worker
+maps that store into its own address space beside Python and torch. Under an address-space
+limit (`ulimit -v`, a batch system's memory cap) the workers cannot map it: the raylet dies and
+`ray.init` waits forever, and Ray's agents outlive the killed driver by minutes. So a Ray that
+vidtune starts gets an object store sized to the memory this process may use
+(`--object-store-gb` overrides it), and a start that fails or takes longer than
+`--ray-start-timeout-s` ends the command with one line naming the cause and the flags (exit 1),
+after killing every Ray process it had started.
+"""
+from __future__ import annotations
+
+import os
+import re
+import resource
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from vidtune.flags import option
+
+GB = 1e9
+# Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES: 75 MiB)
+MIN_OBJECT_STORE_BYTES = 75 * 1024 * 1024
+STORE_SHARE = 0.3          # Ray's own default share of the memory
+# Under an address-space limit each worker process maps the store beside its interpreter, torch
+# and Ray: the store gets a quarter of the limit, and STORE_SHARE of that.
+ADDRESS_SPACE_SHARE = 0.25
+# A Ray process's command line: its binaries and scripts under .../ray/, `ray::` workers, the raylet
+RAY_PROCESS = re.compile(r"/ray/|ray::|\braylet\b|gcs_server")
+
+
+@dataclass(frozen=True)
+class RayStart:
+    """How a command starts Ray on this machine; not used when it joins a cluster (--address)."""
+
+    object_store_gb: float | None = option(
+        None, flag="--object-store-gb", metavar="GB", gt=0,
+        help="memory for the Ray object store of a Ray started here (default: Ray's own, 30%% of the "
+        "memory, or less when this process runs under an address-space limit such as ulimit -v)")
+    start_timeout_s: float = option(
+        120.0, flag="--ray-start-timeout-s", metavar="S", gt=0,
+        help="give up on starting Ray here after this many seconds (a machine short of memory), "
+        "ending with one line and leaving no Ray process behind")
+
+
+class RayStartError(RuntimeError):
+    """Ray could not start here; the message names the cause and the flags to change."""
+
+
+def address_space_limit() -> int | None:
+    """This process's address-space limit in bytes (`ulimit -v`), None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft in (resource.RLIM_INFINITY, -1) else int(soft)
+
+
+def object_store_bytes(requested_gb: float | None) -> int | None:
+    """The object store to ask Ray for: `requested_gb`; else, under an address-space limit, a
+    share of what the limit leaves each worker; else None (Ray's own default)."""
+    if requested_gb is not None:
+        return max(MIN_OBJECT_STORE_BYTES, int(requested_gb * GB))
+    limit = address_space_limit()
+    if limit is None:
+        return None
+    usable = min(psutil.virtual_memory().available, int(limit * ADDRESS_SPACE_SHARE))
+    return max(MIN_OBJECT_STORE_BYTES, int(usable * STORE_SHARE))
+
+
+def memory_facts(store: int | None) -> str:
+    """'12.3 GB available, address space limited to 8.0 GB, object store 0.6 GB': for the message."""
+    facts = [f"{psutil.virtual_memory().available / GB:.1f} GB of memory available"]
+    limit = address_space_limit()
+    if limit is not None:
+        facts.append(f"address space limited to {limit / GB:.1f} GB (ulimit -v)")
+    facts.append(f"object store {store / GB:.2f} GB" if store else "object store: Ray's default")
+    return ", ".join(facts)
+
+
+def kill_started_ray() -> list[int]:
+    """Kill (SIGKILL) every Ray process this process started, children of children included:
+    the GCS, the raylet, the dashboard and its agents, the workers. Returns their pids. Best
+    effort: on a machine out of memory even listing them can fail, and the error it is called
+    for matters more than this one."""
+    killed = []
+    try:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if RAY_PROCESS.search(" ".join(child.cmdline())) or child.name().startswith(("ray", "gcs")):
+                    child.kill()
+                    killed.append(child.pid)
+            except psutil.Error:      # gone already
+                continue
+        psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=10)
+    except (psutil.Error, OSError, MemoryError):
+        pass
+    return killed
+
+
+def import_failure_message(e: ImportError) -> str:
+    """One line for a library (torch, Ray) that failed to load: under an address-space limit that
+    is most often the limit (its shared objects cannot be mapped), so the memory seen is said."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    limited = address_space_limit() is not None
+    hint = ("give the command more memory (raise ulimit -v)" if limited
+            else "reinstall vidtune's dependencies (pip install -c constraints.txt .)")
+    return (f"could not load {e.name or 'a library'} ({type(e).__name__}: {lines[-1][:200]}; "
+            f"{memory_facts(None).rsplit(', object store', 1)[0]}): {hint}")
+
+
+def failure_message(cause: str, options: RayStart, store: int | None) -> str:
+    return (f"Ray could not start on this machine ({cause}; {memory_facts(store)}): give the command more "
+            f"memory, or a smaller object store with --object-store-gb, or more time with "
+            f"--ray-start-timeout-s (now {options.start_timeout_s:g} s)")
+
+
+def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> None:
+    """`init(**kw)` (ray.init of a local Ray) with an object store sized by `object_store_bytes`,
+    bounded by `options.start_timeout_s`. A start that raises becomes a RayStartError; one that
+    hangs past the timeout prints the error line and ends the process (exit 1), since a hung
+    ray.init cannot be interrupted. Either way the Ray processes it started are killed."""
+    store = object_store_bytes(options.object_store_gb)
+    if store is not None:
+        kw.setdefault("object_store_memory", store)
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if done.wait(options.start_timeout_s):
+            return
+        kill_started_ray()
+        cause = f"not up after {options.start_timeout_s:g} s"
+        print(f"vidtune: error: {failure_message(cause, options, store)}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="vidtune-ray-start-watchdog", daemon=True).start()
+    try:
+        init(**kw)
+    except Exception as e:    # Ray raises many types here (RuntimeError, ConnectionError, OSError, ...)
+        kill_started_ray()
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise RayStartError(failure_message(f"{type(e).__name__}: {reason[:200]}", options, store)) from None
+    finally:
+        done.set()
