@@ -33,13 +33,6 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def ray_address(ray_session) -> str:
-    """The test session's Ray, for a search run as a subprocess: `--address` joins it as a search
-    joins a cluster, so it does not start (and stop) a Ray of its own (~5 s each)."""
-    return ray_session.get_runtime_context().gcs_address
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run where torch sees a CUDA device (`pytest -m gpu` on a GPU machine)
     and are skipped, saying why, everywhere else."""

@@ -1,5 +1,5 @@
-"""The search end to end on the CPU: `vidtune search` as a user runs it (subprocess, its
-own Ray), a driver killed mid-search and resumed, and ASHA stopping trials with their resources
+"""The search end to end on the CPU: `vidtune search` as a user runs it (subprocess, its own
+Ray), a driver killed mid-search and resumed, and ASHA stopping trials with their resources
 released at once."""
 from __future__ import annotations
 
@@ -187,9 +187,8 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
 
 
 @pytest.mark.slow
-def test_smoke_test_console_is_short_and_ends_with_the_summary(ray_address, synthetic_root, tmp_path):
-    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--address", ray_address],
-                         cwd=tmp_path, env=_env(),
+def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, tmp_path):
+    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root)], cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
@@ -207,7 +206,7 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(ray_address, synt
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
-                                     "--num-samples", "1", "--address", ray_address,
+                                     "--num-samples", "1",
                                      "--warm-start", str(first.parent), "--optuna-storage", storage],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0 and quiet.stdout.lstrip().startswith("Best: "), quiet.stdout[:2000]
