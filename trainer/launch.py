@@ -166,8 +166,8 @@ def check_training_inputs(cfg: TrainConfig, *, batch_sizes: Iterable[int] | None
     before the checks that read it, so a refusal follows the data report. Returns the index (the
     workers get it). ConfigError / DataError naming the flag or file at fault."""
     validate_config(cfg)
-    if storage and "://" not in storage:
-        check_writable_folder(storage, "--storage")
+    if storage:
+        check_writable_folder(storage, "--storage")   # a URI (s3://...) is not checked
     if cfg.data.clip_cache and cfg.data.clip_cache_dir is not None:
         check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
     index = build_index(cfg.data)

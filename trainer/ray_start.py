@@ -70,13 +70,15 @@ def object_store_bytes(requested_gb: float | None) -> int | None:
     return max(MIN_OBJECT_STORE_BYTES, int(usable * STORE_SHARE))
 
 
-def memory_facts(store: int | None) -> str:
-    """'12.3 GB available, address space limited to 8.0 GB, object store 0.6 GB': for the message."""
+def memory_facts(store: int | None = None, *, with_store: bool = True) -> str:
+    """'12.3 GB available, address space limited to 8.0 GB, object store 0.6 GB': for the message
+    (`with_store`: the object store part too, `store` bytes or Ray's default)."""
     facts = [f"{psutil.virtual_memory().available / GB:.1f} GB of memory available"]
     limit = address_space_limit()
     if limit is not None:
         facts.append(f"address space limited to {limit / GB:.1f} GB (ulimit -v)")
-    facts.append(f"object store {store / GB:.2f} GB" if store else "object store: Ray's default")
+    if with_store:
+        facts.append(f"object store {store / GB:.2f} GB" if store else "object store: Ray's default")
     return ", ".join(facts)
 
 
@@ -108,7 +110,7 @@ def import_failure_message(e: ImportError) -> str:
     hint = ("give the command more memory (raise ulimit -v)" if limited
             else "reinstall vidtune's dependencies (pip install -c constraints.txt .)")
     return (f"could not load {e.name or 'a library'} ({type(e).__name__}: {lines[-1][:200]}; "
-            f"{memory_facts(None).rsplit(', object store', 1)[0]}): {hint}")
+            f"{memory_facts(with_store=False)}): {hint}")
 
 
 def failure_message(cause: str, options: RayStart, store: int | None) -> str:
