@@ -27,7 +27,25 @@ def test_the_object_store_is_sized_to_an_address_space_limit(monkeypatch):
     assert object_store_bytes(None) == ray_start.MIN_OBJECT_STORE_BYTES   # never below Ray's minimum
 
 
+def test_a_limit_too_small_for_a_training_process_is_refused_before_ray_starts(monkeypatch):
+    monkeypatch.setattr(ray_start, "training_footprint_bytes", lambda: 5_200_000_000)
+    monkeypatch.setattr(ray_start, "address_space_limit", lambda: None)
+    ray_start.check_address_space(None)                          # no limit: nothing to check
+    monkeypatch.setattr(ray_start, "address_space_limit", lambda: 8_000_000_000)
+    ray_start.check_address_space(600_000_000)                   # 5.2 + 0.6 + 2 GB threads fit in 8
+    started = []
+    monkeypatch.setattr(ray_start, "address_space_limit", lambda: 6_000_000_000)
+    with pytest.raises(RayStartError) as e:
+        start_local_ray(lambda **kw: started.append(kw), RayStart(), num_cpus=2)
+    assert not started                                           # ray.init never called
+    message = str(e.value)
+    assert "limited to 6.0 GB (ulimit -v)" in message and "needs about 7.7 GB" in message
+    assert "5.2 GB of libraries, a 0.45 GB object store" in message
+    assert "at least 8 GB (ulimit -v 7812500)" in message and "--object-store-gb" in message
+
+
 def test_a_start_that_fails_is_one_error_naming_the_cause_and_the_flags(monkeypatch):
+    monkeypatch.setattr(ray_start, "check_address_space", lambda store: None)
     killed = []
     monkeypatch.setattr(ray_start, "kill_started_ray", lambda: killed.append(True) or [])
     monkeypatch.setattr(ray_start, "address_space_limit", lambda: 8_000_000_000)
@@ -103,8 +121,32 @@ def test_vidtune_train_whose_ray_cannot_start_says_so_and_leaves_no_ray(syntheti
 
 def test_a_library_that_cannot_load_is_one_line_naming_the_memory_limit(monkeypatch):
     monkeypatch.setattr(ray_start, "address_space_limit", lambda: 3 * 1024 ** 3)
-    error = ImportError("libtorch_cpu.so: failed to map segment from shared object", name="torch")
+    error = ImportError("libtorch_cpu.so: failed to map segment from shared object", name="_C",
+                        path="/venv/lib/python3.11/site-packages/torch/_C.cpython-311-x86_64-linux-gnu.so")
     message = ray_start.import_failure_message(error)
     assert message.startswith("could not load torch (ImportError: libtorch_cpu.so: failed to map segment")
     assert "address space limited to 3.2 GB (ulimit -v)" in message and "raise ulimit -v" in message
     assert "\n" not in message
+
+
+@pytest.mark.slow   # two real commands under prlimit: about 10 s, bounded at 2 x 120 s
+@pytest.mark.parametrize("limit_gb, expected", [
+    (6, "error: Ray could not start on this machine: the address space is limited to 6.0 GB (ulimit -v)"),
+    (2.5, "error: could not load torch (ImportError: "),
+])
+def test_vidtune_train_under_a_memory_limit_is_one_line_and_leaves_no_ray(synthetic_root, tmp_path, limit_gb,
+                                                                       expected):
+    """`vidtune train` under a real address-space limit (prlimit --as): at 6 GB torch loads but a
+    Ray process that trains would not fit, so Ray is not started; at 2.5 GB torch cannot load.
+    Either way: exit 1, one line naming the limit and what to do, no traceback, no Ray process."""
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "vidtune.trainer.train", "--data", str(synthetic_root), "--epochs", "1",
+               "--storage", str(tmp_path / "runs")]
+    proc = subprocess.run(["prlimit", f"--as={int(limit_gb * 1e9)}", *command], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith(expected) and "raise" in proc.stderr and "ulimit -v" in proc.stderr
+    assert not (tmp_path / "ray").exists() or not any(
+        str(tmp_path) in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))

@@ -5,12 +5,14 @@ maps that store into its own address space beside Python and torch. Under an add
 limit (`ulimit -v`, a batch system's memory cap) the workers cannot map it: the raylet dies and
 `ray.init` waits forever, and Ray's agents outlive the killed driver by minutes. So a Ray that
 vidtune starts gets an object store sized to the memory this process may use
-(`--object-store-gb` overrides it), and a start that fails or takes longer than
+(`--object-store-gb` overrides it), a limit too small for a Ray process that trains is refused
+before Ray starts (`check_address_space`), and a start that fails or takes longer than
 `--ray-start-timeout-s` ends the command with one line naming the cause and the flags (exit 1),
 after killing every Ray process it had started.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import resource
@@ -18,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -30,6 +33,11 @@ STORE_SHARE = 0.3          # Ray's own default share of the memory
 # Under an address-space limit each worker process maps the store beside its interpreter, torch
 # and Ray: the store gets a quarter of the limit, and STORE_SHARE of that.
 ADDRESS_SPACE_SHARE = 0.25
+# Every Ray process that trains maps the training libraries (torch 2.14's CUDA build, torchvision,
+# Ray: ~5.2 GB of address space, reserved rather than used), the object store, and its threads'
+# stacks and malloc arenas (Ray and gRPC start dozens of threads). Measured under prlimit --as on
+# a 2-core machine: at 7 GB a Train worker aborts when it cannot start a thread; at 8 GB it trains.
+THREADS_HEADROOM_BYTES = int(2 * GB)
 # A Ray process's command line: its binaries and scripts under .../ray/, `ray::` workers, the raylet
 RAY_PROCESS = re.compile(r"/ray/|ray::|\braylet\b|gcs_server")
 
@@ -82,6 +90,38 @@ def memory_facts(store: int | None = None, *, with_store: bool = True) -> str:
     return ", ".join(facts)
 
 
+def training_footprint_bytes() -> int:
+    """The address space a process holds once the training libraries are loaded (bytes): this
+    process's, after loading here what every Train worker loads. An ImportError here is the limit
+    already biting (`import_failure_message`)."""
+    import ray.train.torch  # noqa: F401  (with torch: what a Train worker maps)
+    import torchvision  # noqa: F401
+
+    return int(psutil.Process().memory_info().vms)
+
+
+def check_address_space(store: int | None) -> None:
+    """Under an address-space limit (`ulimit -v`), refuse before Ray starts when a Ray process that
+    trains would not fit in it: the libraries, the object store (`store` bytes) and the threads'
+    headroom. Past that point Ray fails in ways no message can follow (a C++ abort of the driver, a
+    worker that dies starting a thread, a raylet that never answers)."""
+    limit = address_space_limit()
+    if limit is None:
+        return
+    libraries = training_footprint_bytes()
+    store = store or 0
+    needed = libraries + store + THREADS_HEADROOM_BYTES
+    if needed <= limit:
+        return
+    raise RayStartError(
+        f"Ray could not start on this machine: the address space is limited to {limit / GB:.1f} GB "
+        f"(ulimit -v), and each Ray process that trains here needs about {needed / GB:.1f} GB "
+        f"({libraries / GB:.1f} GB of libraries, a {store / GB:.2f} GB object store, "
+        f"{THREADS_HEADROOM_BYTES / GB:.0f} GB for its threads): raise the limit to at least "
+        f"{math.ceil(needed / GB)} GB (ulimit -v {math.ceil(needed / GB) * int(GB) // 1024}), or lower "
+        f"--object-store-gb")
+
+
 def kill_started_ray() -> list[int]:
     """Kill (SIGKILL) every Ray process this process started, children of children included:
     the GCS, the raylet, the dashboard and its agents, the workers. Returns their pids. Best
@@ -109,8 +149,17 @@ def import_failure_message(e: ImportError) -> str:
     limited = address_space_limit() is not None
     hint = ("give the command more memory (raise ulimit -v)" if limited
             else "reinstall vidtune's dependencies (pip install -c constraints.txt .)")
-    return (f"could not load {e.name or 'a library'} ({type(e).__name__}: {lines[-1][:200]}; "
+    return (f"could not load {_library_name(e)} ({type(e).__name__}: {lines[-1][:200]}; "
             f"{memory_facts(with_store=False)}): {hint}")
+
+
+def _library_name(e: ImportError) -> str:
+    """The installed package that failed to load: 'torch' for torch/_C.cpython-311-....so (whose
+    `e.name` is only '_C'), else the module's name."""
+    parts = Path(e.path).parts if e.path else ()
+    if "site-packages" in parts and parts.index("site-packages") + 1 < len(parts):
+        return parts[parts.index("site-packages") + 1]
+    return e.name or "a library"
 
 
 def failure_message(cause: str, options: RayStart, store: int | None) -> str:
@@ -121,10 +170,12 @@ def failure_message(cause: str, options: RayStart, store: int | None) -> str:
 
 def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> None:
     """`init(**kw)` (ray.init of a local Ray) with an object store sized by `object_store_bytes`,
-    bounded by `options.start_timeout_s`. A start that raises becomes a RayStartError; one that
+    bounded by `options.start_timeout_s`, after `check_address_space`. A start that raises becomes
+    a RayStartError; one that
     hangs past the timeout prints the error line and ends the process (exit 1), since a hung
     ray.init cannot be interrupted. Either way the Ray processes it started are killed."""
     store = object_store_bytes(options.object_store_gb)
+    check_address_space(store)
     if store is not None:
         kw.setdefault("object_store_memory", store)
     done = threading.Event()
