@@ -8,7 +8,8 @@ or a baseline's), called as Ray 2.60's `TuneController` calls them
   scheduler gets `on_trial_add`;
 - each epoch's result goes to `scheduler.on_trial_result`; on CONTINUE the searcher gets
   `on_trial_result` too; on STOP (ASHA's verdict, or its max_t) or after the last epoch, the
-  scheduler gets `on_trial_complete` and the searcher `on_trial_complete` with that result.
+  scheduler gets `on_trial_complete` and the searcher `on_trial_complete` with that result, its
+  val_acc the best of the trial's epochs (as `tune.space.whole_history_result` tells Optuna).
 
 A trial's epoch takes the table's seconds (train + eval) and each trial pays `start_cost_s` once,
 before its first epoch. The clock is the wall time of a machine that runs `concurrency` trials
@@ -114,7 +115,8 @@ def replay(table: Table, searcher: Searcher, scheduler: TrialScheduler | None, *
         if decision == TrialScheduler.STOP or epoch == table.epochs:
             if scheduler is not None:
                 scheduler.on_trial_complete(None, trial, result)
-            searcher.on_trial_complete(trial_id, result=result)
+            # the searcher is told the trial's best epoch, as tune.space.whole_history_result does
+            searcher.on_trial_complete(trial_id, result={**result, "val_acc": max(trial.best_acc, acc)})
             trial.ended_s = clock
             del running[trial_id]
         else:

@@ -88,6 +88,37 @@ def test_diverged_trial_is_infeasible_for_optuna():
     assert feasible == [0]
 
 
+def test_optuna_is_told_the_best_epoch_of_every_epoch_trained_even_after_a_resume(tmp_path):
+    """After --resume Tune's results for a trial restart; the last result's checkpoint holds the
+    whole record (epochs.json). Optuna gets the best epoch's value (by val_acc, as the table and
+    trials.csv), here epoch 1's, from before the interruption; without a readable checkpoint it
+    gets the last result's."""
+    from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+
+    from vidtune.trainer.history import write_history
+
+    checkpoint = tmp_path / "epoch_0004"
+    checkpoint.mkdir()
+    write_history(checkpoint, {1: {"epoch": 1, "val_acc": 0.5, "val_f1": 0.61},
+                               2: {"epoch": 2, "val_acc": 0.4375, "val_f1": 0.4},
+                               3: {"epoch": 3, "val_acc": 0.9, "val_f1": 0.9, "diverged": 1},
+                               4: {"epoch": 4, "val_acc": 0.375, "val_f1": 0.3}})
+    last = {"epoch": 4, "val_acc": 0.375, "val_f1": 0.3, "oom": 0, CHECKPOINT_PATH_KEY: str(checkpoint)}
+    assert space.whole_history_result(last, "val_acc")["val_acc"] == 0.5
+    assert space.whole_history_result(last, "val_f1")["val_f1"] == 0.61      # at the best epoch by val_acc
+    remote = {**last, CHECKPOINT_PATH_KEY: "s3://b/k"}
+    assert space.whole_history_result(remote, "val_acc")["val_acc"] == 0.375
+
+    opts = _opts()
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="t")
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    searcher.suggest("resumed")
+    searcher.suggest("plain")
+    searcher.on_trial_complete("resumed", last)
+    searcher.on_trial_complete("plain", {"epoch": 1, "val_acc": 0.6, "oom": 0})
+    assert [t.value for t in optuna_study(searcher).trials] == [0.5, 0.6]
+
+
 def test_pareto_searches_accuracy_and_throughput_together():
     obj = space.objective_for("pareto")
     assert obj.is_pareto and obj.metric is None and obj.mode is None

@@ -9,6 +9,7 @@ metrics, independent of Tune and MLflow: when an epoch was checkpointed but neve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,28 @@ def latest_history(run_folder: str | Path) -> dict[int, dict[str, Any]]:
         if history:
             return history
     return {}
+
+
+def best_epoch(history: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
+    """(epoch, report) of the best epoch of `history` by val_acc (ties: the later epoch), among
+    the epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
+    finite val_acc. One rule for the results table, `trials.csv`, MLflow's summary metrics and
+    what the searcher is told (`tune.space.VidtuneOptunaSearch`)."""
+    best = None
+    for epoch, record in sorted(history.items()):
+        acc = _number(record.get("val_acc"))
+        if _number(record.get("oom")) == 1 or _number(record.get("diverged")) == 1 or not math.isfinite(acc):
+            continue
+        if best is None or acc >= _number(best[1]["val_acc"]):
+            best = (epoch, record)
+    return best
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _plain(value: Any) -> Any:

@@ -24,7 +24,7 @@ from ray.tune import Result
 from ray.tune.experiment import Trial
 
 from vidtune.trainer.checkpointing import first_whole
-from vidtune.trainer.history import latest_history
+from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.uncertainty import accuracy_interval
@@ -175,17 +175,10 @@ def epoch_records(result: Result, train_run: str | None = None) -> dict[int, dic
 
 def best_epoch_record(result: Result, records: dict[int, dict[str, Any]] | None = None
                       ) -> tuple[int, dict[str, Any]] | None:
-    """(epoch, report) of the trial's best epoch by val_acc (ties: the later epoch), among the
-    epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
-    val_acc. `records`: `epoch_records(result, train_run)` where already read."""
-    best = None
-    for epoch, record in sorted((records if records is not None else epoch_records(result)).items()):
-        acc = _f(record.get("val_acc"))
-        if _f(record.get("oom")) == 1 or _f(record.get("diverged")) == 1 or not math.isfinite(acc):
-            continue
-        if best is None or acc >= _f(best[1]["val_acc"]):
-            best = (epoch, record)
-    return best
+    """(epoch, report) of the trial's best epoch (`trainer.history.best_epoch`: by val_acc, ties
+    to the later epoch, among the epochs that trained); None when no epoch has a val_acc.
+    `records`: `epoch_records(result, train_run)` where already read."""
+    return best_epoch(records if records is not None else epoch_records(result))
 
 
 SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")

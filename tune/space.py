@@ -14,10 +14,12 @@ from typing import Any
 
 import optuna
 from ray import tune
+from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
+from vidtune.trainer.history import best_epoch, read_history
 from vidtune.tune.budget import TimeBudget, parse_duration
 from vidtune.tune.options import SearchOptions, SearchSpace
 from vidtune.tune.ray_internals import optuna_pending_trial
@@ -100,7 +102,30 @@ class VidtuneOptunaSearch(OptunaSearch):
                 ot_trial.set_constraint(constraint, 1.0 if failed else 0.0)
                 if failed:
                     ot_trial.set_user_attr("failure_reason", reason)
+        if result and isinstance(self.metric, str):
+            result = whole_history_result(result, self.metric)
         super().on_trial_complete(trial_id, result=result, error=error)
+
+
+def whole_history_result(result: dict[str, Any], metric: str) -> dict[str, Any]:
+    """A trial's last Tune result with `metric` set to its value at the trial's best epoch over
+    every epoch it trained (`trainer.history.best_epoch`), the number the results table,
+    `trials.csv`, MLflow and `--warm-start` give that trial, so Optuna learns the same one.
+
+    The epochs come from `epochs.json` in the checkpoint the result came with (Train's
+    `TuneReportCallback` puts its path in the result): after `--resume` Tune's results for a trial
+    restart, the checkpoint's record holds the epochs from before the interruption. Unchanged
+    when the result has no readable checkpoint (an out-of-memory or diverged end; remote storage:
+    then the last epoch's value) or no epoch trained."""
+    path = result.get(CHECKPOINT_PATH_KEY)
+    history = read_history(path) if path and "://" not in str(path) else {}
+    epoch = int(result.get("epoch") or 0)
+    if epoch >= 1:
+        history[epoch] = {**history.get(epoch, {}), **result}
+    best = best_epoch(history)
+    if best is None or best[1].get(metric) is None:
+        return result
+    return {**result, metric: best[1][metric]}
 
 
 def reference_batch(space: SearchSpace) -> int | None:
