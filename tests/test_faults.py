@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from vidtune.tune.ray_internals import optuna_study
+from vidtune.tune.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,6 +136,11 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_roo
     resumed = next(r for r in children if r.info.run_name == name)
     assert "restarted from" in resumed.data.tags.get(RESUMED_TAG, ""), resumed.data.tags
     assert "damaged" in resumed.data.tags[RESUMED_TAG]
+    # ... and Optuna was told the same best of every epoch (the searcher's state as the search saved it)
+    searcher = VidtuneOptunaSearch()
+    searcher.restore_from_dir(str(storage / "s"))
+    told = sorted(round(t.value, 4) for t in optuna_study(searcher).trials)
+    assert told == sorted(float(r["best_val_acc"]) for r in rows.values()), (told, rows)
 
 
 @pytest.mark.slow
