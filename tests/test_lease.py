@@ -103,6 +103,88 @@ def test_first_come_first_served():
     asyncio.run(scenario())
 
 
+def test_the_record_has_every_grant_and_release_with_the_memory_each_worker_reported():
+    async def scenario():
+        book, clock = _book()
+        await book.acquire("lead", ["n1/gpu:0"], device_mb=0.0)
+        follower = asyncio.create_task(book.acquire("follow", ["n1/gpu:0"], device_mb=0.0))
+        await _settle()
+        clock.now = 20.0
+        await book.release("lead", device_mb=2.0)                  # what the lead still held, freed first
+        await _settle()
+        assert follower.result() == 20.0
+        assert [(r["time"], r["event"], r["owner"], r["keys"], r["device_mb"]) for r in book.record] == [
+            (10.0, "grant", "lead", ["n1/gpu:0"], 0.0),
+            (20.0, "release", "lead", ["n1/gpu:0"], 2.0),
+            (20.0, "grant", "follow", ["n1/gpu:0"], 0.0)]
+        assert book.snapshot()["record"] == book.record
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_trial_on_other_devices_queues_for_them_and_gives_the_old_ones_back():
+    """Train restarts a trial's worker group after a failure (a spot node lost): on the same
+    devices it has them again at once; on others it must wait for them like anyone else."""
+    async def scenario():
+        book, clock = _book()
+        await book.acquire("t", ["n1/gpu:0"])
+        await book.acquire("busy", ["n2/gpu:0"])
+        clock.now = 11.0
+        assert await book.acquire("t", ["n1/gpu:0"]) == 11.0         # same device: at once
+        moved = asyncio.create_task(book.acquire("t", ["n2/gpu:0"]))  # landed on busy's GPU
+        await _settle()
+        assert not moved.done()                                      # not granted past busy's lease
+        assert book.snapshot()["holders"] == {"n2/gpu:0": ["busy"]}  # n1/gpu:0 given back
+        clock.now = 15.0
+        await book.release("busy")
+        await _settle()
+        assert moved.result() == 15.0 and book.snapshot()["holders"] == {"n2/gpu:0": ["t"]}
+        events = [r["event"] for r in book.record if r["owner"] == "t"]
+        assert events == ["grant", "regrant", "moved", "grant"]
+
+    asyncio.run(scenario())
+
+
+def test_a_trial_ended_while_training_keeps_its_devices_until_its_workers_exited():
+    """The search ends a stopped trial's controller; its workers die after it, asynchronously.
+    Until they have exited their memory is still on the device, so the lease waits for them."""
+    alive = {"w0": True}
+
+    async def exited(worker):
+        return not alive[worker]
+
+    async def scenario():
+        clock = FakeClock(10.0)
+        book = LeaseBook(clock=clock, exited=exited, exit_wait_s=30)
+        await book.acquire("stopped", ["n1/gpu:0"], worker="w0")
+        waiting = asyncio.create_task(book.acquire("next", ["n1/gpu:0"]))
+        ending = asyncio.create_task(book.end("stopped"))
+        await asyncio.sleep(0.5)
+        assert not ending.done() and not waiting.done()              # the worker still runs
+        alive["w0"] = False
+        clock.now = 12.0
+        assert await ending is True
+        await _settle()
+        assert waiting.result() == 12.0
+        assert [r["event"] for r in book.record] == ["grant", "end", "grant"]
+
+    asyncio.run(scenario())
+
+
+def test_a_trial_whose_workers_do_not_exit_gives_its_devices_back_after_the_wait():
+    async def never(worker):
+        return False
+
+    async def scenario():
+        book = LeaseBook(clock=FakeClock(10.0), exited=never, exit_wait_s=0.3)
+        await book.acquire("stuck", ["n1/gpu:0"], worker="w0")
+        assert await book.end("stuck") is True
+        assert book.record[-1]["event"] == "end (workers still running)"
+        assert await book.acquire("next", ["n1/gpu:0"]) == 10.0
+
+    asyncio.run(scenario())
+
+
 def test_every_worker_of_a_trial_gets_the_grant_of_its_first_request():
     async def scenario():
         book, clock = _book()

@@ -63,6 +63,21 @@ def test_five_trials_on_four_simulated_gpus_use_every_gpu_one_training_each(synt
                     for s2, e2 in windows[b]:
                         assert e1 <= s2 or e2 <= s1, (a, b, gpu_of[a])
     assert all(r.data.metrics["concurrent_trainings"] == 1 for r in runs)
+    # Free, then hand over: the lease's record (device_lease.json beside the search's log) has
+    # every trial give its GPU back holding no device memory, and the follower granted that GPU
+    # only at the release, its first step after it.
+    (record_file,) = (tmp_path / "results").glob("*/device_lease.json")
+    record = json.loads(record_file.read_text())
+    name_of = {r.data.tags["vidtune.trial_id"]: r.info.run_name for r in runs}
+    releases = [e for e in record if e["event"] == "release"]
+    assert sorted(name_of[e["owner"]] for e in releases) == sorted(gpu_of), record
+    assert all(e["device_mb"] == 0.0 for e in releases), releases
+    for grant in (e for e in record if e["event"] == "grant"):
+        before = [e for e in releases if e["keys"] == grant["keys"] and e["time"] <= grant["time"]]
+        others = [e for e in record if e["event"] == "grant" and e["keys"] == grant["keys"]
+                  and e["time"] < grant["time"]]
+        assert len(before) == len(others), (grant, record)     # each earlier holder had released
+        assert windows[name_of[grant["owner"]]][0][0] >= grant["time"]
 
 
 def test_a_bad_simulated_gpu_count_is_refused_naming_the_variable(synthetic_root, tmp_path):

@@ -124,6 +124,28 @@ def test_checkpoint_loads_as_weights_of_a_new_run(tmp_path):
     _assert_same_state(again, model)
 
 
+def test_free_device_lets_go_of_the_weights_and_optimiser_state_once_checkpointed(tmp_path):
+    """The last epoch's hand-over: the checkpoint is written first, then the run holds nothing
+    on its device (here the CPU, as with simulated GPUs): what the lease records at release."""
+    from types import SimpleNamespace
+
+    from vidtune.trainer.worker import free_device, held_device_mb
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).sum().backward()
+    optimizer.step()
+    run = SimpleNamespace(model=model, optimizer=optimizer, device=torch.device("cpu"))
+    params = sum(p.numel() for p in model.parameters())
+    # weights, their gradients and AdamW's two moments: 4 float32 copies, plus BatchNorm's buffers
+    assert held_device_mb(run) * 2**20 >= 4 * 4 * params
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    free_device(run)
+    assert held_device_mb(run) == 0.0 and not optimizer.state
+    restored = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 2))
+    restored.load_state_dict(torch.load(tmp_path / "weights.pt"))    # the checkpoint written before is whole
+
+
 def test_shard_sampler_covers_every_item_once():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))

@@ -16,12 +16,18 @@ A trial asks for all the keys of its workers in one `acquire` (so two multi-work
 never each hold half of what the other needs), granted first come, first served. The actor keeps
 every holding interval, so each epoch can report how many trainings shared its device
 (`concurrent_trainings`) from what was granted, not from what was intended.
+
+Free, then hand over: a worker gives its devices back only after it has freed what it held there
+(`trainer.worker`), and says how much device memory it still holds when it asks and when it gives
+back; a trial the search ends while it trains (ASHA, an error) keeps its devices until its worker
+processes have exited. Each grant, release and end is in `record`, with that memory, in order:
+the search writes it to `device_lease.json` beside its log.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +46,15 @@ class LeaseBook:
     given (tests pass a fake one)."""
 
     def __init__(self, capacity: int = 1, cpu_capacity: int = 1,
-                 clock: Callable[[], float] | None = None, lead_slots: int = 0) -> None:
+                 clock: Callable[[], float] | None = None, lead_slots: int = 0,
+                 exited: Callable[[Any], Awaitable[bool]] | None = None, exit_wait_s: float = 60.0) -> None:
         self.capacity, self.cpu_capacity = int(capacity), int(cpu_capacity)
         self.clock = clock or time.time
+        # `exited(worker)`: whether a worker (a Ray actor handle; tests pass their own) is gone.
+        self.exited = exited or actor_exited
+        self.exit_wait_s = float(exit_wait_s)   # `end` waits at most this long for a trial's workers
+        self.workers: dict[str, list[Any]] = {}  # owner -> the workers that asked for its devices
+        self.record: list[dict[str, Any]] = []   # every grant, release and end, in order (`_note`)
         self.lead_slots = int(lead_slots)        # GPUs a lead trial can have to itself (see take_role)
         self.leads: set[str] = set()             # owners given the lead role, until their trial ends
         self.holders: dict[str, set[str]] = {}                 # key -> owners holding it now
@@ -65,15 +77,31 @@ class LeaseBook:
                 return False
         return True
 
-    async def acquire(self, owner: str, keys: Sequence[str]) -> float | None:
+    def _note(self, event: str, owner: str, keys: Sequence[str], device_mb: float | None) -> None:
+        """One line of `record`: what happened, to whom, on which devices, and the device memory
+        (MiB) the owner's worker said it held at that moment (None: not said)."""
+        self.record.append({"time": self.clock(), "event": event, "owner": owner, "keys": list(keys),
+                            "device_mb": device_mb})
+
+    async def acquire(self, owner: str, keys: Sequence[str], device_mb: float | None = None,
+                      worker: Any = None) -> float | None:
         """Wait until every key has room, then hold them all. Returns the grant time (unix s), or
         None when the owner was released while it waited (its trial was stopped).
-        An owner that already holds keys gets them again at once (a restarted worker group)."""
+        `device_mb`: the device memory the asking worker holds (for `record`); `worker`: its
+        handle, so that `end` can wait for it to exit.
+        An owner that already holds the same keys gets them again at once (its worker group
+        restarted on the same devices, after its old workers died); one whose restarted group
+        landed on other devices gives the old ones back and queues for the new ones."""
         if self._changed is None:
             self._changed = asyncio.Condition()
         keys = tuple(sorted(set(keys)))
+        if worker is not None:
+            self.workers.setdefault(owner, []).append(worker)
         if owner in self.held:
-            return self.clock()
+            if self.held[owner] == keys:
+                self._note("regrant", owner, keys, device_mb)
+                return self.clock()
+            await self.release(owner, event="moved")
         if any(o == owner for o, _ in self.queue):
             # Another worker of the same trial asked first (every rank asks for all the trial's
             # devices, so no rank has to sit in a collective while the device is busy).
@@ -97,11 +125,13 @@ class LeaseBook:
                 self.holders.setdefault(k, set()).add(owner)
             self.held[owner] = keys
             self.intervals.append((owner, keys, now, None))
+            self._note("grant", owner, keys, device_mb)
             self._changed.notify_all()
             return now
 
-    async def release(self, owner: str) -> bool:
-        """Give back what `owner` holds (a no-op when it holds nothing). True when it held any."""
+    async def release(self, owner: str, device_mb: float | None = None, event: str = "release") -> bool:
+        """Give back what `owner` holds (a no-op when it holds nothing). True when it held any.
+        `device_mb`: the device memory its workers still hold, once they freed what they could."""
         keys = self.held.pop(owner, None)
         if any(o == owner for o, _ in self.queue):    # a trial stopped while waiting: never grant it
             self.cancelled.add(owner)
@@ -115,6 +145,7 @@ class LeaseBook:
         for k in keys:
             self.holders.get(k, set()).discard(owner)
         self.intervals = [(o, k, s, now if o == owner and e is None else e) for o, k, s, e in self.intervals]
+        self._note(event, owner, keys, device_mb)
         if self._changed is not None:
             async with self._changed:
                 self._changed.notify_all()
@@ -134,9 +165,20 @@ class LeaseBook:
     async def end(self, owner: str) -> bool:
         """The owner's trial ended (Tune saw it complete, fail or stop): give back its devices and
         its role. A worker gives back its devices itself after its last epoch (`release`); the
-        role stays until here, while the trial's Ray resources are still held."""
+        role stays until here, while the trial's Ray resources are still held. A trial ended while
+        it held its devices (stopped, failed, killed) gives them back only once its workers have
+        exited (at most `exit_wait_s`): until then their memory is still on the device."""
         self.leads.discard(owner)
-        return await self.release(owner)
+        workers = self.workers.pop(owner, [])
+        if owner not in self.held:
+            return await self.release(owner)
+        deadline = time.monotonic() + self.exit_wait_s
+        alive = list(workers)
+        while alive and time.monotonic() < deadline:
+            alive = [w for w in alive if not await self.exited(w)]
+            if alive:
+                await asyncio.sleep(0.2)
+        return await self.release(owner, event="end" if not alive else "end (workers still running)")
 
     def concurrent(self, owner: str, since: float, until: float) -> int:
         """Most trainings holding any of `owner`'s devices at one moment within [since, until],
@@ -156,9 +198,22 @@ class LeaseBook:
         return most
 
     def snapshot(self) -> dict[str, Any]:
-        """Who holds what and who waits (for tests and debugging)."""
+        """Who holds what and who waits (for tests and debugging), and the `record`."""
         return {"holders": {k: sorted(v) for k, v in self.holders.items() if v},
-                "waiting": [o for o, _ in self.queue], "intervals": list(self.intervals)}
+                "waiting": [o for o, _ in self.queue], "intervals": list(self.intervals),
+                "record": list(self.record)}
+
+
+async def actor_exited(worker: Any) -> bool:
+    """Whether the Ray actor `worker` is dead (its process exited): its built-in `__ray_ready__`
+    call fails then. One that does not answer within 2 s (busy) counts as alive."""
+    try:
+        await asyncio.wait_for(worker.__ray_ready__.remote(), timeout=2)
+    except TimeoutError:
+        return False
+    except ray.exceptions.RayError:
+        return True
+    return False
 
 
 # The lease actor: one per search (`start_lease`); methods as LeaseBook's, called with `.remote`.
@@ -211,21 +266,26 @@ class TrainingSlot:
         self.held = False
         self.wait_s = 0.0           # time spent waiting for the devices
 
-    def acquire(self, keys: Sequence[str]) -> None:
+    def acquire(self, keys: Sequence[str], device_mb: float | None = None) -> None:
+        """Wait for the devices `keys`; `device_mb`: the device memory this worker holds now
+        (for the lease's record: a worker that waits holds none there)."""
         if self._actor is None or self.held:
             return
         asked = time.time()
-        granted = ray.get(self._actor.acquire.remote(self.settings.owner, list(keys)))
+        granted = ray.get(self._actor.acquire.remote(self.settings.owner, list(keys), device_mb,
+                                                     _this_actor()))
         if granted is None:
             raise RuntimeError(f"trial {self.settings.owner} was ended by the search while it waited for "
                                "its device")
         self.wait_s, self.held = max(0.0, granted - asked), True
 
-    def release(self) -> None:
+    def release(self, device_mb: float | None = None) -> None:
+        """Give the devices back; `device_mb`: the device memory the trial's workers still hold,
+        measured after they freed what they could (the caller frees first)."""
         if self._actor is not None and self.held:
             self.held = False
             try:
-                ray.get(self._actor.release.remote(self.settings.owner), timeout=30)
+                ray.get(self._actor.release.remote(self.settings.owner, device_mb), timeout=30)
             except Exception:   # the search ends the lease for this trial too (tune.cleanup)
                 pass
 
@@ -233,3 +293,11 @@ class TrainingSlot:
         if self._actor is None:
             return float("nan")
         return float(ray.get(self._actor.concurrent.remote(self.settings.owner, since, until), timeout=30))
+
+
+def _this_actor() -> Any:
+    """This worker's actor handle (a Ray Train worker is an actor), or None outside an actor."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None

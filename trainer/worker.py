@@ -103,7 +103,8 @@ def train_loop_per_worker(config: dict) -> None:
     optimiser's state) goes to its device only once the run holds it. In a search
     (`config["device_lease"]` set) the run waits for its devices (`trainer.lease`) in between,
     while another trial may be training there with nearly all of the GPU's memory, and gives them
-    back as soon as its last epoch is scored, before the final checkpoint and Train's teardown.
+    back as soon as its last epoch is scored and written to a local folder and its device memory
+    is freed (`_report`), before the checkpoint goes to the storage and Train's teardown.
     """
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
@@ -119,7 +120,7 @@ def train_loop_per_worker(config: dict) -> None:
         w.where = _where_it_runs()
         start_epoch, state = _read_checkpoint(w)
         if w.slot.settings is not None:   # the same on every rank: the key gather is a collective
-            w.slot.acquire(_all_device_keys(run))
+            w.slot.acquire(_all_device_keys(run), device_mb=held_device_mb(run))
         started, started_ts = time.perf_counter(), time.time()
         if any_rank(unless_out_of_memory(run.model.to, run.device) is None):
             _report_no_result(w, start_epoch, time.perf_counter() - started,
@@ -139,13 +140,16 @@ def train_loop_per_worker(config: dict) -> None:
                 _report_no_result(w, epoch, time.perf_counter() - started, window,
                                   diverged=result.outcome == DIVERGED, stats=result.stats)
                 return
-            if epoch == cfg.epochs:
-                w.slot.release()   # the next trial trains while this one checkpoints and ends
             metrics = _epoch_metrics(w, epoch, reduce_epoch(result.stats, result.eval_out), window=window,
                                      first=epoch == start_epoch)
-            _report(w, epoch, metrics)
+            _report(w, epoch, metrics, last=epoch == cfg.epochs)
     finally:
-        w.slot.release()
+        if w.slot.held:   # an error ended the run: free what this rank can, then hand over
+            try:
+                free_device(run)
+            except Exception:   # the error that got here matters more
+                pass
+            w.slot.release(device_mb=held_device_mb(run))
 
 
 def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _Worker:
@@ -328,9 +332,16 @@ def _epoch_metrics(w: _Worker, epoch: int, metrics: dict[str, float], *, window:
     return {key: metrics[key] for key in METRIC_KEYS}
 
 
-def _report(w: _Worker, epoch: int, metrics: dict[str, Any]) -> None:
-    """All ranks report (it is a barrier); only rank 0 writes and passes a checkpoint."""
+def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = False) -> None:
+    """All ranks report (it is a barrier); only rank 0 writes and passes a checkpoint.
+
+    `last`: the run's last epoch. The checkpoint is written (to a local folder) while the
+    weights are still on the device; then every rank frees its device and the devices are handed
+    over (`_hand_over`), and only then is the checkpoint reported, which copies it to the storage
+    (seconds, to a bucket): the next trial trains meanwhile, on a device this one has left."""
     if w.run.rank != 0:
+        if last:
+            _hand_over(w)
         ray.train.report(metrics)
         return
     w.history = {**w.history, epoch: metrics}
@@ -338,8 +349,47 @@ def _report(w: _Worker, epoch: int, metrics: dict[str, Any]) -> None:
         write_history(directory, w.history)
         save_run_checkpoint(w.run, directory, epoch=epoch,
                             metrics={**metrics, "speed_by_epoch": dict(w.speed_by_epoch)})
+        if last:
+            _hand_over(w)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=f"epoch_{epoch:04d}{w.checkpoint_suffix}")
+
+
+def free_device(run: Run) -> None:
+    """Let go of everything the run holds on its device, for a run that will not train again:
+    the optimiser's state and the gradients, the parameters' and buffers' storage (each left an
+    empty tensor of its dtype, on its device), DDP's wrapper with its gradient buckets, and the
+    caching allocator's cached blocks (`free_memory`). The checkpoint is written before."""
+    run.optimizer.state.clear()
+    run.optimizer.zero_grad(set_to_none=True)
+    if isinstance(run.model, nn.parallel.DistributedDataParallel):
+        run.model = run.model.module
+    with torch.no_grad():
+        for tensor in (*run.model.parameters(), *run.model.buffers()):
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    free_memory(run.device)
+
+
+def held_device_mb(run: Run) -> float:
+    """The device memory (MiB) this worker holds for its run. On a GPU, what torch's caching
+    allocator reserves there (what another process cannot have), 0 before this process made a
+    CUDA context (asking would make one); on the CPU (simulated GPUs included), the bytes of the
+    model's parameters, buffers and gradients and of the optimiser's state."""
+    if run.device.type == "cuda":
+        return torch.cuda.memory_reserved(run.device) / 2**20 if torch.cuda.is_initialized() else 0.0
+    params = list(run.model.parameters())
+    tensors = [*params, *run.model.buffers(), *(p.grad for p in params if p.grad is not None),
+               *(v for state in run.optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == run.device.type) / 2**20
+
+
+def _hand_over(w: _Worker) -> None:
+    """Free this rank's device (`free_device`), wait for every rank to have done so (the
+    all-reduce is a barrier), then give the trial's devices back, saying the most device memory
+    any rank still holds (`trainer.lease` records it)."""
+    free_device(w.run)
+    held = all_reduce_floats([held_device_mb(w.run)], dist.ReduceOp.MAX)[0]
+    w.slot.release(device_mb=held)
 
 
 def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[float, float], *,
@@ -353,14 +403,12 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
     rank that stopped. Limitation: an OOM on one rank only, in the middle of a DDP backward,
     leaves the others inside that step's gradient all-reduce; they fail at the collective instead.
     """
-    w.slot.release()
     run = w.run
     train_loss = math.nan
     if stats is not None:
         loss_sum, clips = all_reduce_floats([stats.loss_sum, float(stats.clips)])
         train_loss = loss_sum / clips if clips else math.nan
-    run.optimizer.state.clear()
-    run.optimizer.zero_grad(set_to_none=True)
+    _hand_over(w)
     _report_worst_case(
         run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
         diverged=diverged, train_loss=train_loss, where=w.where, **_data_metrics(w),

@@ -143,8 +143,9 @@ def end_runs(groups: list[str], controllers: list[ActorHandle]) -> int:
 class ReleaseTrialResources(Callback):
     """Tune callback (search process): when a trial ends for any reason, end its Train run's
     controller, remove the placement groups it left behind and give back its device lease
-    (`trainer.lease`; a worker killed while training never releases it itself), so the next
-    trial can start at once, in a fresh process or in this trial's (Tune's `reuse_actors`)."""
+    (`trainer.lease`; a worker killed while training never releases it itself; the lease waits
+    for the killed workers to exit), so the next trial can start at once, in a fresh process or
+    in this trial's (Tune's `reuse_actors`)."""
 
     def __init__(self, registry_name: str, lease_name: str | None = None):
         self.registry_name = registry_name
@@ -159,7 +160,9 @@ class ReleaseTrialResources(Callback):
             log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
         if self.lease_name:
             try:
-                ray.get(ray.get_actor(self.lease_name).end.remote(trial_id), timeout=30)
+                # Not waited for: the lease gives a trial's devices back once its workers, which
+                # ending the controller kills asynchronously, have exited (`LeaseBook.end`).
+                ray.get_actor(self.lease_name).end.remote(trial_id)
             except Exception as e:
                 log.warning("vidtune: could not release the device lease of trial %s: %s", trial_id, e)
 

@@ -6,6 +6,7 @@ have the tracker record that summary in MLflow, and print it.
 The plan comes from `tune.preflight.prepare`, which checked everything that needs no Ray."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,7 +52,7 @@ from vidtune.tune.ray_internals import (
     drop_unreadable_error_pickles,
     restored_searcher,
 )
-from vidtune.tune.search_log import keep_ray_lines_off_the_console, log_file_for, quiet_libraries
+from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
 from vidtune.tune.tracking.tracker import MLflowTracker
@@ -219,10 +220,26 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         code = print_summary(plan, opts, summary, mlflow_links=tracker.summary_links(pending),
                              pending=pending, failed=failure is not None,
                              budget=searcher if isinstance(searcher, TimeBudget) else None)
+        save_lease_record(lease, log_file_for(plan.experiment_path, plan.name))
         del registry, lease
     if failure is not None:
         raise_failure(plan, opts, failure)
     return code
+
+
+def save_lease_record(lease: Any, log: Path) -> Path | None:
+    """Write the device lease's record (`trainer.lease.LeaseBook.record`: every grant, release
+    and end, with the device memory the trial's workers said they held) beside the search's log,
+    as `device_lease.json` (or NAME.device_lease.json beside a remote search's log). None when
+    the lease could not be asked (the search goes on to its summary either way)."""
+    path = log.with_name("device_lease.json" if log.name == LOG_FILE else f"{log.stem}.device_lease.json")
+    try:
+        record = ray.get(lease.snapshot.remote(), timeout=30)["record"]
+        path.write_text(json.dumps(record, indent=1))
+        return path
+    except Exception as e:    # bookkeeping: never the reason a search fails
+        print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
+        return None
 
 
 def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoReturn:
