@@ -24,6 +24,7 @@ def test_the_device_is_the_gpu_ray_gave_by_its_place_in_cuda_visible_devices(mon
     monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
     monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["3"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _fake_gpus(monkeypatch, {1: ("NVIDIA A10G", (8, 6))})     # a GPU the build has kernels for
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")        # Ray Train: one list for a run's workers
     assert gpus.train_device() == torch.device("cuda", 1)
     monkeypatch.setenv(gpus.SIMULATE_ENV, "4")
@@ -48,3 +49,67 @@ def test_a_gpu_that_torch_cannot_use_fails_with_what_to_check(monkeypatch):
         gpus.train_device()
     message = str(e.value)
     assert "GPU 0 on node node-a" in message and "nvidia-smi" in message and gpus.SIMULATE_ENV in message
+
+
+# -- GPUs the torch build has no kernels for ----------------------------------------------------
+
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]   # torch 2.14.1+cu130's list
+
+
+def _fake_gpus(monkeypatch, devices: dict[int, tuple[str, tuple[int, int]]], archs=CU130_ARCHS) -> None:
+    """torch.cuda as on a machine with `devices` ({index: (name, capability)}) under a CUDA build
+    of torch with kernels for `archs`."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(archs))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: devices[i][1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: devices[i][0])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(devices))
+
+
+@pytest.mark.parametrize("capability, archs, supported", [
+    ((7, 0), CU130_ARCHS, False),               # V100 under the CUDA 13 builds: "no kernel image"
+    ((8, 6), CU130_ARCHS, True),                # A10G
+    ((8, 9), ["sm_80", "sm_86"], True),         # L4: sm_86 machine code runs on later 8.x minors
+    ((8, 0), ["sm_86"], False),                 # ... never on earlier ones
+    ((9, 0), ["sm_75", "sm_80"], False),        # machine code stays within its major version
+    ((9, 0), ["sm_75", "compute_80"], True),    # PTX is compiled on first use for later GPUs
+    ((7, 0), ["compute_80"], False),            # ... not for earlier ones
+    ((9, 0), ["sm_90a"], True),                 # arch-specific: that capability only
+    ((10, 3), ["sm_100a"], False),
+    ((10, 3), ["sm_100f"], True),               # family-specific: the 10.x family from 10.0
+    ((12, 0), ["sm_100", "sm_90"], False),
+    ((7, 0), [], True),                          # a build that lists nothing is not judged
+])
+def test_which_gpus_a_torch_build_has_kernels_for(capability, archs, supported):
+    assert gpus.gpu_supported(capability, archs) is supported
+
+
+def test_a_gpu_torch_was_not_built_for_is_refused_at_worker_start_naming_it_and_the_build(monkeypatch):
+    import ray
+
+    class Context:
+        def get_node_id(self):
+            return "node-a"
+
+    monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
+    monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _fake_gpus(monkeypatch, {0: ("Tesla V100-SXM2-16GB", (7, 0))})
+    with pytest.raises(RuntimeError) as e:
+        gpus.train_device()
+    message = str(e.value)
+    assert "GPU 0 on node node-a" in message
+    assert "Tesla V100-SXM2-16GB (compute capability 7.0)" in message                   # the GPU
+    assert f"torch {torch.__version__} (CUDA 13.0, kernels for sm_75, sm_80" in message  # the build
+    assert "sm_70" in message and "no kernel image" in message
+
+
+def test_unsupported_gpus_lists_only_the_gpus_without_kernels(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _fake_gpus(monkeypatch, {0: ("Tesla V100-SXM2-16GB", (7, 0)), 1: ("NVIDIA A100-SXM4-40GB", (8, 0))})
+    lines = gpus.unsupported_gpus()
+    assert len(lines) == 1 and lines[0].startswith("GPU 0: Tesla V100-SXM2-16GB (compute capability 7.0)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpus.unsupported_gpus() == []                      # no CUDA here: nothing to refuse

@@ -316,3 +316,68 @@ def test_cli_retrains_the_best_trial_from_best_config(ray_session, synthetic_roo
                           "vidtune-search-demo"), out
     assert re.search(r"^epoch 1/1  train_loss ", out, flags=re.M), out
     assert re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): \S+$", out, flags=re.M), out
+
+
+# -- the search's resource checks, shared (trainer.capacity), before Ray starts -----------------
+
+def _no_ray(monkeypatch, machine=(8.0, 1.0)):
+    """`vidtune train` on a machine of `machine` (CPUs, GPUs), where starting Ray fails the test."""
+    from vidtune.trainer.capacity import ClusterCapacity
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("vidtune train started Ray for a run the machine cannot hold")
+
+    monkeypatch.setattr(train, "init_ray", no_ray)
+    monkeypatch.setattr(train, "local_capacity", lambda: ClusterCapacity((machine,), machine))
+
+
+@pytest.mark.parametrize("argv, machine, needles", [
+    # NCCL refuses two ranks of one run on one GPU
+    (["--workers", "2", "--gpus-per-worker", "0.5"], (8.0, 1.0),
+     ["--gpus-per-worker: 0.5 GPU per worker with --workers 2", "--gpus-per-worker 1"]),
+    (["--gpus-per-worker", "1.5"], (8.0, 2.0), ["--gpus-per-worker: 1.5 GPUs per worker", "whole number"]),
+    # more workers than GPUs: Train would retry placing them forever
+    (["--workers", "2"], (8.0, 1.0), ["--workers: the run asks for 2 GPU(s) (--workers 2 x 1 per worker) "
+                                      "but this machine has 1", "--address"]),
+    (["--workers", "2", "--gpus-per-worker", "1"], (8.0, 1.0),
+     ["--gpus-per-worker: the run asks for 2 GPU(s)"]),
+    (["--workers", "3"], (2.0, 0.0), ["--workers/--cpus-per-worker: the run asks for 3 CPUs", "has 2"]),
+    (["--cpus-per-worker", "4"], (2.0, 0.0), ["--workers/--cpus-per-worker:", "--cpus-per-worker 4"]),
+])
+def test_cli_resources_the_machine_cannot_hold_exit_2_before_ray(synthetic_root, capsys, monkeypatch, argv,
+                                                                 machine, needles):
+    _no_ray(monkeypatch, machine)
+    assert train.main(["--data", str(synthetic_root), *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+
+
+def test_cli_on_a_cluster_checks_its_nodes_and_the_autoscalers_once_connected(synthetic_root, capsys,
+                                                                                monkeypatch):
+    """With --address the machine is not the cluster: the check runs once connected, on the nodes
+    alive and those the autoscaler may start, and a refusal is still exit 2 before any worker."""
+    from vidtune.trainer.capacity import AUTOSCALER_CONFIG, ClusterCapacity, NodeType
+
+    read = []
+    head = (4.0, 0.0)
+
+    def capacity(config):
+        read.append(config)
+        return ClusterCapacity((head,), head, (NodeType("gpu", 8.0, 1.0, 2),))
+
+    class Built(Exception):
+        pass
+
+    def no_trainer(cfg, **kw):
+        raise Built(kw["num_workers"], kw["use_gpu"], kw["resources_per_worker"])
+
+    monkeypatch.setattr(train, "init_ray", lambda **kw: True)
+    monkeypatch.setattr(train, "local_capacity", lambda: pytest.fail("the local machine was checked"))
+    monkeypatch.setattr(train, "read_capacity", capacity)
+    monkeypatch.setattr(train, "build_torch_trainer", no_trainer)
+    monkeypatch.setattr(train, "_epoch_printer", lambda epochs: (None, lambda: None))
+    assert train.main(["--data", str(synthetic_root), "--address", "auto", "--workers", "3"]) == 2
+    assert "--workers: the run asks for 3 GPU(s)" in capsys.readouterr().err and read == [AUTOSCALER_CONFIG]
+    with pytest.raises(Built) as built:       # two GPU nodes to come: the run waits for them
+        train.main(["--data", str(synthetic_root), "--address", "auto", "--workers", "2"])
+    assert built.value.args == (2, True, {"CPU": 1.0, "GPU": 1.0})

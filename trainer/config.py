@@ -55,6 +55,15 @@ class TrainConfig:
     max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,
                                help="times a run's worker group restarts from its last checkpoint after a "
                                "worker dies (Ray Train's FailureConfig); out of memory is never retried")
+    # How long a rank of a multi-worker run waits in a collective (all-reduce, broadcast) before
+    # its run fails. NCCL's own default, 30 minutes, is how long the other ranks hang when one
+    # fails mid-step (out of memory inside DDP's backward, a lost node). 10 minutes stays far
+    # above the ranks' honest skew (a first step's cudnn.benchmark or torch.compile, the
+    # validation tail, a cache-filling first epoch: seconds to a few minutes).
+    collective_timeout_min: float = option(10.0, flag="--collective-timeout-min", metavar="MIN", gt=0,
+                                           help="runs of several workers: minutes a worker waits for the "
+                                           "others in a collective (all-reduce) before the run fails; NCCL's "
+                                           "own default is 30 (default 10)")
     seed: int = option(0, flag="--seed", metavar="N", help="seed of training (init, shuffling, augmentation) "
                        "and of a search's Optuna sampler")
 

@@ -10,10 +10,18 @@ physical ids.
 on declared resources, not on hardware): placement, leases and the recorded GPU ids are what
 they would be on N real GPUs, while each worker trains on the CPU. It is for the tests and for
 trying cluster behaviour without GPUs; a worker given a GPU without it must find CUDA, or fail.
+
+A torch build carries kernels for a list of GPU architectures (`torch.cuda.get_arch_list()`); on
+a GPU outside it (a V100, compute capability 7.0, under torch 2.14's CUDA 13 builds) CUDA itself
+works and the first kernel fails with "no kernel image is available". `unsupported_gpus` finds
+such GPUs up front (`gpu_supported` is the rule); a worker refuses one when it picks its device,
+and the search's node setup check (`tune.cluster.check_every_node`) on every GPU node.
 """
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from vidtune.flags import ConfigError
@@ -57,7 +65,8 @@ def train_device() -> torch.device:
     No GPU from Ray: the CPU. A GPU from Ray: that GPU (the position of its id in
     `CUDA_VISIBLE_DEVICES`); under VIDTUNE_SIMULATE_GPUS, the CPU. Works in a Train worker and
     in a plain Ray task. A GPU from Ray that torch cannot use raises RuntimeError saying what to check, rather
-    than training on the CPU for hours while the search reports GPU speeds."""
+    than training on the CPU for hours while the search reports GPU speeds; so does a GPU the torch
+    build has no kernels for (`unsupported_gpu`), naming the GPU and the build."""
     import ray  # heavy at start (see physical_gpu_ids)
     import torch  # heavy at start: as ray
 
@@ -75,4 +84,80 @@ def train_device() -> torch.device:
     # of this worker's first GPU in CUDA_VISIBLE_DEVICES, which Ray Train shares among a run's
     # workers on a node and a plain Ray task has to itself.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-    return torch.device("cuda", visible.index(gpu_ids[0]) if gpu_ids[0] in visible else 0)
+    device = torch.device("cuda", visible.index(gpu_ids[0]) if gpu_ids[0] in visible else 0)
+    problem = unsupported_gpu(device.index)
+    if problem:   # before the first kernel, which would fail with "no kernel image is available"
+        raise RuntimeError(f"Ray gave this worker GPU {gpu_ids[0]} on node "
+                           f"{ray.get_runtime_context().get_node_id()}: {problem}")
+    return device
+
+
+ARCH = re.compile(r"^(sm|compute)_(\d+)([af]?)$")   # sm_86, sm_90a, sm_100f, compute_120
+
+
+def gpu_supported(capability: tuple[int, int], arch_list: Iterable[str]) -> bool:
+    """Whether a torch built for `arch_list` (`torch.cuda.get_arch_list()`) has kernels for a GPU
+    of compute `capability` (major, minor). `sm_XY` machine code runs on capability X.Y and
+    later minors of major X (sm_80 on an A10G's 8.6, not on a V100's 7.0 or an H100's 9.0);
+    `sm_XYa` only on X.Y itself; `sm_XYf` on the X family from X.Y up; `compute_XY` (PTX) is
+    compiled on first use for any capability from X.Y up, later majors too. An empty list (a
+    build that does not say) is taken as supported. NVIDIA's exceptions for Jetson boards
+    (7.2, 8.7) are not modelled: training runs on discrete GPUs."""
+    arch_list = list(arch_list)
+    if not arch_list:
+        return True
+    major, minor = capability
+    for arch in arch_list:
+        m = ARCH.match(arch.strip())
+        if not m:
+            continue
+        kind, digits, suffix = m.groups()
+        code = (int(digits[:-1]), int(digits[-1]))
+        if suffix == "a":
+            ok = (major, minor) == code
+        elif kind == "compute":
+            ok = (major, minor) >= code
+        else:
+            ok = major == code[0] and minor >= code[1]
+        if ok:
+            return True
+    return False
+
+
+def torch_build() -> str:
+    """'torch 2.14.1+cu130 (CUDA 13.0, kernels for sm_75, sm_80, ...)': what the messages name."""
+    import torch  # heavy (seconds): only where a GPU is about to be used
+
+    arch = ", ".join(torch.cuda.get_arch_list()) or "no list"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, kernels for {arch})"
+
+
+def unsupported_gpu(index: int) -> str | None:
+    """Why torch cannot run on CUDA device `index` of this process (a GPU of a compute capability
+    its build has no kernels for), naming the GPU and the build and what to do; None when it can
+    (or when this is not a CUDA build: ROCm's architectures are named otherwise)."""
+    import torch  # heavy: as in torch_build
+
+    if not torch.version.cuda:
+        return None
+    capability = torch.cuda.get_device_capability(index)
+    if gpu_supported(capability, torch.cuda.get_arch_list()):
+        return None
+    name = torch.cuda.get_device_name(index)
+    wanted = f"sm_{capability[0]}{capability[1]}"
+    return (f"{name} (compute capability {capability[0]}.{capability[1]}) is not a GPU {torch_build()} "
+            f"was built for, and its first kernel would fail with \"no kernel image is available\"; install "
+            f"a torch build whose torch.cuda.get_arch_list() covers {wanted} (an older CUDA build, e.g. from "
+            "https://download.pytorch.org/whl/cu126), or train on other GPUs")
+
+
+def unsupported_gpus() -> list[str]:
+    """`unsupported_gpu` for each CUDA device this process sees, as 'GPU i: why'; [] when torch
+    supports them all or sees none. Reading a capability starts CUDA's runtime in this process
+    (no tensor is made): run it in a process that exits afterwards, not in a search's driver."""
+    import torch  # heavy: as in torch_build
+
+    if not torch.cuda.is_available():
+        return []
+    problems = ((i, unsupported_gpu(i)) for i in range(torch.cuda.device_count()))
+    return [f"GPU {i}: {why}" for i, why in problems if why]

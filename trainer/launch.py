@@ -80,7 +80,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     note = auth_off_note()
     if note:
         print(note, flush=True)
-    local = address is None and not os.environ.get("RAY_ADDRESS")      # a local Ray, started here
+    local = not joins_cluster(address)      # a local Ray, started here
     if local:
         os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
         if simulated_gpus():
@@ -95,6 +95,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     else:
         ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
     return True
+
+
+def joins_cluster(address: str | None) -> bool:
+    """Whether `init_ray(address)` joins a running Ray (--address, or RAY_ADDRESS in the
+    environment) rather than starting one on this machine."""
+    return address is not None or bool(os.environ.get("RAY_ADDRESS"))
 
 
 def cluster_gpus() -> float:
@@ -240,6 +246,11 @@ def _check_weights_file(model_name: str, path: Path) -> None:
         raise ConfigError("--weights", str(e)) from None
 
 
+def collective_timeout_s(cfg: TrainConfig) -> int:
+    """`cfg.collective_timeout_min` in whole seconds (`TorchConfig.timeout_s` is an int), at least 1."""
+    return max(1, round(cfg.collective_timeout_min * 60))
+
+
 def build_torch_trainer(
     cfg: TrainConfig,
     *,
@@ -261,6 +272,8 @@ def build_torch_trainer(
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
     A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
     (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
+    A rank left waiting in a collective by another (failed, stuck) fails after
+    `cfg.collective_timeout_min` (`--collective-timeout-min`, `TorchConfig(timeout_s=...)`).
     `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
     (pass a wrapper of it to, e.g., register extra models in the worker process first).
     `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
@@ -303,7 +316,11 @@ def build_torch_trainer(
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
     # Simulated GPUs (trainer.gpus): the workers train on the CPU, where NCCL cannot run.
-    torch_config = TorchConfig(backend="gloo") if use_gpu and simulated_gpus() else None
+    # timeout_s: a rank that fails mid-collective ends the run after --collective-timeout-min
+    # instead of NCCL's 30 minutes (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1, so a timed-out
+    # NCCL collective ends its worker's process; gloo raises in the waiting rank).
+    torch_config = TorchConfig(backend="gloo" if use_gpu and simulated_gpus() else None,
+                               timeout_s=collective_timeout_s(cfg))
     return TorchTrainer(
         train_loop or train_loop_per_worker,
         torch_config=torch_config,

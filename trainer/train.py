@@ -8,7 +8,8 @@ Prints one line per epoch as it ends and, at the end, the best checkpoint (by va
 --storage resumes after the last finished epoch. `--config` reads a search's best_config.json
 (its "train_config") or a TOML/YAML file of options, keys as the flags; flags given override it.
 Exit codes: 0 done, 1 training failed, ran out of memory or diverged (its loss became inf or
-NaN: lower --lr), 2 bad input (reported before Ray starts).
+NaN: lower --lr), 2 bad input (reported before Ray starts; workers a cluster given by --address
+cannot hold, once connected).
 """
 from __future__ import annotations
 
@@ -37,13 +38,22 @@ from vidtune.flags import (
     join_negative_values,
     option,
 )
+from vidtune.trainer.capacity import (
+    AUTOSCALER_CONFIG,
+    ClusterCapacity,
+    WorkerRequest,
+    check_fits,
+    check_gpus_per_worker,
+    local_capacity,
+    read_capacity,
+)
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import (
     TRAIN_FLAGS,
     build_torch_trainer,
     check_training_inputs,
-    cluster_gpus,
     init_ray,
+    joins_cluster,
 )
 from vidtune.trainer.ray_start import RayStart, RayStartError, import_failure_message
 
@@ -160,9 +170,30 @@ def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:
     """Everything checkable before Ray starts; returns the dataset index (handed to the workers).
     Raises ConfigError / DataError naming the flag or file at fault."""
     check_bounds(where, RUN_FLAGS)   # first: validate_config may load torch to read --weights
-    return check_training_inputs(cfg, batch_sizes=(cfg.batch_size,), workers=where.workers,
-                                 batch_flag="--batch-size", workers_flag="--workers", storage=where.storage,
-                                 show=lambda index: print(index.summary(), flush=True))
+    check_gpus_per_worker(where.gpus_per_worker, where.workers, flag="--gpus-per-worker",
+                          workers_flag="--workers", whole="--gpus-per-worker 1")
+    index = check_training_inputs(cfg, batch_sizes=(cfg.batch_size,), workers=where.workers,
+                                  batch_flag="--batch-size", workers_flag="--workers", storage=where.storage,
+                                  show=lambda index: print(index.summary(), flush=True))
+    if not joins_cluster(where.address):   # the machine a local Ray will have, read before it starts
+        check_capacity(where, local_capacity(), place="this machine",
+                       more="pass --address of a Ray cluster that has more")
+    return index
+
+
+def check_capacity(where: RunOptions, capacity: ClusterCapacity, *, place: str, more: str) -> WorkerRequest:
+    """The run's workers fit on `capacity` (`trainer.capacity.check_fits`, the search's rule),
+    counting the nodes an autoscaler may start; returns what each worker asks for,
+    --gpus-per-worker defaulting to 1 where there are GPUs. ConfigError naming the flag
+    (--gpus-per-worker when given, else --workers); `place` and `more` as `check_fits`'s."""
+    nodes = capacity.planned
+    gpus = where.gpus_per_worker
+    if gpus is None:
+        gpus = 1.0 if sum(g for _, g in nodes) > 0 else 0.0
+    flag = "--gpus-per-worker" if where.gpus_per_worker is not None else "--workers"
+    request = WorkerRequest(where.workers, where.cpus_per_worker, gpus, gpus_flag=flag)
+    check_fits(request, nodes, where=place, more=more)
+    return request
 
 
 def format_epoch(m: dict[str, Any], epochs: int) -> str:
@@ -236,22 +267,17 @@ def _epoch_printer(epochs: int):
     return EpochQueue(q), close
 
 
-def _resources(where: RunOptions) -> tuple[bool, dict[str, float]]:
-    import torch  # heavy (seconds): not before the flags and the data are checked
-
-    gpus = where.gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if (torch.cuda.is_available() or cluster_gpus() > 0) else 0.0
-    resources = {"CPU": float(where.cpus_per_worker)}
-    if gpus > 0:
-        resources["GPU"] = float(gpus)
-    return gpus > 0, resources
-
-
 def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) -> int:
     """Start Ray, fit, print the best checkpoint. Inputs must have been checked."""
     init_ray(address=where.address, ray_start=where.ray_start)
-    use_gpu, resources = _resources(where)
+    # Again on what Ray has, on a cluster the nodes its autoscaler may start (the config `ray up`
+    # leaves on the head): Train would wait without end for workers that cannot be placed.
+    capacity = read_capacity(AUTOSCALER_CONFIG if joins_cluster(where.address) else None)
+    request = check_capacity(where, capacity, place="the Ray cluster", more="add GPU nodes")
+    use_gpu = request.gpus_per_worker > 0
+    resources = {"CPU": float(request.cpus_per_worker)}
+    if use_gpu:
+        resources["GPU"] = float(request.gpus_per_worker)
     name = where.name or time.strftime("vidtune-train-%Y%m%d-%H%M%S")
     callback, close = _epoch_printer(cfg.epochs)
     trainer = build_torch_trainer(cfg, num_workers=where.workers, use_gpu=use_gpu,
@@ -314,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         return run(cfg, where, index)
+    except ConfigError as e:      # the cluster cannot hold the run's workers (checked once Ray is up)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except RayStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -6,115 +6,37 @@ nodes: sized by what is alive at that moment it would run one trial at a time, a
 autoscaler, which starts a node only for a request that waits, would never start the others.
 So the trials at once count the nodes the autoscaler can start too (its node types' resources
 x `max_workers`, from the cluster config `ray up` leaves on the head), and the trials that do
-not fit yet wait for them.
+not fit yet wait for them. The capacity model (`ClusterCapacity`, the node types) and the rule
+that a trial's workers fit (`check_fits`) are `vidtune.trainer.capacity`'s, shared with `vidtune
+train`; they are imported here under their old names.
 """
 from __future__ import annotations
 
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import yaml
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vidtune import __version__
 from vidtune.flags import ConfigError
+from vidtune.trainer.capacity import (  # noqa: F401 (some re-exported for tune.runner and tests)
+    AUTOSCALER_CONFIG,
+    ClusterCapacity,
+    Node,
+    NodeType,
+    WorkerRequest,
+    check_fits,
+    describe_nodes,
+    read_capacity,
+    read_node_types,
+)
+from vidtune.trainer.gpus import simulated_gpus, unsupported_gpus
 from vidtune.tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from vidtune.tune.trial import DRIVER_CPUS, TrialResources
-
-AUTOSCALER_CONFIG = Path("~/ray_bootstrap_config.yaml")   # where `ray up` leaves it on the head node
-HEAD_RESOURCE = "node:__internal_head__"                   # Ray's resource that marks the head node
-
-Node = tuple[float, float]    # (CPUs, GPUs) of one node
-
-
-@dataclass(frozen=True)
-class NodeType:
-    """A worker node type of the autoscaler's config: its resources and how many it may start.
-    `gpus` is None when the config leaves them for the cloud provider to detect."""
-
-    name: str
-    cpus: float
-    gpus: float | None
-    max_workers: int
-
-
-@dataclass(frozen=True)
-class ClusterCapacity:
-    """`alive`: the (CPUs, GPUs) of each node alive now; `head`: the head's, or None when no
-    node is the head (a local Ray: its one node); `node_types`: what the autoscaler may start."""
-
-    alive: tuple[Node, ...]
-    head: Node | None = None
-    node_types: tuple[NodeType, ...] = field(default_factory=tuple)
-
-    @property
-    def gpus_now(self) -> float:
-        return sum(g for _, g in self.alive)
-
-    @property
-    def planned(self) -> tuple[Node, ...]:
-        """The nodes once the autoscaler has started all it may (the head and every worker type
-        x max_workers); the alive nodes when that is not more."""
-        # A type whose GPUs the cloud provider detects counts as one GPU a node (a `ray up` head's
-        # config has them filled in; a config given by hand may not).
-        planned = ((self.head,) if self.head else ()) + tuple(
-            (t.cpus, 1.0 if t.gpus is None else t.gpus)
-            for t in self.node_types for _ in range(t.max_workers))
-        total = lambda nodes: (sum(c for c, _ in nodes), sum(g for _, g in nodes))   # noqa: E731
-        return planned if self.node_types and total(planned) > total(self.alive) else self.alive
-
-    @property
-    def may_add_gpus(self) -> bool:
-        """The autoscaler can start nodes with GPUs (declared, or left for the cloud to detect)."""
-        return any(t.max_workers > 0 and (t.gpus is None or t.gpus > 0) for t in self.node_types)
-
-
-def read_node_types(config: Path = AUTOSCALER_CONFIG) -> tuple[NodeType, ...]:
-    """The worker node types of an autoscaler cluster config (the head's type left out); () when
-    there is no such file (not a `ray up` head) or it cannot be read. The cluster-wide
-    `max_workers` caps the types' own, GPU types first (what a search asks for)."""
-    path = config.expanduser()
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return ()
-    head = doc.get("head_node_type")
-    types = []
-    for name, node in (doc.get("available_node_types") or {}).items():
-        if name == head or not isinstance(node, dict):
-            continue
-        resources = node.get("resources") or {}
-        # No resources at all: the cloud provider detects them (a `ray up` head's copy has them).
-        gpus = float(resources.get("GPU", 0) or 0) if resources else None
-        types.append(NodeType(str(name), float(resources.get("CPU", 0) or 0), gpus,
-                              int(node.get("max_workers", 0) or 0)))
-    cap = doc.get("max_workers")
-    if cap is None:
-        return tuple(types)
-    left, capped = int(cap), []
-    for t in sorted(types, key=lambda t: -(1.0 if t.gpus is None else t.gpus)):
-        capped.append(NodeType(t.name, t.cpus, t.gpus, min(t.max_workers, left)))
-        left -= capped[-1].max_workers
-    return tuple(capped)
-
-
-def read_capacity(config: Path | None) -> ClusterCapacity:
-    """The running Ray cluster's capacity (Ray must be initialised); `config`: the autoscaler's
-    cluster config (None: no autoscaler)."""
-    alive, head = [], None
-    for n in ray.nodes():
-        if not n.get("Alive"):
-            continue
-        res = n.get("Resources") or {}
-        node = (float(res.get("CPU", 0.0)), float(res.get("GPU", 0.0)))
-        alive.append(node)
-        if HEAD_RESOURCE in res:
-            head = node
-    return ClusterCapacity(tuple(alive), head, read_node_types(config) if config is not None else ())
 
 
 def worker_slots(nodes: tuple[Node, ...], resources: TrialResources) -> int:
@@ -160,19 +82,9 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
     r = opts.resources
     gpt = gpus_per_trial(opts)
-    if gpt > gpus + 1e-9:
-        flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
-        raise ConfigError(flag, f"a trial asks for {gpt:g} GPU(s) ({r.workers_per_trial} worker(s) x "
-                          f"{r.gpus_per_worker:g}) but the Ray cluster has {gpus:g}; "
-                          "lower it or add GPU nodes")
     cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
-    if cpu_per_trial + DRIVER_CPUS > cpus + 1e-9:
-        raise ConfigError("--workers-per-trial/--cpus-per-worker", f"a trial asks for {cpu_per_trial:g} CPUs "
-                          f"plus {DRIVER_CPUS} for its driver but the Ray cluster has {cpus:g}; lower them")
+    check_fits(trial_request(opts), nodes, where="the Ray cluster", more="add GPU nodes")
     resources = trial_resources(opts)
-    if resources.use_gpu and worker_slots(nodes, resources) < r.workers_per_trial:
-        raise ConfigError("--cpus-per-worker", f"no node has {r.cpus_per_worker:g} CPUs beside a GPU for a "
-                          f"trial's worker (nodes: {describe_nodes(nodes)}); lower it")
     # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
     local_gpu = r.local or (r.address is None and math.isclose(gpus, 1.0))
     fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
@@ -190,18 +102,20 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0)
 
 
+def trial_request(opts: SearchOptions) -> WorkerRequest:
+    """What one trial asks Ray for (hardware defaults filled in), as `trainer.capacity.check_fits`
+    reads it: the same rules as `vidtune train`'s, with the trial's driver beside its workers."""
+    r = opts.resources
+    gpus_flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
+    return WorkerRequest(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0,
+                         extra_cpus=DRIVER_CPUS, workers_flag="--workers-per-trial", gpus_flag=gpus_flag,
+                         what="a trial")
+
+
 def trial_resources(opts: SearchOptions) -> TrialResources:
     """What each trial asks Ray for (hardware defaults already filled in)."""
     r = opts.resources
     return TrialResources(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0)
-
-
-def describe_nodes(nodes: tuple[Node, ...]) -> str:
-    """'2 x (8 CPU, 1 GPU), 1 x (4 CPU)' for a list of nodes."""
-    counts: dict[Node, int] = {}
-    for node in nodes:
-        counts[node] = counts.get(node, 0) + 1
-    return ", ".join(f"{n} x ({c:g} CPU{f', {g:g} GPU' if g else ''})" for (c, g), n in counts.items())
 
 
 def waiting_line(capacity: ClusterCapacity) -> str:
@@ -227,29 +141,39 @@ def driver_node_gpus() -> float:
                  if n.get("NodeID") == me), 0.0)
 
 
-def node_view(marker: str | None, weights: str | None) -> dict[str, object]:
+def node_view(marker: str | None, weights: str | None, gpus: bool = False) -> dict[str, object]:
     """What one node sees of the driver's paths and code: its address, whether the `marker` file
     (in --storage) exists there, whether --weights is a file there, and the vidtune version it
     imports (this function is unpickled there by reference, so the node must import vidtune to
-    run it at all). Run on each node."""
-    return {"node": ray.util.get_node_ip_address(),
-            "storage": marker is None or Path(marker).exists(),
-            "weights": weights is None or Path(weights).is_file(),
-            "vidtune": __version__}
+    run it at all); with `gpus`, its GPUs that the node's torch has no kernels for
+    (`trainer.gpus.unsupported_gpus`). Run on each node."""
+    view: dict[str, object] = {"node": ray.util.get_node_ip_address(),
+                               "storage": marker is None or Path(marker).exists(),
+                               "weights": weights is None or Path(weights).is_file(),
+                               "vidtune": __version__}
+    if gpus:   # imports torch (seconds): GPU nodes only
+        view["unsupported_gpus"] = unsupported_gpus()
+    return view
 
 
 def views_of_every_node(marker: str | None, weights: str | None) -> list[dict[str, object]]:
-    """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each);
-    [] on a one-node Ray. A node whose task fails (most often: vidtune is not installed there,
-    so the function cannot be unpickled) is {"node": its address, "error": the reason}."""
+    """`node_view` from every alive node of the Ray cluster (a zero-CPU task pinned to each),
+    which also reads the GPUs of each node that has real ones; [] on a one-node Ray without
+    them. A node whose task fails (most often: vidtune is not installed there, so the function
+    cannot be unpickled) is {"node": its address, "error": the reason}."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    if len(alive) < 2:   # one machine: nothing to compare, and no task to start
+    # Simulated GPUs (trainer.gpus) train on the CPU: no GPU of theirs to check.
+    gpu_nodes = set() if simulated_gpus() else {
+        n["NodeID"] for n in alive if float((n.get("Resources") or {}).get("GPU", 0.0)) > 0}
+    if len(alive) < 2 and not gpu_nodes:   # one CPU machine: nothing to compare, and no task to start
         return []
-    task = ray.remote(num_cpus=0, max_retries=0)(node_view)
+    # A task with no GPU sees all of its node's GPUs (Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone
+    # for it); max_calls=1: its process exits after, so the CUDA runtime it started goes with it.
+    task = ray.remote(num_cpus=0, max_retries=0, max_calls=1)(node_view)
     views = []
     for node in alive:
         ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-                           ).remote(marker, weights)
+                           ).remote(marker, weights, node["NodeID"] in gpu_nodes)
         try:
             views.append(ray.get(ref, timeout=120))
         except ray.exceptions.RayError as e:
@@ -265,9 +189,12 @@ def check_every_node(storage: str, weights: str | None, *, views: NodeViews = vi
     """On a cluster of more than one node, every node must run the driver's vidtune (trials
     import the package installed on the node they run on), see the same --storage folder (each
     trial's checkpoints are written by the node it trains on and read back by the driver) and
-    the --weights file at the same path. Otherwise ConfigError, naming the flag (--address for
-    the code), the node and the fix. Checked on the nodes alive now; nodes the autoscaler starts
-    later run the same setup. `views`: how the nodes' views are gathered (`views_of_every_node`)."""
+    the --weights file at the same path; and on any node, one machine included, every GPU must
+    be one its torch has kernels for (`trainer.gpus.unsupported_gpus`). Otherwise ConfigError,
+    naming the flag (--address for the code and the GPUs), the node and the fix. Checked on the
+    nodes alive now; nodes the autoscaler starts later run the same setup, and their GPUs are
+    refused by the trial's workers as they start (`trainer.gpus.train_device`). `views`: how the
+    nodes' views are gathered (`views_of_every_node`)."""
     local_storage = "://" not in storage
     weights_file = weights if weights and weights not in ("none", "kinetics") else None
     marker = Path(storage).expanduser() / f".vidtune-node-check-{uuid.uuid4().hex}" if local_storage else None
@@ -280,6 +207,12 @@ def check_every_node(storage: str, weights: str | None, *, views: NodeViews = vi
     finally:
         if marker is not None:
             marker.unlink(missing_ok=True)
+    unusable = [f"node {v['node']}, {line}" for v in seen for line in v.get("unsupported_gpus") or ()]
+    if unusable:   # on one machine too: its trials would fail at their first kernel
+        flag = "--address" if len(seen) > 1 else "--gpus-per-worker"
+        way_out = (" (or leave that node out of the cluster)" if len(seen) > 1 else
+                   " (or pass --gpus-per-worker 0 to train on the CPU)")
+        raise ConfigError(flag, "; ".join(unusable) + way_out)
     if len(seen) < 2:
         return
     code = [f"{v['node']} ({v['error']})" if "error" in v else f"{v['node']} (vidtune {v['vidtune']})"

@@ -37,6 +37,7 @@ from vidtune.flags import (
     join_negative_values,
     option,
 )
+from vidtune.trainer.capacity import check_gpus_per_worker
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.ray_start import RayStart
@@ -354,21 +355,13 @@ def _check_name(name: str) -> None:
 
 
 def _check_gpus_per_worker(r: Resources) -> None:
-    """A worker trains on a share of one GPU or on whole GPUs. With more than one worker, a share
-    would put two ranks of one trial on one GPU (NCCL: "Duplicate GPU detected")."""
+    """`trainer.capacity.check_gpus_per_worker`, `vidtune train`'s rule, on the share each worker
+    of a trial gets (from --gpus-per-worker, or --gpus-per-trial split over the workers)."""
     flag = "--gpus-per-worker" if r.gpus_per_worker is not None else "--gpus-per-trial"
     per_worker = r.gpus_per_worker if r.gpus_per_worker is not None else (
         r.gpus_per_trial / r.workers_per_trial if r.gpus_per_trial is not None else None)
-    if per_worker is None or per_worker == 0:
-        return
-    if r.workers_per_trial > 1 and per_worker < 1:
-        raise ConfigError(flag, f"{per_worker:g} GPU per worker with --workers-per-trial "
-                          f"{r.workers_per_trial} puts two ranks of one trial on one GPU, which NCCL "
-                          f"refuses; give each worker a whole GPU (--gpus-per-trial {r.workers_per_trial}) "
-                          "or use one worker")
-    if per_worker > 1 and not float(per_worker).is_integer():
-        raise ConfigError(flag, f"{per_worker:g} GPUs per worker: a worker takes a share of one GPU or whole "
-                          "GPUs; pass a whole number, or a share below 1")
+    check_gpus_per_worker(per_worker, r.workers_per_trial, flag=flag, workers_flag="--workers-per-trial",
+                          whole=f"--gpus-per-trial {r.workers_per_trial}")
 
 
 def with_defaults_for_hardware(o: SearchOptions, *, cluster_gpus: float) -> SearchOptions:

@@ -343,7 +343,10 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,
                        "num_samples": opts.num_samples, "seed": train.seed,
                        "workers_per_trial": res.workers_per_trial, "gpus_per_trial": gpus,
-                       "precision": train.precision, **searcher_params(opts)},
+                       "precision": train.precision, **searcher_params(opts),
+                       # only where there is a collective to time out: trials of several workers
+                       **({"collective_timeout_min": train.collective_timeout_min}
+                          if res.workers_per_trial > 1 else {})},
         child_params={"precision": train.precision, "model": train.model, "workers": res.workers_per_trial,
                       "gpus": gpus, "dataset": plan.base.data.root, "epochs": train.epochs},
     )
