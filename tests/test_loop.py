@@ -1,5 +1,5 @@
 """train_one_epoch / evaluate on small random problems; accumulation, clipping order, schedule,
-stopping at a non-finite loss."""
+stopping at a non-finite loss; an fp16 overflow GradScaler skips is no divergence (run_epoch's judgement)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +8,21 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from vidtune.datasets.transforms import ClipTransform
-from vidtune.trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.loop import (
+    NONFINITE_STEPS_TO_DIVERGE,
+    evaluate,
+    finite_parameters,
+    make_optimizer,
+    make_scheduler,
+    train_one_epoch,
+)
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.trainer.precision import choose_precision
+from vidtune.trainer.run import DIVERGED, TRAINED, Run, run_epoch
 
 MEAN, STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)
 FP32 = choose_precision("fp32", "cpu")
@@ -359,3 +368,129 @@ def test_fp16_gradient_overflow_is_skipped_not_divergence():
     assert scaler.get_scale() < 2.0 ** 40                                  # it saw inf gradients
     assert finite_parameters(model) and all(torch.equal(a, b)
                                             for a, b in zip(before, model.parameters(), strict=True))
+
+
+# ---------------------------------------------------------------- fp16 overflow is not divergence
+
+FP16 = choose_precision("fp16", "cpu")     # CPU fp16 autocast + GradScaler("cpu"): the GPU's scaler path
+
+
+class Overflowing(nn.Module):
+    """SmallNet whose input is multiplied by `factor` on the forward calls `at` (0-based, one per
+    batch): by 1e6, its fp16 convolution overflows (past 65504) as on an outlier batch and the
+    loss is NaN; by inf, the loss is NaN in any precision. `spare`: a parameter the loss never
+    reads (a weight gone NaN that no loss shows)."""
+
+    def __init__(self, at=(), factor: float = 1e6):
+        super().__init__()
+        self.net, self.at, self.factor, self.calls = SmallNet(), set(at), factor, 0
+        self.spare = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        overflow = self.calls in self.at
+        self.calls += 1
+        return self.net(x * self.factor if overflow else x)
+
+
+def _fp16_epoch(model, batches, **kw):
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = FP16.make_scaler()
+    stats = train_one_epoch(model, batches, transform=ClipTransform(MEAN, STD, train=False),
+                            optimizer=optimizer, scheduler=_constant_lr(optimizer), scaler=scaler,
+                            policy=FP16, device="cpu", **kw)
+    return stats, scaler
+
+
+def test_one_fp16_overflow_is_a_skipped_step_and_the_epoch_trains_on():
+    """One batch overflows fp16 in the forward pass (loss NaN): GradScaler skips that step and
+    halves its scale, the epoch runs to its end with a finite loss, and the weights end where
+    training without that batch puts them. Before, the NaN loss stopped the epoch at the next
+    check and the run ended as DIVERGED."""
+    batches = _batches(16)
+    torch.manual_seed(0)
+    model = Overflowing(at={2})
+    stats, scaler = _fp16_epoch(model, batches, finite_check_every=1)
+    assert (stats.steps, stats.nonfinite_steps) == (8, 1) and math.isfinite(stats.loss_sum)
+    assert scaler.get_scale() == 2.0 ** 15                      # 2^16, halved once: it skipped one step
+    torch.manual_seed(0)
+    without = Overflowing()
+    reference, _ = _fp16_epoch(without, batches[:2] + batches[3:], finite_check_every=1)
+    for a, b in zip(model.parameters(), without.parameters(), strict=True):
+        torch.testing.assert_close(a, b)                         # the skipped step changed nothing
+    # the train loss is the mean over the steps that counted
+    assert stats.loss_sum / stats.clips == pytest.approx(reference.loss_sum / reference.clips, rel=1e-4)
+
+
+@pytest.mark.parametrize("run", [NONFINITE_STEPS_TO_DIVERGE - 1, NONFINITE_STEPS_TO_DIVERGE])
+def test_fp16_overflows_diverge_only_when_they_come_in_a_row_of_the_limit(run):
+    """`run` overflowing steps in a row from step 2: one short of NONFINITE_STEPS_TO_DIVERGE the
+    epoch trains on (loss finite); at the limit it stops at that step's check with a NaN loss_sum,
+    which run_epoch reads as divergence. Isolated overflows, as many in all, do not add up."""
+    torch.manual_seed(0)
+    stats, _ = _fp16_epoch(Overflowing(at=range(1, 1 + run)), _batches(32), finite_check_every=1)
+    if run < NONFINITE_STEPS_TO_DIVERGE:
+        assert (stats.steps, stats.nonfinite_steps) == (16, run) and math.isfinite(stats.loss_sum)
+    else:
+        assert (stats.steps, stats.nonfinite_steps) == (1 + run, run) and math.isnan(stats.loss_sum)
+    torch.manual_seed(0)
+    spread = range(1, 3 * NONFINITE_STEPS_TO_DIVERGE, 2)         # every other step
+    stats, _ = _fp16_epoch(Overflowing(at=spread), _batches(32), finite_check_every=0)
+    assert stats.nonfinite_steps == len(spread) and math.isfinite(stats.loss_sum)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before:UserWarning")
+def test_an_epoch_whose_every_step_overflowed_diverged_even_when_shorter_than_the_limit():
+    """Fewer steps than the limit, all skipped: nothing was learnt, so the epoch diverged."""
+    torch.manual_seed(0)
+    stats, _ = _fp16_epoch(Overflowing(at=range(3)), _batches(6), finite_check_every=1)
+    assert (stats.steps, stats.nonfinite_steps) == (3, 3) and math.isnan(stats.loss_sum)
+
+
+def _run(model: nn.Module, policy) -> Run:
+    """A Run of `model` on 16 red-centre clips (batches of 2, 8 steps) without Ray or files, as
+    trainer.run.build_run would make it for one worker."""
+
+    class Clips(TensorDataset):
+        def set_epoch(self, epoch: int) -> None:   # the clip windows' seed; nothing to draw here
+            pass
+
+    train, val = Clips(*_data(16)), Clips(*_data(8, seed=1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    transform = ClipTransform(MEAN, STD, train=False)
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=False)
+    return Run(cfg=TrainConfig(), spec=get_spec("tiny"), device=torch.device("cpu"), policy=policy,
+               class_names={0: "NonFight", 1: "Fight"},
+               train_loader=DataLoader(train, batch_size=2, sampler=sampler),
+               val_loader=DataLoader(val, batch_size=4), train_transform=transform, val_transform=transform,
+               model=model, optimizer=optimizer, scheduler=_constant_lr(optimizer),
+               scaler=policy.make_scaler())
+
+
+def _spare_nan() -> Overflowing:
+    model = Overflowing()
+    with torch.no_grad():
+        model.spare[0] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("precision, model, outcome", [
+    ("fp16", lambda: Overflowing(at={2}), TRAINED),                              # skipped: weights fine
+    ("fp16", lambda: Overflowing(at=range(2, 2 + NONFINITE_STEPS_TO_DIVERGE)), DIVERGED),
+    ("fp16", _spare_nan, DIVERGED),                                              # judged by the weights
+    ("fp32", lambda: Overflowing(at={2}, factor=math.inf), DIVERGED),            # no scaler: NaN reaches
+    ("bf16", lambda: Overflowing(at={2}, factor=math.inf), DIVERGED),            # the weights at once
+], ids=["fp16-one-overflow", "fp16-overflows-in-a-row", "fp16-nan-weight", "fp32-one-nan", "bf16-one-nan"])
+def test_run_epoch_judges_divergence_by_the_weights_or_repeated_non_finite_losses(precision, model, outcome):
+    """The worker's judgement (trainer.run.run_epoch, as trainer.worker calls it): an fp16 step
+    GradScaler skipped is no divergence; a run of them, or a NaN weight, is. In fp32 and bf16
+    nothing skips a step, so one non-finite loss already is."""
+    torch.manual_seed(0)
+    run = _run(model(), choose_precision(precision, "cpu"))
+    result = run_epoch(run, 1)
+    assert result.outcome == outcome, result
+    if outcome == TRAINED:
+        assert math.isfinite(result.stats.loss_sum) and result.stats.nonfinite_steps == 1
+        assert result.eval_out.count == 8 and math.isfinite(result.eval_out.loss_sum)
+    else:
+        assert result.eval_out is None

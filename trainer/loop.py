@@ -5,8 +5,12 @@ Batches are `(clips, labels)`: clips `uint8 B x T x H x W x C` as the DataLoader
 than float) and turned into `float B x C x T x H x W` there by `transform`.
 
 Divergence (a learning rate that blows the weights up to inf/NaN) is not an error here: the
-epoch stops at the first check that sees a non-finite loss and returns its NaN/inf `loss_sum`;
-the caller judges the epoch by it and by `finite_parameters`.
+epoch stops at the first check that sees the loss rule below broken and returns a NaN/inf
+`loss_sum`; the caller judges the epoch by it and by `finite_parameters` (the weights).
+
+The loss rule: without a GradScaler (fp32, bf16) one non-finite loss is divergence, since nothing
+skips that step and its NaN/inf gradients reach the weights. With one (fp16) a non-finite loss is
+a step the scaler skips, weights untouched: only `NONFINITE_STEPS_TO_DIVERGE` of them in a row is.
 """
 from __future__ import annotations
 
@@ -29,6 +33,17 @@ from vidtune.trainer.precision import PrecisionPolicy
 # GPU idles while the next step is queued) plus a one-float all-reduce under DDP, so it is not
 # done every step; a diverged run wastes at most this many steps of its epoch.
 FINITE_CHECK_EVERY = 20
+
+# fp16 (GradScaler on): optimizer steps in a row with an inf/NaN loss that make the epoch diverged.
+# The scaler skips such a step (its gradients are non-finite) and halves its scale; the weights are
+# untouched, so one batch whose forward pass overflows fp16 (activations past 65504) is no divergence.
+# A loss that stays non-finite is: the scale acts on gradients only, so it cannot bring back a loss
+# that overflows in the forward pass, and every later step is skipped too (nothing is learnt). Why 5:
+# isolated overflows on even 2% of the batches give 5 in a row about once in 3e8 steps (0.02^5),
+# while a run whose every step overflows reaches 5 in 5 steps, so a finite check (above) stops it
+# at most one check later than a first NaN would; and 5 skips leave the scale 32x lower (2^16 ->
+# 2^11), far from gradients underflowing.
+NONFINITE_STEPS_TO_DIVERGE = 5
 
 
 def make_optimizer(model_or_params: nn.Module | Iterable[nn.Parameter], lr: float,
@@ -96,7 +111,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
                     optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
                     policy: PrecisionPolicy, device: torch.device | str, grad_accum_steps: int = 1,
                     clip_grad_norm: float = 1.0, label_smoothing: float = 0.0,
-                    finite_check_every: int = FINITE_CHECK_EVERY) -> EpochStats:
+                    finite_check_every: int = FINITE_CHECK_EVERY,
+                    nonfinite_steps_to_diverge: int = NONFINITE_STEPS_TO_DIVERGE) -> EpochStats:
     """Train `model` for one pass over `loader`; returns this worker's local sums.
 
     The optimizer (and the scheduler, once) step every `grad_accum_steps` micro-batches and
@@ -104,18 +120,27 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
     had). Under DDP the non-final micro-batches of a group skip the gradient all-reduce.
     Gradients are clipped to `clip_grad_norm` (0 = off) after unscaling.
 
-    Every `finite_check_every` optimizer steps (0: never) the loss so far is checked: when it
-    is inf or NaN on any worker, every worker stops the epoch there (`stats.loss_sum` is then
-    non-finite on at least one of them). The check sits on a step boundary, which every DDP
-    rank reaches at the same step, so no rank is left waiting in a gradient all-reduce.
+    The loss rule (module doc): a step whose loss is inf or NaN on this worker is non-finite;
+    the epoch diverged when `nonfinite_steps_to_diverge` steps in a row were (1 when `scaler` is
+    disabled: fp32, bf16), or when none of its steps was finite. Every `finite_check_every`
+    optimizer steps (0: never) the rule is checked: when it is broken on any worker, every
+    worker stops the epoch there. The check sits on a step boundary, which every DDP rank
+    reaches at the same step, so no rank is left waiting in a gradient all-reduce.
+
+    `stats.loss_sum` is non-finite exactly when the rule is broken on this worker (the sum of
+    every step's loss). Otherwise it sums the finite steps' losses, scaled to all `stats.clips`
+    (a skipped step counts at the mean of the others), and `stats.nonfinite_steps` says how many
+    steps GradScaler skipped for a non-finite loss.
     """
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    if nonfinite_steps_to_diverge < 1:
+        raise ValueError(f"nonfinite_steps_to_diverge must be >= 1, got {nonfinite_steps_to_diverge}")
     device = torch.device(device)
     model.train()
     criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
     stats = EpochStats()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)   # on device: no per-step sync
+    losses = _LossTally(device, nonfinite_steps_to_diverge if scaler.is_enabled() else 1)
     pending = 0
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
@@ -128,28 +153,80 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
             with policy.autocast():
                 loss = criterion(model(x), y)
             scaler.scale(loss / grad_accum_steps).backward()
-        loss_sum += loss.detach().double() * y.shape[0]
+        losses.add(loss, y.shape[0])
         stats.clips += y.shape[0]
         if step_now:
             _optimizer_step(model, optimizer, scaler, clip_grad_norm, grad_accum_steps / pending)
             scheduler.step()
+            losses.end_step()
             stats.steps += 1
             pending = 0
             if (finite_check_every and stats.steps % finite_check_every == 0
-                    and not _finite_everywhere(loss_sum)):
-                break   # a non-finite loss: the weights are (or soon will be) NaN, so nothing more is learnt
+                    and _diverged_anywhere(losses)):
+                break   # nothing more is learnt: the weights are NaN, or every step is skipped
     precision.synchronize(device)  # sync point: queued GPU work belongs to this epoch's time
     stats.epoch_time_s = time.perf_counter() - start
     stats.step_time_s = max(0.0, stats.epoch_time_s - stats.data_wait_s)
-    stats.loss_sum = float(loss_sum.item())
+    stats.loss_sum, stats.nonfinite_steps = losses.result(stats.clips)
     return stats
 
 
-def _finite_everywhere(loss_sum: torch.Tensor) -> bool:
-    """Whether the running loss is finite on every worker (a sync point, and a collective when
+class _LossTally:
+    """The epoch's training loss and the loss rule's state, kept on the device: adding a loss
+    or ending a step queues a few scalar kernels and never waits for the GPU."""
+
+    def __init__(self, device: torch.device, limit: int):
+        self.limit = limit   # non-finite steps in a row that make the epoch diverged
+        zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+        self.step_sum = zero()      # this step's loss x clips, over its micro-batches
+        self.step_clips = 0
+        self.every_sum = zero()     # every step's (non-finite once one step was)
+        self.finite_sum = zero()    # the finite steps' only
+        self.finite_clips = zero()
+        self.run = zero()           # non-finite steps in a row, up to the last step
+        self.longest_run = zero()
+        self.nonfinite = zero()     # non-finite steps in all
+
+    def add(self, loss: torch.Tensor, clips: int) -> None:
+        self.step_sum += loss.detach().double() * clips
+        self.step_clips += clips
+
+    def end_step(self) -> None:
+        finite = torch.isfinite(self.step_sum)
+        self.every_sum += self.step_sum
+        # where, not a product: inf * 0 is NaN
+        self.finite_sum += torch.where(finite, self.step_sum, 0.0)
+        self.finite_clips += finite * float(self.step_clips)
+        self.run = torch.where(finite, 0.0, self.run + 1)
+        torch.maximum(self.longest_run, self.run, out=self.longest_run)
+        self.nonfinite += ~finite
+        self.step_sum.zero_()
+        self.step_clips = 0
+
+    def diverged(self, *, epoch_over: bool = False) -> torch.Tensor:
+        """The loss rule broken on this worker (bool, on the device): `limit` non-finite steps in
+        a row; once the epoch is over, also steps taken and none of them finite (an epoch
+        shorter than `limit` steps that learnt nothing)."""
+        broken = self.longest_run >= self.limit
+        if epoch_over:
+            broken |= (self.nonfinite > 0) & (self.finite_clips == 0)
+        return broken
+
+    def result(self, clips: int) -> tuple[float, int]:
+        """(loss_sum, non-finite steps) for EpochStats (`train_one_epoch` says what they hold);
+        `clips`: all the clips trained on. A sync point."""
+        if bool(self.diverged(epoch_over=True).item()):
+            return float(self.every_sum.item()), int(self.nonfinite.item())
+        finite_clips = float(self.finite_clips.item())
+        loss_sum = float(self.finite_sum.item()) * clips / finite_clips if finite_clips else 0.0
+        return loss_sum, int(self.nonfinite.item())
+
+
+def _diverged_anywhere(losses: _LossTally) -> bool:
+    """Whether the loss rule is broken on any worker (a sync point, and a collective when
     distributed: every rank must call it at the same step)."""
-    local_bad = float(not torch.isfinite(loss_sum).item())
-    return all_reduce_floats([local_bad], dist.ReduceOp.MAX)[0] == 0.0
+    local = float(losses.diverged().item())
+    return all_reduce_floats([local], dist.ReduceOp.MAX)[0] > 0.0
 
 
 def finite_parameters(model: nn.Module) -> bool:

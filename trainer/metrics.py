@@ -45,6 +45,7 @@ class EpochStats:
     loss_sum: float = 0.0        # sum over clips of the per-clip training loss
     clips: int = 0               # clips trained on
     steps: int = 0               # optimizer steps taken
+    nonfinite_steps: int = 0     # of which the loss was inf/NaN (fp16: steps GradScaler skipped)
     step_time_s: float = 0.0     # wall time not spent waiting for data (forward/backward/step)
     data_wait_s: float = 0.0     # wall time blocked in next(loader)
     epoch_time_s: float = 0.0    # wall time of the training epoch (excludes evaluation)

@@ -219,9 +219,10 @@ def run_epoch(run: Run, epoch: int) -> EpochResult:
         scheduler=run.scheduler, scaler=run.scaler, policy=run.policy, device=run.device,
         grad_accum_steps=cfg.grad_accum_steps, clip_grad_norm=cfg.clip_grad_norm,
         label_smoothing=cfg.label_smoothing))
-    # fp16's GradScaler skips the steps whose gradients overflow, so an inf gradient alone is
-    # no divergence; an inf or NaN loss is (the epoch's mean then is one), and so are weights
-    # gone non-finite (bf16/fp32 have no scaler to stop a NaN step).
+    # Diverged: the weights are not finite, or the loop's loss rule broke (its loss_sum is then
+    # inf/NaN): one non-finite loss in fp32/bf16, NONFINITE_STEPS_TO_DIVERGE in a row in fp16,
+    # where GradScaler skips the steps whose gradients (or loss) overflow and the weights stay
+    # as they were, so a skipped step alone is no divergence.
     diverged = stats is not None and not (math.isfinite(stats.loss_sum) and finite_parameters(run.model))
     out_of_memory, diverged = all_reduce_floats([float(stats is None), float(diverged)], dist.ReduceOp.MAX)
     if out_of_memory:
