@@ -6,10 +6,14 @@ says. It needs a CUDA device and refuses without one (exit 2).
   2. on this GPU, the two calls every Train worker makes before training: `choose_precision
      ("auto", device)` gives bf16 on sm 8.0+ (fp16 below) and `configure_backends(device)` turns
      cudnn.benchmark on. The workers report neither, so nothing in MLflow can show them;
-  3. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
+  3. decoding (bench/gpu_decode.py): clip-cache JPEG entries decoded on the GPU against the same
+     entries decoded on the CPU (each frame within JPEG tolerance), and seeded mvit_v2_s steps
+     trained on each (model inputs and losses agree; the GPU side decodes inside the training
+     loop while the previous step is queued, where nvJPEG once overwrote the step's memory);
+  4. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
      --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
      MLflow store (SQLite), Ray storage and clip cache in the work folder;
-  4. that store, read back with MlflowClient: every trial's child run FINISHED with all its
+  5. that store, read back with MlflowClient: every trial's child run FINISHED with all its
      epochs and param precision=auto; one training at a time on each GPU (`concurrent_trainings`
      == 1 in every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0.
 
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 from mlflow.tracking import MlflowClient
 
+from bench import gpu_decode
 from bench.common import write_json
 from vidtune.datasets.synthetic import generate
 from vidtune.trainer.precision import choose_precision, configure_backends, default_device
@@ -49,6 +54,7 @@ EXPERIMENT = "gpu-check"
 PARENT_TAG = "mlflow.parentRunId"
 EPOCH_METRICS = ("clips_per_s", "peak_mem_mb", "concurrent_trainings")
 NO_GPU_EXIT = 2
+DECODE_VIDEOS = 32   # 4 batches of 8 clips (16 frames of 224 px): 512 frames, 4 seeded steps a side
 
 
 class CheckFailed(AssertionError):
@@ -342,11 +348,22 @@ class GpuCheck:
         configure_backends(self.device)
         return check_cudnn_benchmark(torch.backends.cudnn.benchmark)
 
+    def device_decoding(self) -> str:
+        if not torch.cuda.is_available():   # main refuses first today; kept for a CPU-side run
+            return "skipped: torch sees no CUDA device, and GPU decoding needs one"
+        batches = gpu_decode.cache_batches(self.work / "decoding", videos=DECODE_VIDEOS, batch_size=8,
+                                           model=MODEL)
+        self.figures["decoding"] = figures = gpu_decode.compare_decoding(batches, self.device, model=MODEL)
+        found = gpu_decode.problems(figures)
+        require(not found, "GPU-decoded and CPU-decoded clips disagree: " + "; ".join(found))
+        return gpu_decode.summary(figures)
+
     def steps(self) -> list[tuple[str, Callable[[], str]]]:
         a = self.args
         return [("precision table", self.precision_table),
                 ("precision auto", self.auto_precision),
                 ("cudnn.benchmark", self.cudnn_benchmark),
+                ("GPU decoding", self.device_decoding),
                 (f"{a.num_samples}-trial search", self.search),
                 *mlflow_steps(self.runs, a.num_samples, a.epochs)]   # self.runs: filled by the search step
 

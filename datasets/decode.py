@@ -81,13 +81,46 @@ def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def decode_jpeg_frames(jpegs: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """JPEG files (1-D uint8 tensors on the CPU) -> uint8 N x H x W x 3 on `device`, decoded there
-    in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU)."""
+    in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU). On a GPU it
+    first waits for the work queued on the device's current stream (`wait_for_queued_work`)."""
     if not jpegs:
         raise ValueError("decode_jpeg_frames got no frames")
+    device = torch.device(device)
+    if device.type != "cpu":
+        # A synchronisation, not stream ordering (wait_for_queued_work says why): the decoder
+        # must not be handed memory that kernels still queued on this stream will read.
+        wait_for_queued_work(device)
     frames = decode_jpeg(list(jpegs), device=device)
     # On the CPU each frame is H x W x C memory seen as C x H x W: stacking the H x W x C views is a
     # plain copy, 15x faster than stacking the C x H x W ones (1.2 ms per 16 frames at 224 px).
     return torch.stack([f.permute(1, 2, 0) for f in frames])
+
+
+def wait_for_queued_work(device: torch.device) -> None:
+    """Block until the kernels queued on `device`'s current stream have run (a CPU-GPU sync point).
+
+    Called before every device decode. torchvision's `decode_jpeg(device="cuda")`
+    (decode_jpegs_cuda.cpp; PR #9606 was not merged) takes its output tensors from the caching
+    allocator on the caller's stream, then decodes on a private stream that never waits for the
+    caller's; and nvJPEG's hardware engine writes its output before work already queued on its
+    stream has run in any case. The allocator hands a block out again as soon as it is freed on
+    its stream, so the decoder can be given memory that the previous training step's queued
+    kernels have yet to read (its input clips, activations kept for backward) and overwrite it:
+    wrong inputs or NaNs, seen as spurious DIVERGED trials (pytorch/vision PR #9606: 134 of 200
+    iterations corrupted on an H100, torchvision 0.28).
+
+    Why a synchronisation and not stream ordering: the decoding stream is torchvision's, out of
+    reach, and the hardware engine ignores stream order, so no event orders its writes (a side
+    stream for the decode would only move the hazard to that stream's blocks). Once the caller's
+    stream has drained, every block the allocator can hand the decoder is idle (a block also
+    used on another stream, marked with `record_stream`, is held back until that use has run).
+    The same fix as torchcodec's (PR #1634, a stream synchronize before the hardware decode).
+    Its cost: the decode no longer overlaps the end of the previous step. The host could not run
+    ahead of it anyway (torchvision returns only once its stream has finished the decode), so a
+    step loses at most the decode's own time, which `make gpu-check` records
+    (decode_ms_per_batch_median).
+    """
+    torch.accelerator.current_stream(device).synchronize()
 
 
 def encode_jpeg_frames(frames: np.ndarray, *, quality: int) -> list[torch.Tensor]:
