@@ -5,7 +5,7 @@ says. It needs a CUDA device and refuses without one (exit 2).
      bf16 / fp16 / fp32 with cudnn.benchmark on and off; --bench-seconds budget);
   2. on this GPU, the two calls every Train worker makes before training: `choose_precision
      ("auto", device)` gives bf16 on sm 8.0+ (fp16 below) and `configure_backends(device)` turns
-     cudnn.benchmark on. The workers report neither, so nothing in MLflow can show them;
+     cudnn.benchmark on (step 5 checks what the workers themselves reported);
   3. decoding (bench/gpu_decode.py): clip-cache JPEG entries decoded on the GPU against the same
      entries decoded on the CPU (each frame within JPEG tolerance), and seeded mvit_v2_s steps
      trained on each (model inputs and losses agree; the GPU side decodes inside the training
@@ -14,8 +14,10 @@ says. It needs a CUDA device and refuses without one (exit 2).
      --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
      MLflow store (SQLite), Ray storage and clip cache in the work folder;
   5. that store, read back with MlflowClient: every trial's child run FINISHED with all its
-     epochs and param precision=auto; one training at a time on each GPU (`concurrent_trainings`
-     == 1 in every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0.
+     epochs and param precision=auto; the workers' own record of what they trained with (tags:
+     the precision auto became on this GPU, TF32 and cudnn.benchmark on, device, capability,
+     CUDA, driver, torch); one training at a time on each GPU (`concurrent_trainings` == 1 in
+     every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0.
 
 Prints a table of the checks; the first that fails ends the run with a line saying what failed
 (exit 1).
@@ -259,10 +261,34 @@ def check_positive(runs: list[TrialRun], metric: str, unit: str) -> str:
     return f"{metric} {min(flat):.0f}-{max(flat):.0f} {unit} over {len(flat)} epochs"
 
 
-def mlflow_steps(runs: list[TrialRun], trials: int, epochs: int) -> list[tuple[str, Callable[[], str]]]:
-    """The checks of what the search wrote to MLflow, in order."""
+def check_worker_settings(runs: list[TrialRun], capability: tuple[int, int] | None) -> str:
+    """What every trial's workers reported they trained with (`trainer.settings`, tags on its run):
+    the precision `auto` must become on this GPU (bf16 from sm 8.0, fp16 with its scaler below),
+    TF32 and cudnn.benchmark on, and the device, its capability, CUDA, driver and torch named.
+    `capability`: this GPU's (the search's trials ran on it); None: not compared."""
+    expected = None if capability is None else "bf16" if tuple(capability) >= (8, 0) else "fp16+scaler"
+    want = {"vidtune.tf32": "tf32", "vidtune.cudnn_benchmark": "on"}
+    if expected:
+        want["vidtune.precision_used"] = expected
+    if capability is not None:
+        want["vidtune.compute_capability"] = f"{capability[0]}.{capability[1]}"
+    named = ("vidtune.device", "vidtune.cuda", "vidtune.driver", "vidtune.torch")
+    bad = [f"{r.name}: {tag}={r.tags.get(tag, '(none)')!r}, expected {value!r}"
+           for r in runs for tag, value in want.items() if r.tags.get(tag) != value]
+    bad += [f"{r.name}: {tag} missing" for r in runs for tag in named if not r.tags.get(tag)]
+    require(not bad, "the workers' own record: " + "; ".join(bad))
+    first = runs[0].tags
+    return (f"every worker: {first.get('vidtune.precision_used')}, tf32, cudnn.benchmark on, "
+            f"{first.get('vidtune.device')} (sm {first.get('vidtune.compute_capability')}), CUDA "
+            f"{first.get('vidtune.cuda')}, driver {first.get('vidtune.driver')}")
+
+
+def mlflow_steps(runs: list[TrialRun], trials: int, epochs: int,
+                 capability: tuple[int, int] | None = None) -> list[tuple[str, Callable[[], str]]]:
+    """The checks of what the search wrote to MLflow, in order (`capability`: this GPU's)."""
     return [("trials in MLflow", lambda: check_trials(runs, trials, epochs)),
             ("precision param", lambda: check_precision_param(runs)),
+            ("workers' settings", lambda: check_worker_settings(runs, capability)),
             ("one training per GPU", lambda: check_one_training_per_gpu(runs)),
             ("gpu_ids tag", lambda: check_gpu_ids(runs)),
             ("clips/s", lambda: check_positive(runs, "clips_per_s", "clips/s")),
@@ -365,7 +391,8 @@ class GpuCheck:
                 ("cudnn.benchmark", self.cudnn_benchmark),
                 ("GPU decoding", self.device_decoding),
                 (f"{a.num_samples}-trial search", self.search),
-                *mlflow_steps(self.runs, a.num_samples, a.epochs)]   # self.runs: filled by the search step
+                *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
+                              capability=torch.cuda.get_device_capability(self.device))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,14 +53,17 @@ def test_the_search_it_runs_is_one_the_search_cli_accepts(tmp_path):
 
 
 def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurrent=None, gpu_ids=None,
-                        status: str = "FINISHED") -> None:
+                        status: str = "FINISHED", settings=None) -> None:
     """A store shaped like tune/tracking/tracker.py's: one parent run, one child run per trial (params,
     per-epoch metrics at step=epoch), the `gpu_ids` tag."""
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment(gpu_check.EXPERIMENT)
     parent = client.create_run(exp, run_name="search").info.run_id
     for t in range(trials):
-        tags = {gpu_check.PARENT_TAG: parent}
+        tags = {gpu_check.PARENT_TAG: parent, "vidtune.precision_used": "bf16", "vidtune.tf32": "tf32",
+                "vidtune.cudnn_benchmark": "on", "vidtune.device": "NVIDIA H200",
+                "vidtune.compute_capability": "9.0", "vidtune.cuda": "13.0", "vidtune.driver": "580.65.06",
+                "vidtune.torch": "2.14.1", **(settings or {}).get(t, {})}
         ids = (gpu_ids or {}).get(t, "0")
         if ids is not None:
             tags[gpu_check.GPU_IDS_TAG] = ids
@@ -80,12 +83,12 @@ def _check(tmp_path: Path, **store) -> list:
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     _write_search_store(uri, **store)
     runs = gpu_check.load_trial_runs(uri, gpu_check.EXPERIMENT)
-    return gpu_check.run_checks(gpu_check.mlflow_steps(runs, 4, 2))
+    return gpu_check.run_checks(gpu_check.mlflow_steps(runs, 4, 2, capability=(9, 0)))
 
 
 def test_mlflow_checks_pass_on_a_store_like_the_search_writes(tmp_path):
     checks = _check(tmp_path)
-    assert [c.passed for c in checks] == [True] * 6, gpu_check.format_checks(checks)
+    assert [c.passed for c in checks] == [True] * 7, gpu_check.format_checks(checks)
     assert "concurrent_trainings == 1 in all 8 epochs" in gpu_check.format_checks(checks)
 
 
@@ -93,6 +96,12 @@ def test_mlflow_checks_pass_on_a_store_like_the_search_writes(tmp_path):
     ({"concurrent": {(2, 2): 2.0}}, "one training per GPU", "t02: [1.0, 2.0]"),
     ({"gpu_ids": {1: None}}, "gpu_ids tag", "missing or empty on: t01"),
     ({"status": "FAILED"}, "trials in MLflow", "not FINISHED: t03 FAILED"),
+    # a worker that fell back to fp32 on an H200, or never turned cudnn.benchmark on
+    ({"settings": {2: {"vidtune.precision_used": "fp32"}}}, "workers' settings",
+     "t02: vidtune.precision_used='fp32', expected 'bf16'"),
+    ({"settings": {0: {"vidtune.cudnn_benchmark": "off"}}}, "workers' settings",
+     "t00: vidtune.cudnn_benchmark"),
+    ({"settings": {1: {"vidtune.driver": ""}}}, "workers' settings", "t01: vidtune.driver missing"),
 ])
 def test_mlflow_checks_stop_at_the_first_failure_and_say_what(tmp_path, store, failed, says):
     checks = _check(tmp_path, **store)

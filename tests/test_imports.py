@@ -25,7 +25,9 @@ LAYER_FOLDERS = {"vidtune": "vidtune", "vidtune.datasets": "datasets", "vidtune.
                  "vidtune.tune": "tune", "bench": "bench"}
 LAYERS = tuple(LAYER_FOLDERS)
 LIBRARY = LAYERS[:4]
-MAX_LOCAL_IMPORTS = 25                                  # issue 18's target for the library
+# Issue 18's target was 25; the subcommands' fast --help and refusals (no Ray, torch or MLflow
+# before the flags are checked) deferred a few more, each with its reason on its line.
+MAX_LOCAL_IMPORTS = 30
 
 
 def layer_of(module: str) -> str:

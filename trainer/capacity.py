@@ -120,7 +120,7 @@ def local_cpus() -> float:
     """The CPUs a Ray started on this machine counts: Ray's own rule (a container's CPU quota,
     not the host's cores), else the cores this process may run on."""
     try:   # private: the rule Ray applies to num_cpus=None; fenced here, with a fallback
-        from ray._private.utils import get_num_cpus
+        from ray._private.utils import get_num_cpus  # private, heavy (Ray): only when asked
 
         return float(get_num_cpus(override_docker_cpu_warning=True))
     except (ImportError, AttributeError, TypeError):

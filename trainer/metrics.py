@@ -21,6 +21,12 @@ Definitions (class 1 = violent = positive; predicted positive when P(violent) >=
 - Steady-state speed (`steady_state`): the median of an epoch metric over epochs 2 and later
   (epoch 1 holds worker start, cudnn autotuning and the clip-cache fill), or epoch 1's value
   when only one epoch ran. The search ranks and shows trials by it.
+- nonfinite_steps: training steps whose loss was inf/NaN, all workers (fp16: steps GradScaler
+  skipped; `trainer.loop` says when they end a run as diverged).
+- peak_mem_mb (`peak_memory_mb`): on a GPU, the most memory torch's caching allocator reserved
+  there in the epoch (what no other process could have, and what runs out first);
+  peak_allocated_mb beside it, the most its tensors used. On the CPU, the process's peak
+  resident set; peak_allocated_mb is NaN there (no allocator to ask).
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ import torch.distributed as dist
 from vidtune.trainer import precision
 
 METRIC_KEYS = ("train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
-               "clips_per_s", "compute_clips_per_s", "epoch_time_s", "data_wait_frac")
+               "clips_per_s", "compute_clips_per_s", "epoch_time_s", "data_wait_frac", "nonfinite_steps")
 
 
 @dataclass
@@ -129,7 +135,7 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
     worker, and the validation probs/labels of all ranks are gathered before scoring.
     """
     sums = [stats.loss_sum, stats.clips, stats.data_wait_s, stats.step_time_s,
-            eval_out.loss_sum, eval_out.count]
+            eval_out.loss_sum, eval_out.count, stats.nonfinite_steps]
     epoch_time = stats.epoch_time_s
     probs = eval_out.probs.detach().reshape(-1).to("cpu", torch.float64)
     labels = eval_out.labels.detach().reshape(-1).to("cpu", torch.float64)
@@ -137,7 +143,7 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
     epoch_time, slowest_step = all_reduce_floats([epoch_time, stats.step_time_s], dist.ReduceOp.MAX)
     if dist.is_available() and dist.is_initialized():
         probs, labels = _gather_pairs(probs, labels, precision.collective_device())
-    loss_sum, clips, wait, step, val_loss_sum, val_count = sums
+    loss_sum, clips, wait, step, val_loss_sum, val_count, nonfinite = sums
     out = {
         "train_loss": _ratio(loss_sum, clips),
         "val_loss": _ratio(val_loss_sum, val_count),
@@ -146,6 +152,7 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
         "compute_clips_per_s": _ratio(clips, slowest_step) if clips else 0.0,
         "epoch_time_s": float(epoch_time),
         "data_wait_frac": _ratio(wait, wait + step),
+        "nonfinite_steps": nonfinite,
     }
     return {k: float(out[k]) for k in METRIC_KEYS}
 
@@ -183,13 +190,20 @@ def _gather_pairs(probs: torch.Tensor, labels: torch.Tensor,
 
 
 def peak_memory_mb(device: torch.device | str) -> float:
-    """Peak memory of this worker in MiB: CUDA peak allocated by tensors on a GPU (reset it with
-    precision.reset_peak_memory each epoch), else the process's peak resident set size
-    (since process start; it never goes down)."""
-    gpu = precision.peak_allocated_mb(device)
+    """Peak memory of this worker in MiB: on a GPU, the peak reserved by torch's caching
+    allocator (reset it with precision.reset_peak_memory each epoch), else the process's peak
+    resident set size (since process start; it never goes down)."""
+    gpu = precision.peak_reserved_mb(device)
     if gpu is not None:
         return float(gpu)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
+
+
+def peak_allocated_mb(device: torch.device | str) -> float:
+    """Peak memory this worker's tensors used on its GPU in MiB, since the last
+    precision.reset_peak_memory; NaN off CUDA."""
+    gpu = precision.peak_allocated_mb(device)
+    return float(gpu) if gpu is not None else float("nan")

@@ -157,6 +157,14 @@ def peak_allocated_mb(device: torch.device | str) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20
 
 
+def peak_reserved_mb(device: torch.device | str) -> float | None:
+    """Peak CUDA memory reserved by torch's caching allocator since the last reset, in MiB (what
+    the process took from the GPU: tensors plus cached blocks); None off CUDA."""
+    if not is_cuda(device):
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**20
+
+
 def peak_reserved_share(device: torch.device | str) -> float | None:
     """Peak memory reserved by torch's CUDA allocator since the last `reset_peak_memory`, as a
     share of the device's total memory (what an allocation can grow into, fragmentation

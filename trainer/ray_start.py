@@ -94,8 +94,7 @@ def training_footprint_bytes() -> int:
     """The address space a process holds once the training libraries are loaded (bytes): this
     process's, after loading here what every Train worker loads. An ImportError here is the limit
     already biting (`import_failure_message`)."""
-    import ray.train.torch  # noqa: F401  (with torch: what a Train worker maps)
-    import torchvision  # noqa: F401
+    import vidtune.trainer.worker  # noqa: F401  (heavy: torch, torchvision, Ray Train; what a Train worker maps)
 
     return int(psutil.Process().memory_info().vms)
 

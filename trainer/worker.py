@@ -28,7 +28,14 @@ from vidtune.trainer.gpus import physical_gpu_ids, train_device
 from vidtune.trainer.history import read_history, write_history
 from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
 from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
-from vidtune.trainer.metrics import EpochStats, all_reduce_floats, peak_memory_mb, reduce_epoch, steady_state
+from vidtune.trainer.metrics import (
+    EpochStats,
+    all_reduce_floats,
+    peak_allocated_mb,
+    peak_memory_mb,
+    reduce_epoch,
+    steady_state,
+)
 from vidtune.trainer.precision import free_memory
 from vidtune.trainer.run import (
     DIVERGED,
@@ -43,6 +50,7 @@ from vidtune.trainer.run import (
     save_run_checkpoint,
     unless_out_of_memory,
 )
+from vidtune.trainer.settings import SETTING_KEYS, merge_settings, worker_settings
 from vidtune.trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
 
 INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
@@ -64,10 +72,13 @@ INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker'
 #   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN when unreadable).
 # oom / diverged: 1 on the run's one report without a result (`_report_worst_case`); else 0.
 # node_id, node_ip, gpu_ids: where the run trained (`_where_it_runs`); strings.
-METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "lr", "batch_size", "oom",
-               "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
-               "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids", "resumed_from_epoch",
-               "device_util_pct", "torch_threads", "other_cpu_cores", "damaged_checkpoints", "cache_repairs")
+# SETTING_KEYS: what its workers trained with (`trainer.settings`: precision used, TF32,
+#   cudnn.benchmark, device, compute capability, CUDA, driver, torch); strings, "" when unknown.
+METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "peak_allocated_mb", "lr",
+               "batch_size", "oom", "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings",
+               "device_wait_s", "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids",
+               "resumed_from_epoch", "device_util_pct", "torch_threads", "other_cpu_cores",
+               "damaged_checkpoints", "cache_repairs", *SETTING_KEYS)
 
 
 @dataclass
@@ -85,6 +96,7 @@ class _Worker:
     history: dict[int, dict] = field(default_factory=dict)   # every epoch's report so far (trainer.history)
     device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
     cpu_window: CpuWindow | None = None              # this rank's OtherCpuLoad view of the last epoch
+    settings: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTING_KEYS, ""))  # all ranks'
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -128,6 +140,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         place_model(run, state, wrap=lambda model: _prepare_ddp(model, run))
         _use_device_threads(w)
+        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy)))
         utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
@@ -319,15 +332,17 @@ def _epoch_metrics(w: _Worker, epoch: int, metrics: dict[str, float], *, window:
                    first: bool) -> dict[str, Any]:
     """The epoch's report: `reduce_epoch`'s `metrics` and what the worker adds (`METRIC_KEYS`)."""
     run = w.run
-    peak = all_reduce_floats([peak_memory_mb(run.device)], dist.ReduceOp.MAX)[0]
+    peak, allocated = all_reduce_floats([peak_memory_mb(run.device), peak_allocated_mb(run.device)],
+                                        dist.ReduceOp.MAX)
     w.speed_by_epoch[epoch] = metrics["clips_per_s"]
     metrics = dict(
         metrics, epoch=epoch, lr=current_lr(run), batch_size=run.cfg.batch_size, oom=0, diverged=0, **w.where,
-        peak_mem_mb=float(peak), steady_clips_per_s=steady_state(w.speed_by_epoch), **_data_metrics(w),
+        peak_mem_mb=float(peak), peak_allocated_mb=float(allocated),
+        steady_clips_per_s=steady_state(w.speed_by_epoch), **_data_metrics(w),
         **_lease_metrics(w, window, first), resumed_from_epoch=w.resumed_from_epoch if first else 0,
         damaged_checkpoints=w.damaged_checkpoints if first else 0,
         device_util_pct=all_reduce_floats([w.device_util_pct])[0] / run.world,
-        torch_threads=torch.get_num_threads(), other_cpu_cores=_other_cpu_cores(w),
+        torch_threads=torch.get_num_threads(), other_cpu_cores=_other_cpu_cores(w), **w.settings,
     )
     return {key: metrics[key] for key in METRIC_KEYS}
 
@@ -413,7 +428,7 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
         run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
         diverged=diverged, train_loss=train_loss, where=w.where, **_data_metrics(w),
         **_lease_metrics(w, window, first=True), resumed_from_epoch=w.resumed_from_epoch,
-        damaged_checkpoints=w.damaged_checkpoints)
+        damaged_checkpoints=w.damaged_checkpoints, **w.settings)
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
@@ -423,7 +438,7 @@ def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, f
         train_device(), epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s,
         where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, cache_repairs=0,
         concurrent_trainings=math.nan, device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1],
-        resumed_from_epoch=0, damaged_checkpoints=0)
+        resumed_from_epoch=0, damaged_checkpoints=0, **dict.fromkeys(SETTING_KEYS, ""))
 
 
 def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr: float, elapsed_s: float,
@@ -433,14 +448,15 @@ def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr:
     `diverged=1`; no speed; an accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective
     into a failed trial that TPE ignores, where 0 with the constraint `tune.space` sets makes it an
     infeasible one. `measured`: the keys the caller knows (reader failures, cache hits, ...)."""
-    peak = peak_memory_mb(device)  # measured before the memory is released
+    peak, allocated = peak_memory_mb(device), peak_allocated_mb(device)  # peaks: kept after a release
     free_memory(device)
-    peak = all_reduce_floats([peak], dist.ReduceOp.MAX)[0]
+    peak, allocated = all_reduce_floats([peak, allocated], dist.ReduceOp.MAX)
     metrics = {
         "epoch": epoch, "train_loss": float(train_loss), "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
         "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "compute_clips_per_s": 0.0,
         "steady_clips_per_s": 0.0, "epoch_time_s": float(elapsed_s), "data_wait_frac": 0.0,
-        "peak_mem_mb": float(peak), "lr": float(lr), "batch_size": batch_size, "oom": int(not diverged),
+        "peak_mem_mb": float(peak), "peak_allocated_mb": float(allocated), "nonfinite_steps": math.nan,
+        "lr": float(lr), "batch_size": batch_size, "oom": int(not diverged),
         "diverged": int(diverged), "device_util_pct": math.nan, "torch_threads": torch.get_num_threads(),
         "other_cpu_cores": math.nan, **where, **measured,
     }

@@ -85,8 +85,9 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
     check_fits(trial_request(opts), nodes, where="the Ray cluster", more="add GPU nodes")
     resources = trial_resources(opts)
-    # One GPU on this machine (or --local): one trial owns the GPU unless --gpus-per-trial packs more.
-    local_gpu = r.local or (r.address is None and math.isclose(gpus, 1.0))
+    # One GPU on this machine: said as "local GPU mode" (one trial trains on the GPU at a time, the
+    # next starting beside it, as on every GPU; --gpus-per-trial 0.5 packs two).
+    local_gpu = r.address is None and math.isclose(gpus, 1.0)
     fit = math.floor((cpus + 1e-9) / (cpu_per_trial + DRIVER_CPUS))
     if gpt > 0:
         fit = min(fit, worker_slots(nodes, resources) // r.workers_per_trial)

@@ -88,8 +88,6 @@ class Resources:
 
     address: str | None = option(None, flag="--address", metavar="ADDR", help="Ray cluster to join: auto or "
                                  "ray://host:10001 (default: start a local Ray)")
-    local: bool = option(False, flag="--local", help="single-machine mode: one trial at a time owns the GPU "
-                         "(automatic with one GPU)")
     workers_per_trial: int = option(1, flag="--workers-per-trial", metavar="N", ge=1,
                                     help="Ray Train workers (data-parallel replicas) per trial")
     # A core less the trial driver's 0.1 (tune/trial.py): N trials fit on N cores.

@@ -33,6 +33,7 @@ from vidtune.tune.tracking.schema import (
     NODE_TAG,
     READER_TAG,
     RESUMED_TAG,
+    SETTING_TAGS,
     STOP_TAG,
     TRACEBACK_ARTIFACT,
 )
@@ -192,6 +193,15 @@ def placement_tags(result: dict[str, Any]) -> dict[str, str]:
     if "gpu_ids" in text:
         tags[GPU_IDS_TAG] = text["gpu_ids"]
     return tags
+
+
+def setting_tags(result: dict[str, Any]) -> dict[str, str]:
+    """The tags saying what the trial's workers trained with (`SETTING_TAGS`: precision used,
+    TF32, cudnn.benchmark, device, compute capability, CUDA, driver, torch), from one of its
+    reports; only those the report holds as non-empty strings (a run that ran out of memory
+    before it held its device reports none)."""
+    return {tag: result[key] for key, tag in SETTING_TAGS.items()
+            if isinstance(result.get(key), str) and result[key]}
 
 
 def shown_config(config: dict[str, Any]) -> dict[str, Any]:

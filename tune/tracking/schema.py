@@ -15,6 +15,12 @@ TRIAL_ID_TAG = "vidtune.trial_id"
 NODE_ID_TAG = "vidtune.node_id"
 NODE_TAG = "node"               # the IPs of the nodes the trial trained on (else NODE_ID_TAG's id)
 GPU_IDS_TAG = "gpu_ids"         # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
+# What the trial's workers trained with, as they reported it (`trainer.settings.worker_settings`):
+# report key -> tag on the trial's run.
+SETTING_TAGS = {"precision_used": "vidtune.precision_used", "tf32": "vidtune.tf32",
+                "cudnn_benchmark": "vidtune.cudnn_benchmark", "device_name": "vidtune.device",
+                "compute_capability": "vidtune.compute_capability", "cuda_version": "vidtune.cuda",
+                "driver_version": "vidtune.driver", "torch_version": "vidtune.torch"}
 FAILURE_TAG = "vidtune.failure_reason"
 STOP_TAG = "vidtune.stop_reason"
 RESUMED_TAG = "vidtune.resumed"              # the run restarted from a checkpoint (worker died, or --resume)
@@ -30,7 +36,8 @@ INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
                                         "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
                                         "resumed_from_epoch", "epoch", "batch_size", "oom", "diverged",
-                                        "reader_failures", "node_ip", "gpu_ids", "damaged_checkpoints"}
+                                        "reader_failures", "node_ip", "gpu_ids", "damaged_checkpoints",
+                                        *SETTING_TAGS}
 RENAMED = {"lr": "lr_current"}
 STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has
 OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverged | failed | interrupted

@@ -42,7 +42,7 @@ from ray.tune.experiment import Trial
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
 from vidtune.tune.summary import Summary
-from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, shown_config
+from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, setting_tags, shown_config
 from vidtune.tune.tracking.schema import (
     EXPERIMENT_PATH_TAG,
     FAILURE_TAG,
@@ -237,7 +237,7 @@ class MLflowTracker(RunWriter, Callback):
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
         self._tag_restart(run_id, result)
-        where = placement_tags(result)
+        where = {**placement_tags(result), **setting_tags(result)}
         if where and trial_id not in self._node_tagged:   # the trial's first epoch (or first since a resume)
             self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in where.items()])
             self._node_tagged.add(trial_id)
@@ -313,7 +313,7 @@ class MLflowTracker(RunWriter, Callback):
                 tags[FAILURE_TAG] = self.record_failure(run_id, getattr(row, "name", "") or row.trial_id,
                                                         error_text(result.error))
             tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
-            tags.update(placement_tags(last))
+            tags.update({**placement_tags(last), **setting_tags(last)})
             self.log_trial_summary(run_id, row)
             run = c.get_run(run_id)
             for key in (STOP_TAG, FAILURE_TAG):

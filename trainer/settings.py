@@ -1,0 +1,87 @@
+"""What a Train worker actually trained with, read back from torch in the worker's own process.
+
+The configuration says what was asked (`--precision auto`); only the worker knows what that
+became on its device (bf16 on an A100, fp16 with a gradient scaler on a T4), which TF32 and
+cuDNN autotuning flags torch ended up with, and which GPU, driver and CUDA build it ran on. A
+check in another process (`make gpu-check`'s own) proves nothing about the workers. Each worker
+reads these once it holds its device (`worker_settings`); the ranks' views are merged
+(`merge_settings`) and reported with every epoch, and the search puts them on the trial's MLflow
+run as tags (`tune.tracking.runs.setting_tags`).
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+from vidtune.trainer.precision import PrecisionPolicy
+
+# Report keys (strings), in the order the tags show them.
+SETTING_KEYS = ("precision_used", "tf32", "cudnn_benchmark", "device_name", "compute_capability",
+                "cuda_version", "driver_version", "torch_version")
+
+
+def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, str]:
+    """This worker's settings as torch has them now (call it after `configure_backends`, once the
+    worker holds its device: on a GPU, naming it makes a CUDA context):
+
+    - precision_used: the autocast dtype the run trains in (bf16 | fp16 | fp32), "+scaler" with
+      fp16's gradient scaler;
+    - tf32: torch's float32 matmul precision on CUDA (`tf32` or `ieee`), "-" on the CPU;
+    - cudnn_benchmark: "on" | "off" on CUDA, "-" on the CPU;
+    - device_name: the GPU's name, or the CPU's model name;
+    - compute_capability: "8.6"; "" on the CPU;
+    - cuda_version: the CUDA version torch was built for ("" for a CPU build);
+    - driver_version: the NVIDIA driver's version (NVML), "" without one;
+    - torch_version.
+    """
+    cuda = device.type == "cuda"
+    precision = policy.name + ("+scaler" if policy.use_scaler else "")
+    return {
+        "precision_used": precision,
+        "tf32": str(torch.backends.cuda.matmul.fp32_precision) if cuda else "-",
+        "cudnn_benchmark": ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
+        "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
+        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "",
+        "cuda_version": torch.version.cuda or "",
+        "driver_version": nvidia_driver_version() if cuda else "",
+        "torch_version": torch.__version__,
+    }
+
+
+def merge_settings(views: list[dict[str, str]]) -> dict[str, str]:
+    """One value per key for a run of several workers: the distinct values in rank order, joined
+    by ", " (workers on two GPU models say both)."""
+    merged = {}
+    for key in SETTING_KEYS:
+        values = list(dict.fromkeys(view.get(key, "") for view in views))
+        merged[key] = ", ".join(v for v in values if v) if len(values) > 1 else values[0] if values else ""
+    return merged
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def nvidia_driver_version() -> str:
+    """The NVIDIA driver's version through NVML (nvidia-ml-py, a declared dependency; it makes
+    no CUDA context), "" when NVML cannot be loaded."""
+    try:
+        import pynvml  # optional at run time: a machine without NVIDIA's library
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:      # no driver, no library: say nothing rather than guess
+        return ""
