@@ -17,7 +17,9 @@ says. It needs a CUDA device and refuses without one (exit 2).
      epochs and param precision=auto; the workers' own record of what they trained with (tags:
      the precision auto became on this GPU, TF32 and cudnn.benchmark on, device, capability,
      CUDA, driver, torch); one training at a time on each GPU (`concurrent_trainings` == 1 in
-     every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0.
+     every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0;
+  6. the search's device lease record (device_lease.json): every trial waited for its GPU without
+     a CUDA context there and gave it back having freed its memory (`check_hand_over`).
 
 Prints a table of the checks; the first that fails ends the run with a line saying what failed
 (exit 1).
@@ -283,6 +285,31 @@ def check_worker_settings(runs: list[TrialRun], capability: tuple[int, int] | No
             f"{first.get('vidtune.cuda')}, driver {first.get('vidtune.driver')}")
 
 
+# A trial frees its GPU memory before it gives the GPU back: what torch's allocator still
+# reserves then is a few blocks at most (the all-reduce that agrees on it allocates one).
+HANDED_OVER_MB = 64.0
+
+
+def check_hand_over(records: list[list[dict]]) -> str:
+    """The device lease's record (device_lease.json): every trial was granted its GPU holding no
+    GPU memory (NVML: no CUDA context, so it waited in host memory), and gave it back holding at
+    most HANDED_OVER_MB in torch's allocator (it freed its weights and optimiser state first)."""
+    require(len(records) == 1, f"{len(records)} device_lease.json files in the search's folder, expected 1")
+    record = records[0]
+    grants = [e for e in record if e["event"] == "grant"]
+    releases = [e for e in record if e["event"] == "release"]
+    require(grants and releases, f"the lease record has {len(grants)} grants and {len(releases)} releases")
+    early = [f"{e['owner']}: {e['device_mb']} MB" for e in grants if (e["device_mb"] or 0) > 0]
+    require(not early, "a trial held GPU memory (a CUDA context) before its lease: " + "; ".join(early))
+    left = [f"{e['owner']}: {e['device_mb'] if e['device_mb'] is None else round(e['device_mb'])} MB"
+            for e in releases if e["device_mb"] is None or e["device_mb"] > HANDED_OVER_MB]
+    require(not left, f"a trial gave its GPU back holding more than {HANDED_OVER_MB:g} MB: "
+            + "; ".join(left))
+    most = max(e["device_mb"] for e in releases)
+    return (f"{len(grants)} grants at 0 MB (no CUDA context before the lease), {len(releases)} releases "
+            f"<= {most:.0f} MB")
+
+
 def mlflow_steps(runs: list[TrialRun], trials: int, epochs: int,
                  capability: tuple[int, int] | None = None) -> list[tuple[str, Callable[[], str]]]:
     """The checks of what the search wrote to MLflow, in order (`capability`: this GPU's)."""
@@ -328,6 +355,7 @@ class GpuCheck:
         self.args, self.work, self.figures = args, work, {}
         self.device = default_device()          # the first GPU (main refused to run without one)
         self.runs: list[TrialRun] = []
+        self.lease_record: list[list[dict]] = []   # the search's device_lease.json (trainer.lease)
 
     def precision_table(self) -> str:
         out, log = self.work / "precision.json", self.work / "precision.log"
@@ -362,6 +390,8 @@ class GpuCheck:
         print(log.read_text(errors="replace"), flush=True)
         self.runs.extend(load_trial_runs(mlflow_uri(self.work), EXPERIMENT))
         self.figures["trials"] = [asdict(r) for r in self.runs]
+        self.lease_record.extend(json.loads(f.read_text()) for f in self.work.glob("**/device_lease.json"))
+        self.figures["device_lease"] = self.lease_record
         return (f"{self.args.num_samples} trials in {took:.0f} s "
                 f"({self.args.videos} videos made in {made:.0f} s)")
 
@@ -392,7 +422,8 @@ class GpuCheck:
                 ("GPU decoding", self.device_decoding),
                 (f"{a.num_samples}-trial search", self.search),
                 *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
-                              capability=torch.cuda.get_device_capability(self.device))]
+                              capability=torch.cuda.get_device_capability(self.device)),
+                ("hand-over", lambda: check_hand_over(self.lease_record))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,3 +191,13 @@ def test_a_failed_row_is_freed_after_its_traceback_is_gone(monkeypatch, row_setu
                                            torch.device("cpu"), None, 1e9, args)
     assert done[0][1] == "ERROR ValueError" and not skipped
     assert params and alive_at_cleanup == [False]
+
+
+def test_the_hand_over_check_reads_the_lease_record():
+    grant = {"event": "grant", "owner": "t1", "keys": ["n/gpu:0"], "device_mb": 0.0, "time": 1.0}
+    release = {"event": "release", "owner": "t1", "keys": ["n/gpu:0"], "device_mb": 2.0, "time": 9.0}
+    assert "1 grants at 0 MB" in gpu_check.check_hand_over([[grant, release]])
+    with pytest.raises(gpu_check.CheckFailed, match="before its lease: t2: 512.0 MB"):
+        gpu_check.check_hand_over([[grant, release, {**grant, "owner": "t2", "device_mb": 512.0}]])
+    with pytest.raises(gpu_check.CheckFailed, match="holding more than 64 MB: t1: 9000 MB"):
+        gpu_check.check_hand_over([[grant, {**release, "device_mb": 9000.0}]])

@@ -146,6 +146,34 @@ def test_free_device_lets_go_of_the_weights_and_optimiser_state_once_checkpointe
     restored.load_state_dict(torch.load(tmp_path / "weights.pt"))    # the checkpoint written before is whole
 
 
+def test_a_gpu_trial_waits_for_its_lease_in_host_memory(monkeypatch):
+    """Before the lease, a GPU worker makes no CUDA context on its GPU: Ray's train_func_context
+    (which calls torch.cuda.set_device, a context under CUDA 12) is replaced, and its own
+    collectives go over gloo with CPU tensors (NCCL only for DDP's CUDA tensors)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from vidtune.trainer import precision
+    from vidtune.trainer.gpus import SIMULATE_ENV
+    from vidtune.trainer.worker import GPU_BACKEND, LeasedTorchConfig
+
+    monkeypatch.delenv(SIMULATE_ENV, raising=False)
+    config = build_torch_trainer(TrainConfig(), num_workers=2, use_gpu=True).backend_config
+    assert isinstance(config, LeasedTorchConfig) and config.backend == GPU_BACKEND == "cpu:gloo,cuda:nccl"
+    set_device = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_device.append)
+    with config.train_func_context():
+        pass
+    assert config.train_func_context is contextlib.nullcontext and not set_device
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: GPU_BACKEND)
+    assert precision.collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")    # a NCCL-only group
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert precision.collective_device() == torch.device("cuda", 0)
+
+
 def test_shard_sampler_covers_every_item_once():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))

@@ -19,10 +19,11 @@ and the search's node setup check (`tune.cluster.check_every_node`) on every GPU
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from vidtune.flags import ConfigError
 
@@ -161,3 +162,40 @@ def unsupported_gpus() -> list[str]:
         return []
     problems = ((i, unsupported_gpu(i)) for i in range(torch.cuda.device_count()))
     return [f"GPU {i}: {why}" for i, why in problems if why]
+
+
+
+@contextlib.contextmanager
+def nvml() -> Iterator[Any]:
+    """NVIDIA's management library (nvidia-ml-py's `pynvml`), initialised for the block; None
+    when it cannot be loaded or initialised (no driver: a CPU machine). It makes no CUDA context."""
+    try:
+        import pynvml  # optional at run time: a machine without NVIDIA's library
+
+        pynvml.nvmlInit()
+    except Exception:
+        yield None
+        return
+    try:
+        yield pynvml
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_process_memory_mb(gpu_ids: list[str]) -> float | None:
+    """GPU memory (MiB) this process uses on the GPUs with these physical ids, as the NVIDIA
+    driver counts it (NVML: a CUDA context, the allocator's blocks, libraries' workspaces);
+    0 when it has no context there; None when NVML cannot be asked."""
+    with nvml() as lib:
+        if lib is None:
+            return None
+        try:
+            used = 0
+            for gpu in gpu_ids:
+                handle = lib.nvmlDeviceGetHandleByIndex(int(gpu))
+                for proc in lib.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == os.getpid() and proc.usedGpuMemory:
+                        used += proc.usedGpuMemory
+            return used / 2**20
+        except Exception:   # an NVML error: unknown, not zero
+            return None

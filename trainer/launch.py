@@ -282,10 +282,15 @@ def build_torch_trainer(
     those videos instead of indexing the dataset again.
     """
     import ray.train  # heavy: only once a run is built, not for the CLIs' --help or a bad flag
-    from ray.train.torch import TorchConfig, TorchTrainer  # heavy: as ray.train
+    from ray.train.torch import TorchTrainer  # heavy: as ray.train
 
     from vidtune.trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
-    from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
+    from vidtune.trainer.worker import (  # heavy: imports ray and torch
+        GPU_BACKEND,
+        INDEX_CONFIG_KEY,
+        LeasedTorchConfig,
+        train_loop_per_worker,
+    )
 
     run_config = ray.train.RunConfig(
         name=name,
@@ -315,12 +320,14 @@ def build_torch_trainer(
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
-    # Simulated GPUs (trainer.gpus): the workers train on the CPU, where NCCL cannot run.
+    # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's (trainer.worker.GPU_BACKEND),
+    # and no CUDA context before the lease (LeasedTorchConfig). Simulated GPUs (trainer.gpus): the
+    # workers train on the CPU, where NCCL cannot run. The CPU: gloo (Ray's choice).
     # timeout_s: a rank that fails mid-collective ends the run after --collective-timeout-min
-    # instead of NCCL's 30 minutes (Ray sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1, so a timed-out
-    # NCCL collective ends its worker's process; gloo raises in the waiting rank).
-    torch_config = TorchConfig(backend="gloo" if use_gpu and simulated_gpus() else None,
-                               timeout_s=collective_timeout_s(cfg))
+    # instead of NCCL's 30 minutes (a timed-out NCCL collective ends its worker's process under
+    # torch's async error handling; gloo raises in the waiting rank).
+    backend = None if not use_gpu else "gloo" if simulated_gpus() else GPU_BACKEND
+    torch_config = LeasedTorchConfig(backend=backend, timeout_s=collective_timeout_s(cfg))
     return TorchTrainer(
         train_loop or train_loop_per_worker,
         torch_config=torch_config,

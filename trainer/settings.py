@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from vidtune.trainer.gpus import nvml
 from vidtune.trainer.precision import PrecisionPolicy
 
 # Report keys (strings), in the order the tags show them.
@@ -72,16 +73,13 @@ def cpu_name() -> str:
 
 
 def nvidia_driver_version() -> str:
-    """The NVIDIA driver's version through NVML (nvidia-ml-py, a declared dependency; it makes
-    no CUDA context), "" when NVML cannot be loaded."""
-    try:
-        import pynvml  # optional at run time: a machine without NVIDIA's library
-
-        pynvml.nvmlInit()
+    """The NVIDIA driver's version through NVML (`trainer.gpus.nvml`; it makes no CUDA context),
+    "" when NVML cannot be asked."""
+    with nvml() as lib:
+        if lib is None:
+            return ""
         try:
-            version = pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:      # no driver, no library: say nothing rather than guess
-        return ""
+            version = lib.nvmlSystemGetDriverVersion()
+        except Exception:      # an NVML error: say nothing rather than guess
+            return ""
+    return version.decode() if isinstance(version, bytes) else str(version)

@@ -6,6 +6,7 @@ The run itself (data, model, optimizer, one epoch) is `trainer.run`'s; the train
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import posixpath
 import tempfile
@@ -24,7 +25,7 @@ from torch import nn
 from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.trainer.checkpointing import CheckpointError, checkpoint_problem, load_checkpoint
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.gpus import physical_gpu_ids, train_device
+from vidtune.trainer.gpus import nvml_process_memory_mb, physical_gpu_ids, train_device
 from vidtune.trainer.history import read_history, write_history
 from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
 from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
@@ -81,6 +82,25 @@ METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "pe
                "damaged_checkpoints", "cache_repairs", *SETTING_KEYS)
 
 
+# With GPUs, the process group is gloo for CPU tensors and NCCL for CUDA ones (torch's
+# "device:backend" form). The worker's own collectives (agreeing on an outcome, gathering where
+# it runs, the metrics) hold a few numbers: they go over gloo, in host memory
+# (`precision.collective_device`), so a trial waiting for its lease makes no CUDA context nor an
+# NCCL communicator on the GPU another trial is training on. DDP's gradients (CUDA) use NCCL.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+class LeasedTorchConfig(ray.train.torch.TorchConfig):
+    """Ray Train's TorchConfig, except that the worker's CUDA device is not made current before
+    the training function starts: Ray's own `train_func_context` calls `torch.cuda.set_device`,
+    which with CUDA 12 makes the device's context (hundreds of MB) at once. The worker makes it
+    current itself once it holds its lease (`train_loop_per_worker`)."""
+
+    @property
+    def train_func_context(self):
+        return contextlib.nullcontext
+
+
 @dataclass
 class _Worker:
     """What one Ray Train worker holds during training: the run, and what Ray adds to it."""
@@ -132,7 +152,9 @@ def train_loop_per_worker(config: dict) -> None:
         w.where = _where_it_runs()
         start_epoch, state = _read_checkpoint(w)
         if w.slot.settings is not None:   # the same on every rank: the key gather is a collective
-            w.slot.acquire(_all_device_keys(run), device_mb=held_device_mb(run))
+            w.slot.acquire(_all_device_keys(run), device_mb=process_device_mb(run))
+        if run.device.type == "cuda":   # its context, now that the device is this run's (LeasedTorchConfig)
+            torch.cuda.set_device(run.device)
         started, started_ts = time.perf_counter(), time.time()
         if any_rank(unless_out_of_memory(run.model.to, run.device) is None):
             _report_no_result(w, start_epoch, time.perf_counter() - started,
@@ -396,6 +418,17 @@ def held_device_mb(run: Run) -> float:
     tensors = [*params, *run.model.buffers(), *(p.grad for p in params if p.grad is not None),
                *(v for state in run.optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type == run.device.type) / 2**20
+
+
+def process_device_mb(run: Run) -> float:
+    """The GPU memory this process has on its device as the driver sees it (NVML: its CUDA
+    context included, which torch's allocator does not count), for the lease's record when the
+    worker asks for the device: 0 means it waited in host memory. `held_device_mb` where NVML
+    cannot say, and on the CPU."""
+    if run.device.type != "cuda":
+        return held_device_mb(run)
+    used = nvml_process_memory_mb(physical_gpu_ids()[:1])
+    return used if used is not None else held_device_mb(run)
 
 
 def _hand_over(w: _Worker) -> None:
