@@ -16,6 +16,8 @@ def test_a_cpu_worker_says_what_it_trains_with():
     assert set(got) == set(settings.SETTING_KEYS)
     assert got["precision_used"] == policy.name and got["torch_version"] == torch.__version__
     assert got["tf32"] == got["cudnn_benchmark"] == "-"          # CUDA flags: not on the CPU
+    # plain str, not torch's TorchVersion: they go into checkpoints, loaded with weights_only=True
+    assert all(type(v) is str for v in got.values())
     assert got["device_name"] and got["compute_capability"] == "" and got["driver_version"] == ""
 
 

@@ -39,7 +39,9 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
     """
     cuda = device.type == "cuda"
     precision = policy.name + ("+scaler" if policy.use_scaler else "")
-    return {
+    # Plain str each: they go into checkpoints too, which load with weights_only=True, and
+    # torch.__version__ is a str subclass (TorchVersion) that such a load refuses.
+    return {key: str(value) for key, value in {
         "precision_used": precision,
         "tf32": str(torch.backends.cuda.matmul.fp32_precision) if cuda else "-",
         "cudnn_benchmark": ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
@@ -48,7 +50,7 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
         "cuda_version": torch.version.cuda or "",
         "driver_version": nvidia_driver_version() if cuda else "",
         "torch_version": torch.__version__,
-    }
+    }.items()}
 
 
 def merge_settings(views: list[dict[str, str]]) -> dict[str, str]:
