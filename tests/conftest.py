@@ -1,7 +1,9 @@
-"""Shared fixtures: one generated dataset and one Ray session for the whole test run."""
+"""Shared fixtures: one generated dataset and one Ray for the whole test run."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +23,69 @@ def synthetic_root(tmp_path_factory) -> Path:
     return generate(out, videos=48, seed=0)
 
 
+# The test session's Ray, made and shut down in a helper process (which owns it: closing its stdin
+# ends it), as tests/test_multinode.py makes its cluster: one head node with the CPUs of this
+# machine. Ray's own helpers inside it (Train's placement-group cleaner) find their cluster by
+# RAY_ADDRESS or the machine's "latest cluster" record; with other Rays on this machine (tests
+# that start their own) only RAY_ADDRESS is unambiguous, so every Ray process inherits it; the
+# dashboard gets a free port too. Prints the address as one line once the node is up.
+SHARED_RAY = """
+import os, socket, sys
+from ray._common.utils import reset_ray_address
+from ray.cluster_utils import Cluster
+from ray.util import get_node_ip_address
+from vidtune.trainer.launch import PREEMPTION_WATCHER_ENV
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+port = free_port()
+os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
+os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")     # as vidtune's own local Ray (trainer.launch)
+cluster = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": 2, "gcs_server_port": port, "dashboard_port": free_port()})
+reset_ray_address()
+try:
+    cluster.wait_for_nodes()
+    print(cluster.address, flush=True)
+    sys.stdin.read()
+finally:
+    cluster.shutdown()
+"""
+
+
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray for the whole run (ray.init costs ~3 s; a second init in a process fails)."""
+def shared_ray() -> str:
+    """The address of one local Ray for the whole test run (2 CPUs), for the searches and
+    trainings the tests run, in this process (`ray_session`) or as subprocesses given
+    `--address` (as a search joins a cluster): each would otherwise start and stop a Ray of its
+    own (~15 s a search here). Tests of Ray's own start and stop, of simulated GPUs, of a fake
+    multi-node cluster and of an installed wheel start their own."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    holder = subprocess.Popen([sys.executable, "-c", SHARED_RAY], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)
+    address = holder.stdout.readline().strip()
+    if not address:
+        holder.kill()
+        pytest.fail(f"the test session's Ray did not start (exit {holder.wait(timeout=30)})")
+    yield address
+    holder.stdin.close()
+    try:
+        holder.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        holder.kill()
+
+
+@pytest.fixture(scope="session")
+def ray_session(shared_ray):
+    """This process joined to the session's Ray (`shared_ray`; a process can join only one)."""
     import ray
 
     from vidtune.trainer.launch import init_ray
 
-    init_ray(num_cpus=2)
+    init_ray(address=shared_ray)
     yield ray
     ray.shutdown()
 

@@ -2,7 +2,9 @@
 SIGTERM, a tracking server that dies mid-search. Each says so, loses nothing, and `--resume`
 leaves MLflow with exactly one point per epoch trained and the final status of every trial.
 
-Slow (each starts Ray once or twice) and bounded: every wait has a deadline.
+The searches join the test session's Ray (`--address`, as on a cluster), except the one whose
+Train worker is killed: it finds that worker among its own Ray's processes. Slow and bounded:
+every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(SEARCH + args, cwd=cwd, env=_env(), stdout=open(log, "w"),
+def _start(args: list[str], cwd: Path, log: Path, address: str | None = None) -> subprocess.Popen:
+    """The search with `args` (joined to the Ray at `address`; None: it starts its own)."""
+    joined = ["--address", address] if address else []
+    return subprocess.Popen(SEARCH + joined + args, cwd=cwd, env=_env(), stdout=open(log, "w"),
                             stderr=subprocess.STDOUT,
                             start_new_session=True)   # its own process group, as a terminal's job
 
@@ -86,13 +90,13 @@ def _assert_complete(uri: str, retrained: str | None = None) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_root, tmp_path):
+def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, synthetic_root, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
             "--name", "s"]
     log = tmp_path / "first.log"
-    proc = _start(args, tmp_path, log)
+    proc = _start(args, tmp_path, log, shared_ray)
     _wait_for_first_epoch(proc, storage, "s")
     os.killpg(proc.pid, signal.SIGINT)                 # Ctrl-C in a terminal: the whole process group
     out = _finish(proc, log)
@@ -117,7 +121,7 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_roo
     checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
 
     log2 = tmp_path / "resume.log"
-    proc = _start([*args, "--resume"], tmp_path, log2)
+    proc = _start([*args, "--resume"], tmp_path, log2, shared_ray)
     out = _finish(proc, log2)
     assert proc.returncode == 0, out[-3000:]
     _assert_complete(uri, retrained=name)
@@ -144,12 +148,12 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(synthetic_roo
 
 
 @pytest.mark.slow
-def test_sigterm_is_an_interruption_too(synthetic_root, tmp_path):
+def test_sigterm_is_an_interruption_too(shared_ray, synthetic_root, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     log = tmp_path / "search.log"
     proc = _start(["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
-                   "--name", "t"], tmp_path, log)
+                   "--name", "t"], tmp_path, log, shared_ray)
     _wait_for_first_epoch(proc, storage, "t")
     proc.send_signal(signal.SIGTERM)                   # e.g. a job scheduler's stop: the driver only
     out = _finish(proc, log)
@@ -160,7 +164,7 @@ def test_sigterm_is_an_interruption_too(synthetic_root, tmp_path):
 
 
 @pytest.mark.slow
-def test_tracking_server_dies_mid_search_nothing_is_lost(synthetic_root, tmp_path):
+def test_tracking_server_dies_mid_search_nothing_is_lost(shared_ray, synthetic_root, tmp_path):
     from test_mlflow_server import MlflowServer
 
     root = tmp_path / "server"
@@ -171,7 +175,7 @@ def test_tracking_server_dies_mid_search_nothing_is_lost(synthetic_root, tmp_pat
         url = server.wait_healthy()
         args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--name", "o"]
         log = tmp_path / "search.log"
-        proc = _start([*args, "--mlflow-uri", url], tmp_path, log)
+        proc = _start([*args, "--mlflow-uri", url], tmp_path, log, shared_ray)
         _wait_for_first_epoch(proc, storage, "o")
         server.stop()                                  # the tracking server goes away mid-search
         out = _finish(proc, log)
@@ -186,7 +190,7 @@ def test_tracking_server_dies_mid_search_nothing_is_lost(synthetic_root, tmp_pat
     try:
         url = server.wait_healthy()
         log2 = tmp_path / "flush.log"
-        proc = _start([*args, "--resume", "--mlflow-uri", url], tmp_path, log2)
+        proc = _start([*args, "--resume", "--mlflow-uri", url], tmp_path, log2, shared_ray)
         out = _finish(proc, log2)
         assert proc.returncode == 0, out[-3000:]
         assert "MLflow is not up to date" not in out
@@ -239,7 +243,8 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
 
 
 @pytest.mark.slow
-def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(synthetic_root, tmp_path):
+def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(shared_ray, synthetic_root,
+                                                                             tmp_path):
     """--storage on a 3 MB tmpfs: the first checkpoints fill it. The search ends with one clear
     'disk full at PATH' error (exit 1), no run left RUNNING; after space is freed, --resume either
     continues or, when Tune's saved state was cut short, stops saying so: it never starts the
@@ -255,7 +260,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(syn
         args = ["--data", str(synthetic_root), *SMALL, "--storage", str(full), "--mlflow-uri", uri,
                 "--name", "f"]
         log = tmp_path / "full.log"
-        out = _finish(_start(args, tmp_path, log), log)
+        out = _finish(_start(args, tmp_path, log, shared_ray), log)
         last = out.strip().splitlines()[-1]
         assert last.startswith(f"vidtune search: error: disk full at {full}"), out[-3000:]
         assert "search interrupted" not in out                     # one message, not two
@@ -266,7 +271,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(syn
         subprocess.run(["mount", "-o", "remount,size=200m", str(full)], check=True)
         trials_before = {p.name for p in (full / "f").glob("trial_driver_*")}
         log2 = tmp_path / "resume.log"
-        proc = _start([*args, "--resume"], tmp_path, log2)
+        proc = _start([*args, "--resume"], tmp_path, log2, shared_ray)
         out = _finish(proc, log2)
         if proc.returncode == 2:                                    # the saved state was cut short
             assert "--resume: the saved state of the search" in out and "Nothing was restarted" in out

@@ -1,6 +1,6 @@
-"""The search end to end on the CPU: `vidtune search` as a user runs it (subprocess, its own
-Ray), a driver killed mid-search and resumed, and ASHA stopping trials with their resources
-released at once."""
+"""The search end to end on the CPU: `vidtune search` as a user runs it (a subprocess joined to
+the test session's Ray with `--address`, as a search joins a cluster), a driver killed
+mid-search and resumed, and ASHA stopping trials with their resources released at once."""
 from __future__ import annotations
 
 import csv
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from vidtune.trainer import train
 from vidtune.trainer.launch import validate_config
+from vidtune.trainer.precision import choose_precision
 from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +37,7 @@ CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr"}   # params o
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)          # the subprocess starts its own local Ray
+    env.pop("RAY_ADDRESS", None)          # the subprocess joins the Ray given by --address
     env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
     return env
 
@@ -52,13 +54,14 @@ def _runs(uri: str, experiment: str = "vidtune") -> tuple[object, list]:
 
 
 @pytest.mark.slow
-def test_search_end_to_end(synthetic_root, tmp_path):
+def test_search_end_to_end(shared_ray, synthetic_root, tmp_path):
     """3 trials x 2 epochs, run by path from a fresh folder; the MLflow store holds the parent,
     3 children with params and per-epoch metrics, the right statuses and the summary artifacts."""
     # Two trials at a time on the CPU (the default there is one per machine): the second starts
     # beside the first and must wait for the device lease before it trains.
-    out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--num-samples", "3", "--cache-dir",
-                                   str(tmp_path / "clip-cache"), "--max-concurrent-trials", "2", *SMALL],
+    out = subprocess.run(SEARCH + ["--address", shared_ray, "--data", str(synthetic_root), "--num-samples",
+                                   "3", "--cache-dir", str(tmp_path / "clip-cache"),
+                                   "--max-concurrent-trials", "2", *SMALL],
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     db = tmp_path / "mlruns.db"
@@ -84,6 +87,9 @@ def test_search_end_to_end(synthetic_root, tmp_path):
             p["dataset"] == str(synthetic_root)
         assert TRAINER_METRICS <= set(run.data.metrics) and not CONSTANTS & set(run.data.metrics)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
+        # what its worker trained with, as the worker read it back from torch (trainer.settings)
+        assert run.data.tags["vidtune.precision_used"] == choose_precision("auto", "cpu").name
+        assert run.data.tags["vidtune.torch"] == torch.__version__ and run.data.tags["vidtune.device"]
     assert len({r.data.tags[TRIAL_ID_TAG] for r in children}) == 3
     artifacts = {a.path for a in c.list_artifacts(parent.info.run_id)}
     assert {"trials.csv", "accuracy_vs_speed.png", "best_config.json", "best_checkpoint"} <= artifacts
@@ -187,8 +193,9 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
 
 
 @pytest.mark.slow
-def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, tmp_path):
-    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root)], cwd=tmp_path, env=_env(),
+def test_smoke_test_console_is_short_and_ends_with_the_summary(shared_ray, synthetic_root, tmp_path):
+    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--address", shared_ray],
+                         cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
@@ -206,6 +213,7 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
+                                     "--address", shared_ray,
                                      "--num-samples", "1",
                                      "--warm-start", str(first.parent), "--optuna-storage", storage],
                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
@@ -217,7 +225,7 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(synthetic_root, t
 
 
 @pytest.mark.slow
-def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
+def test_resume_after_the_driver_is_killed(shared_ray, synthetic_root, tmp_path):
     """SIGKILL the search after its first trial finished; --resume runs the rest, and MLflow ends
     with exactly one parent and one child run per trial."""
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
@@ -225,7 +233,7 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
     # comes 3 s after the first is done.
     args = ["--data", str(synthetic_root), "--num-samples", "2", "--max-concurrent-trials", "1",
             "--name", "resumable", "--storage", str(tmp_path / "results"), "--mlflow-uri", uri,
-            "--epochs", "1", *SMALL[2:]]
+            "--epochs", "1", *SMALL[2:], "--address", shared_ray]
     log = open(tmp_path / "first.log", "w")
     proc = subprocess.Popen(SEARCH + args, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -241,7 +249,7 @@ def test_resume_after_the_driver_is_killed(synthetic_root, tmp_path):
         assert proc.poll() is None, \
             "the search ended before it could be killed:\n" + (tmp_path / "first.log").read_text()[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)        # the driver and the Ray it started
+        os.killpg(proc.pid, signal.SIGKILL)        # the driver (Ray ends its job's actors)
         proc.wait(timeout=60)
     _, before = _runs(uri)
     assert len([r for r in before if r.info.status == "FINISHED"]) == 1
