@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -97,7 +98,7 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
                                        "--data", str(synthetic_root), "--num-samples", "2", "--epochs", "2",
                                        "--batch-sizes", "4", "--cpus-per-worker", "0.8",
                                        "--loader-workers", "0", "--cpu-threads", "1", "--no-early-stop",
-                                       "--storage", str(tmp_path / "results"),
+                                       "--probe-batch-size", "--storage", str(tmp_path / "results"),
                                        "--mlflow-uri", uri, "--name", "autoscaled"],
                              cwd=tmp_path, env=search_env, capture_output=True, text=True, timeout=540)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -107,6 +108,9 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
     # Sized by the nodes the autoscaler can start (2 GPU nodes), not the CPU head alone: 2 at once.
     assert "the Ray cluster has 0 GPU(s) now" in out.stdout, out.stdout
     assert "2 trial(s), 2 at a time on 2 GPU(s)" in out.stdout, out.stdout
+    # the batch probe waits for the first GPU node rather than skipping, and says so
+    assert "--probe-batch-size: waiting for the first GPU node to join" in out.stdout, out.stdout
+    assert re.search(r"--probe-batch-size: probed after \d+ s", out.stdout), out.stdout
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("vidtune")
     runs = client.search_runs([experiment.experiment_id], "tags.`mlflow.parentRunId` != ''")

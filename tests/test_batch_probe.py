@@ -116,6 +116,18 @@ def test_headroom_keeps_a_share_of_the_memory_free():
     assert find_max_batch_size("tiny", device="cpu", try_batch=SharedMemory(), headroom=0.25) == 75
 
 
+def test_a_trial_on_half_a_gpu_is_probed_against_half_its_memory():
+    """--gpus-per-trial 0.5: two trials train side by side, each in half the memory; a step must
+    peak below 0.5 x 90% of it: 45 of the 100 clips that would run alone."""
+    probe = probe_batch_size("tiny", device="cpu", try_batch=SharedMemory(), share=0.5)
+    assert (probe.batch_size, probe.tight, probe.share) == (45, 46, 0.5)
+    assert "at most 45 clips per trial fit in 0.5 of a GPU's memory (--gpus-per-trial)" in probe.describe()
+    with pytest.raises(ValueError, match=r"even batch size 2 leaves less than 10% of its 0.01 of the memory"):
+        probe_batch_size("tiny", device="cpu", try_batch=SharedMemory(), share=0.01)
+    with pytest.raises(ValueError, match=r"share must be a part of the device in \(0, 1\]"):
+        probe_batch_size("tiny", device="cpu", try_batch=SharedMemory(), share=1.5)
+
+
 def test_even_the_smallest_batch_leaves_too_little_headroom():
     with pytest.raises(ValueError, match=r"even batch size 2 leaves less than 10% of the memory free"):
         probe_batch_size("tiny", device="cpu", try_batch=lambda b: 0.95)

@@ -50,7 +50,10 @@ PLACEMENT_SCRIPT = textwrap.dedent("""
     book, resources = LeaseBook(lead_slots=4), TrialResources(workers=1, gpus_per_worker=1.0)
     roles = [book.take_role(f"t{i}") for i in range(8)]
     by_role = place([resources.per_worker(role)["GPU"] for role in roles])
-    print(json.dumps({"halves": halves, "roles": roles, "by_role": by_role}))
+    packed_book, packed = LeaseBook(lead_slots=4), TrialResources(workers=1, gpus_per_worker=0.5)
+    packed_roles = [packed_book.take_role(f"p{i}") for i in range(8)]
+    packed_by_role = place([packed.per_worker(role)["GPU"] for role in packed_roles])
+    print(json.dumps({"halves": halves, "roles": roles, "by_role": by_role, "packed": packed_by_role}))
 """)
 
 
@@ -69,6 +72,8 @@ def test_ray_packs_half_gpus_but_leads_spread_over_every_gpu():
     assert got["roles"] == ["lead"] * 4 + ["follow"] * 4
     assert sorted(got["by_role"][:4]) == ["0", "1", "2", "3"]
     assert sorted(got["by_role"][4:]) == ["0", "1", "2", "3"]
+    # --gpus-per-trial 0.5 (packed, two train side by side per GPU) spreads the same way
+    assert sorted(got["packed"][:4]) == sorted(got["packed"][4:]) == ["0", "1", "2", "3"]
 
 
 # A real 2-worker Train run on 4 simulated GPUs, built as a search's trials are

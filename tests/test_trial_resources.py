@@ -14,9 +14,14 @@ def test_one_worker_gpu_trial_asks_ray_for_a_lead_or_follower_share():
     assert lead > 0.5 and lead + follow == 1.0         # no two leads share a GPU; a follower fills one
     assert whole.per_worker() == {"CPU": 2, "GPU": lead}
     packed = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=0.5)   # --gpus-per-trial 0.5
-    assert not packed.overlaps and packed.trainings_per_gpu == 2
-    # two train side by side
-    assert packed.per_worker(LEAD)["GPU"] == packed.per_worker(FOLLOW)["GPU"] == 0.5
+    assert not packed.overlaps and packed.trainings_per_gpu == 2    # two train side by side
+    # ... and spread first: a lead per GPU (no two fit on one), then a follower in what it leaves
+    assert packed.takes_roles and packed.per_worker(LEAD)["GPU"] > 0.5
+    assert packed.per_worker(LEAD)["GPU"] + packed.per_worker(FOLLOW)["GPU"] == 1.0
+    quarter = TrialResources(workers=1, gpus_per_worker=0.25)
+    assert quarter.trainings_per_gpu == 4
+    assert quarter.per_worker(LEAD)["GPU"] + 3 * quarter.per_worker(FOLLOW)["GPU"] <= 1.0 + 1e-9
+    assert not TrialResources(workers=2, gpus_per_worker=1.0).takes_roles   # DDP: whole GPUs, no roles
 
 
 def test_multi_worker_and_cpu_trials_ask_for_what_they_train_on():

@@ -43,13 +43,18 @@ class BatchProbe:
     peak_share: float | None     # peak share of the memory a step at batch_size used (None: unknown)
     memory_gib: float | None     # the device's memory (None off CUDA)
     tight: int | None = None     # the smallest size that ran but left less than `headroom` free
+    share: float = 1.0           # the share of the device a trial gets (--gpus-per-trial 0.5: 0.5)
 
     def describe(self) -> str:
         """One line, e.g. `at most 24 clips per GPU fit with 10% of its 79 GiB kept free (a step
         of 24 peaks at 84%; 26 would leave less)`."""
         memory = f" {self.memory_gib:.0f} GiB" if self.memory_gib is not None else " memory"
-        line = (f"at most {self.batch_size} clips per GPU fit with {self.headroom:.0%} of its{memory} "
-                "kept free")
+        if self.share < 1.0:
+            line = (f"at most {self.batch_size} clips per trial fit in {self.share:g} of a GPU's{memory} "
+                    f"(--gpus-per-trial) with {self.headroom:.0%} of that kept free")
+        else:
+            line = (f"at most {self.batch_size} clips per GPU fit with {self.headroom:.0%} of its{memory} "
+                    "kept free")
         notes = []
         if self.peak_share is not None:
             notes.append(f"a step of {self.batch_size} peaks at {self.peak_share:.0%}")
@@ -104,10 +109,12 @@ def find_max_batch_size(model_name: str, *, precision: str = "auto", device: tor
 def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.device | str | None = None,
                      num_frames: int | None = None, height: int | None = None, width: int | None = None,
                      start: int = 2, limit: int = 256, try_batch: TryBatch | None = None,
-                     headroom: float = HEADROOM) -> BatchProbe:
+                     headroom: float = HEADROOM, share: float = 1.0) -> BatchProbe:
     """The largest batch size in [start, limit] whose training step fits in memory on `device`
     (default: the first GPU, else the CPU, where the answer is normally `limit`) and leaves
-    `headroom` (a share in [0, 1)) of its memory free, with the peak share it used.
+    `headroom` (a share in [0, 1)) of its memory free, with the peak share it used. `share`: the
+    part of the device one trial gets (--gpus-per-trial 0.5: two train side by side, each in
+    half of the memory), so a step must peak below `share` x (1 - `headroom`) of it.
 
     `num_frames`/`height`/`width` default to the model's spec. `try_batch(b)` replaces the real
     step (tests simulate a memory threshold with it). Raises ValueError when even `start` does
@@ -117,6 +124,8 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
         raise ValueError(f"need 1 <= start <= limit, got start={start}, limit={limit}")
     if not 0.0 <= headroom < 1.0:
         raise ValueError(f"headroom must be a share of the memory in [0, 1), got {headroom}")
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"share must be a part of the device in (0, 1], got {share}")
     device = torch.device(device) if device is not None else prec.default_device()
     spec = get_spec(model_name)
     size = (num_frames or spec.num_frames, height or spec.height, width or spec.width)
@@ -142,14 +151,15 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
             # tensors. A step that fitted freed its tensors on return (no gc.collect: ~0.3 s).
             prec.free_memory(device)
             return False
-        if peak is not None and peak > 1.0 - headroom:
+        if peak is not None and peak > share * (1.0 - headroom):
             tight.append(batch_size)
             return False
         peaks[batch_size] = peak
         return True
 
     if not fits(start):
-        problem = (f"leaves less than {headroom:.0%} of the memory free" if tight else "runs out of memory")
+        room = "the memory" if share >= 1.0 else f"its {share:g} of the memory"
+        problem = (f"leaves less than {headroom:.0%} of {room} free" if tight else "runs out of memory")
         raise ValueError(
             f"even batch size {start} {problem} for {model_name} at {size[0]}x{size[1]}x{size[2]} "
             f"({policy.name}) on {device}; use smaller clips (--num-frames/--height/--width), "
@@ -168,7 +178,8 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
         else:
             bad = mid
     return BatchProbe(batch_size=good, headroom=headroom, peak_share=peaks[good],
-                      memory_gib=prec.device_memory_gib(device), tight=min(tight) if tight else None)
+                      memory_gib=prec.device_memory_gib(device), tight=min(tight) if tight else None,
+                      share=share)
 
 
 if __name__ == "__main__":   # `python -m vidtune.trainer.batch_probe`: the command line

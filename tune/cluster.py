@@ -55,7 +55,7 @@ def worker_slots(nodes: tuple[Node, ...], resources: TrialResources) -> int:
 @dataclass(frozen=True)
 class Fit:
     """What `fit_to_cluster` decided. `lead_slots`: GPUs a lead trial may have to itself
-    (`trainer.lease.LeaseBook.take_role`; 0 without overlap)."""
+    (`trainer.lease.LeaseBook.take_role`; 0 when trials take no roles: CPU, several workers)."""
 
     opts: SearchOptions
     concurrency: int
@@ -98,7 +98,7 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
         slots = cpu_nodes
         per_slot = 2 if leaves_cores_free(opts, cpus / max(1, cpu_nodes)) else 1
     concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
-    lead_slots = math.floor(gpus + 1e-9) if resources.overlaps else 0
+    lead_slots = math.floor(gpus + 1e-9) if resources.takes_roles else 0
     waits = gpt > 0 and capacity.gpus_now + 1e-9 < gpt
     return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0)
 

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -115,23 +116,34 @@ def check_cluster(opts: SearchOptions) -> Fit:
     return fit
 
 
-def probe_batch_sizes(opts: SearchOptions, base: TrainConfig) -> SearchOptions:
-    """--probe-batch-size: drop batch sizes above the largest that fits, measured on a GPU."""
+def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = None) -> SearchOptions:
+    """--probe-batch-size: drop batch sizes above the largest that fits in the share of a GPU one
+    trial gets (--gpus-per-trial 0.5: half its memory), measured on a GPU of the cluster. When
+    no GPU node is up yet but the cluster will start some (`fit.waits_for_nodes`), the probe
+    waits for the first, saying so, rather than skipping."""
     if not opts.space.probe_batch_size:
         return opts
-    if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
+    waits = fit is not None and fit.waits_for_nodes
+    if float(ray.cluster_resources().get("GPU", 0.0)) < 1 and not waits:
         print("--probe-batch-size: no whole GPU in the cluster; batch sizes not capped")
         return opts
+    per_worker = opts.resources.gpus_per_worker or 1.0
+    share = per_worker if opts.resources.workers_per_trial == 1 and 0 < per_worker < 1 else 1.0
 
     @ray.remote(num_gpus=1)
     def probe(model: str, precision: str, frames: int | None, height: int | None, width: int | None,
-              limit: int) -> BatchProbe:
+              limit: int, share: float) -> BatchProbe:
         return probe_batch_size(model, precision=precision, device=train_device(), num_frames=frames,
-                                height=height, width=width, limit=limit)
+                                height=height, width=width, limit=limit, share=share)
 
     d = base.data
+    if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
+        print("--probe-batch-size: waiting for the first GPU node to join, then probing on it", flush=True)
+    asked = time.monotonic()
     found = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
-                                 max(opts.space.batch_sizes)))
+                                 max(opts.space.batch_sizes), share))
+    if waits:
+        print(f"--probe-batch-size: probed after {time.monotonic() - asked:.0f} s", flush=True)
     largest = found.batch_size
     kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
     print(f"--probe-batch-size: {found.describe()}; searching batch sizes {kept}")
@@ -177,7 +189,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         # checked before Ray started).
         check_batch_sizes(opts.space.batch_sizes, len(plan.index.train), opts.resources.workers_per_trial,
                           flag="--batch-sizes", workers_flag="--workers-per-trial")
-    opts = probe_batch_sizes(opts, plan.base)
+    opts = probe_batch_sizes(opts, plan.base, fit)
     resources = trial_resources(opts)
     check_every_node(plan.storage, opts.train.weights)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,

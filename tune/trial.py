@@ -47,8 +47,9 @@ class TrialResources:
     worker, data: ~12 s) and then waits on the device lease (`trainer.lease`), which keeps the
     trainings one at a time per GPU. Ray sees the two as a lead and a follower sharing the GPU
     (`LEAD_GPU_SHARE`), so that trainings spread over all GPUs first. Multi-worker trials ask for
-    whole GPUs (two of one trial's workers on one GPU would break its process group), and packed
-    trials for their share: they train side by side, as asked.
+    whole GPUs (two of one trial's workers on one GPU would break its process group). Packed
+    trials train side by side, as asked, and take roles too: a lead per GPU first, then
+    followers filling the share it leaves.
     """
 
     workers: int = 1
@@ -66,6 +67,17 @@ class TrialResources:
         return self.overlap and self.workers == 1 and self.gpus_per_worker == 1
 
     @property
+    def packed(self) -> bool:
+        """A one-worker trial on a share of a GPU (--gpus-per-trial 0.5): several train side by side."""
+        return self.workers == 1 and 0 < self.gpus_per_worker < 1
+
+    @property
+    def takes_roles(self) -> bool:
+        """Whether the trial asks the lease for a lead or follower role, so that trials spread
+        over every GPU before any two share one (overlapping and packed trials)."""
+        return self.overlaps or self.packed
+
+    @property
     def trainings_per_gpu(self) -> int:
         """How many trainings the lease lets share one GPU (2 with --gpus-per-trial 0.5)."""
         if 0 < self.gpus_per_worker < 1:
@@ -74,9 +86,16 @@ class TrialResources:
 
     def ray_gpus_per_worker(self, role: str = LEAD) -> float:
         """The GPU share asked of Ray per worker: the lead's or follower's part of a whole GPU
-        when overlapping, else the training share itself."""
+        when overlapping; when packed (k trainings per GPU), the lead's share, or an equal part of
+        what it leaves for each of the k - 1 followers (a lead and its followers fill one GPU, and
+        no two leads share one, so the first trials spread over every GPU: without roles Ray's
+        best-fit placement would pile half-GPU trials onto GPUs 0, 0, 1, 1); else the share
+        itself (several workers: whole GPUs)."""
         if self.overlaps:
             return LEAD_GPU_SHARE if role == LEAD else FOLLOW_GPU_SHARE
+        if self.packed:
+            followers = max(1, self.trainings_per_gpu - 1)
+            return LEAD_GPU_SHARE if role == LEAD else round((1.0 - LEAD_GPU_SHARE) / followers, 4)
         return self.gpus_per_worker
 
     def per_worker(self, role: str = LEAD) -> dict[str, float]:
@@ -167,7 +186,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             return
         lease = LeaseSettings(lease_name, trial_id) if lease_name else None
         role = LEAD
-        if lease_name and resources.overlaps:
+        if lease_name and resources.takes_roles:
             role = ray.get(ray.get_actor(lease_name).take_role.remote(trial_id), timeout=60)
         trainer = factory(
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
