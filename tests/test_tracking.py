@@ -212,6 +212,24 @@ def test_summary_artifacts_on_the_parent(uri, tmp_path):
     assert c.get_run(run_id).data.metrics["best_val_acc"] == 0.7
 
 
+def test_a_sqlite_stores_artifacts_go_beside_its_file_not_where_the_search_started(tmp_path, monkeypatch):
+    store_dir, elsewhere = tmp_path / "store", tmp_path / "started-here"
+    store_dir.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    uri = f"sqlite:///{store_dir / 'm.db'}"
+    t = _tracker(uri, "beside")
+    t.setup()
+    (tmp_path / "trials.csv").write_text("trial_id,val_acc\na,0.7\n")
+    t.log_summary(files=[tmp_path / "trials.csv"], best={"trial_id": "a", "val_acc": 0.7},
+                  best_checkpoint=None)
+    t.close(interrupted=False)
+    experiment = MlflowClient(uri).get_experiment_by_name("beside")
+    assert experiment.artifact_location == (store_dir / "mlartifacts").as_uri()
+    assert list((store_dir / "mlartifacts").rglob("trials.csv")) and not (elsewhere / "mlruns").exists()
+    assert store.artifact_location("http://127.0.0.1:5000") is None           # a server decides
+
+
 def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(uri):
     """A diverged trial's run is FAILED, its reason and outcome say diverged; each run is tagged
     with its GPU ids ("" on the CPU) and node (IP) from its first epoch, and reconcile writes

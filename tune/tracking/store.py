@@ -22,6 +22,18 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(path).expanduser().resolve() if path else None
 
 
+ARTIFACTS_FOLDER = "mlartifacts"
+
+
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: for a SQLite store, the folder `mlartifacts`
+    beside its database file, so the store and its files stay together (MLflow's own default is
+    ./mlruns under whatever folder the search was started from); for a tracking server, the
+    server's own (None)."""
+    db = sqlite_path(tracking_uri)
+    return (db.parent / ARTIFACTS_FOLDER).as_uri() if db is not None else None
+
+
 def check_store_uri(uri: str, flag: str) -> None:
     """Fail fast (ConfigError naming `flag`) when a tracking / study store cannot be used:
     http(s): GET /health answers within HEALTH_TIMEOUT_S; sqlite: the folder exists and is writable."""

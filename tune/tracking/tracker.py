@@ -42,6 +42,7 @@ from ray.tune.experiment import Trial
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
 from vidtune.tune.summary import Summary
+from vidtune.tune.tracking import store
 from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, setting_tags, shown_config
 from vidtune.tune.tracking.schema import (
     EXPERIMENT_PATH_TAG,
@@ -145,7 +146,8 @@ class MLflowTracker(RunWriter, Callback):
             return self.parent_run_id
         c = self.client
         exp = c.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else c.create_experiment(self.experiment)
+        exp_id = exp.experiment_id if exp else c.create_experiment(
+            self.experiment, artifact_location=store.artifact_location(self.tracking_uri))
         self.experiment_id = exp_id
         found = c.search_runs([exp_id], max_results=1,
                               filter_string=f"tags.`{EXPERIMENT_PATH_TAG}` = '{_q(self.experiment_path)}'")
