@@ -77,3 +77,21 @@ def test_node_view_reads_the_gpus_only_when_asked(monkeypatch):
     monkeypatch.setattr(cluster, "unsupported_gpus", lambda: ["GPU 0: why"])
     assert "unsupported_gpus" not in cluster.node_view(None, None)       # CPU nodes: no torch import
     assert cluster.node_view(None, None, True)["unsupported_gpus"] == ["GPU 0: why"]
+
+
+def test_the_local_cpus_are_a_containers_quota_when_it_is_less_than_the_cores(monkeypatch, tmp_path):
+    from vidtune.trainer import capacity
+
+    v2 = tmp_path / "cpu.max"
+    monkeypatch.setattr(capacity.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(capacity, "CPU_QUOTA_FILES", ((str(v2), None),))
+    v2.write_text("200000 100000\n")
+    assert capacity.local_cpus() == 2.0                   # a 2-CPU container on a 64-core host
+    v2.write_text("max 100000\n")
+    assert capacity.local_cpus() == 64.0                  # no quota: the cores
+    quota, period = tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us"
+    quota.write_text("150000\n")
+    period.write_text("100000\n")
+    files = ((str(tmp_path / "none"), None), (str(quota), str(period)))    # no v2 file: v1's
+    monkeypatch.setattr(capacity, "CPU_QUOTA_FILES", files)
+    assert capacity.local_cpus() == 1.5                   # cgroup v1

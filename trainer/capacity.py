@@ -116,15 +116,34 @@ def read_capacity(config: Path | None) -> ClusterCapacity:
     return ClusterCapacity(tuple(alive), head, read_node_types(config) if config is not None else ())
 
 
-def local_cpus() -> float:
-    """The CPUs a Ray started on this machine counts: Ray's own rule (a container's CPU quota,
-    not the host's cores), else the cores this process may run on."""
-    try:   # private: the rule Ray applies to num_cpus=None; fenced here, with a fallback
-        from ray._private.utils import get_num_cpus  # private, heavy (Ray): only when asked
+# A container's CPU quota, as Ray reads it when it counts a node's CPUs: cgroup v2, then v1.
+CPU_QUOTA_FILES = (("/sys/fs/cgroup/cpu.max", None),
+                   ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 
-        return float(get_num_cpus(override_docker_cpu_warning=True))
-    except (ImportError, AttributeError, TypeError):
-        return float(len(os.sched_getaffinity(0)))
+
+def local_cpus() -> float:
+    """The CPUs a Ray started on this machine counts: the cores this process may run on, or a
+    container's CPU quota when that is less (a 2-CPU container on a 64-core host has 2)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    quota = cpu_quota()
+    return min(cores, max(1.0, quota)) if quota is not None else cores
+
+
+def cpu_quota() -> float | None:
+    """The cgroup's CPU quota in CPUs (quota / period), None when there is none or none can be read."""
+    for quota_file, period_file in CPU_QUOTA_FILES:
+        try:
+            text = Path(quota_file).read_text().split()
+            if period_file is None:                       # v2: "max 100000" or "200000 100000"
+                quota, period = text[0], text[1]
+            else:                                         # v1: "-1" or "200000", period apart
+                quota, period = text[0], Path(period_file).read_text().strip()
+            if quota in ("max", "-1"):
+                return None
+            return int(quota) / int(period)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def local_gpus() -> float:
