@@ -156,7 +156,7 @@ def test_a_gpu_trial_waits_for_its_lease_in_host_memory(monkeypatch):
 
     from vidtune.trainer import precision
     from vidtune.trainer.gpus import SIMULATE_ENV
-    from vidtune.trainer.worker import GPU_BACKEND, LeasedTorchConfig
+    from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig
 
     monkeypatch.delenv(SIMULATE_ENV, raising=False)
     config = build_torch_trainer(TrainConfig(), num_workers=2, use_gpu=True).backend_config

@@ -285,12 +285,8 @@ def build_torch_trainer(
     from ray.train.torch import TorchTrainer  # heavy: as ray.train
 
     from vidtune.trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
-    from vidtune.trainer.worker import (  # heavy: imports ray and torch
-        GPU_BACKEND,
-        INDEX_CONFIG_KEY,
-        LeasedTorchConfig,
-        train_loop_per_worker,
-    )
+    from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig  # heavy: Ray Train, torch
+    from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
 
     run_config = ray.train.RunConfig(
         name=name,
@@ -320,7 +316,7 @@ def build_torch_trainer(
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
-    # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's (trainer.worker.GPU_BACKEND),
+    # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's (trainer.process_group.GPU_BACKEND),
     # and no CUDA context before the lease (LeasedTorchConfig). Simulated GPUs (trainer.gpus): the
     # workers train on the CPU, where NCCL cannot run. The CPU: gloo (Ray's choice).
     # timeout_s: a rank that fails mid-collective ends the run after --collective-timeout-min

@@ -184,7 +184,7 @@ def device_memory_gib(device: torch.device | str) -> float | None:
 def collective_device() -> torch.device:
     """Where tensors for the worker's own torch.distributed collectives live: the current CUDA
     device for a NCCL-only group; the CPU for gloo, and for a group that has gloo for CPU tensors
-    beside NCCL ("cpu:gloo,cuda:nccl", `trainer.worker.GPU_BACKEND`: no GPU memory used)."""
+    beside NCCL ("cpu:gloo,cuda:nccl", `trainer.process_group.GPU_BACKEND`: no GPU memory used)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device(_CUDA, torch.cuda.current_device())
     return torch.device("cpu")

@@ -6,7 +6,6 @@ The run itself (data, model, optimizer, one epoch) is `trainer.run`'s; the train
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import posixpath
 import tempfile
@@ -80,25 +79,6 @@ METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "pe
                "device_wait_s", "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids",
                "resumed_from_epoch", "device_util_pct", "torch_threads", "other_cpu_cores",
                "damaged_checkpoints", "cache_repairs", *SETTING_KEYS)
-
-
-# With GPUs, the process group is gloo for CPU tensors and NCCL for CUDA ones (torch's
-# "device:backend" form). The worker's own collectives (agreeing on an outcome, gathering where
-# it runs, the metrics) hold a few numbers: they go over gloo, in host memory
-# (`precision.collective_device`), so a trial waiting for its lease makes no CUDA context nor an
-# NCCL communicator on the GPU another trial is training on. DDP's gradients (CUDA) use NCCL.
-GPU_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-class LeasedTorchConfig(ray.train.torch.TorchConfig):
-    """Ray Train's TorchConfig, except that the worker's CUDA device is not made current before
-    the training function starts: Ray's own `train_func_context` calls `torch.cuda.set_device`,
-    which with CUDA 12 makes the device's context (hundreds of MB) at once. The worker makes it
-    current itself once it holds its lease (`train_loop_per_worker`)."""
-
-    @property
-    def train_func_context(self):
-        return contextlib.nullcontext
 
 
 @dataclass
