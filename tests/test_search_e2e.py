@@ -90,6 +90,9 @@ def test_search_end_to_end(shared_ray, synthetic_root, tmp_path):
         # what its worker trained with, as the worker read it back from torch (trainer.settings)
         assert run.data.tags["vidtune.precision_used"] == choose_precision("auto", "cpu").name
         assert run.data.tags["vidtune.torch"] == torch.__version__ and run.data.tags["vidtune.device"]
+        # its page opens with how it did (the trial's MLflow description)
+        assert re.fullmatch(r"best val_acc \d\.\d{3} \[\d\.\d\d, \d\.\d\d\] at epoch [12] of 2; done; "
+                            r"[\d.]+ clips/s", run.data.tags["mlflow.note.content"]), run.data.tags
     assert len({r.data.tags[TRIAL_ID_TAG] for r in children}) == 3
     artifacts = {a.path for a in c.list_artifacts(parent.info.run_id)}
     assert {"trials.csv", "accuracy_vs_speed.png", "best_config.json", "best_checkpoint"} <= artifacts

@@ -22,7 +22,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow
+from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow, summary_metrics
 from vidtune.tune.tables import csv_record, significant
 from vidtune.tune.tracking import description
 from vidtune.tune.tracking.schema import (
@@ -31,6 +31,8 @@ from vidtune.tune.tracking.schema import (
     INTERRUPTED_REASON,
     NODE_ID_TAG,
     NODE_TAG,
+    NOTE_TAG,
+    OUTCOMES,
     READER_TAG,
     RESUMED_TAG,
     SETTING_TAGS,
@@ -147,6 +149,7 @@ class RunWriter:
                    if math.isfinite(v) and have.get(k) != v]
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
+        self.client.set_tag(run_id, NOTE_TAG, trial_description(row, self.val_clips, self.epochs))
 
     # the parent's page in the UI (`tune.tracking.description`) ------------------------------------
     def save_view(self) -> None:
@@ -193,6 +196,21 @@ def placement_tags(result: dict[str, Any]) -> dict[str, str]:
     if "gpu_ids" in text:
         tags[GPU_IDS_TAG] = text["gpu_ids"]
     return tags
+
+
+def trial_description(row: TrialRow, val_clips: int, epochs: int) -> str:
+    """The one line at the top of a trial's run page (its MLflow description): the best epoch's
+    accuracy with its 95% interval, which epoch of how many, the outcome and the speed, e.g.
+    `best val_acc 0.562 [0.39, 0.72] at epoch 3 of 4; done; 45.1 clips/s`."""
+    outcome = OUTCOMES.get(row.status, row.status.lower())
+    summary = summary_metrics(row, val_clips)
+    acc, low, high = summary["best_val_acc"], summary["best_val_acc_low"], summary["best_val_acc_high"]
+    if not math.isfinite(acc):
+        return f"no accuracy ({outcome}) after {row.epochs} of {epochs} epochs"
+    interval = f" [{low:.2f}, {high:.2f}]" if math.isfinite(low) and math.isfinite(high) else ""
+    fast = math.isfinite(row.clips_per_s) and row.clips_per_s > 0
+    speed = f"; {row.clips_per_s:.1f} clips/s" if fast else ""
+    return f"best val_acc {acc:.3f}{interval} at epoch {row.best_epoch} of {epochs}; {outcome}{speed}"
 
 
 def setting_tags(result: dict[str, Any]) -> dict[str, str]:

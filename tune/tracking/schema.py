@@ -21,6 +21,7 @@ SETTING_TAGS = {"precision_used": "vidtune.precision_used", "tf32": "vidtune.tf3
                 "cudnn_benchmark": "vidtune.cudnn_benchmark", "device_name": "vidtune.device",
                 "compute_capability": "vidtune.compute_capability", "cuda_version": "vidtune.cuda",
                 "driver_version": "vidtune.driver", "torch_version": "vidtune.torch"}
+NOTE_TAG = "mlflow.note.content"   # a run's description in MLflow's UI (the top of its page)
 FAILURE_TAG = "vidtune.failure_reason"
 STOP_TAG = "vidtune.stop_reason"
 RESUMED_TAG = "vidtune.resumed"              # the run restarted from a checkpoint (worker died, or --resume)
