@@ -25,7 +25,10 @@ from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
+# Ctrl-C: 3 epochs, so that a resume can fall back to an older checkpoint than the truncated
+# latest one. The others need one epoch before the fault and one after: 2 (--epochs after SMALL wins).
 EPOCHS = 3
+SHORT = ["--epochs", "2"]
 SMALL = ["--num-samples", "2", "--epochs", str(EPOCHS), "--batch-sizes", "4", "--no-early-stop",
          "--loader-workers", "0", "--max-concurrent-trials", "1", "--lr-min", "3e-4", "--lr-max", "3e-3"]
 WAIT_S = 300
@@ -73,7 +76,7 @@ def _runs(uri: str):
     return c, parents[0], [r for r in runs if PARENT_TAG in r.data.tags]
 
 
-def _assert_complete(uri: str, retrained: str | None = None) -> None:
+def _assert_complete(uri: str, retrained: str | None = None, epochs: int = EPOCHS) -> None:
     """After a search that ran to its end: one point per epoch, final statuses, no stale tags.
     `retrained`: a trial resumed from an older checkpoint than its last logged epoch, whose
     epochs after that checkpoint were trained and logged again (every epoch still there)."""
@@ -84,7 +87,7 @@ def _assert_complete(uri: str, retrained: str | None = None) -> None:
         steps = [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")]
         if run.info.run_name == retrained:
             steps = sorted(set(steps))
-        assert sorted(steps) == list(range(1, EPOCHS + 1)), (run.info.run_name, steps)
+        assert sorted(steps) == list(range(1, epochs + 1)), (run.info.run_name, steps)
         assert run.info.status == "FINISHED", run.info.run_name
         assert STOP_TAG not in run.data.tags, run.data.tags[STOP_TAG]
 
@@ -152,8 +155,8 @@ def test_sigterm_is_an_interruption_too(shared_ray, synthetic_root, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     log = tmp_path / "search.log"
-    proc = _start(["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
-                   "--name", "t"], tmp_path, log, shared_ray)
+    proc = _start(["--data", str(synthetic_root), *SMALL, *SHORT, "--storage", str(storage),
+                   "--mlflow-uri", uri, "--name", "t"], tmp_path, log, shared_ray)
     _wait_for_first_epoch(proc, storage, "t")
     proc.send_signal(signal.SIGTERM)                   # e.g. a job scheduler's stop: the driver only
     out = _finish(proc, log)
@@ -173,7 +176,7 @@ def test_tracking_server_dies_mid_search_nothing_is_lost(shared_ray, synthetic_r
     storage = tmp_path / "results"
     try:
         url = server.wait_healthy()
-        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--name", "o"]
+        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--storage", str(storage), "--name", "o"]
         log = tmp_path / "search.log"
         proc = _start([*args, "--mlflow-uri", url], tmp_path, log, shared_ray)
         _wait_for_first_epoch(proc, storage, "o")
@@ -194,7 +197,7 @@ def test_tracking_server_dies_mid_search_nothing_is_lost(shared_ray, synthetic_r
         out = _finish(proc, log2)
         assert proc.returncode == 0, out[-3000:]
         assert "MLflow is not up to date" not in out
-        _assert_complete(url)
+        _assert_complete(url, epochs=2)
     finally:
         server.stop()
 
@@ -222,7 +225,7 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     log = tmp_path / "search.log"
-    epochs = 12                          # time to kill it mid-run: an epoch takes about a second here
+    epochs = 8                           # time to kill it mid-run (at epoch 3): an epoch takes 1-3 s here
     proc = _start(["--data", str(synthetic_root), *SMALL, "--num-samples", "1", "--epochs", str(epochs),
                    "--storage", str(storage), "--mlflow-uri", uri, "--name", "w"], tmp_path, log)
     # Epoch 3's folder: epochs 1 and 2 are surely registered with Train's checkpoint manager (a
@@ -257,7 +260,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         pytest.skip("needs root to mount a 3 MB tmpfs as the full disk")
     try:
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-        args = ["--data", str(synthetic_root), *SMALL, "--storage", str(full), "--mlflow-uri", uri,
+        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--storage", str(full), "--mlflow-uri", uri,
                 "--name", "f"]
         log = tmp_path / "full.log"
         out = _finish(_start(args, tmp_path, log, shared_ray), log)
