@@ -34,7 +34,9 @@ def test_the_device_is_the_gpu_ray_gave_by_its_place_in_cuda_visible_devices(mon
     assert gpus.train_device() == torch.device("cpu")        # no GPU from Ray
 
 
-def test_a_gpu_that_torch_cannot_use_fails_with_what_to_check(monkeypatch):
+def _ray_gave_gpu_0(monkeypatch, *, cuda_available: bool) -> None:
+    """A Train worker on node-a to which Ray gave physical GPU 0 (no simulation); torch sees CUDA
+    or not."""
     import ray
 
     class Context:
@@ -43,8 +45,12 @@ def test_a_gpu_that_torch_cannot_use_fails_with_what_to_check(monkeypatch):
 
     monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
     monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["0"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+
+
+def test_a_gpu_that_torch_cannot_use_fails_with_what_to_check(monkeypatch):
+    _ray_gave_gpu_0(monkeypatch, cuda_available=False)
     with pytest.raises(RuntimeError) as e:
         gpus.train_device()
     message = str(e.value)
@@ -85,16 +91,7 @@ def test_which_gpus_a_torch_build_has_kernels_for(capability, archs, supported):
 
 
 def test_a_gpu_torch_was_not_built_for_is_refused_at_worker_start_naming_it_and_the_build(monkeypatch):
-    import ray
-
-    class Context:
-        def get_node_id(self):
-            return "node-a"
-
-    monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
-    monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["0"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
+    _ray_gave_gpu_0(monkeypatch, cuda_available=True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     _fake_gpus(monkeypatch, {0: ("Tesla V100-SXM2-16GB", (7, 0))})
     with pytest.raises(RuntimeError) as e:
