@@ -43,11 +43,12 @@ def _clips(batch: int, name: str = "tiny") -> torch.Tensor:
 
 
 def test_registry_lists_all_models():
-    assert set(MODEL_NAMES) == {"tiny", "mvit_v2_s", "mvit_v1_b", "swin3d_t", "swin3d_s", "swin3d_b"}
+    assert set(MODEL_NAMES) == {"tiny", "tiny_deep", "mvit_v2_s", "mvit_v1_b", "swin3d_t", "swin3d_s",
+                                "swin3d_b"}
     for name in MODEL_NAMES:
         spec = get_spec(name)
         assert spec.name == name and len(spec.mean) == len(spec.std) == 3
-        assert models.has_kinetics_weights(name) == (name != "tiny")
+        assert models.has_kinetics_weights(name) == (not name.startswith("tiny"))
 
 
 @pytest.mark.parametrize("call", [get_spec, build_model, lambda n: check_input_size(n, 8, 64, 64)])
@@ -66,6 +67,14 @@ def test_tiny_forward_backward_shape_and_size(tiny):
     tiny.zero_grad(set_to_none=True)
 
 
+def test_tiny_deep_is_a_larger_cpu_model_of_the_same_input():
+    torch.manual_seed(0)
+    deep = build_model("tiny_deep")
+    assert models.count_parameters(build_model("tiny")) < models.count_parameters(deep) < 1_000_000
+    assert get_spec("tiny_deep") == dataclasses.replace(get_spec("tiny"), name="tiny_deep")
+    assert deep(_clips(2, "tiny_deep")).shape == (2, 2)
+
+
 @pytest.mark.parametrize("name", ["mvit_v2_s", "swin3d_t"])
 def test_spec_normalisation_matches_torchvision_kinetics_preset(name):
     preset = models._REGISTRY[name].kinetics.transforms()
@@ -74,7 +83,7 @@ def test_spec_normalisation_matches_torchvision_kinetics_preset(name):
     assert tuple(preset.crop_size) == (spec.height, spec.width)
 
 
-@pytest.mark.parametrize("name", [n for n in MODEL_NAMES if n != "tiny"])
+@pytest.mark.parametrize("name", [n for n in MODEL_NAMES if not n.startswith("tiny")])
 def test_torchvision_models_get_two_class_head(name):
     with torch.device("meta"):           # shapes only: no 30-90M-parameter init on the CPU
         model = build_model(name)

@@ -14,7 +14,7 @@ from vidtune.datasets.config import DataConfig
 from vidtune.flags import option
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-MODEL_CHOICES_HELP = "tiny (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b"
+MODEL_CHOICES_HELP = "tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b"
 
 
 @dataclass(frozen=True)

@@ -110,8 +110,24 @@ def _build_tiny(num_classes: int = 2) -> nn.Module:
     )
 
 
+def _build_tiny_deep(num_classes: int = 2) -> nn.Module:
+    """`tiny` with two more blocks on the 4x8x8 grid (~0.24M parameters, about 1.5x its step time
+    on a CPU): a second CPU model whose learning curves differ from tiny's, for the search-quality
+    tables (BENCHMARKS.md "Search quality")."""
+    blocks = [
+        MSBlockConfig(1, 32, 32, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
+        MSBlockConfig(2, 32, 64, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2]),
+        *[MSBlockConfig(2, 64, 64, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]) for _ in range(3)],
+    ]
+    return MViT(spatial_size=(64, 64), temporal_size=8, block_setting=blocks, residual_pool=True,
+                residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, dropout=0.1,
+                num_classes=num_classes)
+
+
 _REGISTRY: dict[str, _Entry] = {
     "tiny": _Entry(ModelSpec("tiny", 8, 64, 64, KINETICS_MEAN, KINETICS_STD), _build_tiny, None, True),
+    "tiny_deep": _Entry(ModelSpec("tiny_deep", 8, 64, 64, KINETICS_MEAN, KINETICS_STD), _build_tiny_deep,
+                        None, True),
     "mvit_v2_s": _Entry(ModelSpec("mvit_v2_s", 16, 224, 224, KINETICS_MEAN, KINETICS_STD),
                         tvv.mvit_v2_s, tvv.MViT_V2_S_Weights.KINETICS400_V1, True),
     "mvit_v1_b": _Entry(ModelSpec("mvit_v1_b", 16, 224, 224, KINETICS_MEAN, KINETICS_STD),
