@@ -33,7 +33,7 @@ def test_interval_edges_and_bad_counts():
 
 
 def test_format_accuracy():
-    assert format_accuracy(0.75, 32) == "0.750 ±0.14"
+    assert format_accuracy(0.75, 32) == "0.750 [0.58, 0.87]"     # Wilson's: not symmetric about 0.75
     assert format_accuracy(0.75, 0) == "0.750"
     assert format_accuracy(math.nan, 32) == "-"
 
@@ -51,7 +51,7 @@ def test_best_first_then_a_faster_trial_as_good_within_the_uncertainty():
     rows = [row("t1", 4, 1e-3, 0.750, 10.0), row("t2", 16, 1e-3, 0.719, 30.0), row("t3", 8, 1e-3, 0.40, 50.0),
             row("t4", 8, 1e-3, math.nan, math.nan, status="OOM")]
     lines = answer_lines(rows, objective="val_acc", val_clips=32, searched=SEARCHED)
-    assert lines[0].startswith("Best: t1 (batch 4, lr 1.00e-03), val_acc 0.750 ±0.14 at epoch 3")
+    assert lines[0].startswith("Best: t1 (batch 4, lr 1.00e-03), val_acc 0.750 [0.58, 0.87] at epoch 3")
     assert "t2 (batch 16" in lines[1] and "3.0x faster" in lines[1] and "giving up 0.031" in lines[1]
     assert any("32 clips: one clip is 3.1 points" in line for line in lines)
     assert any("top 2 trials are within" in line for line in lines)
@@ -85,4 +85,4 @@ def test_no_usable_trial_no_answer():
 
 def test_an_f1_objective_names_f1_and_keeps_the_accuracy_interval():
     lines = answer_lines([row("t1", 8, 1e-3, 0.8, 10.0)], objective="val_f1", val_clips=32)
-    assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03), val_f1 0.800, val_acc 0.800 ±0.")
+    assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03), val_f1 0.800, val_acc 0.800 [0.65, 0.91]")

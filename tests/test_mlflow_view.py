@@ -4,6 +4,7 @@ the fallback on an MLflow whose UI was not checked, and the parent's description
 first, relative links, a sentence under each plot). A SQLite store, no Ray."""
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlparse
@@ -104,7 +105,7 @@ def test_the_description_opens_with_the_answer_and_its_links_are_relative(uri, t
     history = tmp_path / "objective_history.png"
     history.write_bytes(b"\x89PNG\r\n\x1a\n")
     t.log_summary(files=[history])
-    answer = ["Best: best (batch 4, lr 1.00e-03), val_acc 0.800 ±0.14 at epoch 2.",
+    answer = ["Best: best (batch 4, lr 1.00e-03), val_acc 0.800 [0.65, 0.91] at epoch 2.",
               "The validation set has 32 clips: one clip is 3.1 points of accuracy."]
     t.publish_view(table_markdown="| trial |\n|---|\n| best |", best_trial_id="best", objective="val_acc",
                    answer=answer)
@@ -117,3 +118,57 @@ def test_the_description_opens_with_the_answer_and_its_links_are_relative(uri, t
     image = f"![objective_history.png](get-artifact?path=objective_history.png&run_uuid={t.parent_run_id})"
     assert image in note and "best so far" in note.split(image, 1)[1].split("\n\n")[1]
     assert "objective_vs_params.png" not in note          # a sentence only under a plot the run holds
+
+
+def _logged_metric_names() -> set[str]:
+    """Every metric name a trial's run gets: each numeric key a worker reports (as
+    `numeric_metrics` keeps and renames it) and the run's summary."""
+    from vidtune.trainer.worker import METRIC_KEYS
+    from vidtune.tune.results import SUMMARY_KEYS
+    from vidtune.tune.tracking.schema import numeric_metrics
+    report = dict.fromkeys(METRIC_KEYS, 1.0)
+    return set(numeric_metrics(report)) | set(SUMMARY_KEYS) | {"best_val_f1"}
+
+
+@pytest.mark.parametrize("objective", ["val_acc", "val_f1"])
+def test_the_saved_view_opens_its_charts_with_every_metric_in_its_section(objective):
+    state = view.view_state(parent_run_id="abc", objective=objective, tags=(OUTCOME_TAG,))
+    cards, sections = state["compareRunCharts"], state["compareRunSections"]
+    by_name = {s["name"]: s for s in sections}
+    compare = [c for c in cards if c["metricSectionId"] == by_name[view.COMPARE_SECTION]["uuid"]]
+    best = view.objective_metric(objective)
+    assert [c["type"] for c in compare] == ["SCATTER", "PARALLEL", "LINE"]
+    scatter, parallel, per_epoch = compare
+    assert (scatter["xaxis"]["key"], scatter["yaxis"]["key"]) == ("speed_clips_per_s", best)
+    assert parallel["selectedParams"] == ["batch_size", "lr"] and parallel["selectedMetrics"] == [
+        best, "speed_clips_per_s"]
+    assert per_epoch["metricKey"] == objective and per_epoch["xAxisKey"] == "step"
+    assert all(c["runsCountToCompare"] >= 100 for c in cards)   # every trial, not the UI's first 10
+    # Every metric a run logs has exactly one card, so the UI adds none of its own (alphabetical,
+    # cache counters beside accuracy); the interval bounds' cards are deleted (out of sight).
+    charted = [c["metricKey"] for c in cards if "metricKey" in c]
+    assert sorted(charted) == sorted(set(charted)) and _logged_metric_names() <= set(charted)
+    hidden = {c["metricKey"] for c in cards if c["deleted"]}
+    assert hidden == {"best_val_acc_low", "best_val_acc_high"}
+    # Operational metrics sit folded in a section of their own; the comparison opens first.
+    section_of = {c["metricKey"]: c["metricSectionId"] for c in cards if "metricKey" in c}
+    ops = next(s for s in sections if s["name"].startswith("Operations"))
+    assert not ops["display"] and section_of["cache_hit_frac"] == section_of["torch_threads"] == ops["uuid"]
+    assert sections[0]["name"] == view.COMPARE_SECTION and sections[0]["display"]
+    assert state["isAccordionReordered"] is True       # else the UI sorts the sections by name
+    assert {s["uuid"] for s in sections} >= {c["metricSectionId"] for c in cards}
+    # The same ids on every write: rewriting the view keeps what the UI holds of it.
+    assert view.view_state(parent_run_id="abc", objective=objective)["compareRunCharts"] == cards
+
+
+def test_the_links_open_the_charts_and_compare_stays_in_the_model_training_ui(uri):
+    t = _search(uri, "chart-links", [_row("a", 0.5, 10.0), _row("b", 0.6, 12.0)])
+    charts = _link_query(t.runs_table_url(charts=True))
+    assert charts[view.MODE_PARAM] == ["CHART"] and charts[SHARE_KEY_PARAM] == [t.view_id]
+    assert view.MODE_PARAM not in _link_query(t.runs_table_url())
+    lines = t.summary_links(None).splitlines()
+    assert t.runs_table_url(charts=True) in lines[0] and t.runs_table_url() in lines[1]
+    compare = view.compare_link(t.experiment_id, list(t.child_runs.values()))
+    query = parse_qs(urlparse(compare[1:]).query)
+    assert query["workflowType"] == ["machine_learning"]
+    assert set(json.loads(query["runs"][0])) == set(t.child_runs.values())

@@ -61,9 +61,9 @@ def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
             _row("t02", math.nan, math.nan, best_epoch=0, status="OOM")]
     head, _, best, oom, *_ = tables.format_table(rows, val_clips=32).splitlines()
     assert head.split()[3:7] == ["best", "val_acc", "epoch", "val_f1"]
-    assert best.split()[3:6] == ["0.750", "±0.14", "3"]             # Wilson on 24 of 32 clips
+    assert best.split()[3:7] == ["0.750", "[0.58,", "0.87]", "3"]             # Wilson on 24 of 32 clips
     assert oom.split()[3:5] == ["-", "-"]
-    assert "±" not in tables.format_table(rows)                     # clip count unknown: no interval
+    assert "[0." not in tables.format_table(rows)                     # clip count unknown: no interval
     notes = " ".join(line.strip() for line in tables.column_notes(rows, val_clips=32))
     assert notes.startswith("columns: best val_acc = validation accuracy at the trial's best epoch")
     assert "95% interval" in notes and "s/epoch = " in notes
@@ -89,4 +89,4 @@ def test_the_answer_and_the_intervals_reach_the_mlflow_description():
                            importance=Importance("val_acc", 1), files={})
     pending = Tracker().record_summary(done)
     assert pending is None and calls["answer"] == ["Best: t01."] and calls["best_trial_id"] == "t01"
-    assert "0.750 ±0.14" in calls["table_markdown"]
+    assert "0.750 [0.58, 0.87]" in calls["table_markdown"]

@@ -29,10 +29,11 @@ SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
 SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4",
          "--lr-max", "3e-3"]
 TRAINER_METRICS = {"train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc", "clips_per_s",
-                   "compute_clips_per_s", "steady_clips_per_s", "epoch_time_s", "data_wait_frac",
+                   "compute_clips_per_s", "epoch_time_s", "data_wait_frac",
                    "peak_mem_mb", "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
                    "device_util_pct"}
-CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr"}   # params or tags, never metrics
+# params or tags, never metrics; steady_clips_per_s is Tune's, its last value the run's speed_clips_per_s
+CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr", "steady_clips_per_s"}
 
 
 def _env() -> dict[str, str]:

@@ -83,7 +83,7 @@ def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
                      f"giving up {best.val_acc - quick.val_acc:.3f} accuracy.")
     if val_clips > 0:
         lines.append(f"The validation set has {val_clips} clips: one clip is {100 / val_clips:.1f} points of "
-                     "accuracy, and ± is the 95% interval; more validation clips narrow it (a bigger "
+                     "accuracy, and [low, high] is the 95% interval; more validation clips narrow it (a bigger "
                      "--val-fraction, or more videos in val/ for a dataset split into train/ and val/).")
     if close:
         lines.append(f"The top {len(close) + 1} trials are within the best one's uncertainty: their order is "

@@ -45,6 +45,12 @@ from vidtune.trainer.ray_start import RayStart
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 TPE_KINDS = ("univariate", "multivariate")
+SAMPLERS = ("tpe", "gp")
+# The search's early-stopping and sampler defaults, chosen by leave-one-table-out replays
+# (BENCHMARKS.md "Search quality"; SearchOptions says why each).
+GRACE_SHARE = 0.2
+ASHA_BRACKETS = 1
+SAMPLER = "tpe"
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
 GPU_BATCH_SIZES = (8, 16, 32)      # mvit_v2_s at 16 x 224 x 224 fits 32 in bf16 on a 40 GB card
 
@@ -138,15 +144,26 @@ class SearchOptions:
                             "together, reports the Pareto front) (default val_acc)")
     early_stop: bool = option(True, flag="--no-early-stop", group="search", help="never stop trials early "
                               "(ASHA is on by default when --epochs >= 3, off with pareto)")
-    grace_period: int = option(1, flag="--grace-period", metavar="E", ge=1, group="search",
-                               help="epochs each trial runs before ASHA may stop it")
+    grace_period: int | None = option(None, flag="--grace-period", metavar="E", ge=1, group="search",
+                                      help="epochs each trial runs before ASHA may stop it (default "
+                                      "--grace-share of --epochs)")
+    grace_share: float = option(GRACE_SHARE, flag="--grace-share", metavar="F", gt=0, group="search",
+                                help="without --grace-period: ASHA's grace period as this share of --epochs, "
+                                f"rounded, at least 1 epoch (default {GRACE_SHARE:g})")
     reduction_factor: int = option(2, flag="--reduction-factor", metavar="R", ge=2, group="search",
                                    help="ASHA keeps the best 1/R of the trials at each rung (epochs grace "
                                    "x R^k)")
+    asha_brackets: int = option(ASHA_BRACKETS, flag="--asha-brackets", metavar="N", ge=1, group="search",
+                                help="ASHA brackets (Hyperband's hedge against early ranks that mislead): "
+                                "bracket k first compares trials at grace x R^k epochs; each trial joins one "
+                                f"(default {ASHA_BRACKETS})")
     # multivariate: the best lr moves with the batch size, which univariate TPE cannot see
     tpe: str = option("multivariate", flag="--tpe", choices=TPE_KINDS, group="search",
                       help="Optuna TPE: multivariate (batch size and lr together) or univariate (each "
                       "parameter alone) (default multivariate)")
+    sampler: str = option(SAMPLER, flag="--sampler", choices=SAMPLERS, group="search",
+                          help="Optuna sampler after the random start: tpe (kind from --tpe) or gp (Gaussian "
+                          f"process, Optuna's GPSampler) (default {SAMPLER})")
     random_start_trials: int | None = option(None, flag="--random-start-trials", metavar="N", ge=1,
                                              group="search", help="random trials before TPE takes over "
                                              "(default min(10, max(2, --num-samples / 2)))")
@@ -323,7 +340,10 @@ def validate(o: SearchOptions) -> None:
     simulated_gpus()   # VIDTUNE_SIMULATE_GPUS, when set, is a number of GPUs (ConfigError naming it)
     if o.name is not None:
         _check_name(o.name)
-    if o.grace_period > o.train.epochs:
+    if o.grace_share > 1:
+        raise ConfigError("--grace-share", f"{o.grace_share:g} is above 1: the grace period is a share of "
+                          "--epochs; pass a number in (0, 1], e.g. 0.3")
+    if o.grace_period is not None and o.grace_period > o.train.epochs:
         raise ConfigError("--grace-period", f"{o.grace_period} is above --epochs {o.train.epochs}: a trial "
                           f"ends before ASHA may stop it; pass --grace-period {o.train.epochs} or less, or "
                           "more --epochs")

@@ -150,14 +150,22 @@ def random_start_trials(opts: SearchOptions) -> int:
     return opts.random_start_trials or min(10, max(2, opts.num_samples // 2))
 
 
-def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
-    """Seeded TPE through Ray's OptunaSearch; the study goes to `--optuna-storage` when given.
-    `--warm-start`: an earlier search's finished trials inside this space seed the study.
-    `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
+def build_sampler(opts: SearchOptions) -> optuna.samplers.BaseSampler:
+    """The seeded Optuna sampler `--sampler` names: TPE (`--tpe` multivariate or univariate) or the
+    Gaussian-process `GPSampler`, each random for its first `random_start_trials` trials."""
     with warnings.catch_warnings():   # Optuna calls multivariate TPE experimental, on every build
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=random_start_trials(opts),
-                                             multivariate=opts.tpe == "multivariate")
+        if opts.sampler == "gp":
+            return optuna.samplers.GPSampler(seed=opts.train.seed, n_startup_trials=random_start_trials(opts))
+        return optuna.samplers.TPESampler(seed=opts.train.seed, n_startup_trials=random_start_trials(opts),
+                                          multivariate=opts.tpe == "multivariate")
+
+
+def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
+    """Seeded TPE (or GP, `--sampler`) through Ray's OptunaSearch; the study goes to `--optuna-storage` when given.
+    `--warm-start`: an earlier search's finished trials inside this space seed the study.
+    `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
+    sampler = build_sampler(opts)
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name,
                                   space=opts.space)
@@ -179,13 +187,27 @@ def early_stopping_enabled(opts: SearchOptions) -> bool:
 
 
 def build_scheduler(opts: SearchOptions) -> ASHAScheduler | None:
-    """ASHA on the per-epoch reports, or None (Tune's FIFO) when early stopping is off."""
+    """ASHA on the per-epoch reports with `--asha-brackets` brackets, or None (Tune's FIFO) when
+    early stopping is off."""
     if not early_stopping_enabled(opts):
         return None
     return ASHAScheduler(time_attr=TIME_ATTR, max_t=opts.train.epochs, grace_period=grace_period(opts),
-                         reduction_factor=opts.reduction_factor)
+                         reduction_factor=opts.reduction_factor, brackets=asha_brackets(opts))
 
 
 def grace_period(opts: SearchOptions) -> int:
-    """Epochs each trial runs before ASHA may stop it: `--grace-period`, at most `--epochs`."""
-    return min(opts.grace_period, opts.train.epochs)
+    """Epochs each trial runs before ASHA may stop it: `--grace-period`, else `--grace-share` of
+    `--epochs` rounded half up, at least 1; never above `--epochs`."""
+    epochs = opts.train.epochs
+    grace = opts.grace_period if opts.grace_period is not None else int(opts.grace_share * epochs + 0.5)
+    return max(1, min(grace, epochs))
+
+
+def asha_brackets(opts: SearchOptions) -> int:
+    """`--asha-brackets`, at most as many as have a rung below `--epochs` (Ray's bracket k's first
+    rung is grace x R^k; one at or past max_t stops nothing and Ray would still draw trials into it)."""
+    grace, epochs = grace_period(opts), opts.train.epochs
+    useful = 1
+    while useful < opts.asha_brackets and grace * opts.reduction_factor ** useful < epochs:
+        useful += 1
+    return useful

@@ -223,7 +223,7 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
                    target: Path, val_clips: int, importance: Importance | None,
                    checkpoint: TrialRow | None) -> dict[str, Path]:
     files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
-                                     val_clips=val_clips),
+                                     val_clips=val_clips, weight_decay=opts.train.weight_decay),
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
                                      title=plan.name),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",

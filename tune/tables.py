@@ -8,7 +8,7 @@ trials, OOM, DIVERGED and ERROR, and those without a value last):
   trial_id       Tune's trial id
   status         DONE, STOPPED, OOM, DIVERGED, ERROR or UNFINISHED (see STATUSES)
   batch_size, lr, weight_decay   the trial's configuration (lr and weight decay to 3 significant
-                 digits; weight_decay empty when not searched)
+                 digits; weight_decay is the one every trial trained with when it was not searched)
   best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
   best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
                  (4 decimals; nan when none or the count is unknown)
@@ -42,7 +42,7 @@ OTHER_LOAD_MARK = 0.5
 
 def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int = 0) -> str:
     """Plain-text table, one line per trial: trial (its name), batch size, lr, (weight decay),
-    best val_acc (`0.750 ±0.15`: the best epoch's accuracy and its 95% interval on `val_clips`
+    best val_acc (`0.750 [0.58, 0.87]`: the best epoch's accuracy and its 95% interval on `val_clips`
     validation clips; no interval when 0), that epoch, val_f1 (same epoch), steady clips/s, steady
     seconds per epoch, epochs trained, (the GPUs it trained on, when some trial had one), status.
     `column_notes` says what each column means. After clips/s, `*` marks a trial that shared its
@@ -78,7 +78,7 @@ STATUS_MEANING = {"DONE": "= all epochs", "STOPPED": "= stopped early by ASHA", 
 def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) -> list[str]:
     """What each column of `format_table` means, said once under the trials table (the statuses
     present only), wrapped to `width`."""
-    interval = " ± its 95% interval" if val_clips > 0 else ""
+    interval = " [its 95% interval]" if val_clips > 0 else ""
     statuses = ", ".join(f"{s} {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
     parts = [f"best val_acc = validation accuracy at the trial's best epoch (column epoch){interval}",
              "val_f1 = macro F1 at that epoch",
@@ -90,7 +90,8 @@ def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) 
 
 
 def _accuracy_cell(r: TrialRow, val_clips: int) -> str:
-    """`0.750 ±0.15` (`tune.uncertainty.format_accuracy`); `-` for none (an OOM / DIVERGED trial's)."""
+    """`0.750 [0.58, 0.87]` (`tune.uncertainty.format_accuracy`); `-` for none (an OOM / DIVERGED
+    trial's)."""
     return format_accuracy(math.nan if r.status in NO_RESULT else r.val_acc, val_clips)
 
 
@@ -168,13 +169,15 @@ def significant(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
 
 
-def csv_record(r: TrialRow, val_clips: int = 0) -> dict[str, str]:
+def csv_record(r: TrialRow, val_clips: int = 0, weight_decay: float | None = None) -> dict[str, str]:
     """One TrialRow as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
-    set's size, for the interval (0: unknown, nan)."""
+    set's size, for the interval (0: unknown, nan); `weight_decay`: what the trial trained with
+    when the search did not search it (the row has none)."""
     summary = summary_metrics(r, val_clips)
+    wd = r.weight_decay if r.weight_decay is not None else weight_decay
     return {
         "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
-        "lr": significant(r.lr), "weight_decay": significant(r.weight_decay),
+        "lr": significant(r.lr), "weight_decay": significant(wd),
         **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
         "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
         "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
@@ -186,14 +189,16 @@ def csv_record(r: TrialRow, val_clips: int = 0) -> dict[str, str]:
     }
 
 
-def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0) -> Path:
+def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0,
+              weight_decay: float | None = None) -> Path:
     """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
     are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no
-    interval). A plain CSV (csv.DictReader, pandas.read_csv)."""
+    interval); `weight_decay`: the one every trial trained with when it was not searched. A plain
+    CSV (csv.DictReader, pandas.read_csv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(csv_columns(rows)), extrasaction="ignore")
         w.writeheader()
         for r in ranked(rows, objective):
-            w.writerow(csv_record(r, val_clips))
+            w.writerow(csv_record(r, val_clips, weight_decay))
     return path

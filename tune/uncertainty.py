@@ -34,16 +34,23 @@ def accuracy_interval(acc: float, n: int) -> tuple[float, float]:
 
 
 def half_width(acc: float, n: int) -> float:
-    """Half the width of `accuracy_interval`: the `±` shown beside an accuracy (nan when none)."""
+    """Half the width of `accuracy_interval` (nan when none): how much a comparison can trust."""
     low, high = accuracy_interval(acc, n)
     return (high - low) / 2
 
 
+def format_interval(low: float, high: float) -> str:
+    """`[0.58, 0.87]`: a 95% interval as written everywhere (Wilson's is not symmetric about the
+    accuracy, so it is never written as ±); "" when there is none."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return ""
+    return f"[{low:.2f}, {high:.2f}]"
+
+
 def format_accuracy(acc: float, n: int, digits: int = 3) -> str:
-    """`0.750 ±0.15` (the accuracy and its 95% half-width), `0.750` when n is unknown (0), `-`
-    when there is no accuracy."""
+    """`0.750 [0.58, 0.87]` (the accuracy and its 95% interval), `0.750` when n is unknown (0),
+    `-` when there is no accuracy."""
     if not math.isfinite(acc):
         return "-"
-    if n <= 0:
-        return f"{acc:.{digits}f}"
-    return f"{acc:.{digits}f} ±{half_width(acc, n):.2f}"
+    interval = format_interval(*accuracy_interval(acc, n))
+    return f"{acc:.{digits}f} {interval}" if interval else f"{acc:.{digits}f}"

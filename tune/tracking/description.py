@@ -67,10 +67,12 @@ def ui_hint(tracking_uri: str) -> str:
     return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
 
 
-def runs_table_url(tracking_uri: str, experiment_id: str, view_id: str | None) -> str:
+def runs_table_url(tracking_uri: str, experiment_id: str, view_id: str | None, *,
+                   charts: bool = False) -> str:
     """The experiment's runs table in the model-training UI, on the search's saved view when
-    there is one (MLflow 3 opens an experiment on its GenAI overview)."""
-    return f"{ui_base(tracking_uri)}/{view.runs_link(experiment_id, view_id)}"
+    there is one (MLflow 3 opens an experiment on its GenAI overview); `charts`: on the view's
+    Charts tab."""
+    return f"{ui_base(tracking_uri)}/{view.runs_link(experiment_id, view_id, charts=charts)}"
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -95,8 +97,10 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
     best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
                  f"({view.run_link(experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
                  else "No trial produced a usable result.")
-    table_line = (f"[Compare the trials]({view.runs_link(experiment_id, view_id)}): "
-                  "this search's runs table, best first.")
+    table_line = (f"[Compare the trials]({view.runs_link(experiment_id, view_id, charts=True)}) in charts "
+                  f"(best {objective} against speed, batch size and lr against both, {objective} per epoch), "
+                  f"in [the runs table]({view.runs_link(experiment_id, view_id)}) (best first) or "
+                  f"[side by side]({view.compare_link(experiment_id, list(child_runs.values()))}).")
     held = {a.path for a in c.list_artifacts(parent)}
     plots = [f"![{name}](get-artifact?path={name}&run_uuid={parent})\n\n"
              f"{sentence.format(objective=objective)}\n"

@@ -22,8 +22,8 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import NO_RESULT, SUMMARY_KEYS, TrialRow, summary_metrics
-from vidtune.tune.tables import csv_record, significant
+from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialRow, summary_metrics
+from vidtune.tune.tables import significant
 from vidtune.tune.tracking import description
 from vidtune.tune.tracking.schema import (
     FAILURE_TAG,
@@ -126,10 +126,13 @@ class RunWriter:
             if path and Path(path).exists():
                 c.log_artifact(run_id, str(path))
         if best is not None:
-            for key in ("val_acc", "val_f1", "clips_per_s", "compute_clips_per_s"):
-                value = best.get(key)
+            # the best trial's accuracy and F1 (`best_val_acc`, `best_val_f1`, as on its own run)
+            # and its speed under the one name speed has everywhere (SPEED_METRIC)
+            named = {"best_val_acc": best.get("val_acc"), "best_val_f1": best.get("val_f1"),
+                     SPEED_METRIC: best.get("clips_per_s")}
+            for key, value in named.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    c.log_metric(run_id, f"best_{key}", float(value))
+                    c.log_metric(run_id, key, float(value))
         for key, value in (metrics or {}).items():
             c.log_metric(run_id, key, float(value))
         local = best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://"))
@@ -137,12 +140,12 @@ class RunWriter:
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
 
     def log_trial_summary(self, run_id: str, row: TrialRow) -> None:
-        """A child run's summary, the values its row in trials.csv has (`csv_record`, rounded as
-        there): SUMMARY_KEYS and best_val_f1 (the same epoch's F1), at step 0. A key without a
-        value (no accuracy, no speed) is left out, one MLflow already has is not written again."""
-        record = csv_record(row, self.val_clips)
-        values = {k: _number(record[k] or "nan") for k in SUMMARY_KEYS}
-        values["best_val_f1"] = math.nan if row.status in NO_RESULT else _number(record["val_f1"] or "nan")
+        """A child run's summary, the values of its row in trials.csv unrounded (trials.csv rounds
+        what it shows; MLflow keeps what was measured, 21/32 as 0.65625): SUMMARY_KEYS and
+        best_val_f1 (the same epoch's F1), at step 0. A key without a value (no accuracy, no speed)
+        is left out, one MLflow already has is not written again."""
+        values = summary_metrics(row, self.val_clips)
+        values["best_val_f1"] = math.nan if row.status in NO_RESULT else _number(row.val_f1)
         have = self.client.get_run(run_id).data.metrics
         ts = int(time.time() * 1000)
         metrics = [Metric(k, float(v), ts, 0) for k, v in values.items()
@@ -157,20 +160,24 @@ class RunWriter:
             self.client, tracking_uri=self.tracking_uri, experiment_id=self.experiment_id,
             parent_run_id=self.parent_run_id, experiment_path=self.experiment_path, objective=self.objective)
 
-    def runs_table_url(self) -> str:
-        return description.runs_table_url(self.tracking_uri, self.experiment_id, self.view_id)
+    def runs_table_url(self, *, charts: bool = False) -> str:
+        return description.runs_table_url(self.tracking_uri, self.experiment_id, self.view_id, charts=charts)
 
     def run_url(self, run_id: str) -> str:
         return description.run_url(self.tracking_uri, self.experiment_id, run_id)
 
     def summary_links(self, pending: str | None) -> str:
-        """The console lines that follow the summary's answer: the runs table, ready to compare,
-        and the parent run (the store's URI only, when MLflow is not up to date, `pending` saying
-        why, or its experiment is unknown)."""
+        """The console lines that follow the summary's answer: the saved view's charts and its
+        runs table, ready to compare, and the parent run (the store's URI only, when MLflow is not
+        up to date, `pending` saying why, or its experiment is unknown)."""
         hint = description.ui_hint(self.tracking_uri)
         if not pending and getattr(self, "experiment_id", None):
             parent = self.run_url(self.parent_run_id)
-            return (f"compare the trials in MLflow: {self.runs_table_url()}{hint}\n"
+            if not self.view_id:    # an MLflow UI not checked: the plain table
+                return (f"compare the trials in MLflow: {self.runs_table_url()}{hint}\n"
+                        f"  the search's run (answer, trials table, plots): {parent}")
+            return (f"compare the trials in MLflow: {self.runs_table_url(charts=True)}{hint}\n"
+                    f"  as a table, best first: {self.runs_table_url()}\n"
                     f"  the search's run (answer, trials table, plots): {parent}")
         return f"compare the trials in MLflow: {self.tracking_uri}{hint}"
 

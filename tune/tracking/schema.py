@@ -33,11 +33,14 @@ INTERRUPTED_REASON = "search interrupted; continue it with --resume"
 # batch_size a param, oom, diverged and resumed_from_epoch tags (FAILURE_TAG, RESUMED_TAG), reader
 # failures a tag when there are any, where it ran tags (`placement_tags`; a dataframe row may
 # hold "0" read back as a number). The schedule's learning rate is logged as `lr_current`
-# (`lr` is the param: the peak the trial was given).
+# (`lr` is the param: the peak the trial was given). steady_clips_per_s is the running estimate
+# the Pareto objective reads in Tune; its final value is the run's `speed_clips_per_s`, the one
+# speed name a person reads (the per-epoch `clips_per_s` and `compute_clips_per_s` are diagnostics).
 _NOT_METRICS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
                                         "should_checkpoint", "node_id", "epoch_start_ts", "epoch_end_ts",
                                         "resumed_from_epoch", "epoch", "batch_size", "oom", "diverged",
-                                        "reader_failures", "node_ip", "gpu_ids", "damaged_checkpoints",
+                                        "steady_clips_per_s", "reader_failures", "node_ip", "gpu_ids",
+                                        "damaged_checkpoints",
                                         *SETTING_TAGS}
 RENAMED = {"lr": "lr_current"}
 STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has

@@ -15,6 +15,16 @@ versions in VERIFIED_UI; another version gets the plain runs-table link and one 
 The UI drops `runsExpanded` from a saved view (main's `hN`), so a view cannot open a parent run
 expanded. It filters to the parent's children instead: a child whose parent is not in the
 table shows as a row of its own, so the trials show flat, sorted by the objective across them.
+
+The same view carries the Charts tab's layout (`chart_layout`), which the link opens with
+`compareRunsMode=CHART` (module 13627): `compareRunCharts` (one card per chart: `type` SCATTER,
+PARALLEL, LINE or BAR, a `uuid`, the `metricSectionId` of its section; the fields of each type in
+`runs-charts.types.ts`) and `compareRunSections` (`uuid`, `name`, `display`: open in the
+accordion), with `isAccordionReordered` true so the UI keeps the sections' order rather than
+sorting them by name. On every load the UI gives each metric the runs have and no card names
+(`metricKey`) a chart of its own in the section its name says ("Model metrics" for a name without
+a "/"), so every metric the trials log gets a card here, in its section; a card with `deleted`
+true keeps a metric out of sight (the UI's own way of remembering a removed chart).
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode, urlparse
+from uuid import NAMESPACE_URL, uuid5
 
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
@@ -37,6 +48,30 @@ VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"      # the UI opens an experiment of this kind on Runs
 EXPERIMENT_KIND = "custom_model_development"
 VERIFIED_UI = ("3.17",)          # MLflow UI versions (major.minor) whose saved-view format was read
+MODE_PARAM, CHART_MODE = "compareRunsMode", "CHART"   # a runs link's query that opens the Charts tab
+ALL_RUNS = 100                   # a chart's `runsCountToCompare`: every trial of a search, not the UI's 10
+
+# The Charts tab's sections, in order: (name, open, the metrics charted there). The first holds
+# the three comparison charts (`comparison_cards`); "Model metrics" is MLflow's own name, where a
+# metric not placed here lands. Summary metrics (one value a trial, step 0) are bars; the rest
+# are one line a trial over the epochs.
+COMPARE_SECTION = "Compare the trials"
+MODEL_SECTION = "Model metrics"
+SECTIONS = (
+    (COMPARE_SECTION, True, ()),
+    (MODEL_SECTION, True, ("val_acc", "val_f1", "val_recall", "val_auc", "val_loss", "train_loss",
+                           "lr_current")),
+    ("Trial summary", True, ("best_val_acc", "best_val_f1", "best_epoch", "speed_clips_per_s")),
+    ("Speed and memory per epoch", False, ("clips_per_s", "epoch_time_s", "peak_mem_mb",
+                                           "compute_clips_per_s", "data_wait_frac")),
+    ("Operations: cache, threads, waits", False, ("cache_hit_frac", "cache_repairs", "concurrent_trainings",
+                                                  "device_wait_s", "device_util_pct", "torch_threads",
+                                                  "other_cpu_cores", "peak_allocated_mb", "nonfinite_steps")),
+    ("System metrics", False, ()),
+)
+SUMMARY_BARS = ("best_val_acc", "best_val_f1", "best_epoch", "speed_clips_per_s")
+# Logged, and not charted: the accuracy's interval bounds (columns of the table, beside it)
+HIDDEN = ("best_val_acc_low", "best_val_acc_high")
 VERSION_TIMEOUT_S = 3.0
 
 
@@ -66,7 +101,7 @@ def view_state(*, parent_run_id: str, objective: str, tags: Sequence[str] = ()) 
     """The saved view's state: the parent's children, best objective first, `view_columns` (in
     that order after the run's name: the table's column ids are the same keys)."""
     columns = view_columns(objective, tags)
-    return {
+    return {**chart_layout(view_id(parent_run_id), objective),
         "searchFilter": f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent_run_id}'",
         "orderByKey": column("metrics", objective_metric(objective)),
         "orderByAsc": False,
@@ -74,6 +109,64 @@ def view_state(*, parent_run_id: str, objective: str, tags: Sequence[str] = ()) 
         "columnOrder": [column("attributes", "Run Name"), *columns],
         "runListHidden": False,
     }
+
+
+def _uuid(view: str, name: str) -> str:
+    """A card's or section's id: the same on every write of one view (a rewrite keeps what the
+    UI has of it)."""
+    return str(uuid5(NAMESPACE_URL, f"vidtune/{view}/{name}"))
+
+
+def _card(view: str, name: str, section: str, kind: str, **fields: Any) -> dict[str, Any]:
+    return {"uuid": _uuid(view, "card/" + name), "type": kind,
+            "metricSectionId": _uuid(view, "section/" + section), "runsCountToCompare": ALL_RUNS,
+            "deleted": False, "isGenerated": False, **fields}
+
+
+def _line(view: str, metric: str, section: str, **fields: Any) -> dict[str, Any]:
+    """One line a run over the epochs (MLflow's step is the epoch)."""
+    return _card(view, metric, section, "LINE", metricKey=metric, selectedMetricKeys=[metric],
+                 xAxisKey="step", lineSmoothness=0, scaleType="linear", xAxisScaleType="linear",
+                 useGlobalXaxisKey=False, useGlobalLineSmoothing=False, **fields)
+
+
+def comparison_cards(view: str, objective: str) -> list[dict[str, Any]]:
+    """The three charts a person compares trials with: the best objective against the one speed
+    (each point a trial, named on hover), parallel coordinates of batch size and lr to the best
+    objective and the speed, and the objective per epoch, one line a trial."""
+    best, speed = objective_metric(objective), "speed_clips_per_s"
+    per_epoch = objective_key(objective) if objective_key(objective) == "val_f1" else "val_acc"
+    return [
+        _card(view, "scatter", COMPARE_SECTION, "SCATTER", displayName=f"{best} against {speed}",
+              xaxis={"key": speed, "type": "METRIC"}, yaxis={"key": best, "type": "METRIC"}),
+        _card(view, "parallel", COMPARE_SECTION, "PARALLEL", displayName="batch size and lr against "
+              f"{best} and speed", selectedParams=["batch_size", "lr"], selectedMetrics=[best, speed],
+              showAllRuns=True),
+        _line(view, per_epoch, COMPARE_SECTION, displayName=f"{per_epoch} per epoch, every trial",
+              displayPoints=True),
+    ]
+
+
+def chart_layout(view: str, objective: str) -> dict[str, Any]:
+    """The saved view's Charts tab (see the module docstring): SECTIONS in order, the comparison
+    charts first, every metric a trial logs in its section, operational ones folded away."""
+    cards = comparison_cards(view, objective)
+    placed = {c.get("metricKey") for c in cards}
+    for name, _, metrics in SECTIONS:
+        for metric in metrics:
+            if metric in placed:
+                continue
+            if metric in SUMMARY_BARS:
+                cards.append(_card(view, metric, name, "BAR", metricKey=metric))
+            else:
+                cards.append(_line(view, metric, name))
+            placed.add(metric)
+    cards += [{**_card(view, metric, MODEL_SECTION, "BAR", metricKey=metric), "deleted": True}
+              for metric in HIDDEN]
+    sections = [{"uuid": _uuid(view, "section/" + name), "name": name, "display": open_, "isReordered": True,
+                 "deleted": False, "isGenerated": False} for name, open_, _ in SECTIONS]
+    return {"compareRunCharts": cards, "compareRunSections": sections, "isAccordionReordered": True,
+            "hideEmptyCharts": True}
 
 
 def view_id(parent_run_id: str) -> str:
@@ -94,11 +187,20 @@ def read_view(value: str) -> dict[str, Any]:
     return json.loads(doc["state"]) if isinstance(doc.get("state"), str) else doc
 
 
-def runs_link(experiment_id: str, view: str | None = None) -> str:
+def runs_link(experiment_id: str, view: str | None = None, *, charts: bool = False) -> str:
     """The runs table's link inside the UI (`#/...`: relative, as the description's links are),
-    on the saved view when given."""
-    query = {**WORKFLOW_QUERY, **({SHARE_KEY_PARAM: view} if view else {})}
+    on the saved view when given; `charts`: open its Charts tab (only with a view: without one
+    the UI would chart every metric alphabetically)."""
+    query = {**WORKFLOW_QUERY, **({SHARE_KEY_PARAM: view} if view else {}),
+             **({MODE_PARAM: CHART_MODE} if view and charts else {})}
     return f"#/experiments/{experiment_id}/runs?{urlencode(query)}"
+
+
+def compare_link(experiment_id: str, run_ids: Sequence[str]) -> str:
+    """MLflow's side-by-side comparison of `run_ids` (its Compare page), in the model-training
+    UI: the Compare button of the runs table drops `workflowType` and lands in the GenAI one."""
+    query = {"runs": json.dumps(list(run_ids)), "experiments": json.dumps([experiment_id]), **WORKFLOW_QUERY}
+    return f"#/compare-runs?{urlencode(query)}"
 
 
 def run_link(experiment_id: str, run_id: str) -> str:
