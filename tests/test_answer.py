@@ -1,6 +1,7 @@
 """vidtune.tune.uncertainty and tune.answer: Wilson intervals on known counts, the summary sentences."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -86,3 +87,26 @@ def test_no_usable_trial_no_answer():
 def test_an_f1_objective_names_f1_and_keeps_the_accuracy_interval():
     lines = answer_lines([row("t1", 8, 1e-3, 0.8, 10.0)], objective="val_f1", val_clips=32)
     assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03), val_f1 0.800, val_acc 0.800 [0.65, 0.91]")
+
+
+def _at(name: str, best_epoch: int, *, status: str = "DONE", epochs: int = 6) -> TrialRow:
+    r = row(name, 8, 1e-3, 0.7 + 0.01 * best_epoch, 10.0, status=status)
+    return dataclasses.replace(r, best_epoch=best_epoch, epochs=epochs)
+
+
+@pytest.mark.parametrize("trials, hint", [
+    ([_at("a", 6), _at("b", 6), _at("c", 6)], "3 of 3"),                 # the demo: every one at its last
+    ([_at("a", 6), _at("b", 6), _at("c", 3)], "2 of 3"),
+    ([_at("a", 6), _at("b", 4), _at("c", 3)], None),                     # one of three: no rule
+    ([_at("a", 6), _at("b", 6), _at("c", 3), _at("d", 2)], None),        # half is not most
+    ([_at("a", 6)], None),                                               # one trial speaks for no search
+    # ASHA's stopped trials ran fewer epochs: their last epoch says nothing of a full training
+    ([_at("a", 6), _at("b", 2, status="STOPPED", epochs=2), _at("c", 2, status="STOPPED", epochs=2)], None),
+])
+def test_most_finished_trials_best_at_their_last_epoch_say_raise_epochs(trials, hint):
+    lines = answer_lines(trials, objective="val_acc", val_clips=32)
+    said = [line for line in lines if "--epochs" in line]
+    if hint is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(hint) and "all 6 epochs" in said[0]

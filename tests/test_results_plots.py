@@ -2,12 +2,15 @@
 down, unusable trials at the bottom), readable log-lr ticks, the best trial ringed."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+import pytest
 from matplotlib.image import imread
 
 from vidtune.tune import plots, results
+from vidtune.tune.answer import SearchedRange
 
 
 def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8, lr: float = 1e-3) -> results.TrialRow:
@@ -49,3 +52,46 @@ def test_params_plot_has_several_readable_lr_ticks_and_rings_the_best():
     assert "spread" in batch_ax.get_xlabel()                        # the jitter is explained
     assert any(c.get_gid() == "best_trial" for c in lr_ax.collections)
     assert "best trial" in [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+
+
+def test_the_lr_axis_spans_the_searched_range_with_its_ends_marked():
+    searched = SearchedRange(lr_min=2e-4, lr_max=2e-3, batch_sizes=(8, 16))
+    rows = [_row(1, 0.70, lr=4e-4), _row(2, 0.60, lr=8e-4)]       # the data stop well inside the range
+    lr_ax = plots.params_figure(rows, objective="val_acc", searched=searched).axes[0]
+    lo, hi = lr_ax.get_xlim()
+    assert lo < 2e-4 and hi > 2e-3                                  # the whole searched range is seen
+    ends = sorted(ln.get_xdata()[0] for ln in lr_ax.get_lines() if ln.get_gid() == "searched_range")
+    assert ends == pytest.approx([2e-4, 2e-3])
+    assert "searched range" in [t.get_text() for t in lr_ax.texts]
+    unmarked = plots.params_figure(rows, objective="val_acc").axes[0]   # no range given: none drawn
+    assert not [ln for ln in unmarked.get_lines() if ln.get_gid() == "searched_range"]
+
+
+def _intervals(ax) -> dict[float, tuple[float, float]]:
+    """{x: (low, high)} of the interval bars an axes holds."""
+    return {ln.get_xdata()[0]: tuple(ln.get_ydata()) for ln in ax.get_lines() if ln.get_gid() == "interval"}
+
+
+def test_every_plot_of_accuracy_draws_each_trials_95_percent_interval():
+    rows = [_row(1, 0.75, lr=5e-4), _row(2, 0.5, lr=1e-3, batch=16)]   # 24 and 16 of 32 clips
+    scatter = plots.scatter_figure(rows, val_clips=32).axes[0]
+    assert _intervals(scatter)[80.0] == pytest.approx((0.5789, 0.8674), abs=1e-4)    # Wilson, 24 of 32
+    history = plots.history_figure(rows, objective="val_acc", val_clips=32).axes[0]
+    assert _intervals(history)[1] == pytest.approx((0.5789, 0.8674), abs=1e-4)
+    params = plots.params_figure(rows, objective="val_acc", val_clips=32)
+    assert _intervals(params.axes[0])[5e-4] == pytest.approx((0.5789, 0.8674), abs=1e-4)
+    assert "95% interval of the\naccuracy" in [t.get_text() for t in params.axes[-1].get_legend().get_texts()]
+    # no clip count, no interval; F1 is no proportion of clips: none either
+    assert not _intervals(plots.scatter_figure(rows).axes[0])
+    assert not _intervals(plots.history_figure(rows, objective="val_f1", val_clips=32).axes[0])
+
+
+def test_the_speed_plot_shows_each_batch_sizes_speed_spread_beside_the_front():
+    rows = [_row(1, 0.70), _row(2, 0.72), _row(3, 0.60, batch=16)]
+    rows[1] = dataclasses.replace(rows[1], clips_per_s=92.0)        # batch 8 at 80 and 92 clips/s
+    ax = plots.scatter_figure(rows, val_clips=32).axes[0]
+    spreads = {ln.get_gid(): tuple(ln.get_xdata()) for ln in ax.get_lines()
+               if (ln.get_gid() or "").startswith("speed_spread_")}
+    assert spreads == {"speed_spread_8": (80.0, 92.0)}             # batch 16 has one trial: no spread
+    assert any("batch 8: 80.0 to 92.0 clips/s" in t.get_text() for t in ax.texts)
+    assert [ln for ln in ax.get_lines() if ln.get_gid() == "pareto_front"]

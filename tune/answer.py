@@ -5,7 +5,8 @@ the MLflow parent run's description, with `tune.uncertainty`'s intervals (Wilson
 validation clip count): the best trial; a faster trial that is as
 good within the uncertainty, when it uses another batch size; what one validation clip is worth;
 a warning when the best value of a parameter sits at the edge of its searched range, or when the
-top trials cannot be told apart.
+top trials cannot be told apart; a hint to train longer when most finished trials were best at
+their last epoch.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class SearchedRange:
     lr_min: float
     lr_max: float
     batch_sizes: tuple[int, ...]
+    weight_decay: tuple[float, float] | None = None    # (min, max) when searched
 
 
 def _trial(r: TrialRow) -> str:
@@ -54,6 +56,19 @@ def _edge_warnings(best: TrialRow, searched: SearchedRange) -> list[str]:
         out.append(f"The best batch size ({best.batch_size}) is the {side} one searched: add "
                    f"{'smaller' if side == 'smallest' else 'larger'} sizes to --batch-sizes.")
     return out
+
+
+def _epochs_hint(rows: Sequence[TrialRow]) -> list[str]:
+    """A hint to train longer when most trials that ran every epoch (DONE) were best at their last
+    one: their accuracy was still rising when training stopped (at least 2 such trials, so one
+    lucky last epoch does not speak for the search)."""
+    finished = [r for r in rows if r.status == "DONE" and r.epochs > 0 and r.best_epoch]
+    at_last = [r for r in finished if r.best_epoch == r.epochs]
+    if len(at_last) < 2 or 2 * len(at_last) <= len(finished):
+        return []
+    epochs = max(r.epochs for r in finished)
+    return [f"{len(at_last)} of {len(finished)} trials that ran all {epochs} epochs were best at their last "
+            "one: their accuracy was still rising; raise --epochs for a better model."]
 
 
 def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
@@ -83,11 +98,12 @@ def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
                      f"giving up {best.val_acc - quick.val_acc:.3f} accuracy.")
     if val_clips > 0:
         lines.append(f"The validation set has {val_clips} clips: one clip is {100 / val_clips:.1f} points of "
-                     "accuracy, and [low, high] is the 95% interval; more validation clips narrow it (a bigger "
-                     "--val-fraction, or more videos in val/ for a dataset split into train/ and val/).")
+                     "accuracy, and [low, high] is the 95% interval; more validation clips narrow it "
+                     "(a bigger --val-fraction, or more videos in val/ for a dataset split into train/ "
+                     "and val/).")
     if close:
         lines.append(f"The top {len(close) + 1} trials are within the best one's uncertainty: their order is "
                      "not settled by this validation set.")
     if searched is not None:
         lines += _edge_warnings(best, searched)
-    return lines
+    return lines + _epochs_hint(rows)

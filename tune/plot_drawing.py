@@ -18,6 +18,7 @@ from matplotlib.lines import Line2D
 from matplotlib.transforms import Bbox, Transform
 
 from vidtune.tune.results import NO_RESULT, TrialRow
+from vidtune.tune.uncertainty import accuracy_interval
 
 PLOT_DPI = 150
 # tab10 without its olive (too light, yellowish, on white), then black: one colour per batch size
@@ -66,6 +67,23 @@ def draw_point(ax: Axes, x: float, y: float, r: TrialRow, colour: str,
     else:
         kw.update(facecolors="white", edgecolors=colour, linewidths=1.6)
     ax.scatter([x], [y], **kw)
+
+
+def draw_interval(ax: Axes, x: float, acc: float, val_clips: int, colour: str) -> bool:
+    """The 95% interval of accuracy `acc` on `val_clips` clips (Wilson's, `tune.uncertainty`:
+    not symmetric about `acc`) as a bar through the point at `x`; a line, so labels keep clear of
+    it. False (nothing drawn) without an interval (no accuracy, or the clip count unknown)."""
+    low, high = accuracy_interval(acc, val_clips)
+    if not (math.isfinite(low) and math.isfinite(high) and math.isfinite(x)):
+        return False
+    ax.plot([x, x], [low, high], color=colour, alpha=0.45, linewidth=1.8, zorder=2, solid_capstyle="butt",
+            gid="interval")
+    return True
+
+
+def interval_handle() -> Line2D:
+    """The legend's entry for `draw_interval`'s bars."""
+    return Line2D([], [], color="#444444", alpha=0.45, linewidth=1.8, label="95% interval of the\naccuracy")
 
 
 def ring_best(ax: Axes, x: float, y: float) -> None:

@@ -15,11 +15,14 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from vidtune.tune.answer import SearchedRange
 from vidtune.tune.plot_drawing import (
     OOM_BAND,
     batch_colours,
+    draw_interval,
     draw_legend,
     draw_point,
+    interval_handle,
     label_points,
     new_figure,
     no_ticks_in_band,
@@ -37,7 +40,36 @@ def _oom_y(i: int) -> float:
     return max(0.9 - 0.07 * i, 0.05)
 
 
-def scatter_figure(rows: list[TrialRow], *, title: str = "") -> Figure:
+def _speed_spreads(pool: list[TrialRow]) -> dict[int, tuple[float, float]]:
+    """{batch size: (slowest, fastest) steady clips/s} over its trials, for sizes with 2 or more:
+    one model at one batch size has one speed, so the spread is what the machine added (other
+    trainings, other processes), the noise any speed difference must beat."""
+    out = {}
+    for b in sorted({r.batch_size for r in pool}):
+        speeds = [r.clips_per_s for r in pool if r.batch_size == b]
+        if len(speeds) >= 2:
+            out[b] = (min(speeds), max(speeds))
+    return out
+
+
+def _draw_speed_spreads(ax: Axes, spreads: dict[int, tuple[float, float]], colours: dict[int, str]) -> None:
+    """Each batch size's speed spread as a band under the points, named with its range."""
+    lo, hi = ax.get_ylim()
+    step = 0.055
+    ax.set_ylim(lo - (step * len(spreads) + 0.03) / (1 - step * len(spreads) - 0.03) * (hi - lo), hi)
+    left, right = ax.get_xlim()
+    for i, (b, (slow, fast)) in enumerate(spreads.items()):
+        y = 0.03 + step * i
+        ax.plot([slow, fast], [y, y], transform=ax.get_xaxis_transform(), color=colours[b], alpha=0.5,
+                linewidth=5, solid_capstyle="butt", zorder=1, gid=f"speed_spread_{b}")
+        text = f"batch {b}: {slow:.1f} to {fast:.1f} clips/s over its trials"
+        # beside the band, on the side with room: inside the axes
+        room_right = (right - fast) > (slow - left)
+        ax.text(fast if room_right else slow, y, f"  {text}  ", transform=ax.get_xaxis_transform(),
+                ha="left" if room_right else "right", va="center", fontsize=6.5, color="#333333")
+
+
+def scatter_figure(rows: list[TrialRow], *, title: str = "", val_clips: int = 0) -> Figure:
     """The figure `plot_scatter` saves (a matplotlib Figure on an Agg canvas)."""
     fig, (ax,) = new_figure(8.6, 5.2)
     colours = batch_colours(rows)
@@ -46,8 +78,10 @@ def scatter_figure(rows: list[TrialRow], *, title: str = "") -> Figure:
     front = sorted(pareto_front(rows), key=lambda r: r.clips_per_s)
     on_front = {id(r) for r in front}
     ax.margins(x=0.12, y=0.15)
+    intervals = False
     for r in pool:
         draw_point(ax, r.clips_per_s, r.val_acc, r, colours[r.batch_size])
+        intervals |= draw_interval(ax, r.clips_per_s, r.val_acc, val_clips, colours[r.batch_size])
     best = best_trial(pool, "val_acc")
     if best is not None:
         ring_best(ax, best.clips_per_s, best.val_acc)
@@ -67,11 +101,15 @@ def scatter_figure(rows: list[TrialRow], *, title: str = "") -> Figure:
                 va="top", fontsize=7, color="#555555")
         for i, r in enumerate(oom):
             draw_point(ax, 0.0, _oom_y(i), r, colours[r.batch_size], transform=ax.get_xaxis_transform())
+    spreads = _speed_spreads(pool)
+    if spreads:
+        _draw_speed_spreads(ax, spreads, colours)
     ax.set_xlabel("steady-state training throughput (clips/s)")
     ax.set_ylabel("validation accuracy (best epoch)")
     ax.set_title(f"{title}: accuracy vs speed" if title else "trials: accuracy vs speed", fontsize=11)
     ax.grid(alpha=0.3)
-    draw_legend(ax, pool + oom, colours, front=drawn, best=best is not None)
+    draw_legend(ax, pool + oom, colours, front=drawn, best=best is not None,
+                extra=(interval_handle(),) if intervals else ())
     shown = {id(r) for r in pool + oom}
     not_plotted_note(ax, [r for r in rows if id(r) not in shown])
     points = [(r.clips_per_s, r.val_acc, r.label, "data", id(r) in on_front and drawn)
@@ -81,19 +119,44 @@ def scatter_figure(rows: list[TrialRow], *, title: str = "") -> Figure:
     return fig
 
 
-def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "") -> Path | None:
+def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "", val_clips: int = 0) -> Path | None:
     """Validation accuracy (best epoch) against steady clips/s, one labelled point per trial:
     colour = batch size, marker = status (DONE filled, STOPPED hollow, UNFINISHED triangle; OOM
-    an x and DIVERGED a hollow diamond, at 0 clips/s in a shaded strip), the Pareto front dashed
-    when it has 2 or more trials. PNG at PLOT_DPI."""
-    return save_png(scatter_figure(rows, title=title), path)
+    an x and DIVERGED a hollow diamond, at 0 clips/s in a shaded strip), each accuracy's 95%
+    interval on `val_clips` clips as a bar (none when 0), the Pareto front dashed when it has 2
+    or more trials, and under the points each batch size's speed spread over its trials (the
+    noise a speed difference must beat). PNG at PLOT_DPI."""
+    return save_png(scatter_figure(rows, title=title, val_clips=val_clips), path)
 
 
 _OBJECTIVE_LABEL = {"val_acc": "validation accuracy (best epoch)",
                     "val_f1": "validation F1 (best epoch by val_acc)"}
 
 
-def params_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> Figure:
+def _searched_bounds(param: str, searched: SearchedRange | None) -> tuple[float, float] | None:
+    if searched is None:
+        return None
+    bounds = {"lr": (searched.lr_min, searched.lr_max), "weight_decay": searched.weight_decay}.get(param)
+    return bounds if bounds and 0 < bounds[0] <= bounds[1] else None
+
+
+def _mark_searched_range(ax: Axes, bounds: tuple[float, float]) -> None:
+    """Widen a log axis to the searched range (and a little beyond), shade what lies outside it
+    and mark its ends: a best point at the edge of the data is then seen against the range."""
+    lo, hi = bounds
+    left, right = ax.get_xlim()
+    left, right = min(left, lo / 1.4), max(right, hi * 1.4)
+    ax.set_xlim(left, right)
+    for a, b in ((left, lo), (hi, right)):
+        ax.axvspan(a, b, color="#e6e6e6", zorder=0, linewidth=0)
+    for edge in (lo, hi):
+        ax.axvline(edge, color="#777777", linestyle=":", linewidth=1.0, zorder=1, gid="searched_range")
+    ax.text(math.sqrt(lo * hi), 1.0, "searched range", transform=ax.get_xaxis_transform(), ha="center",
+            va="bottom", fontsize=7, color="#555555")
+
+
+def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_clips: int = 0,
+                  searched: SearchedRange | None = None) -> Figure:
     """The figure `plot_objective_vs_params` saves."""
     key = objective_key(objective)
     params = [("lr", "learning rate (log scale)")]
@@ -121,6 +184,7 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> F
         v = getattr(r, param)
         return float(v) if v is not None and v > 0 else math.nan
 
+    intervals = False
     for ax, (param, label) in zip(axes, params, strict=True):
         ax.margins(x=0.15, y=0.15)
         if param != "batch_size":
@@ -128,6 +192,9 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> F
         for r in pool:
             if math.isfinite(x_of(r, param)):
                 draw_point(ax, x_of(r, param), getattr(r, key), r, colours[r.batch_size])
+                if key == "val_acc":   # F1 is no proportion of clips: no Wilson interval
+                    intervals |= draw_interval(ax, x_of(r, param), r.val_acc, val_clips,
+                                               colours[r.batch_size])
         if best is not None and math.isfinite(x_of(best, param)):
             ring_best(ax, x_of(best, param), getattr(best, key))
         oom_here = [r for r in oom if math.isfinite(x_of(r, param))]
@@ -145,6 +212,9 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> F
             if sizes:
                 ax.set_xlim(-0.6, len(sizes) - 0.4)
         else:
+            bounds = _searched_bounds(param, searched)
+            if bounds is not None:
+                _mark_searched_range(ax, bounds)
             _log_ticks(ax)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
@@ -158,7 +228,8 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> F
         no_ticks_in_band(axes[0])
     fig.suptitle(f"{title}: " * bool(title) + f"{key} by searched parameter" +
                  " (objective: pareto)" * (objective == "pareto"), fontsize=11)
-    draw_legend(axes[-1], pool + oom, colours, front=False, best=best is not None)
+    draw_legend(axes[-1], pool + oom, colours, front=False, best=best is not None,
+                extra=(interval_handle(),) if intervals else ())
     shown = {id(r) for r in pool + oom}
     not_plotted_note(axes[-1], [r for r in rows if id(r) not in shown])
     for ax, (param, _) in zip(axes, params, strict=True):
@@ -185,16 +256,19 @@ def _log_ticks(ax: Axes) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str,
-                             title: str = "") -> Path | None:
+def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str, title: str = "",
+                             val_clips: int = 0, searched: SearchedRange | None = None) -> Path | None:
     """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
     against each searched parameter, one subplot each: lr and weight decay (when searched) on
-    log axes, batch size as categories. Points coloured by batch size, marked by status and
-    labelled like `plot_scatter`; OOM and DIVERGED trials in a band on the bottom edge. PNG at
-    PLOT_DPI. None (nothing written) without any trial."""
+    log axes spanning the `searched` range (its ends marked, outside shaded), batch size as
+    categories. Points coloured by batch size, marked by status and labelled like
+    `plot_scatter`, an accuracy's 95% interval on `val_clips` clips as a bar; OOM and DIVERGED
+    trials in a band on the bottom edge. PNG at PLOT_DPI. None (nothing written) without any
+    trial."""
     if not rows:
         return None
-    return save_png(params_figure(rows, objective=objective, title=title), path)
+    return save_png(params_figure(rows, objective=objective, title=title, val_clips=val_clips,
+                                  searched=searched), path)
 
 
 def _start_number(r: TrialRow, default: int) -> int:
@@ -203,7 +277,7 @@ def _start_number(r: TrialRow, default: int) -> int:
     return int(head[1:]) if head[:1] == "t" and head[1:].isdigit() else default
 
 
-def history_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> Figure:
+def history_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_clips: int = 0) -> Figure:
     """The figure `plot_history` saves."""
     key = objective_key(objective)
     fig, (ax,) = new_figure(8.6, 4.4)
@@ -212,10 +286,12 @@ def history_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> 
     number = {id(r): _start_number(r, i + 1) for i, r in enumerate(order)}
     pool = {id(r) for r in usable(rows) if math.isfinite(getattr(r, key))}
     ax.margins(x=0.05, y=0.15)
-    running, steps = -math.inf, []
+    running, steps, intervals = -math.inf, [], False
     for r in order:
         if id(r) in pool:
             draw_point(ax, number[id(r)], getattr(r, key), r, colours[r.batch_size])
+            if key == "val_acc":   # F1 is no proportion of clips: no Wilson interval
+                intervals |= draw_interval(ax, number[id(r)], r.val_acc, val_clips, colours[r.batch_size])
             running = max(running, getattr(r, key))
         steps.append((number[id(r)], running))
     shown = [(x, y) for x, y in steps if math.isfinite(y)]
@@ -248,7 +324,8 @@ def history_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> 
     ax.set_title(f"{title}: " * bool(title) + f"{key} by trial, best so far", fontsize=11)
     ax.grid(alpha=0.3)
     line = Line2D([], [], color="black", linewidth=1.3, label="best so far")
-    draw_legend(ax, rows, colours, front=False, best=best is not None, extra=(line,) if shown else ())
+    extra = ((line,) if shown else ()) + ((interval_handle(),) if intervals else ())
+    draw_legend(ax, rows, colours, front=False, best=best is not None, extra=extra)
     labels = [(number[id(r)], getattr(r, key), r.label, "data", r is best) for r in order if id(r) in pool]
     labels += [(number[id(r)], OOM_BAND / 2, r.label, ax.get_xaxis_transform(), False) for r in unusable]
     if len(rows) <= 20:   # beyond, the labels crowd the points: the numbers on the axis say which
@@ -256,13 +333,14 @@ def history_figure(rows: list[TrialRow], *, objective: str, title: str = "") -> 
     return fig
 
 
-def plot_history(rows: list[TrialRow], path: Path, *, objective: str, title: str = "") -> Path | None:
+def plot_history(rows: list[TrialRow], path: Path, *, objective: str, title: str = "",
+                 val_clips: int = 0) -> Path | None:
     """The objective (at each trial's best epoch by val_acc; pareto: val_acc) of each trial in the
     order trials started (their number, t03 -> 3), as points marked like `plot_scatter`; the best
-    so far as a black step line (never going down); trials without a value (OOM, DIVERGED,
-    ERROR) in a band along the bottom; the best trial ringed. PNG at PLOT_DPI. None (nothing
-    written) without any trial."""
+    so far as a black step line (never going down); an accuracy's 95% interval on `val_clips`
+    clips as a bar; trials without a value (OOM, DIVERGED, ERROR) in a band along the bottom; the
+    best trial ringed. PNG at PLOT_DPI. None (nothing written) without any trial."""
     if not rows:
         return None
-    return save_png(history_figure(rows, objective=objective, title=title), path)
+    return save_png(history_figure(rows, objective=objective, title=title, val_clips=val_clips), path)
 

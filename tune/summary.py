@@ -72,8 +72,7 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) 
     rows, trials, states = collect_rows(plan, opts, results)
     interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
     val_clips = len(plan.index.val) if plan.index is not None else 0
-    searched = SearchedRange(lr_min=opts.space.lr_min, lr_max=opts.space.lr_max,
-                             batch_sizes=tuple(opts.space.batch_sizes or ()))
+    searched = searched_range(opts)
     answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips, searched=searched)
     best = best_trial(rows, opts.objective)
     checkpoint = best_whole_checkpoint(rows, best) if best else None
@@ -83,6 +82,15 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) 
     return Summary(objective=opts.objective, rows=rows, trials=trials, trial_states=states,
                    interrupted=interrupted, val_clips=val_clips, answer=answer, best=best,
                    checkpoint=checkpoint, importance=importance, files=files)
+
+
+def searched_range(opts: SearchOptions) -> SearchedRange:
+    """What the search searched: the lr range, the batch sizes, the weight-decay range when
+    searched (the answer's edge warnings and the plots' axes)."""
+    sp = opts.space
+    return SearchedRange(lr_min=sp.lr_min, lr_max=sp.lr_max, batch_sizes=tuple(sp.batch_sizes or ()),
+                         weight_decay=(sp.weight_decay_min, sp.weight_decay_max) if sp.search_weight_decay
+                         else None)
 
 
 def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_links: str,
@@ -225,10 +233,12 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
     files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
                                      val_clips=val_clips, weight_decay=opts.train.weight_decay),
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
-                                     title=plan.name),
+                                     title=plan.name, val_clips=val_clips),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
-                                                objective=opts.objective, title=plan.name),
-             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name),
+                                                objective=opts.objective, title=plan.name,
+                                                val_clips=val_clips, searched=searched_range(opts)),
+             "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name,
+                                     val_clips=val_clips),
              "importance": importance.plot(target / "param_importance.png", title=plan.name)
              if importance is not None else None}
     if best:
