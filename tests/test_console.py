@@ -122,7 +122,8 @@ def test_markdown_table_for_the_parent_description():
     lines = tables.format_markdown([row, oom], val_clips=32).splitlines()
     assert lines[0].startswith("| trial | batch | lr | best val_acc | epoch |")
     assert lines[1].startswith("|---|")
-    assert lines[2] == "| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 [0.65, 0.91] | 2 | 0.800 | 41.2 | 3 | DONE |"
+    assert lines[2] == ("| t01-bs8-lr2.5e-4 | 8 | 2.50e-04 | 0.812 [0.65, 0.91] | 2 | 0.800 | 41.2 | 3 "
+                        "| DONE |")
     assert lines[3].endswith("| - | - | - | - | 1 | OOM |")
     assert "[" not in tables.format_markdown([row])          # the clip count unknown: no interval
 
@@ -148,3 +149,44 @@ def test_rays_lines_go_to_the_log_and_ours_to_the_console():
     out.flush()
     assert screen.getvalue() == "trial 1/2 started\n(epoch 2) is ours\n"
     assert "(raylet)" in log.getvalue() and "RayTrainWorker pid=12" in log.getvalue()
+
+
+def test_asha_rungs_are_rays_milestones_below_the_last_epoch():
+    assert console.asha_rungs(grace=1, reduction_factor=2, brackets=1, epochs=6) == ((1, 2, 4),)
+    assert console.asha_rungs(grace=1, reduction_factor=2, brackets=2, epochs=6) == ((1, 2, 4), (2, 4))
+    assert console.asha_rungs(grace=2, reduction_factor=3, brackets=1, epochs=6) == ((2,),)
+
+
+def test_expected_epochs_count_the_trials_asha_is_likely_to_stop():
+    c = console.SearchConsole(num_samples=4, epochs=6, objective="val_acc", rungs=((1, 2, 4),),
+                              reduction_factor=2)
+    reached: dict = {}
+    assert c.expected_epochs(0, reached) == 6            # the first trial: nothing to compare it with
+    # the second meets one trial at each rung: past each with probability 1/2
+    assert c.expected_epochs(0, reached) == 1 + 0.5 * 1 + 0.25 * 2 + 0.125 * 2
+    assert c.expected_epochs(4, {}) == 2                   # past its last rung: the rest, surely
+    flat = console.SearchConsole(num_samples=4, epochs=6, objective="val_acc")
+    assert flat.expected_epochs(2, {}) == 4                # no early stopping: every epoch left
+
+
+def test_time_left_with_asha_is_below_the_every_epoch_bound(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    asha = console.SearchConsole(num_samples=4, epochs=6, objective="val_acc", concurrency=1, tty=False,
+                                 rungs=((1, 2, 4),), reduction_factor=2)
+    flat = console.SearchConsole(num_samples=4, epochs=6, objective="val_acc", concurrency=1, tty=False)
+    a = _trial(1, "a")
+    for c in (asha, flat):
+        c.on_trial_start(0, [a], a)
+    for epoch in range(1, 7):
+        clock[0] = 10.0 * epoch
+        for c in (asha, flat):
+            c.on_trial_result(0, [a], a, {"epoch": epoch, "val_acc": 0.5, "epoch_start_ts": 0.0,
+                                          "epoch_end_ts": 10.0})
+    a.status = "TERMINATED"
+    # 3 trials to start, each 10 s to its first report then 10 s an epoch: 60 s each when none is
+    # stopped; with ASHA each meets the others at its rungs
+    assert flat.time_left([a]) == 3 * 60
+    reached: dict = {(0, 1): 1.0, (0, 2): 1.0, (0, 4): 1.0}
+    expected = sum(10 + (asha.expected_epochs(0, reached) - 1) * 10 for _ in range(3))
+    assert asha.time_left([a]) == expected < 3 * 60

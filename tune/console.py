@@ -61,16 +61,35 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def asha_rungs(*, grace: int, reduction_factor: int, brackets: int,
+               epochs: int) -> tuple[tuple[int, ...], ...]:
+    """The epochs at which ASHA compares a trial with the others, per bracket (Ray's
+    `AsyncHyperBandScheduler`: bracket s's milestones are grace x R^(s+k)), only those below
+    `epochs` (at the last epoch there is nothing left to stop)."""
+    out = []
+    for s in range(brackets):
+        rungs, k = [], 0
+        while grace * reduction_factor ** (s + k) < epochs:
+            rungs.append(grace * reduction_factor ** (s + k))
+            k += 1
+        out.append(tuple(rungs))
+    return tuple(out)
+
+
 class SearchConsole(Callback):
     """Prints a search's progress (see the module docstring). Holds nothing Tune cannot pickle
     (it is saved with the experiment). `concurrency`: trials run at once (None: the most seen
     running so far), for the time left; `tty`: draw the progress line in place (None: when
-    stdout is a terminal)."""
+    stdout is a terminal). `rungs` (`asha_rungs`, () without early stopping) and
+    `reduction_factor`: ASHA's, for the epochs a trial is expected to train (`expected_epochs`)."""
 
     def __init__(self, *, num_samples: int, epochs: int, objective: str, quiet: bool = False,
-                 concurrency: int | None = None, tty: bool | None = None):
+                 concurrency: int | None = None, tty: bool | None = None,
+                 rungs: tuple[tuple[int, ...], ...] = (), reduction_factor: int = 2):
         self.num_samples = num_samples
         self.epochs = epochs
+        self.rungs = rungs
+        self.reduction_factor = reduction_factor
         self.metric = "val_acc" if objective == "pareto" else objective
         self.quiet = quiet
         self.concurrency = concurrency
@@ -239,11 +258,37 @@ class SearchConsole(Callback):
                 f"{best_text}{eta}")
         return f"{latest}  |  {line}" if latest else f"  {line}"
 
+    def expected_epochs(self, done: int, reached: dict[tuple[int, int], float]) -> float:
+        """Epochs a trial that has trained `done` is expected to train still, ASHA's stops
+        counted. At each of its bracket's rungs ASHA stops it when it is below the (1 - 1/R)
+        quantile of the trials already recorded there: with none recorded it goes on, else (ranks
+        being exchangeable) it stops with probability 1 - 1/R. `reached`: (bracket, rung) ->
+        trials expected to be recorded there before this one; updated with this trial's chance of
+        getting there (trials still to start are estimated in turn). A trial joins one bracket,
+        taken here as equally likely. Without early stopping: every epoch left."""
+        if not self.rungs:
+            return float(max(0, self.epochs - done))
+        stop = 1 - 1 / self.reduction_factor
+        total = 0.0
+        for b, rungs in enumerate(self.rungs):
+            alive, trained, at = 1.0, 0.0, done
+            for rung in rungs:
+                if rung <= done:
+                    continue
+                trained += alive * (rung - at)
+                at = rung
+                before = reached.get((b, rung), 0.0)
+                reached[(b, rung)] = before + alive / len(self.rungs)
+                alive *= 1 - stop * min(1.0, before)
+            total += trained + alive * max(0, self.epochs - at)
+        return total / len(self.rungs)
+
     def time_left(self, trials: list[Trial]) -> float | None:
-        """Seconds left, from the measured times and the plan: the epochs the running trials still
-        have at the steady epoch time, plus each trial still to start (start-up and epoch 1 as
-        measured, then the rest), shared among `concurrency` trials at a time; never less than the
-        longest running trial's own remainder. At most (ASHA may stop trials sooner). None before
+        """Seconds left, from the measured times and the plan: the epochs the running trials are
+        expected to train still (`expected_epochs`: all of them without early stopping, fewer
+        with ASHA's rungs ahead) at the steady epoch time, plus each trial still to start (start-up
+        and epoch 1 as measured, then its expected epochs), shared among `concurrency` trials at a
+        time; never less than the longest running trial's own expected remainder. None before
         anything was measured."""
         later = [s for e, spans in self._epoch_s.items() if e >= 2 for s in spans]
         epoch_s = _median(later or [s for spans in self._epoch_s.values() for s in spans])
@@ -252,20 +297,24 @@ class SearchConsole(Callback):
             return None
         epoch_s = epoch_s if math.isfinite(epoch_s) else first_s
         first_s = first_s if math.isfinite(first_s) else epoch_s
-        whole = first_s + (self.epochs - 1) * epoch_s
         ended = _ended(trials)
+        # the trials recorded at each rung so far: every one that reported that epoch
+        reached = {(b, rung): sum(1.0 for e in self._epochs_done.values() if e >= rung) / len(self.rungs)
+                   for b, rungs in enumerate(self.rungs) for rung in rungs}
         now = time.monotonic()
         remainders = []
         running = [t for t in trials if t.status == "RUNNING" and t.trial_id not in ended]
         for t in running:
             done = self._epochs_done.get(t.trial_id)
             if done is not None:
-                remainders.append(max(0, self.epochs - done) * epoch_s)
+                remainders.append(self.expected_epochs(done, reached) * epoch_s)
             else:   # started, no report yet
+                whole = first_s + (self.expected_epochs(0, reached) - 1) * epoch_s
                 remainders.append(max(epoch_s, whole - (now - self._last_seen.get(t.trial_id, now))))
         to_start = max(0, self.num_samples - len(ended) - len(running))
+        later = sum(first_s + (self.expected_epochs(0, reached) - 1) * epoch_s for _ in range(to_start))
         at_once = max(1, self.concurrency or self._most_running)
-        return max((sum(remainders) + to_start * whole) / at_once, max(remainders, default=0.0))
+        return max((sum(remainders) + later) / at_once, max(remainders, default=0.0))
 
     def _progress_line(self, text: str) -> None:
         """The state after an epoch: one line per epoch in a log file; in place on a terminal."""
