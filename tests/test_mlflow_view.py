@@ -11,6 +11,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
 from vidtune.tune.results import TrialRow
 from vidtune.tune.tracking import view
@@ -172,3 +173,28 @@ def test_the_links_open_the_charts_and_compare_stays_in_the_model_training_ui(ur
     query = parse_qs(urlparse(compare[1:]).query)
     assert query["workflowType"] == ["machine_learning"]
     assert set(json.loads(query["runs"][0])) == set(t.child_runs.values())
+
+
+def test_the_description_shows_narrow_copies_of_the_plots_linked_to_the_full_size(uri, tmp_path):
+    from vidtune.tune.plots import plot_history
+    from vidtune.tune.tracking.description import PREVIEW_FOLDER, PREVIEW_WIDTH_PX
+    rows = [_row("best", 0.8, 20.0), _row("next", 0.7, 30.0)]
+    t = _search(uri, "previews", rows)
+    history = plot_history(rows, tmp_path / "objective_history.png", objective="val_acc", val_clips=32)
+    broken = tmp_path / "accuracy_vs_speed.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n")                    # no image PIL reads: embedded as it is
+    t.log_summary(files=[history, broken])
+    t.publish_view(table_markdown="| trial |", best_trial_id="best", objective="val_acc")
+    c = MlflowClient(uri)
+    (tmp_path / "dl").mkdir()
+    copy = c.download_artifacts(t.parent_run_id, f"{PREVIEW_FOLDER}/objective_history.png",
+                                str(tmp_path / "dl"))
+    with Image.open(copy) as img, Image.open(history) as full:
+        assert img.width == PREVIEW_WIDTH_PX < full.width
+        assert abs(img.height / img.width - full.height / full.width) < 0.01
+    note = c.get_run(t.parent_run_id).data.tags["mlflow.note.content"]
+    run = t.parent_run_id
+    preview = f"get-artifact?path={PREVIEW_FOLDER}/objective_history.png&run_uuid={run}"
+    full = f"get-artifact?path=objective_history.png&run_uuid={run}"
+    assert f"[![objective_history.png]({preview})]({full})" in note
+    assert f"![accuracy_vs_speed.png](get-artifact?path=accuracy_vs_speed.png&run_uuid={run})" in note

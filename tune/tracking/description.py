@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
@@ -24,9 +25,38 @@ PLOT_SENTENCES = (
     ("objective_vs_params.png", "Each trial's {objective} against its lr (log scale) and batch size (trials "
                                 "of one size spread a little apart), the best marked: a best value at the "
                                 "edge of an axis says to widen that range."),
-    ("accuracy_vs_speed.png", "Validation accuracy against steady-state speed (clips/s): the trials on the "
-                              "front (up and to the right) are the ones worth choosing between."),
+    ("accuracy_vs_speed.png", "Validation accuracy against steady-state speed (clips/s), each with its 95% "
+                              "interval: the trials on the front (up and to the right) are the ones worth "
+                              "choosing between; the bands at the bottom are each batch size's speed over "
+                              "its trials, the noise a speed difference must beat."),
 )
+PLOT_NAMES = {name for name, _ in PLOT_SENTENCES}
+
+
+PREVIEW_FOLDER = "previews"   # the parent run's artifact folder of the plots' narrow copies
+PREVIEW_WIDTH_PX = 760        # narrow enough that the run page keeps its side panel on a 1600 px screen
+
+
+def write_previews(files: Sequence[Path], folder: Path) -> list[Path]:
+    """Narrow copies (PREVIEW_WIDTH_PX wide, same aspect) of the plots the description embeds, in
+    `folder`. MLflow's markdown keeps no width on an image (its sanitizer drops the attribute), so
+    the 1290-1410 px plots would widen the run page past its side panel; the description shows
+    these and links each to its full-size plot. Returns the copies written."""
+    out = []
+    for path in files:
+        path = Path(path)
+        if path.name not in PLOT_NAMES or not path.is_file():
+            continue
+        try:
+            with Image.open(path) as img:
+                if img.width > PREVIEW_WIDTH_PX:
+                    img = img.resize((PREVIEW_WIDTH_PX, round(img.height * PREVIEW_WIDTH_PX / img.width)),
+                                     Image.Resampling.LANCZOS)
+                img.save(folder / path.name)
+        except OSError:   # not an image PIL reads (or a full disk): the description embeds the plot itself
+            continue
+        out.append(folder / path.name)
+    return out
 
 
 def save_view(client: MlflowClient, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
@@ -102,8 +132,16 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
                   f"in [the runs table]({view.runs_link(experiment_id, view_id)}) (best first) or "
                   f"[side by side]({view.compare_link(experiment_id, list(child_runs.values()))}).")
     held = {a.path for a in c.list_artifacts(parent)}
-    plots = [f"![{name}](get-artifact?path={name}&run_uuid={parent})\n\n"
-             f"{sentence.format(objective=objective)}\n"
+    previews = ({Path(a.path).name for a in c.list_artifacts(parent, PREVIEW_FOLDER)}
+                if PREVIEW_FOLDER in held else set())
+
+    def image(name: str) -> str:   # the narrow copy, linked to the full-size plot, when there is one
+        full = f"get-artifact?path={name}&run_uuid={parent}"
+        if name not in previews:
+            return f"![{name}]({full})"
+        return f"[![{name}](get-artifact?path={PREVIEW_FOLDER}/{name}&run_uuid={parent})]({full})"
+
+    plots = [f"{image(name)}\n\n{sentence.format(objective=objective)}\n"
              for name, sentence in PLOT_SENTENCES if name in held]
     note = "\n".join([
         *[f"{line}\n" for line in answer],

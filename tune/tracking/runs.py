@@ -119,12 +119,16 @@ class RunWriter:
     def log_summary(self, *, files: list[Path] = (), best: dict[str, Any] | None = None,
                     best_checkpoint: str | None = None, metrics: dict[str, float] | None = None) -> None:
         """Summary on the parent run: the result files as artifacts (trials.csv, best_config.json,
-        the plots), the best trial's metrics as `best_*`, `metrics` (the parameter importances,
+        the plots, and the plots' narrow copies the description shows), the best trial's metrics
+        as `best_*`, `metrics` (the parameter importances,
         `importance_lr`, ...), and its checkpoint."""
         c, run_id = self.client, self.open_parent()
         for path in files:
             if path and Path(path).exists():
                 c.log_artifact(run_id, str(path))
+        with tempfile.TemporaryDirectory(prefix="vidtune-previews-") as tmp:
+            if description.write_previews([Path(p) for p in files if p], Path(tmp)):
+                c.log_artifacts(run_id, tmp, artifact_path=description.PREVIEW_FOLDER)
         if best is not None:
             # the best trial's accuracy and F1 (`best_val_acc`, `best_val_f1`, as on its own run)
             # and its speed under the one name speed has everywhere (SPEED_METRIC)
