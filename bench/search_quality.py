@@ -2,35 +2,57 @@
 
     python -m bench.search_quality record --data DIR --model tiny --out bench/tables/NAME.json \\
         --batch-sizes 4,8 --lr-min 3e-5 --lr-max 3e-2 --lr-points 7 --seeds 0,1 --epochs 6
-    python -m bench.search_quality replay bench/tables/NAME.json --seeds 20 --json out.json --plot out.png
+    python -m bench.search_quality replay bench/tables/A.json bench/tables/B.json ... --seeds 20 \\
+        --json out.json --plot out.png
+    python -m bench.search_quality choose bench/tables/A.json bench/tables/B.json ... --seeds 50 \\
+        --json choice.json
 
 `record` trains the grid with the project's own loop outside Ray (`bench.sq_record`); `replay`
 drives the searcher and scheduler `tune/space.py` builds against that table with a simulated
-clock (`bench.sq_replay`), one strategy per line (`bench.sq_strategies`), and prints the table
-of device time to come within 1 point of the best (`bench.sq_report`).
+clock (`bench.sq_replay`), one strategy per line (`bench.sq_strategies`), and prints, per table,
+the device time to come within 1 point of the best (`bench.sq_report`), then the default's
+worst table; `choose` ranks the candidates by leave-one-table-out (`bench.sq_choose`).
 """
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import optuna
 import torch
 from tqdm import tqdm
 
 from bench.common import write_json
+from bench.sq_choose import GOAL_BEATS, GOAL_TIME, candidates_table, choose, loo_table
 from bench.sq_record import Grid, header_for, log_grid, prepare, record
 from bench.sq_replay import Trace
-from bench.sq_report import console_table, grid_table, pct, plot, summarise
-from bench.sq_strategies import run_strategy, strategies
+from bench.sq_report import console_table, grid_table, pct, plot_tables, summarise
+from bench.sq_strategies import GROUPS, Strategy, run_strategy, strategies
 from bench.sq_table import Table
 
 # A trial's start and end as the search pays them on 2 CPU cores (BENCHMARKS.md "A search's cost
 # around the same trainings", the default table): trial start -> first epoch 8.4 s, plus the
 # last epoch -> trial end 1.6 s less the plain run's 0.3 s.
 START_COST_S = 9.7
-PLOTTED = "grid,random,random+asha,before,default"
+PLOTTED = "grid,random,random+asha,issue17,default"
+
+
+@dataclass
+class Replayed:
+    """One table's replays: its strategies' traces and their summary (`bench.sq_report.summarise`)."""
+
+    path: str
+    table: Table
+    traces: dict[str, list[Trace]]
+    grid_s: float
+    summary: dict[str, Any]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -61,54 +83,142 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--loader-workers", type=int, default=1, help="DataLoader processes (default 1)")
     r.add_argument("--cache-dir", default=None, help="clip cache folder (default the project's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p_ = sub.add_parser("replay", help="replay the strategies against a recorded table")
-    p_.add_argument("table", help="the table JSON from `record`")
-    p_.add_argument("--seeds", type=int, default=20, help="replay seeds per strategy (default 20)")
-    p_.add_argument("--concurrency", type=int, default=1, help="trials at once (default 1)")
-    p_.add_argument("--start-cost-s", type=float, default=START_COST_S,
-                    help=f"device seconds each trial pays once to start (default {START_COST_S})")
-    p_.add_argument("--only", default=None, help="comma-separated strategy names (default all)")
-    p_.add_argument("--times", choices=("per-batch", "recorded"), default="per-batch",
-                    help="epoch seconds: the median per batch size and epoch (default), or each run's own")
-    p_.add_argument("--plot-strategies", default=PLOTTED,
-                    help=f"comma-separated strategies drawn in the picture (default {PLOTTED})")
-    p_.add_argument("--target-points", type=float, default=1.0,
-                    help="how close to the best seed-mean final val_acc counts as found, in points "
-                    "(default 1)")
-    p_.add_argument("--json", default=None, help="write the summary (and ratios) here")
-    p_.add_argument("--plot", default=None, help="write the best-so-far picture (PNG) here")
+    p_ = sub.add_parser("replay", help="replay the strategies against recorded tables")
+    p_.add_argument("tables", nargs="+", metavar="TABLE", help="table JSONs from `record`")
+    _replay_flags(p_)
+    p_.add_argument("--json", default=None, help="write the per-table summaries, ratios and worst case here")
+    p_.add_argument("--plot", default=None,
+                    help="write the best-so-far picture (PNG, a panel per table) here")
+    c = sub.add_parser("choose", help="pick the defaults by leave-one-table-out over recorded tables")
+    c.add_argument("tables", nargs="+", metavar="TABLE", help="table JSONs from `record` (two or more)")
+    _replay_flags(c)
+    c.add_argument("--json", default=None, help="write every candidate's scores and the picks here")
     return p
 
 
-def replay_main(args: argparse.Namespace) -> int:
+def _replay_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=int, default=20, help="replay seeds per strategy (default 20)")
+    p.add_argument("--concurrency", type=int, default=1, help="trials at once (default 1)")
+    p.add_argument("--start-cost-s", type=float, default=START_COST_S,
+                   help=f"device seconds each trial pays once to start (default {START_COST_S})")
+    p.add_argument("--only", default=None, help="comma-separated strategy names (default all of --group)")
+    p.add_argument("--group", choices=GROUPS, default=GROUPS[-1],
+                   help="the candidates beside the baselines: issue17's or issue29's (default issue29)")
+    p.add_argument("--times", choices=("per-batch", "recorded"), default="per-batch",
+                   help="epoch seconds: the median per batch size and epoch (default), or each run's own")
+    p.add_argument("--plot-strategies", default=PLOTTED,
+                   help=f"comma-separated strategies drawn in the picture (default {PLOTTED})")
+    p.add_argument("--target-points", type=float, default=1.0,
+                   help="how close to the best seed-mean final val_acc counts as found, in points "
+                   "(default 1)")
+    p.add_argument("--jobs", type=int, default=1, help="processes replaying at once (default 1)")
+
+
+def table_name(path: str) -> str:
+    return Path(path).stem
+
+
+def _replay_one(path: str, times: str, strategy: Strategy, seeds: int, concurrency: int,
+                start_cost_s: float) -> list[Trace]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)   # not a line per study and trial
-    table = Table.load(args.table, times=args.times)
-    chosen = [s for s in strategies() if args.only is None or s.name in args.only.split(",")]
-    grid_s = table.grid_seconds(args.start_cost_s) / args.concurrency
-    traces: dict[str, list[Trace]] = {}
-    for strategy in tqdm(chosen, desc="replay", unit="strategy"):
-        traces[strategy.name] = [run_strategy(table, strategy, seed, concurrency=args.concurrency,
-                                              start_cost_s=args.start_cost_s) for seed in range(args.seeds)]
-    summary = summarise(table, traces, grid_s, points=args.target_points / 100)
-    print(f"table {args.table}: {len(table.configs)} configs x {len(table.seeds)} seeds x {table.epochs} "
-          f"epochs; best seed-mean final val_acc {table.best_final_mean:.3f}; grid {grid_s:.0f} s "
-          f"(concurrency {args.concurrency}); {args.seeds} replay seeds")
-    print(grid_table(table))
-    print()
-    print(console_table(summary))
-    if "ratios" in summary:
-        r = summary["ratios"]
-        print(f"default: within {args.target_points:g} point(s) at {pct(r['default_time_to_1pt_vs_grid'])} "
-              "of the grid's time "
-              f"(median; goal <= 30%); >= random+asha at 30% in {r['default_beats_random_asha']:.0%} "
-              "of seeds (goal >= 75%)")
+    table = Table.load(path, times=times)
+    return [run_strategy(table, strategy, seed, concurrency=concurrency, start_cost_s=start_cost_s)
+            for seed in range(seeds)]
+
+
+def replay_tables(args: argparse.Namespace) -> dict[str, Replayed]:
+    """Every chosen strategy on every table, `args.seeds` seeds each (in `args.jobs` processes)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    only = args.only.split(",") if args.only else None
+    chosen = [s for s in strategies(args.group) if only is None or s.name in only]
+    jobs = [(path, s) for path in args.tables for s in chosen]
+    traces: dict[str, dict[str, list[Trace]]] = {table_name(p): {} for p in args.tables}
+    bar = tqdm(total=len(jobs), desc="replay", unit="strategy")
+    if args.jobs <= 1:
+        for path, s in jobs:
+            traces[table_name(path)][s.name] = _replay_one(path, args.times, s, args.seeds, args.concurrency,
+                                                           args.start_cost_s)
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_replay_one, path, args.times, s, args.seeds, args.concurrency,
+                                   args.start_cost_s): (path, s) for path, s in jobs}
+            for future in as_completed(futures):
+                path, s = futures[future]
+                traces[table_name(path)][s.name] = future.result()
+                bar.update(1)
+    bar.close()
+    out = {}
+    for path in args.tables:
+        name = table_name(path)
+        table = Table.load(path, times=args.times)
+        grid_s = table.grid_seconds(args.start_cost_s) / args.concurrency
+        ordered = {s.name: traces[name][s.name] for s in chosen}
+        out[name] = Replayed(path, table, ordered, grid_s,
+                             summarise(table, ordered, grid_s, points=args.target_points / 100))
+    return out
+
+
+def replay_main(args: argparse.Namespace) -> int:
+    replayed = replay_tables(args)
+    for r in replayed.values():
+        t = r.table
+        print(f"table {r.path}: {len(t.configs)} configs x {len(t.seeds)} seeds x {t.epochs} epochs; best "
+              f"seed-mean final val_acc {t.best_final_mean:.3f}; grid {r.grid_s:.0f} s (concurrency "
+              f"{args.concurrency}); {args.seeds} replay seeds")
+        print(grid_table(t))
+        print()
+        print(console_table(r.summary))
+        print()
+    doc = {"seeds": args.seeds, "concurrency": args.concurrency, "start_cost_s": args.start_cost_s,
+           "target_points": args.target_points,
+           "tables": {name: {"table": r.path, **r.summary} for name, r in replayed.items()}}
+    ratios = {name: r.summary["ratios"] for name, r in replayed.items() if "ratios" in r.summary}
+    if ratios:
+        doc["ratios"] = ratios
+        doc["worst"] = worst_case(ratios)
+        for name, r in ratios.items():
+            print(f"default on {name}: within {args.target_points:g} point(s) at "
+                  f"{pct(_finite(r['default_time_to_1pt_vs_grid']))} of the grid's time (median; goal <= "
+                  f"{GOAL_TIME:.0%}); >= random+asha at 30% in {r['default_beats_random_asha']:.0%} of seeds "
+                  f"(goal >= {GOAL_BEATS:.0%})")
+        w = doc["worst"]
+        print(f"worst table: {pct(_finite(w['default_time_to_1pt_vs_grid']))} ({w['time_table']}), "
+              f"{w['default_beats_random_asha']:.0%} ({w['beats_table']})")
     if args.json:
-        write_json(args.json, {"table": args.table, "seeds": args.seeds, "concurrency": args.concurrency,
-                               "start_cost_s": args.start_cost_s, **summary})
+        write_json(args.json, doc)
     if args.plot:
-        plot(table, traces, grid_s, args.plot,
-             names=[n for n in args.plot_strategies.split(",") if n in traces],
-             points=args.target_points / 100)
+        plot_tables([(name, r.table, r.traces, r.grid_s) for name, r in replayed.items()], args.plot,
+                    names=[n for n in args.plot_strategies.split(",")], points=args.target_points / 100)
+    return 0
+
+
+def _finite(v: float | None) -> float:
+    return math.inf if v is None else v
+
+
+def worst_case(ratios: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The default's worst table for each goal: the longest median time to within 1 point (None,
+    never, counts as the longest) and the smallest share of seeds against random + ASHA."""
+    slow = max(ratios, key=lambda n: _finite(ratios[n]["default_time_to_1pt_vs_grid"]))
+    weak = min(ratios, key=lambda n: ratios[n]["default_beats_random_asha"])
+    return {"default_time_to_1pt_vs_grid": ratios[slow]["default_time_to_1pt_vs_grid"], "time_table": slow,
+            "default_beats_random_asha": ratios[weak]["default_beats_random_asha"], "beats_table": weak}
+
+
+def choose_main(args: argparse.Namespace) -> int:
+    replayed = replay_tables(args)
+    result = choose({name: r.summary for name, r in replayed.items()})
+    print(candidates_table(result))
+    print()
+    print(loo_table(result))
+    print(f"\npicked over all tables: {result['chosen']} (both goals on every table: "
+          f"{'yes' if result['chosen_meets_goals_everywhere'] else 'NO'})")
+    if args.json:
+        write_json(args.json, {"seeds": args.seeds, "concurrency": args.concurrency,
+                               "start_cost_s": args.start_cost_s, "goal_time": GOAL_TIME,
+                               "goal_beats": GOAL_BEATS,
+                               "table_paths": {n: r.path for n, r in replayed.items()}, **result})
     return 0
 
 
@@ -127,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        reuse=args.reuse, jobs=args.jobs, threads=args.threads)
         print(f"{len(table['runs'])} runs in {args.out}")
         return 0
-    return replay_main(args)
+    return replay_main(args) if args.command == "replay" else choose_main(args)
 
 
 if __name__ == "__main__":

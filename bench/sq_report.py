@@ -104,15 +104,37 @@ def _acc(v: float | None) -> str:
     return "-" if v is None or math.isnan(v) else f"{v:.3f}"
 
 
+def plot_tables(panels: list[tuple[str, Table, dict[str, list[Trace]], float]], path: str | Path, *,
+                names: list[str] | None = None, points: float = TARGET_POINTS) -> Path:
+    """One panel per (name, table, traces, grid seconds): best-so-far (judged) against device time
+    as a share of the grid's, median line and quartile band per strategy, the target dashed."""
+    cols = min(2, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(7.5 * cols, 4.6 * rows))
+    FigureCanvasAgg(fig)
+    for i, (title, table, traces, grid_s) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        _panel(ax, table, traces, grid_s, [n for n in (names or list(traces)) if n in traces], points)
+        ax.set_title(f"{title}: {len(table.configs)} configs x {table.epochs} epochs, best "
+                     f"{table.best_final_mean:.3f}", fontsize=9)
+    fig.suptitle("best so far: median and quartiles over replay seeds", fontsize=11)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
 def plot(table: Table, traces: dict[str, list[Trace]], grid_s: float, path: str | Path, *,
          names: list[str] | None = None, points: float = TARGET_POINTS) -> Path:
-    """Best-so-far (judged) against device time as a share of the grid's: median line and
-    quartile band per strategy, the target as a dashed line."""
+    """`plot_tables` for one table."""
+    return plot_tables([("table", table, traces, grid_s)], path, names=names, points=points)
+
+
+def _panel(ax: Any, table: Table, traces: dict[str, list[Trace]], grid_s: float, names: list[str],
+           points: float) -> None:
     xs = np.linspace(0, 1.0, 201)
-    fig = Figure(figsize=(9, 5.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for name in names or list(traces):
+    for name in names:
         values = np.array([[_or_nan(t.value_at(x * grid_s)) for x in xs] for t in traces[name]])
         filled = np.where(np.isnan(values), np.nanmin(values) if np.isfinite(values).any() else 0.5, values)
         q1, med, q3 = np.percentile(filled, [25, 50, 75], axis=0)
@@ -120,15 +142,9 @@ def plot(table: Table, traces: dict[str, list[Trace]], grid_s: float, path: str 
         ax.fill_between(xs * 100, q1, q3, color=line.get_color(), alpha=0.15)
     ax.axhline(table.best_final_mean - points, ls="--", color="k", lw=0.8,
                label=f"best - {points * 100:g} point(s)")
+    ax.axvline(30, ls=":", color="grey", lw=0.8)
     ax.set_xlabel("device time, % of the full grid's")
     ax.set_ylabel("picked config's seed-mean final val_acc")
-    ax.set_title("best so far: median and quartiles over replay seeds")
-    lo = table.best_final_mean - 0.15
-    ax.set_ylim(lo, table.best_final_mean + 0.02)
+    ax.set_ylim(table.best_final_mean - 0.15, table.best_final_mean + 0.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    ax.legend(fontsize=7, loc="lower right")

@@ -1,7 +1,8 @@
 """The strategies a replay compares, each built from `SearchOptions` the way the search builds it.
 
 `default` is whatever `SearchOptions()` holds now (the tool's defaults with `--data` given);
-`before` is the defaults this benchmark replaced; the candidates change one knob or a few. The
+`before` is the defaults issue 17 replaced, `issue17` the ones it chose; the candidates change one
+knob or a few. The
 baselines: `grid` (every configuration once, shuffled), `random` (Optuna's RandomSampler through
 the same `VidtuneOptunaSearch`, twice as many trials as the grid has configurations, so that the
 count never ends it within the grid's time) and `random+asha` (the same with the
@@ -27,6 +28,7 @@ from vidtune.tune.space import (
 )
 
 OBJECTIVE = objective_for("val_acc")
+GROUPS = ("issue17", "issue29")       # the candidate lists `strategies` knows, the newest last
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,61 @@ class Strategy:
     asha: bool = True                                        # random: with build_scheduler's ASHA
 
 
-# The defaults before this benchmark (tune/options.py until issue 17).
+# The defaults before issue 17's benchmark (tune/options.py until issue 17).
 BEFORE = {"num_samples": 4, "grace_period": 1, "reduction_factor": 2, "tpe": "univariate",
-          "random_start_trials": None, "space.lr_scaling": "none"}
+          "random_start_trials": None, "space.lr_scaling": "none", "asha_brackets": 1, "sampler": "tpe"}
+# The defaults issue 17 chose on one table, and issue 29's candidates change.
+ISSUE17 = {**BEFORE, "num_samples": 12, "tpe": "multivariate"}
 
 
-def strategies() -> list[Strategy]:
-    """Baselines, the default now and before, then the candidates (each from `before`, one knob or a
-    few changed; `n` is --num-samples)."""
+def _cand(base: dict[str, Any], name: str, **changes: Any) -> Strategy:
+    """A candidate: `base` with `changes` (keyword `space__x` for the space's field x; `share=F`
+    for a grace period of F x --epochs: `grace_share` F and no `grace_period`)."""
+    changes = {k.replace("__", "."): v for k, v in changes.items()}
+    if "share" in changes:
+        changes["grace_share"], changes["grace_period"] = changes.pop("share"), None
+    return Strategy(name, changes={**base, **changes})
+
+
+def strategies(group: str = "issue29") -> list[Strategy]:
+    """Baselines and the default now, then the candidates of `group`: `issue17` (each from
+    `before`, one knob or a few changed; `n` is --num-samples) or `issue29` (each from issue 17's
+    defaults: ASHA brackets, a grace period as a share of --epochs, the GP sampler, more trials)."""
+    baselines = [Strategy("grid", kind="grid"), Strategy("random", kind="random", asha=False),
+                 Strategy("random+asha", kind="random"), Strategy("default"),
+                 Strategy("before", changes=BEFORE)]
+    if group == "issue17":
+        return baselines + _issue17_candidates()
+    d17 = ISSUE17
+
+    def c(name: str, **changes: Any) -> Strategy:
+        return _cand(d17, name, **changes)
+
+    return baselines + [
+        Strategy("issue17", changes=d17),
+        c("grace=2", grace_period=2), c("share=.3", share=0.3), c("share=.4", share=0.4),
+        c("share=.5", share=0.5),
+        c("brackets=2", asha_brackets=2), c("brackets=3", asha_brackets=3),
+        c("share=.3 brackets=2", share=0.3, asha_brackets=2),
+        c("share=.3 brackets=3", share=0.3, asha_brackets=3),
+        c("rf=3 brackets=2", reduction_factor=3, asha_brackets=2),
+        c("gp", sampler="gp"), c("gp share=.3", sampler="gp", share=0.3),
+        c("gp brackets=2", sampler="gp", asha_brackets=2),
+        c("n=16", num_samples=16), c("n=20", num_samples=20),
+        c("n=16 share=.3", num_samples=16, share=0.3), c("n=16 brackets=2", num_samples=16, asha_brackets=2),
+        c("n=16 share=.3 brackets=2", num_samples=16, share=0.3, asha_brackets=2),
+        c("n=20 share=.3", num_samples=20, share=0.3), c("n=20 brackets=2", num_samples=20, asha_brackets=2),
+        c("n=16 gp", num_samples=16, sampler="gp"),
+        c("n=16 gp share=.3", num_samples=16, sampler="gp", share=0.3),
+        c("no-asha", early_stop=False), c("n=16 start=4", num_samples=16, random_start_trials=4),
+    ]
+
+
+def _issue17_candidates() -> list[Strategy]:
     def cand(name: str, **changes: Any) -> Strategy:
-        return Strategy(name, changes={**BEFORE, **{k.replace("__", "."): v for k, v in changes.items()}})
+        return _cand(BEFORE, name, **changes)
 
     return [
-        Strategy("grid", kind="grid"), Strategy("random", kind="random", asha=False),
-        Strategy("random+asha", kind="random"), Strategy("default"), Strategy("before", changes=BEFORE),
         cand("n=8", num_samples=8), cand("n=12", num_samples=12), cand("n=16", num_samples=16),
         cand("n=12 multivariate", num_samples=12, tpe="multivariate"),
         cand("n=12 start=3", num_samples=12, random_start_trials=3),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import search_quality
+from bench.sq_choose import GOAL_BEATS, GOAL_TIME, choose
 from bench.sq_record import Grid, record, run_key
 from bench.sq_replay import GridSearcher, replay
 from bench.sq_strategies import Strategy, options_for, run_strategy
@@ -18,7 +19,17 @@ from bench.sq_table import Table
 from vidtune.trainer.config import TrainConfig
 from vidtune.tune.space import build_scheduler, build_searcher, objective_for, param_space
 
-CHECKED_IN = Path(__file__).resolve().parents[1] / "bench" / "tables" / "tiny-synth480-lr11.json"
+TABLES_DIR = Path(__file__).resolve().parents[1] / "bench" / "tables"
+
+
+def checked_in_tables() -> list[Path]:
+    """Every recorded learning-curve table in bench/tables (a JSON with a grid and runs; the replay
+    summaries beside them are not tables)."""
+    return [p for p in sorted(TABLES_DIR.glob("*.json"))
+            if {"grid", "runs"} <= set(json.loads(p.read_text()))]
+
+
+TABLES = checked_in_tables()
 LRS = (1e-4, 1e-3, 1e-2)
 EPOCHS = 4
 START_S = 10.0
@@ -196,22 +207,67 @@ def test_record_trains_runs_at_once_in_separate_processes(tmp_path):
     assert Table(doc).final_mean(8, 1e-3) == pytest.approx(acc_curve(8, 1e-3, 0)[-1])
 
 
-def test_replay_cli_writes_the_ratios_and_the_picture(tmp_path, capsys):
-    path = tmp_path / "table.json"
-    path.write_text(json.dumps(make_doc()))
+def later_curve(batch: int, lr: float, seed: int) -> list[float]:
+    """Another table: lr 1e-2 best, its curve flat until the last epoch (early ranks mislead)."""
+    final = {1e-4: 0.6, 1e-3: 0.8, 1e-2: 0.9}[lr]
+    return [0.55 if e < EPOCHS else final for e in range(1, EPOCHS + 1)]
+
+
+def test_replay_cli_writes_per_table_ratios_the_worst_case_and_the_picture(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(make_doc()))
+    b.write_text(json.dumps(make_doc(later_curve)))
     out, png = tmp_path / "replay.json", tmp_path / "replay.png"
-    assert search_quality.main(["replay", str(path), "--seeds", "3", "--only", "grid,random+asha,default",
-                                "--json", str(out), "--plot", str(png)]) == 0
+    assert search_quality.main(["replay", str(a), str(b), "--seeds", "3", "--only",
+                                "grid,random+asha,default", "--json", str(out), "--plot", str(png)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["ratios"]) == {"default_time_to_1pt_vs_grid", "default_beats_random_asha"}
-    assert doc["strategies"]["grid"]["reached_share"] == 1.0       # the grid holds the best config
+    assert set(doc["ratios"]) == {"a", "b"} and set(doc["tables"]) == {"a", "b"}
+    assert set(doc["ratios"]["a"]) == {"default_time_to_1pt_vs_grid", "default_beats_random_asha"}
+    for name in ("a", "b"):        # the grid holds each table's best configuration
+        assert doc["tables"][name]["strategies"]["grid"]["reached_share"] == 1.0
+    times = {n: r["default_time_to_1pt_vs_grid"] or math.inf for n, r in doc["ratios"].items()}
+    assert doc["worst"]["time_table"] == max(times, key=times.get)
     assert png.stat().st_size > 0 and "random+asha" in capsys.readouterr().out
 
 
-def test_the_checked_in_table_is_one_the_benchmark_can_judge_by():
-    """Issue 17's rules for the recorded table: at least 200 validation clips, both ends of the lr
-    grid clearly worse than the middle at every batch size, curves that still differ at the end."""
-    table = Table.load(CHECKED_IN)
+def test_leave_one_table_out_judges_each_pick_on_the_table_it_was_not_chosen_on():
+    """Three tables, three candidates: `steady` meets both goals everywhere, `lucky` is best on two
+    tables and fails the third, `slow` never meets the time goal."""
+    def entry(time: float, beats: float) -> dict:
+        return {"time_to_1pt_vs_grid": {"median": time}, "beats_random_asha_at_30%": beats,
+                "reached_share": 0.6}
+
+    perf = {"steady": (0.25, 0.25, 0.25), "lucky": (0.10, 0.10, 0.90), "slow": (0.50, 0.50, 0.50)}
+    summaries = {t: {"strategies": {"grid": entry(0.2, 0.5),
+                                    **{n: entry(v[i], 0.9) for n, v in perf.items()}}}
+                 for i, t in enumerate(("t1", "t2", "t3"))}
+    result = choose(summaries)
+    assert result["chosen"] == "steady" and result["chosen_meets_goals_everywhere"]
+    loo = {r["held_out"]: r for r in result["leave_one_out"]}
+    assert loo["t3"]["chosen"] == "lucky" and not loo["t3"]["met"]      # picked on t1, t2; fails t3
+    assert loo["t1"]["chosen"] == loo["t2"]["chosen"] == "steady"        # lucky fails one of the others
+
+
+@pytest.mark.parametrize("epochs,share,brackets,rungs", [
+    (6, 0.2, 1, [[1, 2, 4]]),                  # grace round(1.2) = 1
+    (8, 0.3, 1, [[2, 4, 8]]),                  # grace round(2.4) = 2
+    (5, 0.5, 2, [[3]]),                        # grace 2.5 rounds half up to 3; bracket 2 would start at 6
+    (4, 0.2, 3, [[1, 2, 4], [2, 4]]),          # a third bracket would start at max_t: dropped
+])
+def test_grace_share_and_brackets_give_asha_its_rungs(table, epochs, share, brackets, rungs):
+    opts = replace(options_for(table, Strategy("x", changes={"grace_period": None, "grace_share": share,
+                                                             "asha_brackets": brackets}), 0),
+                   train=TrainConfig().with_overrides(epochs=epochs))
+    sched = build_scheduler(opts)
+    assert [sorted(m for m, _ in b._rungs) for b in sched._brackets] == rungs
+
+
+@pytest.mark.parametrize("path", TABLES, ids=[p.stem for p in TABLES])
+def test_the_checked_in_table_is_one_the_benchmark_can_judge_by(path):
+    """Issue 17's rules for a recorded table: at least 200 validation clips, both ends of the lr
+    grid clearly worse than the middle at every batch size, curves that still differ at the end;
+    and (issue 29) a plateau: at least two configurations within 2 points of the best."""
+    table = Table.load(path)
     assert table.doc["dataset"]["val_videos"] >= 200
     assert len(table.seeds) >= 2 and len(table.lrs) >= 7
     best = table.best_final_mean
@@ -220,17 +276,24 @@ def test_the_checked_in_table_is_one_the_benchmark_can_judge_by():
         assert finals[0] < best - 0.10 and finals[-1] < best - 0.10, (batch, finals)
     middle = [table.final_mean(b, lr) for b in table.batch_sizes for lr in table.lrs[2:-2]]
     assert max(middle) - statistics.median(middle) > 0.02       # the last epoch still tells them apart
+    near = [c for c in table.configs if table.final_mean(*c) >= best - 0.02]
+    assert len(near) >= 2, near
 
 
-def test_the_default_search_meets_its_goal_on_the_checked_in_table(tmp_path, capsys):
-    """The defaults were chosen by this replay (BENCHMARKS.md "Search quality"): on the checked-in
-    table the default comes within 1 point of the grid's best in <= 30 % of the grid's device time
-    (median of 20 seeds) and is at least as good as random + ASHA at 30 % in >= 75 % of seeds.
-    A change of defaults that breaks either fails here."""
+def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, capsys):
+    """The defaults were chosen by leave-one-table-out replays (BENCHMARKS.md "Search quality"): on
+    every checked-in table the default comes within 1 point of the grid's best in <= 30 % of the
+    grid's device time (median of 20 seeds) and is at least as good as random + ASHA at 30 % in
+    >= 75 % of seeds. A change of defaults that breaks either on any table fails here."""
     out = tmp_path / "replay.json"
-    assert search_quality.main(["replay", str(CHECKED_IN), "--seeds", "20", "--only", "default,random+asha",
+    assert search_quality.main(["replay", *map(str, TABLES), "--seeds", "20", "--only", "default,random+asha",
                                 "--json", str(out)]) == 0
-    ratios = json.loads(out.read_text())["ratios"]
-    assert (ratios["default_time_to_1pt_vs_grid"] or math.inf) <= 0.30, ratios   # None: never within
-    assert ratios["default_beats_random_asha"] >= 0.75, ratios
-
+    doc = json.loads(out.read_text())
+    assert set(doc["ratios"]) == {p.stem for p in TABLES}
+    for name, ratios in doc["ratios"].items():
+        assert (ratios["default_time_to_1pt_vs_grid"] or math.inf) <= GOAL_TIME, (name, ratios)  # None: never
+        assert ratios["default_beats_random_asha"] >= GOAL_BEATS, (name, ratios)
+    worst, per_table = doc["worst"], doc["ratios"].values()
+    slowest = max(r["default_time_to_1pt_vs_grid"] or math.inf for r in per_table)
+    assert (worst["default_time_to_1pt_vs_grid"] or math.inf) == slowest
+    assert worst["default_beats_random_asha"] == min(r["default_beats_random_asha"] for r in per_table)

@@ -164,12 +164,20 @@ def test_asha_only_when_it_can_work(kw, on):
 def test_the_parent_run_records_how_the_search_searched():
     """vidtune.tune.runner.searcher_params: the settings that make two searches differ, as MLflow params."""
     default = searcher_params(_opts(num_samples=12))
-    assert default == {"tpe": "multivariate", "random_start_trials": 6, "early_stopping": "asha",
-                       "grace_period": 1, "reduction_factor": 2, "lr_scaling": "none", "time_budget": None,
-                       "warm_start": None}
+    assert default == {"sampler": "tpe", "tpe": "multivariate", "random_start_trials": 6,
+                       "early_stopping": "asha", "grace_period": 1, "reduction_factor": 2, "asha_brackets": 1,
+                       "lr_scaling": "none", "time_budget": None, "warm_start": None}
     other = searcher_params(_opts(num_samples=8, tpe="univariate", lr_scaling="sqrt", early_stop=False,
                                   time_budget="2h"))
     assert other["tpe"] == "univariate" and other["random_start_trials"] == 4
     assert other["early_stopping"] == "off" and "grace_period" not in other
     assert other["lr_scaling"] == "sqrt" and other["lr_reference_batch"] == 4   # the smallest batch
     assert other["time_budget"] == "2h"
+    gp = searcher_params(_opts(num_samples=12, epochs=8, sampler="gp", grace_share=0.3, asha_brackets=2))
+    assert gp["sampler"] == "gp" and gp["grace_period"] == 2 and gp["asha_brackets"] == 2
+
+
+def test_the_gp_sampler_is_optunas_gaussian_process():
+    sampler = space.build_sampler(_opts(num_samples=12, sampler="gp"))
+    assert isinstance(sampler, optuna.samplers.GPSampler)
+    assert isinstance(space.build_sampler(_opts(num_samples=12)), optuna.samplers.TPESampler)

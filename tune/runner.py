@@ -375,15 +375,16 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
 
 def searcher_params(opts: SearchOptions) -> dict[str, Any]:
     """How the search searched, as the parent run's params, so that searches run with other
-    settings can be compared side by side in MLflow: the TPE kind and its random start, ASHA's
-    rules (or "off"), the lr scaling, the time budget and the warm start."""
+    settings can be compared side by side in MLflow: the sampler, the TPE kind and the random start,
+    ASHA's rules and brackets (or "off"), the lr scaling, the time budget and the warm start."""
     asha = space.early_stopping_enabled(opts)
     params: dict[str, Any] = {
-        "tpe": opts.tpe, "random_start_trials": space.random_start_trials(opts),
+        "sampler": opts.sampler, "tpe": opts.tpe, "random_start_trials": space.random_start_trials(opts),
         "early_stopping": "asha" if asha else "off", "lr_scaling": opts.space.lr_scaling,
         "time_budget": opts.time_budget, "warm_start": opts.warm_start}
     if asha:
-        params.update(grace_period=space.grace_period(opts), reduction_factor=opts.reduction_factor)
+        params.update(grace_period=space.grace_period(opts), reduction_factor=opts.reduction_factor,
+                      asha_brackets=space.asha_brackets(opts))
     if opts.space.lr_scaling != "none":
         params["lr_reference_batch"] = space.reference_batch(opts.space)
     return params

@@ -162,7 +162,8 @@ def build_sampler(opts: SearchOptions) -> optuna.samplers.BaseSampler:
 
 
 def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
-    """Seeded TPE (or GP, `--sampler`) through Ray's OptunaSearch; the study goes to `--optuna-storage` when given.
+    """Seeded TPE (or GP, `--sampler`: `build_sampler`) through Ray's OptunaSearch; the study goes
+    to `--optuna-storage` when given.
     `--warm-start`: an earlier search's finished trials inside this space seed the study.
     `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
     sampler = build_sampler(opts)
