@@ -98,3 +98,45 @@ def test_probabilities_match_the_model(synthetic_root, checkpoint_dir):
 def test_predict_bad_flag_exits_2_naming_it(tmp_path, capsys, flag, value):
     assert predict.main(["--checkpoint", str(tmp_path / "nowhere"), flag, value, "v.mp4"]) == 2
     assert f"{flag}: got" in capsys.readouterr().err
+
+
+# -- a registered model as the checkpoint (models:/NAME/VERSION): each wrong part named ----------
+# (Scoring with a registered model: tests/test_model_registry.py, on a real search's store.)
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory) -> str:
+    """A SQLite store whose registry holds the model `vidtune` without versions."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlruns.db'}"
+    MlflowClient(uri).create_registered_model("vidtune")
+    return uri
+
+
+@pytest.mark.parametrize("checkpoint, said", [
+    ("models:/nope/1", "no registered model 'nope' in {uri} (it has vidtune)"),
+    ("models:/vidtune/3", "model 'vidtune' has no version 3 in {uri} (its versions: none)"),
+    ("models:/vidtune@best", "model 'vidtune' has no alias 'best'"),
+    ("models:/vidtune", "models:/vidtune: write it as models:/NAME/VERSION (a number) or models:/NAME@ALIAS"),
+])
+def test_a_registered_model_that_is_not_there_is_named(registry, capsys, checkpoint, said):
+    code = predict.main(["--checkpoint", checkpoint, "--mlflow-uri", registry, "v.mp4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: --checkpoint: ") and said.format(uri=registry) in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_registry_store_that_does_not_exist_is_named_not_created(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code = predict.main(["--checkpoint", "models:/vidtune/1", "v.mp4"])     # the default store, absent
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: --mlflow-uri (default): sqlite:///mlruns.db: no such store"), err
+    assert not (tmp_path / "mlruns.db").exists()
+    missing = tmp_path / "elsewhere.db"
+    code = predict.main(["--checkpoint", "models:/x/1", "--mlflow-uri", f"sqlite:///{missing}", "v.mp4"])
+    assert code == 2
+    assert f"error: --mlflow-uri: sqlite:///{missing}: no such store" in capsys.readouterr().err
+    assert not missing.exists()

@@ -1,6 +1,10 @@
 """Violence probability of videos with a trained checkpoint, on the CPU or a GPU, without Ray.
 
     vidtune predict --checkpoint PATH VIDEO [VIDEO ...]
+    vidtune predict --checkpoint models:/NAME/VERSION [--mlflow-uri URI] VIDEO [VIDEO ...]
+
+The checkpoint is a folder written by `vidtune train` or a search, or a model a search registered
+in MLflow (`models:/NAME/VERSION` or `models:/NAME@ALIAS`, looked up in --mlflow-uri's registry).
 
 The model sees fixed-length clips (`num_frames` frames, every `frame_stride`-th), so a video
 longer than one clip is scored window by window: the clip window slides over the video every
@@ -12,7 +16,9 @@ still scored; the exit code is then 1 (2 for a bad checkpoint or flag).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +34,12 @@ class PredictOptions:
 
     checkpoint: str | None = option(None, flag="--checkpoint", metavar="PATH",
                                     help="checkpoint directory (printed by trainer.train) or its "
-                                    "checkpoint.pt; required")
+                                    "checkpoint.pt, or a registered model models:/NAME/VERSION (printed by a "
+                                    "search); required")
+    mlflow_uri: str | None = option(None, flag="--mlflow-uri", metavar="URI",
+                                    help="the MLflow store whose registry holds a models:/ checkpoint "
+                                    "(default $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db, a search's "
+                                    "default)")
     window_stride: float = option(1.0, flag="--window-stride", metavar="S", gt=0,
                                   help="seconds between window starts in long videos")
     batch_size: int = option(8, flag="--batch-size", metavar="N", ge=1,
@@ -63,7 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         device = scoring.device_named(opts.device)
-        predictor = scoring.Predictor.from_checkpoint(opts.checkpoint, device, args.precision)
+        with tempfile.TemporaryDirectory(prefix="vidtune-predict-") as tmp:
+            registered = opts.checkpoint.startswith("models:/")
+            path = registered_checkpoint(opts, tmp) if registered else opts.checkpoint
+            predictor = scoring.Predictor.from_checkpoint(path, device, args.precision)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (checkpointing.CheckpointError, RuntimeError, ValueError) as e:
         where = f"--checkpoint {opts.checkpoint}: " if isinstance(e, checkpointing.CheckpointError) else ""
         print(f"error: {where}{e}", file=sys.stderr)
@@ -89,6 +106,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed:
         print(f"{failed} of {len(args.videos)} video(s) could not be read", file=sys.stderr)
     return 1 if failed else 0
+
+
+DEFAULT_STORE = "sqlite:///mlruns.db"   # a search's default --mlflow-uri
+
+
+def registered_checkpoint(opts: PredictOptions, folder: str) -> Path:
+    """The checkpoint file of the registered model `opts.checkpoint` (models:/...), downloaded
+    into `folder`. ConfigError naming --checkpoint or --mlflow-uri when either names nothing."""
+    from vidtune.trainer import mlflow_model  # heavy (MLflow, ~2 s): only for a models:/ checkpoint
+
+    uri = opts.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_STORE
+    flag = "--mlflow-uri" if opts.mlflow_uri else "$MLFLOW_TRACKING_URI" if uri != DEFAULT_STORE else \
+        "--mlflow-uri (default)"
+    missing = mlflow_model.missing_store(uri)
+    if missing:
+        raise ConfigError(flag, f"{uri}: {missing}; pass the --mlflow-uri the search wrote to, to find "
+                          f"{opts.checkpoint}")
+    try:
+        return mlflow_model.download_checkpoint(opts.checkpoint, uri, folder)
+    except mlflow_model.ModelURIError as e:
+        raise ConfigError("--checkpoint", str(e)) from None
 
 
 if __name__ == "__main__":

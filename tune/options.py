@@ -125,6 +125,18 @@ class Tracking:
     experiment: str = option("vidtune", flag="--experiment", metavar="NAME",
                              help="MLflow experiment that holds the search's runs "
                              "(not --name, the search's folder)")
+    # Two fields, one setting: a str flag cannot be switched off. Declared in this order, the
+    # config file's key `register-model` is the name's (its `no-register-model` the switch's).
+    register: bool = option(True, flag="--no-register-model",
+                            help="log the best model in MLflow without registering it")
+    register_model: str | None = option(None, flag="--register-model", metavar="NAME",
+                                        help="register the best trial's model in MLflow's Model Registry "
+                                        "under NAME, as its next version (default: the --experiment name)")
+
+    @property
+    def model_name(self) -> str | None:
+        """The registered model's name, or None with --no-register-model."""
+        return (self.register_model or self.experiment) if self.register else None
 
 
 @dataclass(frozen=True)
@@ -355,6 +367,7 @@ def validate(o: SearchOptions) -> None:
     if o.trust_state and not o.resume:
         raise ConfigError("--trust-state", "only with --resume (it lets a resume load a state your key did "
                           "not sign)")
+    _check_model_name(o.tracking)
     if o.verbose and o.quiet:
         raise ConfigError("--verbose/--quiet", "give one of them, not both")
     if o.optuna_storage and not o.optuna_storage.startswith(("sqlite:", "postgresql", "mysql")):
@@ -370,6 +383,32 @@ def _check_name(name: str) -> None:
     if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
         raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, "
                           "so give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why MLflow's Model Registry refuses `name`, or None: what `mlflow.utils.validation.
+    _validate_model_name` checks (tests/test_model_registry.py holds the two together), here so
+    that the search refuses it before it runs, without importing MLflow."""
+    if not name.strip():
+        return "it is empty"
+    refused = [c for c in "/:" if c in name]
+    if refused:
+        return f"it holds {' and '.join(map(repr, refused))}"
+    if name == "." or name.startswith(".."):
+        return "it reads as a relative folder"
+    return None
+
+
+def _check_model_name(t: Tracking) -> None:
+    """--register-model (or --experiment, its default) is a name MLflow's registry takes."""
+    if t.register_model is not None and not t.register:
+        raise ConfigError("--register-model/--no-register-model", "give one of them, not both")
+    problem = model_name_problem(t.model_name) if t.model_name is not None else None
+    if problem:
+        flag = "--register-model" if t.register_model is not None else "--experiment"
+        also = "" if t.register_model is not None else " (or --no-register-model)"
+        raise ConfigError(flag, f"{t.model_name!r} cannot name a registered MLflow model ({problem}); pass "
+                          f"--register-model with another name, such as rwf-mvit{also}")
 
 
 def _check_gpus_per_worker(r: Resources) -> None:

@@ -25,6 +25,7 @@ from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
+from vidtune.trainer import mlflow_model
 from vidtune.trainer.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus, train_device
@@ -54,7 +55,7 @@ from vidtune.tune.ray_internals import (
     restored_searcher,
 )
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
-from vidtune.tune.summary import print_summary, summarise
+from vidtune.tune.summary import Summary, print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
 from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
@@ -238,14 +239,40 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         faults.uninstall()
         summary = summarise(plan, opts, results)        # with trials.csv, best_config.json, the plots
         pending = tracker.record_summary(summary)       # None once MLflow is up to date
+        model = log_best_model(plan, opts, summary, tracker) if pending is None and failure is None else []
         code = print_summary(plan, opts, summary, mlflow_links=tracker.summary_links(pending),
-                             pending=pending, failed=failure is not None,
+                             pending=pending, failed=failure is not None, model=model,
                              budget=searcher if isinstance(searcher, TimeBudget) else None)
         save_lease_record(lease, log_file_for(plan.experiment_path, plan.name))
         del registry, lease
     if failure is not None:
         raise_failure(plan, opts, failure)
     return code
+
+
+def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> list[str]:
+    """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
+    under --register-model (`trainer.mlflow_model`); returns the summary's lines saying how to
+    load and serve it, or the one line saying why it is not in MLflow. Never raises: the
+    search's results and exit code stand either way. Not for an interrupted search (its
+    --resume logs the model of the finished search)."""
+    row = summary.checkpoint
+    if row is None or summary.interrupted:
+        return []
+    run_id = tracker.child_runs.get(row.trial_id)
+    example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
+    why = ("its checkpoint is on remote storage" if "://" in str(row.checkpoint) else
+           f"trial {row.name} has no MLflow run" if run_id is None else
+           "no validation video to be its input example" if example is None else None)
+    if why is None:
+        try:
+            logged = mlflow_model.log_model(opts.tracking.mlflow_uri, run_id, row.checkpoint,
+                                            example_video=example, registered_name=opts.tracking.model_name)
+            return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
+                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}")
+        except Exception as e:   # the model is a convenience on top of the results: never their end
+            why = faults.one_line(e, 200)
+    return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
 
 
 def save_lease_record(lease: Any, log: Path) -> Path | None:

@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,13 +95,15 @@ def searched_range(opts: SearchOptions) -> SearchedRange:
 
 
 def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_links: str,
-                  pending: str | None, failed: bool = False, budget: TimeBudget | None = None) -> int:
+                  pending: str | None, failed: bool = False, budget: TimeBudget | None = None,
+                  model: Sequence[str] = ()) -> int:
     """Print the last block (see the module docstring). Exit code: 0 with a best trial, 1
     without, 130 when interrupted. `mlflow_links`: the lines that follow the answer (the
     tracker's `summary_links`); `pending`: why MLflow is not up to date, None when it is (the
     tracker's `record_summary`). `failed`: the search ended in an exception, which the caller
     reports (no resume hint here). `budget`: the searcher's --time-budget wrapper, which says
-    whether the budget ended the search."""
+    whether the budget ended the search. `model`: the lines saying where the best model is in
+    MLflow and how to load and serve it, or why it is not there (`tune.runner.log_best_model`)."""
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
     rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips
@@ -135,6 +138,8 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
         say(checkpoint_line(best, summary.checkpoint))
         if "best_config" in files:
             say(f"train it again: vidtune train --config {files['best_config']}")
+    for line in model:
+        say(line)
     if files:
         say(f"results: {files['trials_csv'].parent} (trials.csv, best_config.json, plots)")
     if pending:

@@ -1,0 +1,273 @@
+"""A trained checkpoint as an MLflow model: logged in a run, registered, loaded by `models:/` URI.
+
+One MLflow model, two flavours:
+
+- `python_function`: video file paths in (a list, or a DataFrame's one column), P(violent) in
+  [0, 1] per video out: the max over the video's clip windows, what `vidtune predict` prints as
+  the video's score (`trainer.scoring`, the same code). Its signature comes from `VideoModel.
+  predict`'s type hints (list[str] -> list[float]), its input example is a validation video's
+  path. Saved as MLflow's "models from code" (no pickled Python object) with the checkpoint (its
+  weights and settings, not the optimizer's state) as its artifact, read back with
+  `torch.load(weights_only=True)`.
+- `pytorch`: the bare network, exported with `torch.export` (MLflow's `pt2` format, no pickle):
+  `mlflow.pytorch.load_model(uri)` gives a module from float32 clips `B x 3 x T x H x W`,
+  normalised as `trainer.scoring.Predictor.transform` does, to logits `B x 2`. A network that
+  `torch.export` cannot trace is left out, the reason in the model's metadata (`NO_TORCH_KEY`).
+
+The model imports the installed vidtune package when it loads (its requirements name it): serve
+it from an environment where vidtune is installed (`mlflow models serve --env-manager local`).
+Nothing is downloaded or inferred over the network: the pip requirements are listed here.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import mlflow.artifacts
+import mlflow.pyfunc
+import mlflow.pytorch
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, infer_signature
+from mlflow.tracking import MlflowClient
+
+from vidtune.trainer import scoring
+from vidtune.trainer.checkpointing import FILE_NAME, CheckpointError, checkpoint_file, load_checkpoint
+
+MODEL_NAME = "model"               # the logged model's name in its run
+TORCH_DATA = "pytorch"             # the exported network's folder inside the model
+NO_TORCH_KEY = "vidtune_no_pytorch_flavour"   # the model's metadata: why its network was not exported
+# The code MLflow keeps with the model and runs to build it ("models from code").
+MODEL_CODE = ("from mlflow.models import set_model\n\nfrom vidtune.trainer.mlflow_model import VideoModel\n\n"
+              "set_model(VideoModel())\n")
+# What the python_function model is told at load time (`model_config`); `vidtune predict`'s defaults.
+SCORING = {"window_stride_s": 1.0, "batch_size": 8, "device": "auto", "precision": "auto"}
+# Kept in the model's checkpoint: what scoring needs, not the optimizer's state (2x the weights).
+KEPT = ("format", "version", "epoch", "model", "config", "spec", "class_names", "metrics")
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_ID"   # read by MLflow's fluent API when no experiment is set
+REQUIREMENTS = ("vidtune", "mlflow", "torch", "torchvision", "decord", "numpy", "pandas")
+
+
+class ModelURIError(ValueError):
+    """A `models:/` URI that names nothing usable; the message names what is missing."""
+
+
+class VideoModel(mlflow.pyfunc.PythonModel):
+    """The python_function flavour: video file paths -> P(violent) per video."""
+
+    def load_context(self, context: Any) -> None:
+        config = {**SCORING, **(context.model_config or {})}
+        device = scoring.device_named(str(config["device"]))
+        self.predictor = scoring.Predictor.from_checkpoint(context.artifacts["checkpoint"], device,
+                                                           str(config["precision"]))
+        self.window_stride_s = float(config["window_stride_s"])
+        self.batch_size = int(config["batch_size"])
+
+    def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[float]:
+        """`model_input`: video file paths (MLflow turns a DataFrame's one column, or a
+        `{"inputs": [...]}` request, into that list; its type hint is the model's signature).
+        Raises `scoring.VideoReadError` naming a video that is missing or does not decode."""
+        return [video_probability(self.predictor, Path(path), self.window_stride_s, self.batch_size)
+                for path in model_input]
+
+
+def video_probability(p: scoring.Predictor, path: Path, window_stride_s: float, batch_size: int) -> float:
+    """A video's P(violent): the max over its clip windows, as `vidtune predict` scores a video
+    (one violent moment makes a violent video)."""
+    return max(q for _, q in scoring.score_video(p, path, window_stride_s, batch_size))
+
+
+# -- saving and logging ------------------------------------------------------------------------
+
+def requirements() -> list[str]:
+    """The model's pip requirements, pinned to what is installed here (never inferred: MLflow's
+    inference loads the model in a subprocess and may ask the network)."""
+    out = []
+    for name in REQUIREMENTS:
+        try:
+            out.append(f"{name}=={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            out.append(name)
+    return out
+
+
+def slim_checkpoint(source: str | Path, target: Path) -> Path:
+    """Copy the checkpoint `source` (file or folder) to `target`, keeping what scoring reads
+    (`KEPT`), not the optimizer's, scaler's and scheduler's state. Raises CheckpointError."""
+    state = load_checkpoint(source)
+    torch.save({k: state[k] for k in KEPT if k in state}, target)
+    return target
+
+
+def save_model(path: str, mlflow_model: Model | None = None, *, checkpoint: str | Path,
+               example_video: str | Path, **_: Any) -> None:
+    """Write the two-flavour model of `checkpoint` to the new folder `path` (the `flavor` hook
+    of `mlflow.models.Model.log`). `example_video`: a video file's path, the input example."""
+    mlflow_model = mlflow_model or Model()
+    with tempfile.TemporaryDirectory(prefix="vidtune-model-") as tmp:
+        slim = slim_checkpoint(checkpoint, Path(tmp) / FILE_NAME)
+        code = Path(tmp) / "vidtune_video_model.py"
+        code.write_text(MODEL_CODE)
+        predictor = scoring.Predictor.from_checkpoint(slim, torch.device("cpu"), "fp32")
+        mlflow.pyfunc.save_model(
+            path, mlflow_model=mlflow_model, python_model=str(code), artifacts={"checkpoint": str(slim)},
+            model_config=SCORING, input_example=[str(example_video)],
+            pip_requirements=requirements())
+        try:
+            add_torch_flavour(mlflow_model, Path(path), predictor, Path(tmp) / "torch")
+        except Exception as e:   # a network torch.export cannot trace: the video model still serves
+            mlflow_model.metadata = {**(mlflow_model.metadata or {}),
+                                     NO_TORCH_KEY: f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    mlflow_model.save(str(Path(path) / "MLmodel"))
+
+
+def add_torch_flavour(mlflow_model: Model, path: Path, p: scoring.Predictor, scratch: Path) -> None:
+    """Export `p.model` (pt2: a graph, no pickle; batch size free) with `mlflow.pytorch` into
+    `scratch`, move its data into `path/TORCH_DATA` and add its `pytorch` flavour to
+    `mlflow_model` (whose `python_function` flavour stays `VideoModel`)."""
+    clips = torch.zeros(2, 3, p.num_frames, p.height, p.width)   # batch 2: a batch of 1 exports as fixed
+    with torch.inference_mode():
+        logits = p.model(clips)
+    mlflow.pytorch.save_model(p.model, str(scratch), serialization_format="pt2",
+                              input_example=(clips.numpy(),),
+                              signature=infer_signature(clips.numpy(), logits.numpy()),
+                              pip_requirements=requirements())
+    conf = dict(Model.load(str(scratch)).flavors["pytorch"])
+    shutil.move(str(scratch / conf["model_data"]), str(path / TORCH_DATA))
+    mlflow_model.add_flavor("pytorch", **{**conf, "model_data": TORCH_DATA})
+
+
+@contextmanager
+def tracking_at(uri: str, experiment_id: str | None = None) -> Iterator[None]:
+    """MLflow's fluent API (which `Model.log`, registration and `models:/` downloads use) pointed
+    at store `uri` and experiment `experiment_id` for the block, without progress bars, then
+    back: the search's own writes name their store on every call. (Without an experiment,
+    `Model.log` files the model under the store's Default experiment, whatever its run's.)"""
+    env = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+           **({EXPERIMENT_ENV: experiment_id} if experiment_id is not None else {})}
+    before, env_before = mlflow.get_tracking_uri(), {k: os.environ.get(k) for k in env}
+    mlflow.set_tracking_uri(uri)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@dataclass(frozen=True)
+class Logged:
+    """A logged (and perhaps registered) model: `uri` loads it (`models:/NAME/VERSION` when
+    registered, else `models:/<model id>`)."""
+
+    uri: str
+    model_id: str
+    name: str | None = None
+    version: int | None = None
+
+
+def log_model(tracking_uri: str, run_id: str, checkpoint: str | Path, *, example_video: str | Path,
+              registered_name: str | None = None) -> Logged:
+    """Log `checkpoint` as run `run_id`'s model `MODEL_NAME` (with the run's params) and, when
+    `registered_name` is given, register it as that model's next version. Raises on failure."""
+    experiment_id = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    # MLflow prints "Successfully registered model ..." on stderr: the caller says it its own way
+    with tracking_at(tracking_uri, experiment_id), redirect_stderr(io.StringIO()):
+        info = Model.log(None, name=MODEL_NAME, flavor=sys.modules[__name__], run_id=run_id,
+                         registered_model_name=registered_name, checkpoint=checkpoint,
+                         example_video=example_video,
+                         # MLflow would score the example (seconds) only to log a warning if it failed
+                         validate_serving_input=False)
+    version = info.registered_model_version
+    if registered_name and version is not None:
+        return Logged(f"models:/{registered_name}/{version}", info.model_id, registered_name, int(version))
+    return Logged(f"models:/{info.model_id}", info.model_id)
+
+
+def usage_lines(logged: Logged, tracking_uri: str, trial: str = "") -> list[str]:
+    """The search summary's two lines: where the model is, how to load it and how to serve it."""
+    where = f"MLflow's registry: {logged.name} version {logged.version}" if logged.name else \
+        "logged in MLflow, not registered"
+    return [f"best model: {logged.uri} ({where}{', ' + trial if trial else ''}); load it with "
+            "mlflow.pyfunc.load_model (video paths in, P(violent) out) or vidtune predict --checkpoint "
+            f"{logged.uri}",
+            f"  serve it: MLFLOW_TRACKING_URI={absolute(tracking_uri)} mlflow models serve -m {logged.uri} "
+            "--env-manager local -h 127.0.0.1 -p 5001"]
+
+
+# -- reading one back (`vidtune predict --checkpoint models:/NAME/VERSION`) ---------------------
+
+def sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a `sqlite:///FILE` store (relative to the working folder), else None."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
+
+
+def absolute(tracking_uri: str) -> str:
+    """`tracking_uri` with a SQLite file's path made absolute (a command that works from anywhere)."""
+    db = sqlite_file(tracking_uri)
+    return f"sqlite:///{db}" if db is not None else tracking_uri
+
+
+def missing_store(tracking_uri: str) -> str | None:
+    """Why a `sqlite:///FILE` store cannot hold a registry (no such file: MLflow would create an
+    empty one), else None."""
+    db = sqlite_file(tracking_uri)
+    return None if db is None or db.is_file() else f"no such store ({db} does not exist)"
+
+
+def _version_of(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, str]:
+    """(name, version) a `models:/NAME/VERSION` or `models:/NAME@ALIAS` URI names in the
+    registry at `tracking_uri`; ModelURIError saying what is missing and what there is."""
+    ref = uri[len("models:/"):].strip("/")
+    name, sep, alias = ref.partition("@")
+    if not sep:
+        name, _, version = ref.rpartition("/")
+        if not name or not version.isdigit():
+            raise ModelURIError(f"{uri}: write it as models:/NAME/VERSION (a number) or models:/NAME@ALIAS")
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        known = sorted(m.name for m in client.search_registered_models(max_results=50))
+        raise ModelURIError(f"no registered model {name!r} in {tracking_uri} (it has "
+                            f"{', '.join(known) if known else 'none'}); pass the store the search "
+                            "wrote with --mlflow-uri") from None
+    try:
+        found = (client.get_model_version_by_alias(name, alias) if sep else
+                 client.get_model_version(name, version))
+    except MlflowException:
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise ModelURIError(f"model {name!r} has no {'alias ' + repr(alias) if sep else 'version ' + version}"
+                            f" in {tracking_uri} (its versions: {', '.join(map(str, versions)) or 'none'})"
+                            ) from None
+    return name, found.version
+
+
+def download_checkpoint(uri: str, tracking_uri: str, folder: str | Path) -> Path:
+    """The checkpoint file inside the registered model `uri` (models:/NAME/VERSION or
+    models:/NAME@ALIAS), downloaded into `folder`. ModelURIError when the registry has no such
+    model or version; CheckpointError when it is not a vidtune model."""
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    name, version = _version_of(client, uri, tracking_uri)
+    with tracking_at(tracking_uri):    # a models:/ URI is resolved in the registry, by default the store
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{name}/{version}",
+                                                         dst_path=str(folder)))
+    found = sorted(local.rglob(FILE_NAME))
+    if not found:
+        raise CheckpointError(f"{uri} holds no {FILE_NAME}: it was not logged by vidtune")
+    return checkpoint_file(found[0])
