@@ -16,6 +16,7 @@ worst table; `choose` ranks the candidates by leave-one-table-out (`bench.sq_cho
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing
 import sys
@@ -207,8 +208,18 @@ def worst_case(ratios: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 
 def choose_main(args: argparse.Namespace) -> int:
-    replayed = replay_tables(args)
-    result = choose({name: r.summary for name, r in replayed.items()})
+    """Replay the recorded tables among `args.tables`; a replay JSON (`replay --json`) among them
+    gives its tables' summaries instead (replayed earlier, e.g. one table at a time)."""
+    docs = {p: json.loads(Path(p).read_text()) for p in args.tables}
+    earlier = {p: d for p, d in docs.items() if "tables" in d and "runs" not in d}
+    paths = {table_name(p): p for p in args.tables if p not in earlier}
+    fresh = argparse.Namespace(**{**vars(args), "tables": list(paths.values())})
+    summaries = {name: r.summary for name, r in (replay_tables(fresh) if paths else {}).items()}
+    for d in earlier.values():
+        for name, summary in d["tables"].items():
+            summaries[name] = summary
+            paths[name] = summary["table"]
+    result = choose(summaries)
     print(candidates_table(result))
     print()
     print(loo_table(result))
@@ -218,7 +229,7 @@ def choose_main(args: argparse.Namespace) -> int:
         write_json(args.json, {"seeds": args.seeds, "concurrency": args.concurrency,
                                "start_cost_s": args.start_cost_s, "goal_time": GOAL_TIME,
                                "goal_beats": GOAL_BEATS,
-                               "table_paths": {n: r.path for n, r in replayed.items()}, **result})
+                               "table_paths": paths, **result})
     return 0
 
 

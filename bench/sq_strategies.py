@@ -10,11 +10,13 @@ ASHA `tune.space.build_scheduler` builds, grace 1, reduction factor 2).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import optuna
+from ray.tune.search.bohb import TuneBOHB
 
 from bench.sq_replay import GridSearcher, Trace, replay
 from bench.sq_table import Table
@@ -34,7 +36,7 @@ GROUPS = ("issue17", "issue29")       # the candidate lists `strategies` knows, 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    kind: str = "tpe"                                        # tpe | random | grid
+    kind: str = "tpe"                                        # tpe | random | grid | bohb
     changes: dict[str, Any] = field(default_factory=dict)    # SearchOptions fields; "space.x" for the space
     asha: bool = True                                        # random: with build_scheduler's ASHA
 
@@ -78,15 +80,44 @@ def strategies(group: str = "issue29") -> list[Strategy]:
         c("share=.3 brackets=3", share=0.3, asha_brackets=3),
         c("rf=3 brackets=2", reduction_factor=3, asha_brackets=2),
         c("gp", sampler="gp"), c("gp share=.3", sampler="gp", share=0.3),
-        c("gp brackets=2", sampler="gp", asha_brackets=2),
         c("n=16", num_samples=16), c("n=20", num_samples=20),
         c("n=16 share=.3", num_samples=16, share=0.3), c("n=16 brackets=2", num_samples=16, asha_brackets=2),
         c("n=16 share=.3 brackets=2", num_samples=16, share=0.3, asha_brackets=2),
         c("n=20 share=.3", num_samples=20, share=0.3), c("n=20 brackets=2", num_samples=20, asha_brackets=2),
         c("n=16 gp", num_samples=16, sampler="gp"),
-        c("n=16 gp share=.3", num_samples=16, sampler="gp", share=0.3),
         c("no-asha", early_stop=False), c("n=16 start=4", num_samples=16, random_start_trials=4),
-    ]
+    ] + ([Strategy("bohb-kde+asha", kind="bohb", changes=d17)] if bohb_installed() else [])
+
+
+def bohb_installed() -> bool:
+    """TuneBOHB's own dependencies (hpbandster, ConfigSpace) are not the project's: a reference
+    point where they are importable (BENCHMARKS.md "Search quality" says how)."""
+    return all(importlib.util.find_spec(m) is not None for m in ("hpbandster", "ConfigSpace"))
+
+
+class BudgetedBOHB:
+    """Ray's `TuneBOHB` (BOHB's per-budget kernel density model) under ASHA instead of
+    `HyperBandForBOHB`, whose pausing and resuming of trials the replay does not simulate: each
+    epoch's result is handed to BOHB as an observation at budget = epoch, which is what
+    `HyperBandForBOHB` puts in `hyperband_info`."""
+
+    def __init__(self, seed: int):
+        self.inner = TuneBOHB(seed=seed)       # raises unless hpbandster + ConfigSpace import
+
+    def set_search_properties(self, metric: str, mode: str, config: dict[str, Any]) -> bool:
+        return self.inner.set_search_properties(metric, mode, config)
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | None:
+        return self.inner.suggest(trial_id)
+
+    def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+        self.inner.on_trial_result(trial_id, {**result, "hyperband_info": {"budget": result["epoch"]}})
+
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
+                          error: bool = False) -> None:
+        if result is not None:     # the stopping epoch is an observation too
+            self.inner.on_trial_result(trial_id, {**result, "hyperband_info": {"budget": result["epoch"]}})
+        self.inner.on_trial_complete(trial_id, result=result, error=error)
 
 
 def _issue17_candidates() -> list[Strategy]:
@@ -143,6 +174,8 @@ def run_strategy(table: Table, strategy: Strategy, seed: int, *, concurrency: in
     n, scheduler = opts.num_samples, build_scheduler(opts)
     if strategy.kind == "grid":
         searcher, n, scheduler = GridSearcher(table.configs, seed), len(table.configs), None
+    elif strategy.kind == "bohb":
+        searcher = BudgetedBOHB(seed)
     elif strategy.kind == "random":
         searcher = VidtuneOptunaSearch(sampler=optuna.samplers.RandomSampler(seed=seed))
         n = 2 * len(table.configs)     # never the limit within the grid's time, ASHA or not
