@@ -105,16 +105,24 @@ def test_predict_bad_flag_exits_2_naming_it(tmp_path, capsys, flag, value):
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory) -> str:
-    """A SQLite store whose registry holds the model `vidtune` without versions."""
+    """A SQLite store whose registry holds the model `vidtune` without versions and `other`, whose
+    version 1 is not a vidtune model."""
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('registry') / 'mlruns.db'}"
-    MlflowClient(uri).create_registered_model("vidtune")
+    folder = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{folder / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    client.create_registered_model("vidtune")
+    (folder / "other").mkdir()
+    (folder / "other" / "MLmodel").write_text("flavors: {}\n")
+    client.create_registered_model("other")
+    client.create_model_version("other", source=(folder / "other").as_uri())
     return uri
 
 
 @pytest.mark.parametrize("checkpoint, said", [
-    ("models:/nope/1", "no registered model 'nope' in {uri} (it has vidtune)"),
+    ("models:/nope/1", "no registered model 'nope' in {uri} (it has other, vidtune)"),
+    ("models:/other/1", "the registered model models:/other/1 holds no checkpoint.pt: it was not logged"),
     ("models:/vidtune/3", "model 'vidtune' has no version 3 in {uri} (its versions: none)"),
     ("models:/vidtune@best", "model 'vidtune' has no alias 'best'"),
     ("models:/vidtune", "models:/vidtune: write it as models:/NAME/VERSION (a number) or models:/NAME@ALIAS"),

@@ -42,7 +42,7 @@ from mlflow.models import Model, infer_signature
 from mlflow.tracking import MlflowClient
 
 from vidtune.trainer import scoring
-from vidtune.trainer.checkpointing import FILE_NAME, CheckpointError, checkpoint_file, load_checkpoint
+from vidtune.trainer.checkpointing import FILE_NAME, checkpoint_file, load_checkpoint
 
 MODEL_NAME = "model"               # the logged model's name in its run
 TORCH_DATA = "pytorch"             # the exported network's folder inside the model
@@ -261,7 +261,7 @@ def _version_of(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str,
 def download_checkpoint(uri: str, tracking_uri: str, folder: str | Path) -> Path:
     """The checkpoint file inside the registered model `uri` (models:/NAME/VERSION or
     models:/NAME@ALIAS), downloaded into `folder`. ModelURIError when the registry has no such
-    model or version; CheckpointError when it is not a vidtune model."""
+    model or version, or it is not a model vidtune logged."""
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     name, version = _version_of(client, uri, tracking_uri)
     with tracking_at(tracking_uri):    # a models:/ URI is resolved in the registry, by default the store
@@ -269,5 +269,6 @@ def download_checkpoint(uri: str, tracking_uri: str, folder: str | Path) -> Path
                                                          dst_path=str(folder)))
     found = sorted(local.rglob(FILE_NAME))
     if not found:
-        raise CheckpointError(f"{uri} holds no {FILE_NAME}: it was not logged by vidtune")
+        raise ModelURIError(f"the registered model {uri} holds no {FILE_NAME}: it was not logged by a "
+                            "vidtune search")
     return checkpoint_file(found[0])
