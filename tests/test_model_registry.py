@@ -29,6 +29,9 @@ from mlflow.utils.validation import _validate_model_name
 
 from vidtune.flags import ConfigError
 from vidtune.trainer import mlflow_model, predict, scoring
+from vidtune.trainer.checkpointing import save_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.models import build_model, get_spec
 from vidtune.tune import runner
 from vidtune.tune.options import model_name_problem, parse_options
 from vidtune.tune.preflight import Plan
@@ -210,3 +213,32 @@ def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, 
     codes = [print_summary(plan, opts, summary, mlflow_links="", pending=None, model=m) for m in ([], lines)]
     assert codes[0] == codes[1]
     assert capsys.readouterr().out.count(lines[0]) == 1
+
+
+def test_a_network_torch_export_cannot_trace_leaves_the_video_model_whole(synthetic_root, tmp_path,
+                                                                          monkeypatch):
+    torch.manual_seed(0)
+    network = build_model("tiny")
+    optimizer = torch.optim.AdamW(network.parameters())
+    save_checkpoint(tmp_path / "ckpt", model=network, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
+                    config=TrainConfig().to_dict(), spec=get_spec("tiny"),
+                    class_names={1: "Fight", 0: "NonFight"})
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("torch.export: data-dependent control flow")
+
+    monkeypatch.setattr(mlflow_model, "add_torch_flavour", untraceable)
+    video = str(next((synthetic_root / "val").rglob("*.mp4")))
+    mlflow_model.save_model(str(tmp_path / "model"), checkpoint=tmp_path / "ckpt", example_video=video)
+    saved = Model.load(str(tmp_path / "model"))
+    assert "pytorch" not in saved.flavors
+    assert saved.metadata[mlflow_model.NO_TORCH_KEY] == \
+        "RuntimeError: torch.export: data-dependent control flow"
+    predictor = scoring.Predictor.from_checkpoint(tmp_path / "ckpt", torch.device("cpu"))
+    assert mlflow.pyfunc.load_model(str(tmp_path / "model")).predict([video]) == \
+        pytest.approx([mlflow_model.video_probability(predictor, Path(video), 1.0, 8)], abs=1e-6)
+    # only what scoring reads travels with the model: no optimizer state
+    kept = torch.load(next((tmp_path / "model").rglob("checkpoint.pt")), weights_only=True)
+    assert set(kept) == set(mlflow_model.KEPT)
