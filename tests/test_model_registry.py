@@ -215,8 +215,10 @@ def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, 
     assert capsys.readouterr().out.count(lines[0]) == 1
 
 
-def test_a_network_torch_export_cannot_trace_leaves_the_video_model_whole(synthetic_root, tmp_path,
-                                                                          monkeypatch):
+def test_unregistered_and_untraceable_the_video_model_is_whole(synthetic_root, tmp_path, monkeypatch):
+    """--no-register-model: logged in the trial's run (its experiment, not the store's Default),
+    loadable by its models:/<id> URI; a network torch.export cannot trace leaves the
+    python_function flavour whole and says why in the model's metadata."""
     torch.manual_seed(0)
     network = build_model("tiny")
     optimizer = torch.optim.AdamW(network.parameters())
@@ -225,20 +227,34 @@ def test_a_network_torch_export_cannot_trace_leaves_the_video_model_whole(synthe
                     scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
                     config=TrainConfig().to_dict(), spec=get_spec("tiny"),
                     class_names={1: "Fight", 0: "NonFight"})
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name="t01-bs4-lr1e-3")
 
     def untraceable(*args, **kwargs):
         raise RuntimeError("torch.export: data-dependent control flow")
 
     monkeypatch.setattr(mlflow_model, "add_torch_flavour", untraceable)
     video = str(next((synthetic_root / "val").rglob("*.mp4")))
-    mlflow_model.save_model(str(tmp_path / "model"), checkpoint=tmp_path / "ckpt", example_video=video)
-    saved = Model.load(str(tmp_path / "model"))
+    logged = mlflow_model.log_model(uri, run.info.run_id, tmp_path / "ckpt", example_video=video)
+    assert logged.name is None and logged.uri == f"models:/{logged.model_id}"
+    assert client.get_logged_model(logged.model_id).experiment_id == experiment
+    assert not client.search_registered_models()
+    first_line = mlflow_model.usage_lines(logged, uri)[0]
+    assert first_line.startswith(f"best model: {logged.uri} (logged in MLflow, not registered)")
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        saved = Model.load(logged.uri)
+        scored = mlflow.pyfunc.load_model(logged.uri).predict([video])
+    finally:
+        mlflow.set_tracking_uri(before)
     assert "pytorch" not in saved.flavors
     assert saved.metadata[mlflow_model.NO_TORCH_KEY] == \
         "RuntimeError: torch.export: data-dependent control flow"
     predictor = scoring.Predictor.from_checkpoint(tmp_path / "ckpt", torch.device("cpu"))
-    assert mlflow.pyfunc.load_model(str(tmp_path / "model")).predict([video]) == \
-        pytest.approx([mlflow_model.video_probability(predictor, Path(video), 1.0, 8)], abs=1e-6)
+    assert scored == pytest.approx([mlflow_model.video_probability(predictor, Path(video), 1.0, 8)], abs=1e-6)
     # only what scoring reads travels with the model: no optimizer state
-    kept = torch.load(next((tmp_path / "model").rglob("checkpoint.pt")), weights_only=True)
+    kept = torch.load(next((tmp_path / "artifacts").rglob("checkpoint.pt")), weights_only=True)
     assert set(kept) == set(mlflow_model.KEPT)
