@@ -100,6 +100,7 @@ def _at(name: str, best_epoch: int, *, status: str = "DONE", epochs: int = 6) ->
     ([_at("a", 6), _at("b", 4), _at("c", 3)], None),                     # one of three: no rule
     ([_at("a", 6), _at("b", 6), _at("c", 3), _at("d", 2)], None),        # half is not most
     ([_at("a", 6)], None),                                               # one trial speaks for no search
+    ([_at("a", 2, epochs=2), _at("b", 2, epochs=2)], None),              # 2 epochs: last is best by chance
     # ASHA's stopped trials ran fewer epochs: their last epoch says nothing of a full training
     ([_at("a", 6), _at("b", 2, status="STOPPED", epochs=2), _at("c", 2, status="STOPPED", epochs=2)], None),
 ])

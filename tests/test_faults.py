@@ -52,7 +52,7 @@ def _start(args: list[str], cwd: Path, log: Path, address: str | None = None) ->
 def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str, epoch: int = 1) -> None:
     """Until some trial has checkpointed `epoch` (its Train run's `epoch_NNNN` folder)."""
     deadline = time.monotonic() + WAIT_S
-    while not list((storage / name / "train_runs").glob(f"*/epoch_{epoch:04d}")):
+    while not list((storage / name / "ray" / "train_runs").glob(f"*/epoch_{epoch:04d}")):
         assert proc.poll() is None, f"the search ended early with {proc.returncode}"
         assert time.monotonic() < deadline, "no epoch was trained in time"
         time.sleep(0.5)
@@ -119,7 +119,7 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     unfinished = [r for r in csv.DictReader(table.open()) if r["status"] == "UNFINISHED"]
     assert unfinished, "the Ctrl-C left no trial unfinished"
     name = unfinished[0]["name"]
-    latest = sorted((storage / "s" / "train_runs" / name).glob("epoch_*"))[-1]
+    latest = sorted((storage / "s" / "ray" / "train_runs" / name).glob("epoch_*"))[-1]
     checkpoint = latest / "checkpoint.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
 
@@ -145,7 +145,7 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     assert "damaged" in resumed.data.tags[RESUMED_TAG]
     # ... and Optuna was told the same best of every epoch (the searcher's state as the search saved it)
     searcher = VidtuneOptunaSearch()
-    searcher.restore_from_dir(str(storage / "s"))
+    searcher.restore_from_dir(str(storage / "s" / "ray"))    # Tune's state: the search's ray/
     told = sorted(round(t.value, 4) for t in optuna_study(searcher).trials)
     assert told == sorted(float(r["best_val_acc"]) for r in rows.values()), (told, rows)
 
@@ -233,7 +233,7 @@ def test_a_killed_train_worker_restarts_from_its_checkpoint(synthetic_root, tmp_
     _wait_for_first_epoch(proc, storage, "w", epoch=3)
     workers = _train_workers(proc.pid)
     assert workers, "no RayTrainWorker process found"
-    last = storage / "w" / "train_runs"
+    last = storage / "w" / "ray" / "train_runs"
     assert not list(last.glob(f"*/epoch_{epochs:04d}")), "the trial ended before the kill: raise epochs"
     for pid in workers:
         os.kill(pid, signal.SIGKILL)

@@ -168,7 +168,7 @@ def test_the_links_open_the_charts_and_compare_stays_in_the_model_training_ui(ur
     assert charts[view.MODE_PARAM] == ["CHART"] and charts[SHARE_KEY_PARAM] == [t.view_id]
     assert view.MODE_PARAM not in _link_query(t.runs_table_url())
     lines = t.summary_links(None).splitlines()
-    assert t.runs_table_url(charts=True) in lines[0] and t.runs_table_url() in lines[1]
+    assert t.runs_table_url(charts=True) in lines[0] and t.run_url(t.parent_run_id) in lines[1]
     compare = view.compare_link(t.experiment_id, list(t.child_runs.values()))
     query = parse_qs(urlparse(compare[1:]).query)
     assert query["workflowType"] == ["machine_learning"]
@@ -198,3 +198,25 @@ def test_the_description_shows_narrow_copies_of_the_plots_linked_to_the_full_siz
     full = f"get-artifact?path=objective_history.png&run_uuid={run}"
     assert f"[![objective_history.png]({preview})]({full})" in note
     assert f"![accuracy_vs_speed.png](get-artifact?path=accuracy_vs_speed.png&run_uuid={run})" in note
+
+
+def test_artifact_location_names_where_a_new_experiment_keeps_its_files(uri, tmp_path, capsys):
+    from vidtune.tune.tracking.store import check_artifact_location
+
+    folder = check_artifact_location(str(tmp_path / "artifacts"))     # made by MLflow when it writes
+    assert folder == (tmp_path / "artifacts").as_uri()
+    assert check_artifact_location("s3://bucket/vidtune") == "s3://bucket/vidtune"
+    t = MLflowTracker(tracking_uri=uri, experiment="elsewhere", experiment_path="/results/e", epochs=3,
+                      parent_params={}, parent_tags={}, child_params={}, artifact_location=folder)
+    t.setup()
+    t.log_summary(files=[])
+    exp = MlflowClient(uri).get_experiment(t.experiment_id)
+    assert exp.artifact_location == folder
+    assert MlflowClient(uri).get_run(t.parent_run_id).info.artifact_uri.startswith(folder)
+    # an experiment that exists keeps its own location, and the search says so once
+    other = MLflowTracker(tracking_uri=uri, experiment="elsewhere", experiment_path="/results/f", epochs=3,
+                          parent_params={}, parent_tags={}, child_params={},
+                          artifact_location=(tmp_path / "other").as_uri())
+    other.setup()
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "--artifact-location" in ln]
+    assert len(said) == 1 and folder in said[0] and "another --experiment" in said[0]

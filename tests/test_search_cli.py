@@ -163,6 +163,11 @@ def test_bad_stores_fail_fast(capsys, synthetic_root, tmp_path):
            "does not exist")
     _fails(capsys, data + ["--optuna-storage", f"sqlite:///{tmp_path}/gone/optuna.db"], "--optuna-storage:")
     _fails(capsys, data + ["--optuna-storage", "optuna.db"], "--optuna-storage:", "database URL")
+    _fails(capsys, data + ["--artifact-location", f"{tmp_path}/no/such/artifacts"], "--artifact-location:",
+           "does not exist")
+    (tmp_path / "a-file").write_text("")
+    _fails(capsys, data + ["--artifact-location", str(tmp_path / "a-file")], "--artifact-location:",
+           "is a file")
 
 
 def test_bad_data_fails_with_the_dropped_file_report(capsys, synthetic_root, tmp_path):

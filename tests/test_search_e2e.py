@@ -125,7 +125,13 @@ def _check_the_mlflow_view_and_names(stdout: str, storage: Path, parent, childre
     experiment = next(storage.iterdir())
     table = stdout.split("\ntrials:\n", 1)[1]
     for name in names:
-        assert name in table and f"{name} started" in stdout and (experiment / "train_runs" / name).is_dir()
+        assert name in table and f"{name} started" in stdout
+        assert (experiment / "ray" / "train_runs" / name).is_dir()
+    # the user's files at the top of the search's folder, Ray's state in its subfolder
+    top = {p.name for p in experiment.iterdir()}
+    assert {"trials.csv", "best_config.json", "search.log", "objective_history.png", "ray"} <= top, top
+    assert not [n for n in top if n.startswith(("experiment_state", "tuner.pkl", "searcher-state")) or
+                n.startswith(tuple(names))], top
     note = parent.data.tags["mlflow.note.content"]
     assert "| trial | batch | lr |" in note and all(name in note for name in names)
     best = [r for r in children if r.data.tags.get("vidtune.best") == "true"]
@@ -160,7 +166,7 @@ def _tune_epochs(storage: Path) -> dict[str, list[dict]]:
     import json
 
     epochs: dict[str, list[dict]] = {}
-    for file in storage.glob("*/*/result.json"):
+    for file in storage.glob("*/ray/*/result.json"):     # Tune's trial folders, in the search's ray/
         rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
         if rows:
             epochs[rows[0]["trial_id"]] = sorted(rows, key=lambda r: r["epoch"])

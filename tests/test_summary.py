@@ -72,7 +72,9 @@ def test_a_summary_is_computed_without_mlflow(summary, tmp_path):
     assert done.answer and "t01-bs4-lr1e-3" in " ".join(done.answer)
     assert [t for t, _ in done.trial_states] == ["abc_00000", "abc_00001"]
     assert {"trials_csv", "best_config", "history", "params", "scatter"} <= set(done.files)
-    assert all(path.parent == Path(plan.experiment_path) for path in done.files.values())
+    # the user's files at the top of the search's folder; Tune's state in its subfolder
+    assert all(path.parent == Path(plan.search_path) for path in done.files.values())
+    assert Path(plan.experiment_path) == Path(plan.search_path) / "ray"
     with open(done.files["trials_csv"]) as f:
         assert [r["name"] for r in csv.DictReader(f)] == ["t01-bs4-lr1e-3", "t02-bs4-lr2e-4"]
     best_config = json.loads(done.files["best_config"].read_text())
@@ -96,13 +98,14 @@ def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
     db = tmp_path / "mlflow" / "mlruns.db"
     db.parent.mkdir()
     uri = f"sqlite:///{db}"
-    tracker = MLflowTracker(tracking_uri=uri, experiment="summary", experiment_path=plan.experiment_path,
+    tracker = MLflowTracker(tracking_uri=uri, experiment="summary", experiment_path=plan.search_path,
                             epochs=EPOCHS, parent_params={}, parent_tags={}, child_params={}, val_clips=0)
     assert tracker.record_summary(done) is None
     c = MlflowClient(uri)
     parent = c.get_run(tracker.parent_run_id)
     assert parent.info.status == "FINISHED"
-    assert {a.path for a in c.list_artifacts(parent.info.run_id)} == {p.name for p in done.files.values()}
+    assert {a.path for a in c.list_artifacts(parent.info.run_id)} == {p.name for p in done.files.values()} | {
+        "previews"}                                   # the plots' narrow copies the description shows
     assert parent.data.metrics["best_val_acc"] == done.best.val_acc
     note = parent.data.tags["mlflow.note.content"]
     assert note.startswith(done.answer[0]) and done.table_markdown in note

@@ -257,3 +257,33 @@ def test_a_node_without_this_vidtune_is_refused_naming_it_and_the_fix(tmp_path):
     assert e.value.flag == "--address"
     assert "10.0.0.2 (ModuleNotFoundError: No module named 'vidtune')" in str(e.value)
     assert "10.0.0.3 (vidtune 0.0.9)" in str(e.value) and "pip install" in str(e.value)
+
+
+def test_the_heads_memory_caps_the_trials_at_once_with_a_line_saying_why():
+    """The README's cluster: a 16 GB m5.xlarge head (Ray's `memory` ~10.5 GB once its object
+    store is set aside) and 6 single-GPU nodes, a lead and a follower each: 12 trials would keep
+    ~11 GB of drivers and Train controllers on the head."""
+    from vidtune.tune.cluster import (
+        HEAD_RESERVE_GB,
+        TRIAL_ON_HEAD_GB,
+        ClusterCapacity,
+        NodeType,
+        fit_to_cluster,
+    )
+
+    head = (4.0, 0.0)
+    cluster = lambda memory: ClusterCapacity((head,), head, (NodeType("gpu", 8.0, 1.0, 6),),   # noqa: E731
+                                            head_memory_gb=memory)
+    opts = _opts("--num-samples", "20", "--gpus-per-trial", "1")
+    free = fit_to_cluster(opts, cluster(None))               # memory unknown: as before
+    assert free.concurrency == 12 and free.note is None
+    held = int((10.5 - HEAD_RESERVE_GB) // TRIAL_ON_HEAD_GB)
+    fit = fit_to_cluster(opts, cluster(10.5))
+    assert fit.concurrency == held < 12
+    assert fit.note.startswith(f"{held} trials at a time, not 12: the head node's 10.5 GB")
+    assert "head_cpu InstanceType" in fit.note
+    assert fit_to_cluster(opts, cluster(64.0)).concurrency == 12   # a bigger head holds them all
+    # --max-concurrent-trials is the user's: kept, with a warning
+    explicit = _opts("--num-samples", "20", "--gpus-per-trial", "1", "--max-concurrent-trials", "12")
+    asked = fit_to_cluster(explicit, cluster(10.5))
+    assert asked.concurrency == 12 and asked.note.startswith("warning: --max-concurrent-trials 12")

@@ -42,11 +42,14 @@ class NodeType:
 @dataclass(frozen=True)
 class ClusterCapacity:
     """`alive`: the (CPUs, GPUs) of each node alive now; `head`: the head's, or None when no
-    node is the head (a local Ray: its one node); `node_types`: what the autoscaler may start."""
+    node is the head (a local Ray: its one node); `node_types`: what the autoscaler may start;
+    `head_memory_gb`: the head's Ray `memory` resource (what Ray lets tasks and actors use
+    there: the machine's memory less the object store; None when unknown)."""
 
     alive: tuple[Node, ...]
     head: Node | None = None
     node_types: tuple[NodeType, ...] = field(default_factory=tuple)
+    head_memory_gb: float | None = None
 
     @property
     def gpus_now(self) -> float:
@@ -104,7 +107,7 @@ def read_capacity(config: Path | None) -> ClusterCapacity:
     cluster config (None: no autoscaler)."""
     import ray  # heavy: trainer.train imports this module before it decides to start Ray
 
-    alive, head = [], None
+    alive, head, head_memory = [], None, None
     for n in ray.nodes():
         if not n.get("Alive"):
             continue
@@ -113,7 +116,9 @@ def read_capacity(config: Path | None) -> ClusterCapacity:
         alive.append(node)
         if HEAD_RESOURCE in res:
             head = node
-    return ClusterCapacity(tuple(alive), head, read_node_types(config) if config is not None else ())
+            head_memory = float(res["memory"]) / 2**30 if res.get("memory") else None
+    return ClusterCapacity(tuple(alive), head, read_node_types(config) if config is not None else (),
+                           head_memory_gb=head_memory)
 
 
 # A container's CPU quota, as Ray reads it when it counts a node's CPUs: cgroup v2, then v1.

@@ -20,6 +20,7 @@ from vidtune.tune.uncertainty import accuracy_interval, format_accuracy
 # The best lr is "at the edge" within this share of the searched log-range from either end: a
 # TPE search samples the ends rarely, so a best trial this close to one says the range is cut.
 LR_EDGE_SHARE = 0.1
+MIN_EPOCHS_FOR_HINT = 3   # "raise --epochs" only about trials that trained this many epochs or more
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,9 @@ def _edge_warnings(best: TrialRow, searched: SearchedRange) -> list[str]:
 def _epochs_hint(rows: Sequence[TrialRow]) -> list[str]:
     """A hint to train longer when most trials that ran every epoch (DONE) were best at their last
     one: their accuracy was still rising when training stopped (at least 2 such trials, so one
-    lucky last epoch does not speak for the search)."""
-    finished = [r for r in rows if r.status == "DONE" and r.epochs > 0 and r.best_epoch]
+    lucky last epoch does not speak for the search, and 3 epochs or more: with 1 or 2 the last is
+    the best by chance alone half the time or more)."""
+    finished = [r for r in rows if r.status == "DONE" and r.epochs >= MIN_EPOCHS_FOR_HINT and r.best_epoch]
     at_last = [r for r in finished if r.best_epoch == r.epochs]
     if len(at_last) < 2 or 2 * len(at_last) <= len(finished):
         return []

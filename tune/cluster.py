@@ -38,6 +38,24 @@ from vidtune.trainer.gpus import simulated_gpus, unsupported_gpus
 from vidtune.tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from vidtune.tune.trial import DRIVER_CPUS, TrialResources
 
+# What each trial alive keeps on the search driver's node, measured with Ray 2.60 (Train V2): its
+# Tune trial driver (~500 MB, 0.1 CPU: Ray places it beside the search's driver until that node is
+# half busy) and Ray Train's controller (~410 MB), which Train puts on its driver's node.
+TRIAL_ON_HEAD_GB = 0.92
+# What else lives in the head's Ray `memory` (the memory Ray found free when it started, less its
+# object store): Ray's services (GCS, raylet, dashboard, autoscaler: ~1 GB), the search's own
+# driver process (~1 GB with Tune, Optuna and the MLflow client) and an MLflow tracking server
+# (cluster.yaml starts one there).
+HEAD_RESERVE_GB = 2.5
+
+
+def trials_the_head_holds(head_memory_gb: float | None) -> int | None:
+    """Trials alive at once whose drivers and Train controllers the head's memory holds beside
+    the search's driver (`head_memory_gb`: its Ray `memory` resource); None when unknown."""
+    if not head_memory_gb:
+        return None
+    return max(1, math.floor((head_memory_gb - HEAD_RESERVE_GB) / TRIAL_ON_HEAD_GB))
+
 
 def worker_slots(nodes: tuple[Node, ...], resources: TrialResources) -> int:
     """Trial workers that fit on `nodes` at once, each on one node (CPUs, and GPUs by role:
@@ -63,6 +81,7 @@ class Fit:
     lead_slots: int = 0
     waits_for_nodes: bool = False
     gpus: float = 0.0            # GPUs the trials train on (counting the nodes still to start); 0 on CPUs
+    note: str | None = None      # a line for the console: why fewer trials run at once than fit
 
 
 def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
@@ -98,9 +117,31 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
         slots = cpu_nodes
         per_slot = 2 if leaves_cores_free(opts, cpus / max(1, cpu_nodes)) else 1
     concurrency = r.max_concurrent_trials or max(1, min(fit, per_slot * max(1, slots), opts.num_samples))
+    concurrency, note = _within_the_head(concurrency, capacity.head_memory_gb,
+                                         explicit=bool(r.max_concurrent_trials))
     lead_slots = math.floor(gpus + 1e-9) if resources.takes_roles else 0
     waits = gpt > 0 and capacity.gpus_now + 1e-9 < gpt
-    return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0)
+    return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0, note)
+
+
+def _within_the_head(concurrency: int, head_memory_gb: float | None, *,
+                     explicit: bool) -> tuple[int, str | None]:
+    """The trials at once the head's memory holds (`trials_the_head_holds`), and a line saying
+    why when that is fewer than the GPUs would run: at the README's scale (6 GPU nodes, a lead
+    and a follower each) 12 trials keep ~11 GB on a 16 GB head, which then kills the search. An
+    explicit --max-concurrent-trials is kept, with a warning."""
+    held = trials_the_head_holds(head_memory_gb)
+    if held is None or concurrency <= held:
+        return concurrency, None
+    each = (f"each trial keeps ~{TRIAL_ON_HEAD_GB:g} GB there (its Tune trial driver and Ray Train's "
+            "controller)")
+    if explicit:
+        return concurrency, (f"warning: --max-concurrent-trials {concurrency} is more than the head node's "
+                             f"{head_memory_gb:.1f} GB for Ray's tasks holds ({held}): {each}; the head may "
+                             "run out of memory")
+    return held, (f"{held} trials at a time, not {concurrency}: the head node's {head_memory_gb:.1f} GB for "
+                  f"Ray's tasks holds {held} beside the search's driver; {each}. A head with more memory "
+                  "(cluster.yaml's head_cpu InstanceType) runs more")
 
 
 def trial_request(opts: SearchOptions) -> WorkerRequest:

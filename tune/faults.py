@@ -30,6 +30,8 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
+from vidtune.tune import layout
+
 DISABLE_TUNE_SIGINT = "TUNE_DISABLE_SIGINT_HANDLER"
 LIVE_STATES = ("PENDING", "RUNNING", "PAUSED")
 
@@ -146,12 +148,14 @@ def exception_line(text: str, limit: int = 500) -> str:
 
 
 def failure_file(experiment_path: str, name: str) -> Path:
-    """Where a failed trial's whole traceback is kept: `<experiment>/failures/<name>.txt`, beside
-    Tune's results (Ray's session folder, where Tune's `error.txt` is, is not kept); on remote
-    storage, ./vidtune-logs/<experiment name>/failures/<name>.txt."""
-    if "://" in experiment_path:
-        return Path("vidtune-logs") / PurePosixPath(experiment_path).name / FAILURES_FOLDER / f"{name}.txt"
-    return Path(experiment_path) / FAILURES_FOLDER / f"{name}.txt"
+    """Where a failed trial's whole traceback is kept: `<search>/failures/<name>.txt`, at the top
+    of the search's folder (`experiment_path` may be Tune's folder inside it: `tune.layout`; Ray's
+    session folder, where Tune's `error.txt` is, is not kept); on remote storage,
+    ./vidtune-logs/<search name>/failures/<name>.txt."""
+    search = layout.search_of(experiment_path)
+    if "://" in search:
+        return Path("vidtune-logs") / PurePosixPath(search).name / FAILURES_FOLDER / f"{name}.txt"
+    return Path(search) / FAILURES_FOLDER / f"{name}.txt"
 
 
 def keep_traceback(experiment_path: str, name: str, text: str) -> Path | None:

@@ -41,6 +41,7 @@ from vidtune.trainer.capacity import check_gpus_per_worker
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.ray_start import RayStart
+from vidtune.tune.layout import STATE_FOLDER
 
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 LR_SCALINGS = ("none", "linear", "sqrt")
@@ -125,6 +126,10 @@ class Tracking:
     experiment: str = option("vidtune", flag="--experiment", metavar="NAME",
                              help="MLflow experiment that holds the search's runs "
                              "(not --name, the search's folder)")
+    artifact_location: str | None = option(None, flag="--artifact-location", metavar="URI",
+                                           help="where a new MLflow experiment keeps its artifacts: a folder "
+                                           "or s3://... (default: mlartifacts/ beside a sqlite:/// store; a "
+                                           "tracking server's own); an existing experiment keeps its own")
     # Two fields, one setting: a str flag cannot be switched off. Declared in this order, the
     # config file's key `register-model` is the name's (its `no-register-model` the switch's).
     register: bool = option(True, flag="--no-register-model",
@@ -383,6 +388,9 @@ def _check_name(name: str) -> None:
     if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
         raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, "
                           "so give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
+    if name == STATE_FOLDER:   # a search's Ray state is its subfolder of this name (tune.layout)
+        raise ConfigError("--name", f"{name!r} is the name of the subfolder that keeps a search's Ray state; "
+                          "pick another name (e.g. rwf-mvit)")
 
 
 def model_name_problem(name: str) -> str | None:

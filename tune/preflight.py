@@ -19,13 +19,13 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import check_training_inputs, check_writable_folder
-from vidtune.tune import faults, space, trust
+from vidtune.tune import faults, layout, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
 from vidtune.tune.lock import check_not_running
 from vidtune.tune.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
 from vidtune.tune.ray_internals import check_experiment_state
-from vidtune.tune.tracking.store import check_store_uri
+from vidtune.tune.tracking.store import check_artifact_location, check_store_uri
 from vidtune.tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"
@@ -44,8 +44,19 @@ class Plan:
     index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
 
     @property
+    def search_path(self) -> str:
+        """The search's folder: the user's files at its top (`tune.layout`)."""
+        return layout.search_path(self.storage, self.name)
+
+    @property
     def experiment_path(self) -> str:
-        return f"{self.storage.rstrip('/')}/{self.name}"
+        """Ray Tune's experiment folder, inside the search's (`tune.layout.state_path`)."""
+        return layout.state_path(self.search_path)
+
+    @property
+    def tune_name(self) -> str:
+        """The experiment's name under `storage` as Tune's RunConfig takes it (`<name>/ray`)."""
+        return self.experiment_path[len(self.storage.rstrip("/")) + 1:]
 
 
 def prepare(opts: SearchOptions) -> Plan:
@@ -59,7 +70,7 @@ def prepare(opts: SearchOptions) -> Plan:
         storage = str(Path(storage).expanduser().resolve())
         check_writable_folder(storage, "--storage")
     if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
-        check_not_running(f"{storage.rstrip('/')}/{opts.name}", "--resume" if opts.resume else "--name")
+        check_not_running(layout.search_path(storage, opts.name), "--resume" if opts.resume else "--name")
     demo = opts.demo
     if demo:
         root, made = ensure_demo_data()
@@ -70,6 +81,9 @@ def prepare(opts: SearchOptions) -> Plan:
     opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
     base = base_config(opts)
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
+    if opts.tracking.artifact_location:
+        opts = replace(opts, tracking=replace(
+            opts.tracking, artifact_location=check_artifact_location(opts.tracking.artifact_location)))
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
     name = experiment_name(opts, storage)
@@ -95,8 +109,8 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
     """--name, or with --resume the latest restorable experiment in storage, else a new name."""
     if o.resume:
         if o.name:
-            path = f"{storage.rstrip('/')}/{o.name}"
-            if not tune.Tuner.can_restore(path):
+            path = layout.search_path(storage, o.name)
+            if not tune.Tuner.can_restore(layout.state_path(path)):
                 raise ConfigError("--resume", f"no interrupted search to continue at {path}; "
                                   "check --name and --storage")
             name = o.name
@@ -105,13 +119,13 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
                 raise ConfigError("--resume", "with remote --storage, also pass --name of the search to "
                                   "continue")
             found = sorted((p for p in Path(storage).glob("*")
-                            if p.is_dir() and tune.Tuner.can_restore(str(p))),
+                            if p.is_dir() and tune.Tuner.can_restore(layout.state_path(str(p)))),
                            key=lambda p: p.stat().st_mtime)
             if not found:
                 raise ConfigError("--resume", f"no interrupted search to continue in {storage}; "
                                   "pass --storage (and --name)")
             name = found[-1].name
-        check_resumable(f"{storage.rstrip('/')}/{name}", trust_state=o.trust_state)
+        check_resumable(layout.search_path(storage, name), trust_state=o.trust_state)
         return name
     if o.name:
         if "://" not in storage and (Path(storage) / o.name).exists():
@@ -122,10 +136,11 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
 
 
 def check_resumable(path: str, *, trust_state: bool) -> None:
-    """Before anything of a search is unpickled: no live driver holds it (tune/lock.py), Tune's
-    saved state parses, and this user's key signed every state file (tune/trust.py), unless
-    --trust-state."""
+    """Before anything of the search at `path` (its folder) is unpickled: no live driver holds it
+    (tune/lock.py), Tune's saved state (`tune.layout.state_path`) parses, and this user's key
+    signed every state file (tune/trust.py), unless --trust-state."""
     check_not_running(path, "--resume")
+    path = layout.state_path(path)
     try:
         check_experiment_state(path)
     except ValueError as e:
@@ -141,7 +156,7 @@ def describe(plan: Plan) -> str:
     """`--dry-run`'s printout: every option as resolved (the same names as the flags' fields),
     with what is decided later said so."""
     doc = plan.opts.to_dict()
-    doc["experiment"] = plan.experiment_path
+    doc["experiment"] = plan.search_path
     doc["demo"] = plan.demo
     doc["early_stopping"] = "ASHA" if space.early_stopping_enabled(plan.opts) else "off"
     if doc["space"]["batch_sizes"] is None:

@@ -65,7 +65,7 @@ from vidtune.tune.trust import SignAfterSave, StateSigner
 def execute(plan: Plan) -> int:
     """Lock the search (one driver per search), start Ray, check the cluster, run (or resume)
     the search, report; the lock goes when this returns or raises."""
-    lock = SearchLock(plan.experiment_path, flag="--resume" if plan.opts.resume else "--name")
+    lock = SearchLock(plan.search_path, flag="--resume" if plan.opts.resume else "--name")
     lock.acquire()   # before Ray and before any file is written: a second driver stops in seconds
     try:
         return _execute(plan)
@@ -81,7 +81,7 @@ def _execute(plan: Plan) -> int:
     log_options, ray_lines = {}, None
     streams = sys.stdout, sys.stderr
     if not plan.opts.verbose:
-        log = quiet_libraries(log_file_for(plan.experiment_path, plan.name))
+        log = quiet_libraries(log_file_for(plan.search_path, plan.name))
         ray_lines = keep_ray_lines_off_the_console(log)
         print(f"logs: {log} (Ray's, Tune's and the libraries' messages; --verbose shows them here)",
               flush=True)
@@ -207,10 +207,12 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     on = ""
     if fit.gpus:
         on = f" on {fit.gpus:g} GPU(s){' (simulated: training on the CPU)' if simulated_gpus() else ''}"
-    print(f"search {plan.experiment_path}: {opts.num_samples} trial(s), {concurrency} at a time{on}"
+    print(f"search {plan.search_path}: {opts.num_samples} trial(s), {concurrency} at a time{on}"
           f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.space.batch_sizes)}, "
           f"lr {opts.space.lr_min:g}..{opts.space.lr_max:g}, objective {opts.objective}, "
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
+    if fit.note:
+        print(fit.note)
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
     lease_name = f"vidtune-device-lease-{plan.name}"
@@ -243,7 +245,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         code = print_summary(plan, opts, summary, mlflow_links=tracker.summary_links(pending),
                              pending=pending, failed=failure is not None, model=model,
                              budget=searcher if isinstance(searcher, TimeBudget) else None)
-        save_lease_record(lease, log_file_for(plan.experiment_path, plan.name))
+        save_lease_record(lease, log_file_for(plan.search_path, plan.name))
         del registry, lease
     if failure is not None:
         raise_failure(plan, opts, failure)
@@ -297,7 +299,7 @@ def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoRetu
     if full:
         try:
             check_experiment_state(plan.experiment_path)
-            then = (f"free space there (or pass another --storage and copy {plan.experiment_path} to "
+            then = (f"free space there (or pass another --storage and copy {plan.search_path} to "
                     "it), then continue the search with --resume; the epochs already checkpointed are "
                     "kept")
         except ValueError:
@@ -347,7 +349,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             reuse_actors=True),
         run_config=tune.RunConfig(
             # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
-            name=plan.name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
+            name=plan.tune_name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
             # A trial is not rerun by Tune: its Train run already restarted a dead worker group
             # (--max-failures), and out of memory is an answer, not a failure.
             failure_config=tune.FailureConfig(max_failures=0),
@@ -385,7 +387,8 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     gpus = (res.gpus_per_worker or 0.0) * res.workers_per_trial
     return MLflowTracker(
         tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment,
-        experiment_path=plan.experiment_path, epochs=train.epochs, parent_tags=tags,
+        artifact_location=opts.tracking.artifact_location, experiment_path=plan.search_path,
+        epochs=train.epochs, parent_tags=tags,
         objective=opts.objective, val_clips=len(plan.index.val) if plan.index is not None else 0,
         parent_params={**searched, "dataset": plan.base.data.root, "model": train.model,
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,

@@ -205,11 +205,11 @@ def no_usable_trial(opts: SearchOptions, rows: list[TrialRow]) -> str:
 
 
 def results_folder(plan: Plan) -> Path | None:
-    """Where trials.csv, best_config.json and the plots are written: the experiment folder (None
-    on remote storage: they are in MLflow only)."""
-    if "://" in plan.experiment_path:
+    """Where trials.csv, best_config.json and the plots are written: the top of the search's
+    folder (`tune.layout`; None on remote storage: they are in MLflow only)."""
+    if "://" in plan.search_path:
         return None
-    folder = Path(plan.experiment_path)
+    folder = Path(plan.search_path)
     return folder if folder.is_dir() else None
 
 

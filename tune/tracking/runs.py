@@ -171,8 +171,8 @@ class RunWriter:
         return description.run_url(self.tracking_uri, self.experiment_id, run_id)
 
     def summary_links(self, pending: str | None) -> str:
-        """The console lines that follow the summary's answer: the saved view's charts and its
-        runs table, ready to compare, and the parent run (the store's URI only, when MLflow is not
+        """The console lines that follow the summary's answer: the saved view's charts, ready to
+        compare, and the parent run (the store's URI only, when MLflow is not
         up to date, `pending` saying why, or its experiment is unknown)."""
         hint = description.ui_hint(self.tracking_uri)
         if not pending and getattr(self, "experiment_id", None):
@@ -180,8 +180,8 @@ class RunWriter:
             if not self.view_id:    # an MLflow UI not checked: the plain table
                 return (f"compare the trials in MLflow: {self.runs_table_url()}{hint}\n"
                         f"  the search's run (answer, trials table, plots): {parent}")
+            # the charts first; the search's run links the same view as a table and side by side
             return (f"compare the trials in MLflow: {self.runs_table_url(charts=True)}{hint}\n"
-                    f"  as a table, best first: {self.runs_table_url()}\n"
                     f"  the search's run (answer, trials table, plots): {parent}")
         return f"compare the trials in MLflow: {self.tracking_uri}{hint}"
 

@@ -25,13 +25,33 @@ def sqlite_path(uri: str) -> Path | None:
 ARTIFACTS_FOLDER = "mlartifacts"
 
 
-def artifact_location(tracking_uri: str) -> str | None:
-    """Where a new experiment keeps its artifacts: for a SQLite store, the folder `mlartifacts`
+def artifact_location(tracking_uri: str, given: str | None = None) -> str | None:
+    """Where a new experiment keeps its artifacts: `given` (--artifact-location, as
+    `check_artifact_location` resolved it), else for a SQLite store the folder `mlartifacts`
     beside its database file, so the store and its files stay together (MLflow's own default is
     ./mlruns under whatever folder the search was started from); for a tracking server, the
     server's own (None)."""
+    if given:
+        return given
     db = sqlite_path(tracking_uri)
     return (db.parent / ARTIFACTS_FOLDER).as_uri() if db is not None else None
+
+
+def check_artifact_location(location: str, flag: str = "--artifact-location") -> str:
+    """`location` as MLflow takes it: a URI with a scheme (s3://, gs://, file://...) as given; a
+    local folder as an absolute file:// URI, once its parent exists and is writable (MLflow
+    creates the folder itself). ConfigError naming `flag` otherwise."""
+    if "://" in location:
+        return location
+    path = Path(location).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(flag, f"{path} is a file; give a folder (MLflow writes the artifacts inside it)")
+    parent = path if path.is_dir() else path.parent
+    if not parent.is_dir():
+        raise ConfigError(flag, f"the folder {parent} does not exist; create it or pass another folder")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(flag, f"{parent} is not writable; pass a folder you can write to")
+    return path.as_uri()
 
 
 def check_store_uri(uri: str, flag: str) -> None:

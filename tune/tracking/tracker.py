@@ -94,8 +94,9 @@ class MLflowTracker(RunWriter, Callback):
 
     def __init__(self, *, tracking_uri: str, experiment: str, experiment_path: str, epochs: int,
                  parent_params: dict[str, Any], parent_tags: dict[str, str], child_params: dict[str, Any],
-                 objective: str = "val_acc", val_clips: int = 0):
+                 objective: str = "val_acc", val_clips: int = 0, artifact_location: str | None = None):
         self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location   # --artifact-location (a new experiment's)
         self.objective = objective     # what the saved view sorts by (`tune.tracking.view.objective_metric`)
         self.val_clips = val_clips     # validation clips: the accuracies' 95% intervals (0: none)
         self.experiment = experiment
@@ -124,7 +125,8 @@ class MLflowTracker(RunWriter, Callback):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a tracker pickled by an older vidtune lacks the later attributes
         self.__dict__.update({"down_reason": None, "_failed_at": 0.0, "objective": "val_acc", "val_clips": 0,
-                              "_records": {}, "view_id": None, **state})
+                              "_records": {}, "view_id": None,
+                              "artifact_location": None, **state})
 
     def _store_failed(self, e: BaseException) -> None:
         reason = one_line(e)
@@ -146,8 +148,15 @@ class MLflowTracker(RunWriter, Callback):
             return self.parent_run_id
         c = self.client
         exp = c.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else c.create_experiment(
-            self.experiment, artifact_location=store.artifact_location(self.tracking_uri))
+        location = store.artifact_location(self.tracking_uri, self.artifact_location)
+        exp_id = exp.experiment_id if exp else c.create_experiment(self.experiment,
+                                                                   artifact_location=location)
+        if exp and self.artifact_location and exp.artifact_location != self.artifact_location \
+                and not getattr(self, "_said_location", False):
+            print(f"MLflow: the experiment {self.experiment!r} already keeps its artifacts in "
+                  f"{exp.artifact_location}; --artifact-location applies to a new experiment only "
+                  "(pass another --experiment to use it)", flush=True)
+            self._said_location = True
         self.experiment_id = exp_id
         found = c.search_runs([exp_id], max_results=1,
                               filter_string=f"tags.`{EXPERIMENT_PATH_TAG}` = '{_q(self.experiment_path)}'")
