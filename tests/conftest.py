@@ -90,6 +90,31 @@ def ray_session(shared_ray):
     ray.shutdown()
 
 
+SMOKE_MODEL = "rwf-tiny"     # the name `smoke_search` registers its best model under
+
+
+@pytest.fixture(scope="session")
+def smoke_search(shared_ray, synthetic_root, tmp_path_factory):
+    """`vidtune search --smoke-test` (2 trials, 1 epoch) run once for the session as a user runs
+    it, by path from a fresh folder, joined to `shared_ray`, registering its best model under
+    SMOKE_MODEL: for the tests that read what a finished search printed and wrote (its console,
+    its folder, its MLflow store and registered model) rather than each running one (~1 min)."""
+    import json
+    from types import SimpleNamespace
+
+    folder = tmp_path_factory.mktemp("smoke-search")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # it joins --address
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tune" / "search.py"), "--smoke-test",
+                          "--data", str(synthetic_root), "--address", shared_ray,
+                          "--register-model", SMOKE_MODEL],
+                         cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    best_config = next((folder / "vidtune-results").glob("*/best_config.json"), None)
+    best = json.loads(best_config.read_text()) if best_config else {}
+    return SimpleNamespace(folder=folder, returncode=out.returncode, stdout=out.stdout, stderr=out.stderr,
+                           uri=f"sqlite:///{folder / 'mlruns.db'}", results=best_config.parent if best_config
+                           else None, checkpoint=best.get("checkpoint"), trial=best.get("checkpoint_trial"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run where torch sees a CUDA device (`pytest -m gpu` on a GPU machine)
     and are skipped, saying why, everywhere else."""

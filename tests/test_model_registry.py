@@ -22,6 +22,7 @@ import mlflow
 import mlflow.pytorch
 import pytest
 import torch
+from conftest import SMOKE_MODEL
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 from mlflow.tracking import MlflowClient
@@ -39,23 +40,19 @@ from vidtune.tune.summary import Summary, print_summary
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
-NAME = "rwf-tiny"
+NAME = SMOKE_MODEL       # the session smoke search registers its best model under it
 SERVE_START_S = 180        # `mlflow models serve` answers /ping within this, or the test fails
 
 
 @pytest.fixture(scope="module")
-def searched(shared_ray, synthetic_root, tmp_path_factory) -> SimpleNamespace:
-    """One trial of `vidtune search --smoke-test`, run as a user runs it, registering its model
-    under NAME; its folder, console, store and best checkpoint, and two of its validation videos."""
-    folder = tmp_path_factory.mktemp("registry-search")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}   # it joins --address
-    out = subprocess.run(SEARCH + ["--smoke-test", "--num-samples", "1", "--data", str(synthetic_root),
-                                   "--address", shared_ray, "--register-model", NAME],
-                         cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+def searched(smoke_search, synthetic_root) -> SimpleNamespace:
+    """The session's `vidtune search --smoke-test` (conftest's `smoke_search`, registering its
+    model under NAME): its folder, console, store and best checkpoint, and two of its validation
+    videos."""
+    out = smoke_search
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    best = json.loads(next((folder / "vidtune-results").glob("*/best_config.json")).read_text())
-    return SimpleNamespace(folder=folder, stdout=out.stdout, uri=f"sqlite:///{folder / 'mlruns.db'}",
-                           checkpoint=best["checkpoint"], trial=best["checkpoint_trial"],
+    return SimpleNamespace(folder=out.folder, stdout=out.stdout, uri=out.uri, checkpoint=out.checkpoint,
+                           trial=out.trial,
                            videos=[str(v) for v in sorted((synthetic_root / "val").rglob("*.mp4"))[:2]])
 
 

@@ -26,8 +26,9 @@ from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, S
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
+# --no-register-model: the best model's logging is tested on the session's smoke search
 SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4",
-         "--lr-max", "3e-3"]
+         "--lr-max", "3e-3", "--no-register-model"]
 TRAINER_METRICS = {"train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc", "clips_per_s",
                    "compute_clips_per_s", "epoch_time_s", "data_wait_frac",
                    "peak_mem_mb", "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
@@ -203,10 +204,9 @@ def _check_speed_is_the_models_own(storage: Path, children: list, client) -> Non
 
 
 @pytest.mark.slow
-def test_smoke_test_console_is_short_and_ends_with_the_summary(shared_ray, synthetic_root, tmp_path):
-    out = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--address", shared_ray],
-                         cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=600)
+def test_smoke_test_console_is_short_and_ends_with_the_summary(smoke_search, shared_ray, synthetic_root,
+                                                               tmp_path):
+    out = smoke_search     # `vidtune search --smoke-test`, run once for the session (conftest)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
     # the last block opens with the answer (up to 4 lines) and says once what each column means;
@@ -220,10 +220,11 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(shared_ray, synth
         any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
     # The second search is quiet, one trial, and warm-started from the first: its study holds the
     # first's two trials (as trials.csv has them) before its own.
-    first = next((tmp_path / "vidtune-results").glob("*/trials.csv"))
+    first = out.results / "trials.csv"
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
+                                     "--no-register-model",
                                      "--address", shared_ray,
                                      "--num-samples", "1",
                                      "--warm-start", str(first.parent), "--optuna-storage", storage],
