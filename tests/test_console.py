@@ -6,7 +6,10 @@ from __future__ import annotations
 import errno
 import io
 import math
+import statistics
 from types import SimpleNamespace
+
+import pytest
 
 from vidtune.tune import console, faults, results, search_log, tables
 from vidtune.tune.trial import short_lr, short_name
@@ -190,3 +193,51 @@ def test_time_left_with_asha_is_below_the_every_epoch_bound(monkeypatch):
     reached: dict = {(0, 1): 1.0, (0, 2): 1.0, (0, 4): 1.0}
     expected = sum(10 + (asha.expected_epochs(0, reached) - 1) * 10 for _ in range(3))
     assert asha.time_left([a]) == expected < 3 * 60
+
+
+def _replay_demo(monkeypatch) -> list[tuple[int, int, float, float]]:
+    """tests/data/demo_timeline.json (a real `make demo`) replayed through SearchConsole on a fake
+    clock, as Tune's callbacks would call it: (trial, epoch, estimated seconds left, the seconds
+    the search still took) at each report."""
+    import json
+    from pathlib import Path
+
+    doc = json.loads((Path(__file__).parent / "data" / "demo_timeline.json").read_text())
+    clock = [0.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    rungs = console.asha_rungs(grace=doc["grace"], reduction_factor=doc["reduction_factor"], brackets=1,
+                               epochs=doc["epochs"])
+    c = console.SearchConsole(num_samples=len(doc["trials"]), epochs=doc["epochs"], objective="val_acc",
+                              concurrency=1, tty=False, rungs=rungs, reduction_factor=doc["reduction_factor"])
+    trials = [_trial(i + 1, t["trial_id"], status="PENDING") for i, t in enumerate(doc["trials"])]
+    events = sorted([(t["start_s"], i, None) for i, t in enumerate(doc["trials"])] +
+                    [(r["at_s"], i, r) for i, t in enumerate(doc["trials"]) for r in t["reports"]],
+                    key=lambda e: e[0])
+    end, out = events[-1][0], []
+    for at, i, report in events:
+        clock[0] = at
+        if report is None:
+            for earlier in trials[:i]:
+                earlier.status = "TERMINATED"
+            trials[i].status = "RUNNING"
+            c.on_trial_start(0, trials, trials[i])
+            continue
+        c.on_trial_result(0, trials, trials[i], {"epoch": report["epoch"], "val_acc": report["val_acc"],
+                                                 "epoch_start_ts": 0.0, "epoch_end_ts": report["epoch_s"]})
+        out.append((i + 1, report["epoch"], c.time_left(trials), end - at))
+    return out
+
+
+def test_time_left_on_a_recorded_demo_is_near_what_the_search_took(monkeypatch, capsys):
+    """From the second trial on, the estimate is within 25% of the time the demo still took once
+    ASHA's decisions about the running trial are made (past its rung), and within 40% before:
+    the last trial could have been stopped at epoch 3 (probability 1/2) and was not."""
+    points = [(trial, epoch, left / truth) for trial, epoch, left, truth in _replay_demo(monkeypatch)
+              if trial >= 2 and truth > 0]
+    capsys.readouterr()
+    assert len(points) == 14
+    decided = [ratio for trial, epoch, ratio in points if epoch >= 3]
+    assert all(0.75 <= ratio <= 1.25 for ratio in decided), points
+    assert all(0.6 <= ratio <= 1.25 for _, _, ratio in points), points
+    # it leans low (median 0.85 here): the later trials' batch 4 epochs were slower than the first's
+    assert statistics.median(ratio for _, _, ratio in points) == pytest.approx(1.0, abs=0.2)
