@@ -394,3 +394,34 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     from ray.util.state import list_actors
 
     assert not [a for a in list_actors(limit=10_000) if a.class_name == "PreemptionWatcher"]
+
+
+@pytest.mark.slow
+def test_the_smoke_searchs_store_opens_its_charts_and_reads_right(smoke_search):
+    """The session's real smoke search (conftest): its saved view holds the three comparison
+    charts and a folded section of operational metrics; each trial's run opens with its one-line
+    description; the accuracies are logged unrounded."""
+    from vidtune.tune.tracking.schema import NOTE_TAG
+    from vidtune.tune.tracking.view import COMPARE_SECTION, VIEW_TAG_PREFIX, read_view
+
+    assert smoke_search.returncode == 0, smoke_search.stdout[-3000:] + smoke_search.stderr[-3000:]
+    parent, children = _runs(smoke_search.uri)
+    c = MlflowClient(smoke_search.uri)
+    tags = c.get_experiment(parent.info.experiment_id).tags
+    (view_tag,) = [k for k in tags if k.startswith(VIEW_TAG_PREFIX)]
+    state = read_view(tags[view_tag])
+    sections = {s["name"]: s for s in state["compareRunSections"]}
+    compare = [card["type"] for card in state["compareRunCharts"]
+               if card["metricSectionId"] == sections[COMPARE_SECTION]["uuid"]]
+    assert compare == ["SCATTER", "PARALLEL", "LINE"]
+    assert [s["display"] for name, s in sections.items() if name.startswith("Operations")] == [False]
+    logged = set().union(*(r.data.metrics for r in children))
+    charted = {card.get("metricKey") for card in state["compareRunCharts"]}
+    assert logged <= charted, logged - charted          # the UI adds no chart of its own
+    note = r"best val_acc [01]\.\d{3} \[[01]\.\d\d, [01]\.\d\d\] at epoch 1 of 1; done; [\d.]+ clips/s"
+    for run in children:
+        assert re.fullmatch(note, run.data.tags[NOTE_TAG]), run.data.tags[NOTE_TAG]
+        low = run.data.metrics["best_val_acc_low"]             # Wilson's bound: not k / n
+        assert round(low, 4) != low                            # as computed, not trials.csv's 4 decimals
+        assert "speed_clips_per_s" in run.data.metrics and "steady_clips_per_s" not in run.data.metrics
+    assert "speed_clips_per_s" in parent.data.metrics and "best_clips_per_s" not in parent.data.metrics
