@@ -221,3 +221,29 @@ def test_gpu_check_passes_on_a_working_gpu_node(raw_config, tmp_path):
     checks = _run_gpu_checks(raw_config, tmp_path, FAKE_SMI, "true")   # `true`: torch sees its GPU
     assert [c.returncode for c in checks] == [0, 0], [c.stderr for c in checks]
     assert not any(c.stderr for c in checks)
+
+
+# Memory (GiB) of the AWS instance types a head may be; a head of another type must be added here.
+HEAD_MEMORY_GIB = {"m5.xlarge": 16, "m5.2xlarge": 32, "m5.4xlarge": 64, "r5.xlarge": 32, "r5.2xlarge": 64}
+# Ray's `memory` on a fresh node: ~95% of it free at start, 30% of that its object store
+RAY_TASK_MEMORY_SHARE = 0.95 * 0.7
+
+
+def test_the_head_holds_every_trial_the_gpu_nodes_run_at_once(raw_config):
+    """The search caps the trials at once by what the head's memory holds (each keeps its Tune
+    driver and Train controller there: `tune.cluster.trials_the_head_holds`); cluster.yaml's head
+    holds as many as its GPU nodes run, so the cap never bites on the README's cluster."""
+    from vidtune.tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, trials_the_head_holds
+    from vidtune.tune.options import parse_options
+
+    head_config = raw_config["available_node_types"][raw_config["head_node_type"]]["node_config"]
+    head_memory = HEAD_MEMORY_GIB[head_config["InstanceType"]] * RAY_TASK_MEMORY_SHARE
+    # at most max_workers GPU nodes, each a g5.2xlarge (8 vCPU, 1 A10G), as `ray up` fills them in
+    gpu_nodes = (NodeType("gpu", 8.0, 1.0, raw_config["max_workers"]),)
+    head = (8.0, 0.0)
+    opts = parse_options(["--smoke-test", "--num-samples", "40", "--gpus-per-trial", "1"])
+    unlimited = fit_to_cluster(opts, ClusterCapacity((head,), head, gpu_nodes))
+    fit = fit_to_cluster(opts, ClusterCapacity((head,), head, gpu_nodes, head_memory_gb=head_memory))
+    assert unlimited.concurrency == 2 * raw_config["max_workers"] == 12     # a lead and a follower a GPU
+    assert fit.concurrency == unlimited.concurrency and fit.note is None
+    assert trials_the_head_holds(HEAD_MEMORY_GIB["m5.xlarge"] * RAY_TASK_MEMORY_SHARE) < 12   # the old head
