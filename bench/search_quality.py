@@ -60,6 +60,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(","))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.search_quality", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr-min", type=float, default=3e-5, help="smallest learning rate of the grid")
     r.add_argument("--lr-max", type=float, default=3e-2, help="largest learning rate of the grid")
     r.add_argument("--lr-points", type=int, default=7, help="log-spaced learning rates (default 7)")
+    r.add_argument("--add-lrs", type=_floats, default=(), metavar="LR,LR,..",
+                   help="learning rates added to the log-spaced ones, e.g. between two grid points around "
+                   "a narrow top (with --reuse of the coarser table, only they are trained)")
     r.add_argument("--seeds", type=_ints, default=(0, 1), help="training seeds per config (default 0,1)")
     r.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
     r.add_argument("--threads", type=int, default=2, help="torch threads per run (default 2)")
@@ -240,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         base, index = prepare(args.data, args.model, loader_workers=args.loader_workers,
                               cache_dir=args.cache_dir)
-        grid = Grid(args.batch_sizes, log_grid(args.lr_min, args.lr_max, args.lr_points), args.seeds,
+        lrs = tuple(sorted(set(log_grid(args.lr_min, args.lr_max, args.lr_points)) | set(args.add_lrs)))
+        grid = Grid(args.batch_sizes, lrs, args.seeds,
                     args.epochs)
         header = header_for(args.data, index, ["python -m bench.search_quality", *argv], args.threads,
                             jobs=args.jobs)

@@ -43,7 +43,7 @@ class Grid:
     """What is trained: every (batch size, lr, seed), each for `epochs` epochs."""
 
     batch_sizes: tuple[int, ...]
-    lrs: tuple[float, ...]          # log-spaced (`log_grid`)
+    lrs: tuple[float, ...]          # log-spaced (`log_grid`), plus any added by hand (sorted)
     seeds: tuple[int, ...]
     epochs: int
 

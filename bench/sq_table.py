@@ -101,6 +101,41 @@ class Table:
         """The best configuration's seed-mean final val_acc (interpolation never exceeds it)."""
         return max(self.final_mean(b, lr) for b, lr in self.configs)
 
+    def near_best_decades(self, points: float = TARGET_POINTS, samples: int = 400) -> float:
+        """How much of the lr axis a continuous search can land on and be judged within `points`
+        of the best: the log10-lr width, summed over the batch sizes, where the interpolated
+        seed-mean final val_acc is >= best - points (sampled at `samples` lrs per batch size). A
+        top one grid point wide measures the grid's spacing, not the plateau."""
+        lo, hi = math.log10(self.lrs[0]), math.log10(self.lrs[-1])
+        target = self.best_final_mean - points - 1e-12
+        step = (hi - lo) / samples
+        return sum(step for b in self.batch_sizes for i in range(samples)
+                   if self.final_mean(b, 10 ** (lo + (i + 0.5) * step)) >= target)
+
+    def problems(self) -> list[str]:
+        """Why the goals cannot be judged on this table (empty when they can): issue 17's rules (at
+        least 200 validation clips, 2 seeds and 7 lrs; both ends of the lr grid clearly worse, by
+        10 points, than the best at every batch size; the middle lrs still apart at the last
+        epoch) and issue 29's plateau (`near_best_decades` >= a quarter decade: on a top one grid
+        point wide the grid itself needs half its time to find it, and "within 1 point" is noise)."""
+        out = []
+        if self.doc["dataset"]["val_videos"] < 200:
+            out.append(f"{self.doc['dataset']['val_videos']} validation clips (< 200)")
+        if len(self.seeds) < 2 or len(self.lrs) < 7:
+            out.append(f"{len(self.seeds)} seeds x {len(self.lrs)} lrs (< 2 x 7)")
+        best = self.best_final_mean
+        for batch in self.batch_sizes:
+            ends = self.final_mean(batch, self.lrs[0]), self.final_mean(batch, self.lrs[-1])
+            if max(ends) >= best - 0.10:
+                out.append(f"batch {batch}: an end of the lr grid ({ends[0]:.3f}, {ends[1]:.3f}) is within "
+                           f"10 points of the best {best:.3f}")
+        middle = [self.final_mean(b, lr) for b in self.batch_sizes for lr in self.lrs[2:-2]]
+        if max(middle) - statistics.median(middle) <= 0.02:
+            out.append("the middle lrs end within 2 points of each other")
+        if self.near_best_decades() < 0.25:
+            out.append(f"a top {self.near_best_decades():.2f} decades wide (< 0.25)")
+        return out
+
     def grid_seconds(self, start_cost_s: float) -> float:
         """Device time of the full grid: every configuration trained once to its last epoch
         (seed-mean seconds), each paying the trial start cost."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,14 +21,14 @@ from vidtune.tune.space import build_scheduler, build_searcher, objective_for, p
 TABLES_DIR = Path(__file__).resolve().parents[1] / "bench" / "tables"
 
 
-def checked_in_tables() -> list[Path]:
-    """Every recorded learning-curve table in bench/tables (a JSON with a grid and runs; the replay
+def recorded_tables(folder: Path) -> list[Path]:
+    """The recorded learning-curve tables in `folder` (a JSON with a grid and runs; the replay
     summaries beside them are not tables)."""
-    return [p for p in sorted(TABLES_DIR.glob("*.json"))
-            if {"grid", "runs"} <= set(json.loads(p.read_text()))]
+    return [p for p in sorted(folder.glob("*.json")) if {"grid", "runs"} <= set(json.loads(p.read_text()))]
 
 
-TABLES = checked_in_tables()
+TABLES = recorded_tables(TABLES_DIR)                       # the tables the defaults are judged on
+UNJUDGED = recorded_tables(TABLES_DIR / "unjudged")        # recorded, but the goals mean nothing there
 LRS = (1e-4, 1e-3, 1e-2)
 EPOCHS = 4
 START_S = 10.0
@@ -262,22 +261,29 @@ def test_grace_share_and_brackets_give_asha_its_rungs(table, epochs, share, brac
     assert [sorted(m for m, _ in b._rungs) for b in sched._brackets] == rungs
 
 
+def test_there_are_tables_of_several_kinds():
+    """Issue 29: the defaults are judged on tables that differ in what shapes a learning curve."""
+    docs = [json.loads(p.read_text()) for p in TABLES + UNJUDGED]
+    assert len(docs) >= 3
+    assert len({d["model"] for d in docs}) >= 2 and len({d["grid"]["epochs"] for d in docs}) >= 3
+    assert len({d["dataset"]["synthetic"]["seed"] for d in docs}) == len(docs)
+    assert len({d["dataset"]["val_videos"] for d in docs}) >= 2
+
+
 @pytest.mark.parametrize("path", TABLES, ids=[p.stem for p in TABLES])
 def test_the_checked_in_table_is_one_the_benchmark_can_judge_by(path):
-    """Issue 17's rules for a recorded table: at least 200 validation clips, both ends of the lr
-    grid clearly worse than the middle at every batch size, curves that still differ at the end;
-    and (issue 29) a plateau: at least two configurations within 2 points of the best."""
-    table = Table.load(path)
-    assert table.doc["dataset"]["val_videos"] >= 200
-    assert len(table.seeds) >= 2 and len(table.lrs) >= 7
-    best = table.best_final_mean
-    for batch in table.batch_sizes:
-        finals = [table.final_mean(batch, lr) for lr in table.lrs]
-        assert finals[0] < best - 0.10 and finals[-1] < best - 0.10, (batch, finals)
-    middle = [table.final_mean(b, lr) for b in table.batch_sizes for lr in table.lrs[2:-2]]
-    assert max(middle) - statistics.median(middle) > 0.02       # the last epoch still tells them apart
-    near = [c for c in table.configs if table.final_mean(*c) >= best - 0.02]
-    assert len(near) >= 2, near
+    """The rules a table must follow for the goals to mean something (`Table.problems`): issue
+    17's (at least 200 validation clips, both ends of the lr grid clearly worse than the best at
+    every batch size, curves that still differ at the end) and issue 29's plateau (the lrs judged
+    within 1 point of the best, interpolated as the replay reads them, span a quarter decade)."""
+    assert Table.load(path).problems() == []
+
+
+@pytest.mark.parametrize("path", UNJUDGED, ids=[p.stem for p in UNJUDGED])
+def test_an_unjudged_table_breaks_a_rule(path):
+    """bench/tables/unjudged holds recorded tables the goals are not checked on: each for a
+    reason a rule names (BENCHMARKS.md says which), never only because the defaults miss there."""
+    assert Table.load(path).problems() != []
 
 
 def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, capsys):
