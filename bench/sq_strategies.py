@@ -85,6 +85,9 @@ def strategies(group: str = "issue29") -> list[Strategy]:
         c("n=16 share=.3 brackets=2", num_samples=16, share=0.3, asha_brackets=2),
         c("n=20 share=.3", num_samples=20, share=0.3), c("n=20 brackets=2", num_samples=20, asha_brackets=2),
         c("n=16 gp", num_samples=16, sampler="gp"),
+        c("n=16 share=.4", num_samples=16, share=0.4), c("n=20 share=.4", num_samples=20, share=0.4),
+        c("share=.4 brackets=2", share=0.4, asha_brackets=2),
+        c("n=16 share=.4 brackets=2", num_samples=16, share=0.4, asha_brackets=2),
         c("no-asha", early_stop=False), c("n=16 start=4", num_samples=16, random_start_trials=4),
     ] + ([Strategy("bohb-kde+asha", kind="bohb", changes=d17)] if bohb_installed() else [])
 
