@@ -19,7 +19,7 @@ def training_windows(storage: Path) -> dict[str, list[tuple[float, float]]]:
     """Trial folder name (the MLflow run name) -> (start, end) unix seconds of each epoch it
     trained, from Tune's results (result.json of each trial)."""
     windows = {}
-    for file in storage.glob("*/*/result.json"):
+    for file in storage.glob("*/ray/*/result.json"):   # Tune's trial folders, in each search's ray/
         rows = sorted((json.loads(line) for line in file.read_text().splitlines() if line.strip()),
                       key=lambda r: r["epoch"])
         windows[file.parent.name] = [(r["epoch_start_ts"], r["epoch_end_ts"]) for r in rows]
