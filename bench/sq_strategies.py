@@ -6,7 +6,8 @@ knob or a few. The
 baselines: `grid` (every configuration once, shuffled), `random` (Optuna's RandomSampler through
 the same `VidtuneOptunaSearch`, twice as many trials as the grid has configurations, so that the
 count never ends it within the grid's time) and `random+asha` (the same with the
-ASHA `tune.space.build_scheduler` builds, grace 1, reduction factor 2).
+ASHA `tune.space.build_scheduler` builds with grace 1, reduction factor 2, one bracket, whatever
+the defaults are: `BASELINE_ASHA`).
 """
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class Strategy:
 # The defaults before issue 17's benchmark (tune/options.py until issue 17).
 BEFORE = {"num_samples": 4, "grace_period": 1, "reduction_factor": 2, "tpe": "univariate",
           "random_start_trials": None, "space.lr_scaling": "none", "asha_brackets": 1, "sampler": "tpe"}
+# random + ASHA's scheduler, fixed (not the defaults' ASHA, which the baseline would follow).
+BASELINE_ASHA = {"grace_period": 1, "reduction_factor": 2, "asha_brackets": 1}
 # The defaults issue 17 chose on one table, and issue 29's candidates change.
 ISSUE17 = {**BEFORE, "num_samples": 12, "tpe": "multivariate"}
 
@@ -62,7 +65,7 @@ def strategies(group: str = "issue29") -> list[Strategy]:
     `before`, one knob or a few changed; `n` is --num-samples) or `issue29` (each from issue 17's
     defaults: ASHA brackets, a grace period as a share of --epochs, the GP sampler, more trials)."""
     baselines = [Strategy("grid", kind="grid"), Strategy("random", kind="random", asha=False),
-                 Strategy("random+asha", kind="random"), Strategy("default"),
+                 Strategy("random+asha", kind="random", changes=BASELINE_ASHA), Strategy("default"),
                  Strategy("before", changes=BEFORE)]
     if group == "issue17":
         return baselines + _issue17_candidates()
