@@ -50,9 +50,10 @@ SAMPLERS = ("tpe", "gp")
 # The search's early-stopping and sampler defaults, chosen by leave-one-table-out replays of
 # recorded learning-curve tables (BENCHMARKS.md "Search quality on tables the defaults were not
 # chosen on"). Grace 0.4 x --epochs (2 of 4-6 epochs, 3 of 8): a grace of 1 epoch stops trials
-# whose epoch-1 rank is not their final one; on the two hardest tables it got within 1 point in
-# 5-10 % of seeds, 0.4 in 30-40 %. More ASHA brackets and Optuna's GPSampler did not do better
-# across tables (and a GP suggestion costs ~0.3 s of CPU to TPE's milliseconds).
+# whose epoch-1 rank is not their final one; on the three sharp-topped tables 12 trials with it got
+# within 1 point in 5-10 % of seeds, 20 with 0.4 in 35-50 %. More ASHA brackets did not do better
+# across tables; Optuna's GPSampler, replayed on one table (a suggestion costs ~0.3 s of CPU),
+# was no better than TPE there.
 GRACE_SHARE = 0.4
 ASHA_BRACKETS = 1
 SAMPLER = "tpe"
@@ -157,7 +158,7 @@ class SearchOptions:
     # 20 trials with multivariate TPE (below) and ASHA's grace at 0.4 x --epochs: picked by
     # leave-one-table-out over the recorded tables (BENCHMARKS.md "Search quality on tables the
     # defaults were not chosen on"). More trials cost little where ASHA stops the weak ones and
-    # reach a narrow top more often (12 trials: 5-10 % of seeds on the hardest tables, 20: 35-40 %).
+    # reach a narrow top more often (see GRACE_SHARE above).
     num_samples: int = option(20, flag="--num-samples", metavar="N", ge=1, group="search",
                               help="number of trials")
     objective: str = option("val_acc", flag="--objective", choices=OBJECTIVES, group="search",
