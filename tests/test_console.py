@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vidtune.tune import console, faults, results, search_log, tables
+from vidtune.tune import console, faults, results, search_log, space, tables
 from vidtune.tune.trial import short_lr, short_name
 
 
@@ -155,9 +155,9 @@ def test_rays_lines_go_to_the_log_and_ours_to_the_console():
 
 
 def test_asha_rungs_are_rays_milestones_below_the_last_epoch():
-    assert console.asha_rungs(grace=1, reduction_factor=2, brackets=1, epochs=6) == ((1, 2, 4),)
-    assert console.asha_rungs(grace=1, reduction_factor=2, brackets=2, epochs=6) == ((1, 2, 4), (2, 4))
-    assert console.asha_rungs(grace=2, reduction_factor=3, brackets=1, epochs=6) == ((2,),)
+    assert space.milestones(grace=1, reduction_factor=2, brackets=1, epochs=6) == ((1, 2, 4),)
+    assert space.milestones(grace=1, reduction_factor=2, brackets=2, epochs=6) == ((1, 2, 4), (2, 4))
+    assert space.milestones(grace=2, reduction_factor=3, brackets=1, epochs=6) == ((2,),)
 
 
 def test_expected_epochs_count_the_trials_asha_is_likely_to_stop():
@@ -205,7 +205,7 @@ def _replay_demo(monkeypatch) -> list[tuple[int, int, float, float]]:
     doc = json.loads((Path(__file__).parent / "data" / "demo_timeline.json").read_text())
     clock = [0.0]
     monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
-    rungs = console.asha_rungs(grace=doc["grace"], reduction_factor=doc["reduction_factor"], brackets=1,
+    rungs = space.milestones(grace=doc["grace"], reduction_factor=doc["reduction_factor"], brackets=1,
                                epochs=doc["epochs"])
     c = console.SearchConsole(num_samples=len(doc["trials"]), epochs=doc["epochs"], objective="val_acc",
                               concurrency=1, tty=False, rungs=rungs, reduction_factor=doc["reduction_factor"])

@@ -61,26 +61,11 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def asha_rungs(*, grace: int, reduction_factor: int, brackets: int,
-               epochs: int) -> tuple[tuple[int, ...], ...]:
-    """The epochs at which ASHA compares a trial with the others, per bracket (Ray's
-    `AsyncHyperBandScheduler`: bracket s's milestones are grace x R^(s+k)), only those below
-    `epochs` (at the last epoch there is nothing left to stop)."""
-    out = []
-    for s in range(brackets):
-        rungs, k = [], 0
-        while grace * reduction_factor ** (s + k) < epochs:
-            rungs.append(grace * reduction_factor ** (s + k))
-            k += 1
-        out.append(tuple(rungs))
-    return tuple(out)
-
-
 class SearchConsole(Callback):
     """Prints a search's progress (see the module docstring). Holds nothing Tune cannot pickle
     (it is saved with the experiment). `concurrency`: trials run at once (None: the most seen
     running so far), for the time left; `tty`: draw the progress line in place (None: when
-    stdout is a terminal). `rungs` (`asha_rungs`, () without early stopping) and
+    stdout is a terminal). `rungs` (`tune.space.asha_rungs`, () without early stopping) and
     `reduction_factor`: ASHA's, for the epochs a trial is expected to train (`expected_epochs`)."""
 
     def __init__(self, *, num_samples: int, epochs: int, objective: str, quiet: bool = False,
@@ -312,9 +297,9 @@ class SearchConsole(Callback):
                 whole = first_s + (self.expected_epochs(0, reached) - 1) * epoch_s
                 remainders.append(max(epoch_s, whole - (now - self._last_seen.get(t.trial_id, now))))
         to_start = max(0, self.num_samples - len(ended) - len(running))
-        later = sum(first_s + (self.expected_epochs(0, reached) - 1) * epoch_s for _ in range(to_start))
+        to_start_s = sum(first_s + (self.expected_epochs(0, reached) - 1) * epoch_s for _ in range(to_start))
         at_once = max(1, self.concurrency or self._most_running)
-        return max((sum(remainders) + later) / at_once, max(remainders, default=0.0))
+        return max((sum(remainders) + to_start_s) / at_once, max(remainders, default=0.0))
 
     def _progress_line(self, text: str) -> None:
         """The state after an epoch: one line per epoch in a log file; in place on a terminal."""

@@ -44,7 +44,7 @@ from vidtune.tune.cluster import (
     trial_resources,
     waiting_line,
 )
-from vidtune.tune.console import SearchConsole, asha_rungs
+from vidtune.tune.console import SearchConsole
 from vidtune.tune.faults import DiskFullError
 from vidtune.tune.lock import SearchLock
 from vidtune.tune.options import SearchOptions
@@ -180,14 +180,6 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     return base
 
 
-def console_rungs(opts: SearchOptions) -> tuple[tuple[int, ...], ...]:
-    """ASHA's rungs per bracket as the console's time left counts them (() without early stopping)."""
-    if not space.early_stopping_enabled(opts):
-        return ()
-    return asha_rungs(grace=space.grace_period(opts), reduction_factor=opts.reduction_factor,
-                      brackets=space.asha_brackets(opts), epochs=opts.train.epochs)
-
-
 def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None) -> int:
     """Run the planned search to the end (or resume it); print and record the summary.
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
@@ -227,7 +219,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
                  SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
                                                 objective=opts.objective, quiet=opts.quiet,
-                                                concurrency=concurrency, rungs=console_rungs(opts),
+                                                concurrency=concurrency, rungs=space.asha_rungs(opts),
                                                 reduction_factor=opts.reduction_factor)]
     tuner, searcher = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
     results, failure = None, None

@@ -204,11 +204,33 @@ def grace_period(opts: SearchOptions) -> int:
     return max(1, min(grace, epochs))
 
 
+def milestones(*, grace: int, reduction_factor: int, brackets: int,
+               epochs: int) -> tuple[tuple[int, ...], ...]:
+    """The epochs at which ASHA compares a trial with the others, per bracket (Ray's
+    `AsyncHyperBandScheduler`: bracket s's milestones are grace x R^(s+k)), only those below
+    `epochs` (at the last epoch there is nothing left to stop)."""
+    out = []
+    for s in range(brackets):
+        rungs, k = [], 0
+        while grace * reduction_factor ** (s + k) < epochs:
+            rungs.append(grace * reduction_factor ** (s + k))
+            k += 1
+        out.append(tuple(rungs))
+    return tuple(out)
+
+
 def asha_brackets(opts: SearchOptions) -> int:
     """`--asha-brackets`, at most as many as have a rung below `--epochs` (Ray's bracket k's first
     rung is grace x R^k; one at or past max_t stops nothing and Ray would still draw trials into it)."""
-    grace, epochs = grace_period(opts), opts.train.epochs
-    useful = 1
-    while useful < opts.asha_brackets and grace * opts.reduction_factor ** useful < epochs:
-        useful += 1
-    return useful
+    every = milestones(grace=grace_period(opts), reduction_factor=opts.reduction_factor,
+                       brackets=opts.asha_brackets, epochs=opts.train.epochs)
+    return max(1, sum(1 for rungs in every if rungs))
+
+
+def asha_rungs(opts: SearchOptions) -> tuple[tuple[int, ...], ...]:
+    """The search's ASHA `milestones` per bracket, as the console's time left counts them (()
+    without early stopping)."""
+    if not early_stopping_enabled(opts):
+        return ()
+    return milestones(grace=grace_period(opts), reduction_factor=opts.reduction_factor,
+                      brackets=asha_brackets(opts), epochs=opts.train.epochs)
