@@ -30,16 +30,42 @@ def synthetic_root(tmp_path_factory) -> Path:
 # that start their own) only RAY_ADDRESS is unambiguous, so every Ray process inherits it; the
 # dashboard gets a free port too. Prints the address as one line once the node is up.
 SHARED_RAY = """
-import os, socket, sys
+import os, socket, sys, time
+import ray
 from ray._common.utils import reset_ray_address
 from ray.cluster_utils import Cluster
 from ray.util import get_node_ip_address
+from ray.util.placement_group import placement_group_table, remove_placement_group, PlacementGroup
+from ray.util.state import list_actors
 from vidtune.trainer.launch import PREEMPTION_WATCHER_ENV
 
 def free_port():
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+def all_free():
+    total, free = ray.cluster_resources(), ray.available_resources()
+    return all(free.get(k, 0) >= v for k, v in total.items() if k in ("CPU", "GPU"))
+
+def settle(wait_s):
+    # Wait for every CPU to be free again (a finished search's actors exit asynchronously);
+    # past wait_s, name what still holds them, remove its placement groups and wait as long again.
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all_free():
+            return "clean"
+        time.sleep(0.5)
+    alive = [f"{a.class_name}(job {a.job_id}, pid {a.pid})"
+             for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)]
+    pgs = [pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"]
+    for pg in pgs:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
+    deadline = time.monotonic() + wait_s
+    while not all_free() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return (f"left over after {wait_s:.0f} s: {len(pgs)} placement group(s) removed, "
+            f"actors alive: {', '.join(alive) or 'none'}; now {'clean' if all_free() else 'still held'}")
 
 port = free_port()
 os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
@@ -49,9 +75,12 @@ cluster = Cluster(initialize_head=True, head_node_args={
 reset_ray_address()
 try:
     cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
     print(cluster.address, flush=True)
-    sys.stdin.read()
+    for line in sys.stdin:                  # one request per test that used this Ray
+        print(settle(float(line)), flush=True)
 finally:
+    ray.shutdown()
     cluster.shutdown()
 """
 
@@ -70,12 +99,77 @@ def shared_ray() -> str:
     if not address:
         holder.kill()
         pytest.fail(f"the test session's Ray did not start (exit {holder.wait(timeout=30)})")
+    global _SHARED_RAY_HOLDER
+    _SHARED_RAY_HOLDER = holder
     yield address
+    _SHARED_RAY_HOLDER = None
     holder.stdin.close()
     try:
         holder.wait(timeout=60)
     except subprocess.TimeoutExpired:
         holder.kill()
+
+
+SHOW_DURATION_S = 20     # a test phase that takes longer has its seconds printed after its dot
+_CONFIG = None
+_NOTES: list[str] = []     # lines for the terminal from fixtures, whose output is captured
+
+
+def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    """Prints a slow test's seconds inline (`..[63s].`, `[setup 49s]`), so a run cut short by
+    CI's time limit still shows where its time went; `--durations` prints only at the end."""
+    terminal = _CONFIG and _CONFIG.pluginmanager.get_plugin("terminalreporter")
+    if not terminal:
+        return
+    while _NOTES:
+        terminal.write_line("")
+        terminal.write_line(_NOTES.pop(0), yellow=True)
+    if report.duration < SHOW_DURATION_S or terminal.verbosity > 0:
+        return
+    phase = "" if report.when == "call" else f"{report.when} "
+    terminal.write(f"[{phase}{report.duration:.0f}s]")
+
+
+_SHARED_RAY_HOLDER: subprocess.Popen | None = None
+SETTLE_S = 60      # how long a test's leftovers on the shared Ray may take to exit on their own
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test item, for `shared_ray_settles`."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture(autouse=True)
+def shared_ray_settles(request):
+    """After each test that used the session's Ray, the next one finds every CPU free: a test
+    that failed in this process (`ray_session`) has its connection renewed, which ends the actors
+    it left (a search interrupted by a timeout keeps training otherwise, slowing every later
+    test); then the holder waits until the Ray is idle, and names and clears what is not."""
+    yield
+    if _SHARED_RAY_HOLDER is None or "shared_ray" not in request.fixturenames:
+        return
+    report = getattr(request.node, "report_call", None)
+    if "ray_session" in request.fixturenames and (report is None or report.failed):
+        import ray
+
+        from vidtune.trainer.launch import init_ray
+
+        ray.shutdown()
+        init_ray(address=request.getfixturevalue("shared_ray"))
+    _SHARED_RAY_HOLDER.stdin.write(f"{SETTLE_S}\n")
+    _SHARED_RAY_HOLDER.stdin.flush()
+    answer = _SHARED_RAY_HOLDER.stdout.readline().strip()
+    if answer != "clean":       # printed by pytest_runtest_logreport (output here is captured)
+        _NOTES.append(f"shared Ray after {request.node.nodeid}: {answer or 'its holder is gone'}")
 
 
 @pytest.fixture(scope="session")

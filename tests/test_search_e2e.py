@@ -338,7 +338,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     opts = parse_options(["--data", str(synthetic_root), "--num-samples", "5", "--epochs", "4",
                           "--batch-sizes", "4,8", "--storage", str(tmp_path / "results"), "--mlflow-uri", uri,
-                          "--seed", "3"])
+                          "--seed", "3", "--grace-period", "1"])     # rungs at epochs 1 and 2
     plan = preflight.prepare(opts)
     pgs_before = set(placement_group_table())
     started = time.monotonic()
