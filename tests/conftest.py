@@ -28,7 +28,9 @@ def synthetic_root(tmp_path_factory) -> Path:
 # machine. Ray's own helpers inside it (Train's placement-group cleaner) find their cluster by
 # RAY_ADDRESS or the machine's "latest cluster" record; with other Rays on this machine (tests
 # that start their own) only RAY_ADDRESS is unambiguous, so every Ray process inherits it; the
-# dashboard gets a free port too. Prints the address as one line once the node is up.
+# dashboard gets a free port too. Prints "address: ..." once the node is up, then answers each
+# line on its stdin (seconds to wait) with "settled: ...": `settle` below, after each test. Its
+# stdout also carries what Ray prints to every driver, so both ends read past other lines.
 SHARED_RAY = """
 import os, socket, sys, time
 import ray
@@ -76,9 +78,9 @@ reset_ray_address()
 try:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    print(cluster.address, flush=True)
+    print(f"address: {cluster.address}", flush=True)
     for line in sys.stdin:                  # one request per test that used this Ray
-        print(settle(float(line)), flush=True)
+        print(f"settled: {settle(float(line))}", flush=True)
 finally:
     ray.shutdown()
     cluster.shutdown()
@@ -95,7 +97,8 @@ def shared_ray() -> str:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     holder = subprocess.Popen([sys.executable, "-c", SHARED_RAY], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
-    address = holder.stdout.readline().strip()
+    address = next((line.removeprefix("address: ").strip() for line in holder.stdout
+                    if line.startswith("address: ")), "")
     if not address:
         holder.kill()
         pytest.fail(f"the test session's Ray did not start (exit {holder.wait(timeout=30)})")
@@ -167,7 +170,11 @@ def shared_ray_settles(request):
         init_ray(address=request.getfixturevalue("shared_ray"))
     _SHARED_RAY_HOLDER.stdin.write(f"{SETTLE_S}\n")
     _SHARED_RAY_HOLDER.stdin.flush()
-    answer = _SHARED_RAY_HOLDER.stdout.readline().strip()
+    answer = ""
+    for line in _SHARED_RAY_HOLDER.stdout:      # past what Ray prints to its drivers (raylet warnings)
+        if line.startswith("settled: "):
+            answer = line.removeprefix("settled: ").strip()
+            break
     if answer != "clean":       # printed by pytest_runtest_logreport (output here is captured)
         _NOTES.append(f"shared Ray after {request.node.nodeid}: {answer or 'its holder is gone'}")
 

@@ -98,7 +98,7 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
                                        "--data", str(synthetic_root), "--num-samples", "2", "--epochs", "2",
                                        "--batch-sizes", "4", "--cpus-per-worker", "0.8",
                                        "--loader-workers", "0", "--cpu-threads", "1", "--no-early-stop",
-                                       "--no-register-model",
+                                       "--no-log-model",
                                        "--probe-batch-size", "--storage", str(tmp_path / "results"),
                                        "--mlflow-uri", uri, "--name", "autoscaled"],
                              cwd=tmp_path, env=search_env, capture_output=True, text=True, timeout=540)

@@ -29,10 +29,10 @@ SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
 # latest one. The others need one epoch before the fault and one after: 2 (--epochs after SMALL wins).
 EPOCHS = 3
 SHORT = ["--epochs", "2"]
-# --no-register-model: the faults are the point; the model's logging has its tests (test_model_registry)
+# --no-log-model: the faults are the point; the model's logging has its tests (test_model_registry)
 SMALL = ["--num-samples", "2", "--epochs", str(EPOCHS), "--batch-sizes", "4", "--no-early-stop",
          "--loader-workers", "0", "--max-concurrent-trials", "1", "--lr-min", "3e-4", "--lr-max", "3e-3",
-         "--no-register-model"]
+         "--no-log-model"]
 WAIT_S = 300
 
 

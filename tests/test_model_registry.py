@@ -172,12 +172,16 @@ def test_the_model_is_registered_under_the_experiment_unless_told_otherwise():
     assert parse_options(["--experiment", "rwf"]).tracking.model_name == "rwf"
     assert parse_options(["--register-model", "best-rwf"]).tracking.model_name == "best-rwf"
     assert parse_options(["--no-register-model"]).tracking.model_name is None
+    assert parse_options(["--no-log-model"]).tracking.model_name is None
+    assert parse_options(["--no-register-model"]).tracking.log_model
 
 
 @pytest.mark.parametrize("argv, flag", [(["--register-model", "rwf/mvit"], "--register-model"),
                                         (["--experiment", "team:rwf"], "--experiment"),
                                         (["--register-model", "x", "--no-register-model"],
-                                         "--register-model/--no-register-model")])
+                                         "--register-model/--no-register-model"),
+                                        (["--register-model", "x", "--no-log-model"],
+                                         "--register-model/--no-log-model")])
 def test_a_name_the_registry_refuses_is_refused_before_the_search(argv, flag):
     with pytest.raises(ConfigError) as e:
         parse_options(argv)
@@ -195,6 +199,8 @@ def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, 
                       val_clips=0, answer=["Best: t01-bs4-lr1e-3"], best=None, checkpoint=row,
                       importance=SimpleNamespace(shares={}, sentence=lambda: ""), files={})
     tracker = SimpleNamespace(child_runs={"t1": "run-1"})
+    no_log = parse_options(["--smoke-test", "--storage", str(tmp_path), "--name", "s", "--no-log-model"])
+    assert runner.log_best_model(plan, no_log, summary, tracker) == []     # nothing tried, nothing said
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -114,7 +114,7 @@ def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_nod
         "--data", str(synthetic_root), "--model", "tiny",
         "--address", address,
         "--num-samples", str(TRIALS), "--epochs", "1", "--batch-sizes", "4", "--no-early-stop",
-        "--no-register-model",
+        "--no-log-model",
         # The tiny model's own clip size, decoded in the training process (no loader processes).
         "--num-frames", "8", "--height", "64", "--width", "64", "--loader-workers", "0",
         "--cpus-per-worker", str(CPUS_PER_WORKER),

@@ -26,9 +26,9 @@ from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, S
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
-# --no-register-model: the best model's logging is tested on the session's smoke search
+# --no-log-model: the best model's logging is tested on the session's smoke search
 SMALL = ["--epochs", "2", "--loader-workers", "0", "--batch-sizes", "4,8", "--lr-min", "3e-4",
-         "--lr-max", "3e-3", "--no-register-model"]
+         "--lr-max", "3e-3", "--no-log-model"]
 TRAINER_METRICS = {"train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc", "clips_per_s",
                    "compute_clips_per_s", "epoch_time_s", "data_wait_frac",
                    "peak_mem_mb", "lr_current", "cache_hit_frac", "concurrent_trainings", "device_wait_s",
@@ -79,6 +79,9 @@ def test_search_end_to_end(shared_ray, synthetic_root, tmp_path):
     assert {"batch_sizes", "lr_min", "lr_max", "dataset", "model", "objective", "tpe", "early_stopping",
             "random_start_trials"} <= set(parent.data.params)
     c = MlflowClient(uri)
+    # --no-log-model: no model in the store nor its registry, and the summary says nothing of one
+    assert not c.search_logged_models(experiment_ids=[parent.info.experiment_id])
+    assert not c.search_registered_models() and "best model:" not in out.stdout
     for run in children:
         assert run.info.status == "FINISHED"
         assert run.data.tags[PARENT_TAG] == parent.info.run_id
@@ -224,7 +227,7 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(smoke_search, sha
     seeded = list(csv.DictReader(first.open()))
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     quiet = subprocess.run(SEARCH + ["--smoke-test", "--data", str(synthetic_root), "--quiet", "--name", "q",
-                                     "--no-register-model",
+                                     "--no-log-model",
                                      "--address", shared_ray,
                                      "--num-samples", "1",
                                      "--warm-start", str(first.parent), "--optuna-storage", storage],

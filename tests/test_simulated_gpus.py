@@ -36,7 +36,7 @@ def test_five_trials_on_four_simulated_gpus_use_every_gpu_one_training_each(synt
     # a follower behind one of them; one torch thread each keeps 4 CPU trainings from thrashing.
     out = subprocess.run(SEARCH + ["--data", str(synthetic_root), "--num-samples", "5", "--epochs", "2",
                                    "--batch-sizes", "4", "--cpus-per-worker", "0.2", "--cpu-threads", "1",
-                                   "--loader-workers", "0", "--no-early-stop", "--no-register-model",
+                                   "--loader-workers", "0", "--no-early-stop", "--no-log-model",
                                    "--storage", str(tmp_path / "results"), "--mlflow-uri", uri],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=580)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

@@ -135,6 +135,9 @@ class Tracking:
                                            help="where a new MLflow experiment keeps its artifacts: a folder "
                                            "or s3://... (default: mlartifacts/ beside a sqlite:/// store; a "
                                            "tracking server's own); an existing experiment keeps its own")
+    log_model: bool = option(True, flag="--no-log-model",
+                             help="leave the best model out of MLflow (nor registered): its checkpoint "
+                             "stays in the results folder; saves the model's export (seconds to a minute)")
     # Two fields, one setting: a str flag cannot be switched off. Declared in this order, the
     # config file's key `register-model` is the name's (its `no-register-model` the switch's).
     register: bool = option(True, flag="--no-register-model",
@@ -145,8 +148,8 @@ class Tracking:
 
     @property
     def model_name(self) -> str | None:
-        """The registered model's name, or None with --no-register-model."""
-        return (self.register_model or self.experiment) if self.register else None
+        """The registered model's name, or None with --no-register-model or --no-log-model."""
+        return (self.register_model or self.experiment) if self.register and self.log_model else None
 
 
 @dataclass(frozen=True)
@@ -416,6 +419,9 @@ def _check_model_name(t: Tracking) -> None:
     """--register-model (or --experiment, its default) is a name MLflow's registry takes."""
     if t.register_model is not None and not t.register:
         raise ConfigError("--register-model/--no-register-model", "give one of them, not both")
+    if t.register_model is not None and not t.log_model:
+        raise ConfigError("--register-model/--no-log-model", "a model not logged cannot be registered: "
+                          "give one of them, not both")
     problem = model_name_problem(t.model_name) if t.model_name is not None else None
     if problem:
         flag = "--register-model" if t.register_model is not None else "--experiment"

@@ -248,10 +248,10 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
     """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
     under --register-model (`trainer.mlflow_model`); returns the summary's lines saying how to
     load and serve it, or the one line saying why it is not in MLflow. Never raises: the
-    search's results and exit code stand either way. Not for an interrupted search (its
-    --resume logs the model of the finished search)."""
+    search's results and exit code stand either way. Not with --no-log-model, nor for an
+    interrupted search (its --resume logs the model of the finished search)."""
     row = summary.checkpoint
-    if row is None or summary.interrupted:
+    if row is None or summary.interrupted or not opts.tracking.log_model:
         return []
     run_id = tracker.child_runs.get(row.trial_id)
     example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
