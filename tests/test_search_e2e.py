@@ -288,7 +288,8 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
     """A Train worker loop with scripted metrics: the later a trial starts, the worse it scores,
     so ASHA (grace 1 epoch) surely stops the late ones. The first trial to claim `oom_marker`
     (an exclusive file create, so exactly one trial whatever the sampler picks) runs out of memory.
-    Epochs after the first take 1.5 s, and each epoch's start is written to `<oom_marker>.epochs`
+    Epochs after the first take 2.5 s (room for Tune to act on ASHA's stop on a loaded machine
+    before the next starts), and each epoch's start is written to `<oom_marker>.epochs`
     (`<run name> <epoch>`), so a test sees how far a stopped trial's Train run went on."""
     import ray.train
 
@@ -301,7 +302,7 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
     for epoch in range(1, config["epochs"] + 1):
         with open(f"{oom_marker}.epochs", "a") as log:
             log.write(f"{ray.train.get_context().get_experiment_name()} {epoch}\n")
-        time.sleep(0.5 if epoch == 1 else 1.5)
+        time.sleep(0.5 if epoch == 1 else 2.5)
         ray.train.report({"epoch": epoch, "val_acc": 0.0 if oom else 1e9 / started, "val_f1": 0.5,
                           "clips_per_s": 0.0 if oom else 10.0, "epoch_time_s": 0.5, "oom": oom,
                           "batch_size": config["batch_size"],
