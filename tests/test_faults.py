@@ -9,6 +9,7 @@ every wait has a deadline.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -25,9 +26,10 @@ from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
-# Ctrl-C: 3 epochs, so that a resume can fall back to an older checkpoint than the truncated
-# latest one. The others need one epoch before the fault and one after: 2 (--epochs after SMALL wins).
-EPOCHS = 3
+# Ctrl-C: 4 epochs, interrupted once a trial's second checkpoint is Ray's, so that the trial is
+# still training and its resume can fall back to an older checkpoint than the truncated latest
+# one. The others need one epoch before the fault and one after: 2 (--epochs after SMALL wins).
+EPOCHS = 4
 SHORT = ["--epochs", "2"]
 # --no-log-model: the faults are the point; the model's logging has its tests (test_model_registry)
 SMALL = ["--num-samples", "2", "--epochs", str(EPOCHS), "--batch-sizes", "4", "--no-early-stop",
@@ -58,6 +60,21 @@ def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str, epoc
         assert proc.poll() is None, f"the search ended early with {proc.returncode}"
         assert time.monotonic() < deadline, "no epoch was trained in time"
         time.sleep(0.5)
+
+
+def _registered_checkpoints(storage: Path, name: str) -> dict[str, list[str]]:
+    """Trial name -> its checkpoint folders Ray Train has registered, oldest first. A folder on
+    disk is not yet one of them while its report is under way (Ctrl-C can land there), and a
+    resume starts from Ray's latest: read from Train's own record of its checkpoints,
+    `checkpoint_manager_snapshot.json` (Ray 2.60's format)."""
+    out = {}
+    for snapshot in (storage / name / "ray" / "train_runs").glob("*/checkpoint_manager_snapshot.json"):
+        try:
+            results = json.loads(snapshot.read_text())["checkpoint_results"]
+        except (ValueError, KeyError):        # being written
+            continue
+        out[snapshot.parent.name] = [r["checkpoint_dir_name"] for r in results]
+    return out
 
 
 def _finish(proc: subprocess.Popen, log: Path) -> str:
@@ -102,7 +119,11 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
             "--name", "s"]
     log = tmp_path / "first.log"
     proc = _start(args, tmp_path, log, shared_ray)
-    _wait_for_first_epoch(proc, storage, "s")
+    deadline = time.monotonic() + WAIT_S
+    while not any(len(folders) >= 2 for folders in _registered_checkpoints(storage, "s").values()):
+        assert proc.poll() is None, f"the search ended early with {proc.returncode}"
+        assert time.monotonic() < deadline, "no trial checkpointed 2 epochs in time"
+        time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGINT)                 # Ctrl-C in a terminal: the whole process group
     out = _finish(proc, log)
     assert proc.returncode == 130, out[-3000:]
@@ -115,14 +136,16 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
     assert not any("ASHA" in r.data.tags.get(STOP_TAG, "") for r in children)
 
-    # The interrupted trial's latest checkpoint is cut short (a full disk, a killed copy): the
-    # resume goes on from an older one (or from scratch) and must keep every epoch trained.
+    # The interrupted trial's latest checkpoint (the one Ray hands back) is cut short (a full
+    # disk, a killed copy): the resume goes on from an older one and must keep every epoch trained.
     table = storage / "s" / "trials.csv"
     unfinished = [r for r in csv.DictReader(table.open()) if r["status"] == "UNFINISHED"]
-    assert unfinished, "the Ctrl-C left no trial unfinished"
-    name = unfinished[0]["name"]
-    latest = sorted((storage / "s" / "ray" / "train_runs" / name).glob("epoch_*"))[-1]
-    checkpoint = latest / "checkpoint.pt"
+    registered_by_trial = _registered_checkpoints(storage, "s")
+    with_two = [r["name"] for r in unfinished if len(registered_by_trial.get(r["name"], [])) >= 2]
+    assert with_two, (unfinished, registered_by_trial)   # unfinished, with an older one to fall back to
+    name = with_two[0]
+    registered = registered_by_trial[name]
+    checkpoint = storage / "s" / "ray" / "train_runs" / name / registered[-1] / "checkpoint.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
 
     log2 = tmp_path / "resume.log"
