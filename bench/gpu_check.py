@@ -5,20 +5,24 @@ says. It needs a CUDA device and refuses without one (exit 2).
      bf16 / fp16 / fp32 with cudnn.benchmark on and off; --bench-seconds budget);
   2. on this GPU, the two calls every Train worker makes before training: `choose_precision
      ("auto", device)` gives bf16 on sm 8.0+ (fp16 below) and `configure_backends(device)` turns
-     cudnn.benchmark on (step 5 checks what the workers themselves reported);
+     cudnn.benchmark on (step 6 checks what the workers themselves reported);
   3. decoding (bench/gpu_decode.py): clip-cache JPEG entries decoded on the GPU against the same
      entries decoded on the CPU (each frame within JPEG tolerance), and seeded mvit_v2_s steps
      trained on each (model inputs and losses agree; the GPU side decodes inside the training
      loop while the previous step is queued, where nvJPEG once overwrote the step's memory);
-  4. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
+  4. learning (bench/learning_check.py): the `tiny` model trained 8 epochs on 200 generated videos
+     without Ray, once in fp16 with GradScaler and once in bf16 (where the GPU has it), each
+     reaching val_acc 0.8 on 40 balanced validation clips (chance 0.5), as on the CPU in fp32
+     (tests/test_learning.py); the steps GradScaler skipped are reported;
+  5. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
      --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
      MLflow store (SQLite), Ray storage and clip cache in the work folder;
-  5. that store, read back with MlflowClient: every trial's child run FINISHED with all its
+  6. that store, read back with MlflowClient: every trial's child run FINISHED with all its
      epochs and param precision=auto; the workers' own record of what they trained with (tags:
      the precision auto became on this GPU, TF32 and cudnn.benchmark on, device, capability,
      CUDA, driver, torch); one training at a time on each GPU (`concurrent_trainings` == 1 in
      every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0;
-  6. the search's device lease record (device_lease.json): every trial waited for its GPU without
+  7. the search's device lease record (device_lease.json): every trial waited for its GPU without
      a CUDA context there and gave it back having freed its memory (`check_hand_over`).
 
 Prints a table of the checks; the first that fails ends the run with a line saying what failed
@@ -46,8 +50,9 @@ from typing import Any
 import torch
 from mlflow.tracking import MlflowClient
 
-from bench import gpu_decode
+from bench import gpu_decode, learning_check
 from bench.common import write_json
+from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.synthetic import generate
 from vidtune.trainer.precision import choose_precision, configure_backends, default_device
 from vidtune.tune.tracking.schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
@@ -414,12 +419,27 @@ class GpuCheck:
         require(not found, "GPU-decoded and CPU-decoded clips disagree: " + "; ".join(found))
         return gpu_decode.summary(figures)
 
+    def learns(self) -> str:
+        precisions = ["fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+        workers = min(os.cpu_count() or 1, 16)
+        index = learning_check.learning_index(self.work / "learning", workers=workers)
+        cache = FrameCache(self.work / "learning-clips")     # epoch 1 fills it: later epochs read it
+        curves = [learning_check.fit_tiny(index.train, index.val, device=self.device, precision=p,
+                                          cache=cache, loader_workers=min(workers, 4)) for p in precisions]
+        self.figures["learning"] = [asdict(c) for c in curves]
+        require([c.precision for c in curves] == precisions,
+                f"asked {precisions}, trained {[c.precision for c in curves]}")
+        found = [problem for c in curves for problem in learning_check.problems(c)]
+        require(not found, "the tiny model did not learn: " + "; ".join(found))
+        return learning_check.summary(curves)
+
     def steps(self) -> list[tuple[str, Callable[[], str]]]:
         a = self.args
         return [("precision table", self.precision_table),
                 ("precision auto", self.auto_precision),
                 ("cudnn.benchmark", self.cudnn_benchmark),
                 ("GPU decoding", self.device_decoding),
+                ("learns (fp16, bf16)", self.learns),
                 (f"{a.num_samples}-trial search", self.search),
                 *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
                               capability=torch.cuda.get_device_capability(self.device)),

@@ -201,3 +201,31 @@ def test_the_hand_over_check_reads_the_lease_record():
         gpu_check.check_hand_over([[grant, release, {**grant, "owner": "t2", "device_mb": 512.0}]])
     with pytest.raises(gpu_check.CheckFailed, match="holding more than 64 MB: t1: 9000 MB"):
         gpu_check.check_hand_over([[grant, {**release, "device_mb": 9000.0}]])
+
+
+def test_the_learning_step_needs_every_precision_to_learn(monkeypatch, tmp_path):
+    """gpu-check's learning step on curves faked where the GPU would train them: fp16 and bf16
+    must each end at val_acc >= 0.8; the line names each with its figures; a curve below the
+    bar fails the step naming the precision and its accuracies."""
+    from bench import learning_check
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(learning_check, "learning_index",
+                        lambda folder, workers=None: argparse.Namespace(train=["t"], val=["v"]))
+    finals = {"fp16": 0.9, "bf16": 0.85}
+
+    def fit(train, val, *, precision, **kw):
+        return learning_check.Curve(precision, [0.5, finals[precision]], 2 if precision == "fp16" else 0, 3.0)
+
+    monkeypatch.setattr(learning_check, "fit_tiny", fit)
+    check = gpu_check.GpuCheck(gpu_check.build_parser().parse_args([]), tmp_path)
+    line = check.learns()
+    assert line == "fp16 val_acc 0.900 in 3 s (2 steps skipped by GradScaler); bf16 val_acc 0.850 in 3 s"
+    assert [c["precision"] for c in check.figures["learning"]] == ["fp16", "bf16"]
+
+    finals["bf16"] = 0.55
+    with pytest.raises(gpu_check.CheckFailed, match=r"did not learn: bf16: val_acc 0.550 after 2 epochs"):
+        check.learns()
+    # a GPU without bf16 (before sm 8.0) is asked for fp16 only
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert check.learns().startswith("fp16 val_acc 0.900") and "bf16" not in check.learns()
