@@ -89,8 +89,8 @@ def test_the_wheel_installs_beside_hugging_face_datasets_and_leaves_it_whole(tmp
     # A search end to end on generated videos, MLflow in SQLite: one parent run, two children.
     run([str(vidtune), "synth", str(work / "data"), "--videos", "16"], cwd=work)
     db = work / "m.db"
-    run([str(vidtune), "search", "--smoke-test", "--no-log-model", "--data", str(work / "data"), "--mlflow-uri",
-         f"sqlite:///{db}", "--storage", str(work / "results")], cwd=work, timeout=600)
+    run([str(vidtune), "search", "--smoke-test", "--no-log-model", "--data", str(work / "data"),
+         "--mlflow-uri", f"sqlite:///{db}", "--storage", str(work / "results")], cwd=work, timeout=600)
     with sqlite3.connect(db) as con:
         runs = con.execute("SELECT run_uuid, status FROM runs").fetchall()
         parents = con.execute("SELECT run_uuid FROM runs WHERE run_uuid NOT IN "
