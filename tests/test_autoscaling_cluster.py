@@ -127,15 +127,15 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
         out.stdout
     # Where the drivers and controllers ran, from Ray's record of every actor (the dead ones too):
     # Ray puts a trial's driver wherever its 0.1-CPU bundle fits (the head or a GPU node) and
-    # Train V2 its controller beside it. 2 trial drivers for 3 trials (Tune reuses a finished
-    # trial's), so never more than 2 of each at once: what the head holds if all land there.
+    # Train V2 its controller beside it. 2 trial drivers for 3 trials when Tune reuses a finished
+    # trial's (it did in every run here; a third would not break the cap, only the reuse).
     by_class: dict[str, set[str]] = {}
     for actor in actors:
         by_class.setdefault(actor["class_name"], set()).add(actor["node_id"])
     placed = {cls: sorted(by_class.get(cls, ()))
               for cls in ("ImplicitFunc", "TrainController", "RayTrainWorker")}
     print("head", head_id, "actors' nodes", placed)
-    assert len([a for a in actors if a["class_name"] == "ImplicitFunc"]) == 2, placed
+    assert 2 <= len([a for a in actors if a["class_name"] == "ImplicitFunc"]) <= 3, placed
     assert len([a for a in actors if a["class_name"] == "TrainController"]) == 3, placed
     assert by_class["TrainController"] <= by_class["ImplicitFunc"], placed   # beside their drivers
     assert head_id not in by_class["RayTrainWorker"] and len(by_class["RayTrainWorker"]) == 2, placed
