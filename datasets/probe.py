@@ -60,7 +60,8 @@ def probe_video(path: str) -> dict[str, Any]:
 
     ok, shape = decodes(0)
     if not ok:
-        return {"error": f"the first frame does not decode ({claimed} frames claimed)"}
+        return {"error": _misread_frames(reader)
+                or f"the first frame does not decode ({claimed} frames claimed)"}
     last = claimed - 1
     if last > 0 and not decodes(last)[0]:
         good, bad = 0, last
@@ -74,6 +75,21 @@ def probe_video(path: str) -> dict[str, Any]:
     _, height, width, _ = shape
     return {"num_frames": last + 1, "claimed_frames": claimed,
             "fps": fps if fps == fps and fps > 0 else 0.0, "width": int(width), "height": int(height)}
+
+
+def _misread_frames(reader: decord.VideoReader) -> str | None:
+    """The reason when decord decodes frame 0 but with other than 3 channels, so that no batch
+    of frames can be read (decord 0.6.0 does so at some frame widths: 48 and 72 px seen, 40, 56
+    and 64 fine); None when frame 0 does not decode at all."""
+    try:
+        height, width, channels = reader[0].shape
+    except Exception:  # noqa: BLE001 - decord's own failure: the caller's reason stands
+        return None
+    if channels == 3:
+        return None
+    return (f"decord returns its {width}x{height} frames with {channels} channels, not 3 (a decord defect "
+            f"at some frame widths); re-encode it at another width, e.g. ffmpeg -i IN -vf "
+            f"scale={width + 8}:-2 OUT")
 
 
 def _no_video_stream(path: str) -> str | None:

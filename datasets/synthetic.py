@@ -39,6 +39,7 @@ from typing import Any
 import av
 import numpy as np
 
+from vidtune.datasets.probe import probe_video
 from vidtune.errors import DataError
 from vidtune.flags import (
     ConfigError,
@@ -390,8 +391,21 @@ def generate(out_dir: str | Path, *, workers: int | None = None, overwrite: bool
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
         list(pool.map(_make, jobs, [spec] * len(jobs), chunksize=4))
+    _check_decodes(root, spec)
     (root / METADATA_FILE).write_text(json.dumps({**asdict(spec), "frames": spec.frames}, indent=2) + "\n")
     return root
+
+
+def _check_decodes(root: Path, spec: SynthSpec) -> None:
+    """Probe one written video as `vidtune index` will (datasets.probe): a frame size the
+    decoder misreads makes every video unusable, which is said here, naming --size, rather than
+    when a search drops them all."""
+    path = next(p for p in (root / "train").rglob("*") if p.is_file())
+    problem = probe_video(str(path)).get("error")
+    if problem:
+        raise DataError(f"--size {spec.size}: the videos written to {root} cannot be trained on: "
+                        f"{path.name}: {problem}. Pass another --size (such as {spec.size + 8}) "
+                        f"with --overwrite")
 
 
 # ---------------------------------------------------------------------------------------- CLI

@@ -178,3 +178,18 @@ def test_every_flag_has_help():
     for action in build_parser()._actions:
         assert action.help, action.dest
         assert all("_" not in o for o in action.option_strings), action.option_strings
+
+
+def test_a_frame_size_the_decoder_misreads_is_refused_naming_size(tmp_path, capsys):
+    """decord 0.6.0 (pinned in constraints.txt) returns 48-px-wide frames with 4 channels, so no
+    batch of them reads: synth says so naming --size, and `vidtune index` names the defect for
+    each such file (it used to say "the first frame does not decode")."""
+    from vidtune.datasets.probe import probe_video
+
+    assert main([str(tmp_path / "d"), "--videos", "4", "--size", "48"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --size 48: the videos written to ") and "4 channels, not 3" in err
+    assert "another --size (such as 56) with --overwrite" in err
+    video = next((tmp_path / "d" / "train").rglob("*.mp4"))
+    assert "decord returns its 48x48 frames with 4 channels" in probe_video(str(video))["error"]
+    assert main([str(tmp_path / "d"), "--videos", "4", "--size", "56", "--overwrite"]) == 0
