@@ -12,11 +12,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]   # first on sys.path: pyproject
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-# torch's OpenMP threads spin while they wait; with more runnable threads than cores (two
-# trainings at once, a trial starting beside one, anything else on a CI machine) the spinning
-# crowds out the work. 15 steps of `tiny` with 2 threads beside one busy process: 6.97 s, 2.68 s
-# passive (1.37 s alone). Every test process, and every Ray and search they start, inherits this.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch's OpenMP threads (GNU libgomp) spin ~300,000 times before they sleep; with more runnable
+# threads than cores (two trainings at once, a trial starting beside one, anything else on a CI
+# machine) the spinning crowds out the work. 15 steps of `tiny` on 2 threads beside one busy
+# process: 5.9-7.0 s by default, 2.8 s spinning 1,000 times (libgomp's own count when it sees
+# more threads than cores); alone, 1.4-1.7 s either way (OMP_WAIT_POLICY=PASSIVE: 1.9 s, and the
+# suite 24 min instead of 21). Every test process, and every Ray and search they start, inherits it.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 
 @pytest.fixture(scope="session")
