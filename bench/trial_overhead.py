@@ -7,7 +7,9 @@ Measures, with N repetitions each:
   - a Tune trial that builds a Ray Train `TorchTrainer` with an empty training loop, as every
     vidtune trial does: Tuner.fit total, start of the trial function, `trainer.fit()` to the first
     line of the worker function (controller, worker actors, process group), last line of the
-    worker function to `fit()` returning (mostly Train's health-check poll), `fit()` total.
+    worker function to `fit()` returning (mostly Train's health-check poll), `fit()` total;
+    once with Ray's own `TorchTrainer` and once with vidtune's (`trainer.torch_trainer`, which
+    starts no Ray Data `DatasetManager`), alternating, so the two are compared side by side.
 
 Compare the last numbers with a trial's epoch time to see how much of a short search is overhead.
 
@@ -15,10 +17,12 @@ Compare the last numbers with a trial's epoch time to see how much of a short se
     python -m bench.trial_overhead --repeats 5 --train-workers 2 --num-cpus 4
     python -m bench.trial_overhead --health-check-interval-s 2   # Ray's default poll, for comparison
     python -m bench.trial_overhead --address auto --storage s3://bucket/tmp   # on a running cluster
+    python -m bench.trial_overhead --json overhead.json   # also write the table as JSON
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -57,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", default=None,
                    help="storage_path for the trials (default: a temporary folder; "
                    "on a multi-node cluster pass shared storage, e.g. s3://bucket/prefix)")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write every row (seconds per repetition, mean, min, max) to FILE")
     return p
 
 
@@ -91,11 +97,15 @@ def _empty_loop_per_worker(config: dict) -> None:
 
 
 def _torch_trainer_trial(config: dict) -> None:
-    """The Tune trial function: one TorchTrainer named after the trial, as tune/search.py does."""
-    from ray.train.torch import TorchTrainer  # imports torch: heavy (seconds), only in the trial
+    """The Tune trial function: one TorchTrainer named after the trial, as tune/search.py does;
+    `config["trainer"]` says whose: "ray" (`ray.train.torch.TorchTrainer`) or "vidtune"
+    (`trainer.torch_trainer.VidtuneTorchTrainer`, what a search builds)."""
+    # Both import torch: heavy (seconds), only in the trial.
+    from vidtune.trainer.torch_trainer import TorchTrainer, VidtuneTorchTrainer
 
     first = time.time()
-    trainer = TorchTrainer(
+    trainer_class = VidtuneTorchTrainer if config["trainer"] == "vidtune" else TorchTrainer
+    trainer = trainer_class(
         _empty_loop_per_worker,
         scaling_config=ray.train.ScalingConfig(
             num_workers=config["train_workers"], resources_per_worker={"CPU": config["cpus_per_worker"]}
@@ -159,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     rows[init_label] = init_times
 
     plain = "plain Tune function trial"
-    trainer = f"TorchTrainer trial, empty loop, {args.train_workers} worker(s)"
+    trainers = {"ray": f"Ray's TorchTrainer trial, empty loop, {args.train_workers} worker(s)",
+                "vidtune": f"vidtune's TorchTrainer trial (no DatasetManager), {args.train_workers} "
+                           "worker(s)"}
     with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
         storage = args.storage or tmp
         config = {"train_workers": args.train_workers, "cpus_per_worker": args.cpus_per_worker,
@@ -171,18 +183,23 @@ def main(argv: list[str] | None = None) -> int:
             rows.setdefault(f"{plain}: Tuner.fit -> trial function starts", []).append(
                 m["start_to_first_line_s"])
         for i in range(args.repeats):
-            total, m = _run_tuner(_torch_trainer_trial, trial_cpus=args.trial_cpus, storage=storage,
-                                  config=config, name=f"trainer-{i}")
-            rows.setdefault(f"{trainer}: Tuner.fit total", []).append(total)
-            rows.setdefault(f"{trainer}: Tuner.fit -> trial function starts", []).append(
-                m["start_to_first_line_s"])
-            rows.setdefault(f"{trainer}: trainer.fit -> worker function starts", []).append(
-                m["fit_to_worker_s"])
-            rows.setdefault(f"{trainer}: worker function ends -> fit returns", []).append(
-                m["worker_end_to_fit_return_s"])
-            rows.setdefault(f"{trainer}: trainer.fit total", []).append(m["fit_total_s"])
+            for kind, trainer in trainers.items():   # alternating: side by side on a noisy machine
+                total, m = _run_tuner(_torch_trainer_trial, trial_cpus=args.trial_cpus, storage=storage,
+                                      config={**config, "trainer": kind}, name=f"trainer-{kind}-{i}")
+                rows.setdefault(f"{trainer}: Tuner.fit total", []).append(total)
+                rows.setdefault(f"{trainer}: Tuner.fit -> trial function starts", []).append(
+                    m["start_to_first_line_s"])
+                rows.setdefault(f"{trainer}: trainer.fit -> worker function starts", []).append(
+                    m["fit_to_worker_s"])
+                rows.setdefault(f"{trainer}: worker function ends -> fit returns", []).append(
+                    m["worker_end_to_fit_return_s"])
+                rows.setdefault(f"{trainer}: trainer.fit total", []).append(m["fit_total_s"])
     ray.shutdown()
     print(format_table(rows, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {label: {"seconds": values, "mean": statistics.mean(values), "min": min(values),
+                     "max": max(values)} for label, values in rows.items()}, indent=2) + "\n")
     return 0
 
 

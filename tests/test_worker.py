@@ -240,14 +240,23 @@ def test_ray_workers_import_vidtune_from_the_installed_package_beside_hugging_fa
 
 
 @pytest.mark.slow
+def _dataset_managers() -> int:
+    """Ray Data `DatasetManager` actors this Ray has had, alive or dead."""
+    from ray.util.state import list_actors
+
+    return len(list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000))
+
+
 def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synthetic_root, tmp_path):
     """A 1-epoch fit reports every metric key and a checkpoint; rerun under the same name with
     epochs=2, the worker restores it and runs epoch 2 only; with that latest checkpoint damaged,
     a third run falls back to epoch 1's."""
     callback, drain = _collecting_callback()
+    managers_before = _dataset_managers()
     first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8, cpu_threads=2), name="resume",
                                 storage_path=str(tmp_path), callbacks=[callback]).fit()
     reports = drain()
+    assert _dataset_managers() == managers_before   # no Ray Data process: trainer.torch_trainer
     assert [m["epoch"] for m, _ in reports] == [1]
     metrics, ckpt_path = reports[0]
     assert set(metrics) == set(METRIC_KEYS)

@@ -282,10 +282,10 @@ def build_torch_trainer(
     those videos instead of indexing the dataset again.
     """
     import ray.train  # heavy: only once a run is built, not for the CLIs' --help or a bad flag
-    from ray.train.torch import TorchTrainer  # heavy: as ray.train
 
     from vidtune.trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
     from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig  # heavy: Ray Train, torch
+    from vidtune.trainer.torch_trainer import VidtuneTorchTrainer  # heavy: as process_group
     from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
 
     run_config = ray.train.RunConfig(
@@ -324,7 +324,7 @@ def build_torch_trainer(
     # torch's async error handling; gloo raises in the waiting rank).
     backend = None if not use_gpu else "gloo" if simulated_gpus() else GPU_BACKEND
     torch_config = LeasedTorchConfig(backend=backend, timeout_s=collective_timeout_s(cfg))
-    return TorchTrainer(
+    return VidtuneTorchTrainer(
         train_loop or train_loop_per_worker,
         torch_config=torch_config,
         train_loop_config=loop_config,
