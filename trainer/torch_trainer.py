@@ -7,11 +7,25 @@ wait for it before their training function starts. vidtune feeds its workers wit
 decord/torch DataLoader (`trainer.worker`) and passes no datasets, so a trial spent ~1.5 s of its
 start-up and a process on the head on nothing (`bench/trial_overhead.py`). Given datasets, this
 is Ray's trainer unchanged.
+
+This is the trainer layer's one use of a Ray internal (`DatasetsCallback`, the callback that
+starts the actor, and `_create_default_callbacks`, where Train lists its callbacks; Train has no
+public switch for either). Like `vidtune.tune.ray_internals`, it checks the Ray minor on import.
 """
 from __future__ import annotations
 
+import ray
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+from vidtune.ray_version import INSTALL_HINT, UnsupportedRayError, check_ray_version, supported
+
+check_ray_version()
+try:
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
+    raise UnsupportedRayError(
+        f"Ray {ray.__version__}: ray.train.v2._internal.callbacks.datasets.DatasetsCallback is gone "
+        f"({e}); vidtune is tested with Ray {supported()}.x: `{INSTALL_HINT}`") from e
 
 __all__ = ["TorchTrainer", "VidtuneTorchTrainer"]
 

@@ -1,10 +1,11 @@
-"""The only place where vidtune touches Ray's private APIs; each with why no public API does it.
+"""The search's uses of Ray's private APIs; each with why no public API does it.
 
 Everything else in the project must use Ray's public API (`tests/test_ray_internals.py` scans
-for private Ray attributes outside this module). Private APIs change without notice between Ray
+for private Ray attributes outside this module and trainer/torch_trainer.py, the trainer layer's
+one use, which cannot import from here). Private APIs change without notice between Ray
 minor versions, so this module checks on import that the installed Ray is the minor version
-these uses were written and tested against (`SUPPORTED_RAY`; pyproject.toml pins the same
-range, constraints.txt the exact release). Moving to a new Ray minor: check each use below
+these uses were written and tested against (`vidtune.ray_version.SUPPORTED_RAY`; pyproject.toml
+pins the same range, constraints.txt the exact release). Moving to a new Ray minor: check each use below
 against the new sources, run the tests (the slow ones too), then bump `SUPPORTED_RAY`, the
 pin in pyproject.toml and constraints.txt together.
 
@@ -51,10 +52,7 @@ The uses (checked against Ray 2.60.0):
 from __future__ import annotations
 
 import json
-import logging
-import os
 import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -65,43 +63,16 @@ from ray.tune.experiment import Trial
 from ray.tune.search.optuna import OptunaSearch
 from ray.util.placement_group import PlacementGroup
 
-log = logging.getLogger(__name__)
-
-SUPPORTED_RAY = (2, 60)
-"""The Ray minor version (major, minor) the private uses below are written and tested against."""
-
-ALLOW_UNTESTED_ENV = "VIDTUNE_ALLOW_UNTESTED_RAY"
-"""Set to 1 to run on another Ray minor anyway (a warning instead of the error), e.g. to try an upgrade."""
-
-INSTALL_HINT = "pip install -c constraints.txt -e ."
-
-
-class UnsupportedRayError(RuntimeError):
-    """The installed Ray is not the minor version vidtune's uses of Ray internals are tested on,
-    or one of those internals is not where this module expects it."""
-
-
-def _supported() -> str:
-    return f"{SUPPORTED_RAY[0]}.{SUPPORTED_RAY[1]}"
-
-
-def check_ray_version(version: str | None = None) -> str:
-    """Raise `UnsupportedRayError` unless `version` (default: the installed `ray.__version__`)
-    is of the supported minor, `SUPPORTED_RAY`; returns the version checked. With
-    VIDTUNE_ALLOW_UNTESTED_RAY=1 a mismatch only logs a warning."""
-    version = ray.__version__ if version is None else version
-    match = re.match(r"(\d+)\.(\d+)", version)
-    if match and (int(match.group(1)), int(match.group(2))) == SUPPORTED_RAY:
-        return version
-    message = (f"vidtune is tested with Ray {_supported()}.x, but Ray {version} is installed; it relies on "
-               f"Ray internals that change between minor versions (see tune/ray_internals.py). Install the "
-               f"tested version with `{INSTALL_HINT}` (from the repository root), or set "
-               f"{ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
-    if os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes"):
-        log.warning("%s (going on: %s is set)", message, ALLOW_UNTESTED_ENV)
-        return version
-    raise UnsupportedRayError(message)
-
+# The version check is on the floor (vidtune.ray_version), shared with trainer/torch_trainer.py,
+# the trainer layer's one use of a Ray Train internal; re-exported here for this module's users.
+from vidtune.ray_version import (
+    ALLOW_UNTESTED_ENV,
+    INSTALL_HINT,
+    SUPPORTED_RAY,
+    UnsupportedRayError,
+    check_ray_version,
+)
+from vidtune.ray_version import supported as _supported
 
 check_ray_version()
 
