@@ -287,14 +287,23 @@ def test_an_unjudged_table_breaks_a_rule(path):
     assert Table.load(path).problems() != []
 
 
+# Replay seeds the goals are judged on, as the defaults were chosen (BENCHMARKS.md): with 20, the
+# median time to within 1 point moved from 25 % to 36 % of the grid's on one table between seed
+# counts (a median over few seeds of a two-humped distribution: seeds that find the top early and
+# seeds that find it late), so 20 judged noise.
+GOAL_SEEDS = 100
+
+
+@pytest.mark.slow
 def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, capsys):
     """The defaults were chosen by leave-one-table-out replays (BENCHMARKS.md "Search quality"): on
     every checked-in table the default comes within 1 point of the grid's best in <= 30 % of the
-    grid's device time (median of 20 seeds) and is at least as good as random + ASHA at 30 % in
-    >= 75 % of seeds. A change of defaults that breaks either on any table fails here."""
+    grid's device time (median of GOAL_SEEDS seeds) and is at least as good as random + ASHA at
+    30 % in >= 75 % of seeds. A change of defaults that breaks either on any table fails here.
+    Slow: ~20 s per table on 2 cores."""
     out = tmp_path / "replay.json"
-    assert search_quality.main(["replay", *map(str, TABLES), "--seeds", "20", "--only", "default,random+asha",
-                                "--json", str(out)]) == 0
+    assert search_quality.main(["replay", *map(str, TABLES), "--seeds", str(GOAL_SEEDS), "--jobs", "2",
+                                "--only", "default,random+asha", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc["ratios"]) == {p.stem for p in TABLES}
     for name, ratios in doc["ratios"].items():

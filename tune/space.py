@@ -21,7 +21,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.trainer.history import best_epoch, read_history
 from vidtune.tune.budget import TimeBudget, parse_duration
-from vidtune.tune.options import SearchOptions, SearchSpace
+from vidtune.tune.options import RANDOM_START_CAP, SearchOptions, SearchSpace
 from vidtune.tune.ray_internals import optuna_pending_trial
 from vidtune.tune.warm_start import load_warm_start
 
@@ -145,9 +145,9 @@ def trial_lr(space: SearchSpace, batch_size: int, lr: float) -> float:
 
 
 def random_start_trials(opts: SearchOptions) -> int:
-    """Random trials before TPE: `--random-start-trials`, else min(10, max(2, n/2)) (Optuna's
-    default of 10 would make a short search random)."""
-    return opts.random_start_trials or min(10, max(2, opts.num_samples // 2))
+    """Random trials before TPE: `--random-start-trials`, else min(RANDOM_START_CAP, max(2, n/2))
+    (Optuna's default of 10 would make a short search random; tune.options says why 6)."""
+    return opts.random_start_trials or min(RANDOM_START_CAP, max(2, opts.num_samples // 2))
 
 
 def build_sampler(opts: SearchOptions) -> optuna.samplers.BaseSampler:
