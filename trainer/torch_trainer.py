@@ -14,18 +14,15 @@ public switch for either). Like `vidtune.tune.ray_internals`, it checks the Ray 
 """
 from __future__ import annotations
 
-import ray
 from ray.train.torch import TorchTrainer
 
-from vidtune.ray_version import INSTALL_HINT, UnsupportedRayError, check_ray_version, supported
+from vidtune.ray_version import check_ray_version, moved_internal
 
 check_ray_version()
 try:
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
-    raise UnsupportedRayError(
-        f"Ray {ray.__version__}: ray.train.v2._internal.callbacks.datasets.DatasetsCallback is gone "
-        f"({e}); vidtune is tested with Ray {supported()}.x: `{INSTALL_HINT}`") from e
+    raise moved_internal("ray.train.v2._internal.callbacks.datasets.DatasetsCallback", e) from e
 
 __all__ = ["TorchTrainer", "VidtuneTorchTrainer"]
 

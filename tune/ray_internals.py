@@ -67,11 +67,11 @@ from ray.util.placement_group import PlacementGroup
 # the trainer layer's one use of a Ray Train internal; re-exported here for this module's users.
 from vidtune.ray_version import (
     ALLOW_UNTESTED_ENV,
-    INSTALL_HINT,
     SUPPORTED_RAY,
     UnsupportedRayError,
     check_ray_version,
 )
+from vidtune.ray_version import moved_internal as _moved
 from vidtune.ray_version import supported as _supported
 
 check_ray_version()
@@ -80,14 +80,7 @@ check_ray_version()
 try:
     from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
-    raise UnsupportedRayError(
-        f"Ray {ray.__version__}: ray.train.v2._internal.execution.callback.WorkerGroupCallback is gone "
-        f"({e}); vidtune is tested with Ray {_supported()}.x: `{INSTALL_HINT}`") from e
-
-
-def _moved(what: str, e: Exception) -> UnsupportedRayError:
-    return UnsupportedRayError(f"Ray {ray.__version__}: {what} is not where vidtune expects it ({e!r}); "
-                               f"vidtune is tested with Ray {_supported()}.x: `{INSTALL_HINT}`")
+    raise _moved("ray.train.v2._internal.execution.callback.WorkerGroupCallback", e) from e
 
 
 def worker_group_placement_group(worker_group: Any) -> PlacementGroup:

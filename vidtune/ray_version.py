@@ -34,6 +34,14 @@ def supported() -> str:
     return f"{SUPPORTED_RAY[0]}.{SUPPORTED_RAY[1]}"
 
 
+def moved_internal(what: str, e: Exception) -> UnsupportedRayError:
+    """The error for a Ray internal (`what`: its name) that is not where vidtune expects it, `e`
+    being what Python raised looking for it (only reachable on another Ray minor, with
+    VIDTUNE_ALLOW_UNTESTED_RAY=1)."""
+    return UnsupportedRayError(f"Ray {ray.__version__}: {what} is not where vidtune expects it ({e!r}); "
+                               f"vidtune is tested with Ray {supported()}.x: `{INSTALL_HINT}`")
+
+
 def check_ray_version(version: str | None = None) -> str:
     """Raise `UnsupportedRayError` unless `version` (default: the installed `ray.__version__`)
     is of the supported minor, `SUPPORTED_RAY`; returns the version checked. With
