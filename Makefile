@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest
 
 # ruff (configured in pyproject.toml): pyflakes, pycodestyle, isort, pyupgrade, bugbear.
 # .ci/run runs it before the tests.
@@ -27,7 +27,7 @@ lint: install
 
 # Unit tests only (no Ray session, no end-to-end search).
 test-fast: install
-	$(PY) -m pytest -m "not slow"
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -m "not slow"
 
 demo: install
 	$(VENV)/bin/vidtune demo

@@ -130,6 +130,30 @@ def pytest_configure(config):
     _CONFIG = config
 
 
+_EXIT_STATUS: int | None = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _EXIT_STATUS
+    _EXIT_STATUS = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Ends the test process once pytest has reported, with pytest's exit status, skipping the
+    interpreter's teardown. This process has joined, left and rejoined Rays (`ray_session`, a
+    failed test's renewed connection, modules' own Rays) and run torch, decord and MLflow threads;
+    tearing all that down has crashed it after its results were in (CI of 14a08cc: "882 passed",
+    then make's "Segmentation fault"; Ray's issue #31145 is one such crash). The results are
+    printed by then and every Ray it used is shut down (`ray_session`, `shared_ray`); a crash
+    during the tests still shows, with a traceback (the Makefile sets PYTHONFAULTHANDLER)."""
+    if _EXIT_STATUS is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_logreport(report):
     """Prints a slow test's seconds inline (`..[63s].`, `[setup 49s]`), so a run cut short by
