@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.slow      # two pytest processes (~13 s): kept out of the 2-minute fast tier
 
 # pytest run as `python -m pytest` is, plus an exit handler that prints if the interpreter's
 # teardown runs (it must not: the conftest ends the process before it).
