@@ -295,6 +295,14 @@ def test_an_unjudged_table_breaks_a_rule(path):
 GOAL_SEEDS = 100
 
 
+def replay_defaults(tables: list[Path], out: Path) -> dict:
+    """`replay --json` of the defaults beside random + ASHA on `tables`, GOAL_SEEDS seeds: the JSON
+    it writes (per-table `ratios`, `worst`)."""
+    assert search_quality.main(["replay", *map(str, tables), "--seeds", str(GOAL_SEEDS), "--jobs", "2",
+                                "--only", "default,random+asha", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, capsys):
     """The defaults were chosen by leave-one-table-out replays (BENCHMARKS.md "Search quality"): on
@@ -302,10 +310,7 @@ def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, 
     grid's device time (median of GOAL_SEEDS seeds) and is at least as good as random + ASHA at
     30 % in >= 75 % of seeds. A change of defaults that breaks either on any table fails here.
     Slow: ~20 s per table on 2 cores."""
-    out = tmp_path / "replay.json"
-    assert search_quality.main(["replay", *map(str, TABLES), "--seeds", str(GOAL_SEEDS), "--jobs", "2",
-                                "--only", "default,random+asha", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    doc = replay_defaults(TABLES, tmp_path / "replay.json")
     assert set(doc["ratios"]) == {p.stem for p in TABLES}
     for name, ratios in doc["ratios"].items():
         assert (ratios["default_time_to_1pt_vs_grid"] or math.inf) <= GOAL_TIME, (name, ratios)  # None: never
@@ -327,12 +332,9 @@ def test_where_the_defaults_miss_they_do_no_worse_than_recorded(tmp_path):
     """bench/tables/missed holds judgeable tables on which no candidate of the benchmark met both
     goals, the defaults included. The README quotes the worst of them. Each is replayed with the
     defaults: a change that does worse there fails, and so does one that meets both goals there
-    (the table then belongs in bench/tables/, where the goals are enforced). ~25 s."""
+    (the table then belongs in bench/tables/, where the goals are enforced). ~15 s."""
     assert {p.stem for p in MISSED} == set(KNOWN_MISSES), "a table in missed/ needs its KNOWN_MISSES entry"
-    out = tmp_path / "replay.json"
-    assert search_quality.main(["replay", *map(str, MISSED), "--seeds", str(GOAL_SEEDS), "--jobs", "2",
-                                "--only", "default,random+asha", "--json", str(out)]) == 0
-    for name, ratios in json.loads(out.read_text())["ratios"].items():
+    for name, ratios in replay_defaults(MISSED, tmp_path / "replay.json")["ratios"].items():
         time, beats = ratios["default_time_to_1pt_vs_grid"] or math.inf, ratios["default_beats_random_asha"]
         recorded = KNOWN_MISSES[name]
         assert time <= recorded["time"] + 0.005 and beats >= recorded["beats"] - 0.005, (name, ratios)
