@@ -82,6 +82,23 @@ def test_the_console_script_runs_from_another_folder(tmp_path):
     assert run([str(VIDTUNE), "--version"], cwd=tmp_path).stdout.startswith("vidtune ")
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["search", "--help"]])
+def test_output_into_a_closed_pipe_ends_quietly(args, tmp_path):
+    """`vidtune --help | head -1`: the reader closes the pipe early. The command ends without a
+    BrokenPipeError traceback. The pipe's read end is closed before the command starts, so its
+    first write meets the closed pipe every time (no race with a real `head`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "vidtune.cli", *args], cwd=tmp_path, env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 1), proc.stderr
+
+
 def test_module_runs_work_from_another_folder(tmp_path):
     proc = run([sys.executable, "-m", "vidtune.datasets.index", "--help"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -12,6 +12,7 @@ bad flags: each command's module imports those libraries only once its flags are
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +61,22 @@ def usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `vidtune COMMAND [flags]`; returns the command's exit code (2 for an unknown command)."""
+    """Run `vidtune COMMAND [flags]`; returns the command's exit code (2 for an unknown command,
+    1 when whoever reads the output closed it early, as `vidtune --help | head -3` does)."""
+    try:
+        code = run(argv)
+        sys.stdout.flush()       # a reader that went away shows here, not in the exit's own flush
+        return code
+    except BrokenPipeError:
+        # What the reader took is all it wanted: no traceback. Point stdout at /dev/null so the
+        # interpreter's last flush at exit does not raise again (the Python docs' recipe, "Note
+        # on SIGPIPE" in the signal module).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def run(argv: Sequence[str] | None) -> int:
+    """Pick the command from `argv` (sys.argv's flags when None) and run it; its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["demo"]
