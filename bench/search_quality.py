@@ -16,9 +16,12 @@ worst table; `choose` ranks the candidates by leave-one-table-out (`bench.sq_cho
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import multiprocessing
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,7 +34,16 @@ import torch
 from tqdm import tqdm
 
 from bench.common import write_json
-from bench.sq_choose import GOAL_BEATS, GOAL_TIME, candidates_table, choose, loo_table
+from bench.sq_choose import (
+    BASELINES,
+    GOAL_BEATS,
+    GOAL_TIME,
+    candidates,
+    candidates_table,
+    choose,
+    loo_table,
+    scores,
+)
 from bench.sq_record import Grid, header_for, log_grid, prepare, record
 from bench.sq_replay import Trace
 from bench.sq_report import console_table, grid_table, pct, plot_tables, summarise
@@ -43,6 +55,7 @@ from bench.sq_table import Table
 # last epoch -> trial end 1.6 s less the plain run's 0.3 s.
 START_COST_S = 9.7
 PLOTTED = "grid,random,random+asha,issue17,default"
+PR_SET_PDEATHSIG = 1        # linux/prctl.h
 
 
 @dataclass
@@ -122,6 +135,49 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="processes replaying at once (default 1)")
 
 
+class InputError(Exception):
+    """A file given to `replay` or `choose` that they cannot read; the message names it."""
+
+
+def read_inputs(paths: Sequence[str], *, replays: bool) -> dict[str, dict[str, Any]]:
+    """Each path's JSON, once it is known to be a whole table from `record` (or, with `replays`, a
+    JSON from `replay --json`); else InputError naming the file and what to pass instead. Checked
+    before any replay starts, so a wrong file costs nothing."""
+    wanted = "a table from `record`" + (" or a JSON from `replay --json`" if replays else "")
+    docs = {}
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise InputError(f"{path}: cannot read it ({e.strerror}); pass {wanted}") from e
+        except ValueError as e:
+            raise InputError(f"{path}: not JSON ({e}); pass {wanted}") from e
+        if isinstance(doc, dict) and {"grid", "runs"} <= set(doc):
+            try:
+                Table(doc)
+            except ValueError as e:
+                raise InputError(f"{path}: {e}") from e
+        elif not (replays and is_replay(doc)):
+            raise InputError(f"{path}: this is not {wanted}{_what_it_is(doc)}")
+        docs[path] = doc
+    return docs
+
+
+def _what_it_is(doc: Any) -> str:
+    if is_replay(doc):
+        return " but a `replay --json` output, which only `choose` takes"
+    if isinstance(doc, dict) and "candidates" in doc:
+        return " but a `choose --json` output"
+    return ""
+
+
+def is_replay(doc: Any) -> bool:
+    """Whether `doc` is what `replay --json` writes: a summary per table, each naming its table."""
+    tables = doc.get("tables") if isinstance(doc, dict) else None
+    return isinstance(tables, dict) and bool(tables) and all(
+        isinstance(t, dict) and "table" in t and "strategies" in t for t in tables.values())
+
+
 def table_name(path: str) -> str:
     return Path(path).stem
 
@@ -132,6 +188,17 @@ def _replay_one(path: str, times: str, strategy: Strategy, seeds: int, concurren
     table = Table.load(path, times=times)
     return [run_strategy(table, strategy, seed, concurrency=concurrency, start_cost_s=start_cost_s)
             for seed in range(seeds)]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """A replay worker's initializer: the kernel sends it SIGTERM when the process that started it
+    (`parent_pid`) dies, so a killed `replay` or `choose` (`kill PID`, not only Ctrl-C at a
+    terminal, which reaches the whole process group) leaves no worker replaying on. A parent that
+    died while this worker was still importing sends nothing, hence the check after. Linux only."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def replay_tables(args: argparse.Namespace) -> dict[str, Replayed]:
@@ -148,7 +215,8 @@ def replay_tables(args: argparse.Namespace) -> dict[str, Replayed]:
                                                            args.start_cost_s)
             bar.update(1)
     else:
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_die_with_parent, initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_replay_one, path, args.times, s, args.seeds, args.concurrency,
                                    args.start_cost_s): (path, s) for path, s in jobs}
             for future in as_completed(futures):
@@ -217,15 +285,22 @@ def worst_case(ratios: dict[str, dict[str, float]]) -> dict[str, Any]:
 def choose_main(args: argparse.Namespace) -> int:
     """Replay the recorded tables among `args.tables`; a replay JSON (`replay --json`) among them
     gives its tables' summaries instead (replayed earlier, e.g. one table at a time)."""
-    docs = {p: json.loads(Path(p).read_text()) for p in args.tables}
-    earlier = {p: d for p, d in docs.items() if "tables" in d and "runs" not in d}
+    docs = read_inputs(args.tables, replays=True)
+    earlier = {p: d for p, d in docs.items() if is_replay(d)}
     paths = {table_name(p): p for p in args.tables if p not in earlier}
+    names = set(paths) | {name for d in earlier.values() for name in d["tables"]}
+    if len(names) < 2:
+        raise InputError(f"{', '.join(args.tables)}: {len(names)} table by name; leave-one-table-out "
+                         "needs two or more")
     fresh = argparse.Namespace(**{**vars(args), "tables": list(paths.values())})
     summaries = {name: r.summary for name, r in (replay_tables(fresh) if paths else {}).items()}
     for d in earlier.values():
         for name, summary in d["tables"].items():
             summaries[name] = summary
             paths[name] = summary["table"]
+    if not candidates(scores(summaries)):
+        raise InputError(f"{', '.join(args.tables)}: no candidate strategy replayed on every table "
+                         f"(the baselines {', '.join(BASELINES)} are not candidates); replay without --only")
     result = choose(summaries)
     print(candidates_table(result))
     print()
@@ -256,7 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                        reuse=args.reuse, jobs=args.jobs, threads=args.threads)
         print(f"{len(table['runs'])} runs in {args.out}")
         return 0
-    return replay_main(args) if args.command == "replay" else choose_main(args)
+    try:
+        if args.command == "replay":
+            read_inputs(args.tables, replays=False)
+            return replay_main(args)
+        return choose_main(args)
+    except InputError as e:
+        print(f"python -m bench.search_quality {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

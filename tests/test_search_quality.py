@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +21,8 @@ from bench.sq_table import Table
 from vidtune.trainer.config import TrainConfig
 from vidtune.tune.space import build_scheduler, build_searcher, objective_for, param_space
 
-TABLES_DIR = Path(__file__).resolve().parents[1] / "bench" / "tables"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TABLES_DIR = REPO_ROOT / "bench" / "tables"
 
 
 def recorded_tables(folder: Path) -> list[Path]:
@@ -228,6 +232,89 @@ def test_replay_cli_writes_per_table_ratios_the_worst_case_and_the_picture(tmp_p
     times = {n: r["default_time_to_1pt_vs_grid"] or math.inf for n, r in doc["ratios"].items()}
     assert doc["worst"]["time_table"] == max(times, key=times.get)
     assert png.stat().st_size > 0 and "random+asha" in capsys.readouterr().out
+
+
+def test_a_file_replay_or_choose_cannot_use_is_named_before_any_replay(tmp_path, capsys):
+    """A wrong file among the inputs (a shell glob over bench/tables/ also matches choice.json) is
+    refused by name, exit 2, before any replay starts; a `replay --json` output is what `choose`
+    takes besides tables, and `replay` refuses it."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(make_doc()))
+    partial = make_doc()
+    partial["runs"] = partial["runs"][:-1]
+    cases = {"missing.json": None, "notes.json": "not json {",
+             "choice.json": {"candidates": {}, "tables": ["a"]}, "partial.json": partial}
+    for name, content in cases.items():
+        if content is not None:
+            (tmp_path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    expected = {"missing.json": "cannot read it", "notes.json": "not JSON",
+                "choice.json": "a `choose --json` output", "partial.json": "lacks 1 run(s)"}
+    for command in ("replay", "choose"):
+        for name, says in expected.items():
+            assert search_quality.main([command, str(good), str(tmp_path / name), "--seeds", "1"]) == 2
+            err = capsys.readouterr().err
+            assert f"{command}: error: {tmp_path / name}: " in err and says in err, err
+    later, replayed = tmp_path / "later.json", tmp_path / "replayed.json"
+    later.write_text(json.dumps(make_doc(later_curve)))
+    assert search_quality.main(["replay", str(good), str(later), "--seeds", "1", "--only",
+                                "grid,random+asha,default,share=.4", "--json", str(replayed)]) == 0
+    capsys.readouterr()
+    assert search_quality.main(["replay", str(replayed), "--seeds", "1"]) == 2
+    assert "which only `choose` takes" in capsys.readouterr().err
+    assert search_quality.main(["choose", str(good)]) == 2      # leave-one-out needs two tables
+    assert "needs two or more" in capsys.readouterr().err
+    assert search_quality.main(["choose", str(replayed)]) == 0
+    assert "picked over all tables: share=.4" in capsys.readouterr().out
+
+
+def children_of(pid: int) -> set[int]:
+    """The running processes whose parent is `pid` (from /proc)."""
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie that no one has reaped yet has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("wait_s", [0.0, 12.0])
+def test_killing_a_replay_ends_its_worker_processes(tmp_path, wait_s):
+    """`kill -9` of a `replay --jobs 2` (no Ctrl-C to the process group), while its spawned workers
+    still import (0 s) and once they replay (12 s): the workers end with it instead of replaying
+    on for an hour. ~30 s."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(make_doc()))
+    proc = subprocess.Popen([sys.executable, "-m", "bench.search_quality", "replay", str(path), "--seeds",
+                             "100000", "--jobs", "2"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        workers: set[int] = set()
+        while len(workers) < 3 and time.monotonic() < deadline:   # 2 workers + the resource tracker
+            time.sleep(0.2)
+            workers = children_of(proc.pid)
+        assert len(workers) == 3, "the replay never started its workers"
+        time.sleep(wait_s)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(map(is_running, workers)):
+        time.sleep(0.5)
+    assert not [w for w in workers if is_running(w)], "replay workers outlived their parent"
 
 
 def test_leave_one_table_out_judges_each_pick_on_the_table_it_was_not_chosen_on():
