@@ -46,7 +46,7 @@ from bench.sq_choose import (
 )
 from bench.sq_record import Grid, header_for, log_grid, prepare, record
 from bench.sq_replay import Trace
-from bench.sq_report import console_table, grid_table, pct, plot_tables, summarise
+from bench.sq_report import console_table, grid_table, one_seed_warning, pct, plot_tables, summarise
 from bench.sq_strategies import GROUPS, Strategy, run_strategy, strategies
 from bench.sq_table import Table
 
@@ -245,6 +245,9 @@ def replay_main(args: argparse.Namespace) -> int:
         print(grid_table(t))
         print()
         print(console_table(r.summary))
+        warning = one_seed_warning(r.summary)
+        if warning:
+            print(f"note: {warning}")
         print()
     doc = {"seeds": args.seeds, "concurrency": args.concurrency, "start_cost_s": args.start_cost_s,
            "target_points": args.target_points,

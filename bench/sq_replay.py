@@ -54,6 +54,7 @@ class SimTrial:
 class Trace:
     """One replay: the trials, and the judged value of the pick each time the pick changed."""
 
+    table_seed: int                                     # the training seed whose curves it read
     trials: list[SimTrial] = field(default_factory=list)
     steps: list[tuple[float, float]] = field(default_factory=list)    # (clock s, judged val_acc)
     end_s: float = 0.0
@@ -76,7 +77,7 @@ def replay(table: Table, searcher: Searcher, scheduler: TrialScheduler | None, *
            concurrency: int, table_seed: int, start_cost_s: float) -> Trace:
     """Run one search against `table` (module docstring); `table_seed`: the training seed whose
     curves every trial reads (a search trains all its trials with one seed, `--seed`)."""
-    trace, running = Trace(), {}
+    trace, running = Trace(table_seed), {}
     events: list[tuple[float, int, str]] = []   # (clock at the end of the trial's next epoch, order, id)
     order, clock, pick = 0, 0.0, None
 
