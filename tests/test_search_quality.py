@@ -440,9 +440,11 @@ def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, 
 
 
 # What the defaults get on each table of bench/tables/missed, 100 replay seeds (BENCHMARKS.md "A
-# fourth judgeable table"): median time to within 1 point as a share of the grid's time, and the
-# share of seeds at least as good as random + ASHA at 30 %. No candidate met both goals there.
-KNOWN_MISSES = {"tiny-s6fps12px64-e7-lr11": {"time": 0.35, "beats": 0.71}}
+# fourth judgeable table" and "A sixth"): median time to within 1 point as a share of the grid's
+# time, and the share of seeds at least as good as random + ASHA at 30 %. No candidate met both
+# goals on the first; the second was recorded after that and judged the same defaults unseen.
+KNOWN_MISSES = {"tiny-s6fps12px64-e7-lr11": {"time": 0.35, "beats": 0.71},
+                "tiny-s8crf22px64fps10-val398-e5-lr11": {"time": 0.34, "beats": 0.85}}
 
 
 @pytest.mark.slow
