@@ -67,7 +67,7 @@ def by_training_seed(runs: list[Trace], times: list[float], grid_s: float) -> di
     out = {}
     for seed in sorted({t.table_seed for t in runs}):
         mine = [when for t, when in zip(runs, times, strict=True) if t.table_seed == seed]
-        median = float(np.percentile(np.array(mine, dtype=float), 50, method="lower")) / grid_s
+        median = _quartiles(mine)[1] / grid_s
         out[str(seed)] = {"replays": len(mine),
                           "reached_share": float(np.mean([math.isfinite(x) for x in mine])),
                           "time_to_1pt_vs_grid_median": median if math.isfinite(median) else None}

@@ -268,25 +268,25 @@ def test_a_file_replay_or_choose_cannot_use_is_named_before_any_replay(tmp_path,
     assert "picked over all tables: share=.4" in capsys.readouterr().out
 
 
+def state_and_parent(stat: Path) -> tuple[str, int] | None:
+    """A process's state letter and parent pid from its /proc/PID/stat (None once it is gone)."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def children_of(pid: int) -> set[int]:
     """The running processes whose parent is `pid` (from /proc)."""
-    kids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            kids.add(int(stat.parent.name))
-    return kids
+    return {int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+            if (found := state_and_parent(stat)) is not None and found[1] == pid and found[0] != "Z"}
 
 
 def is_running(pid: int) -> bool:
     """Whether `pid` still runs (a zombie that no one has reaped yet has ended)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    found = state_and_parent(Path(f"/proc/{pid}/stat"))
+    return found is not None and found[0] != "Z"
 
 
 @pytest.mark.slow
