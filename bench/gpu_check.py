@@ -274,7 +274,7 @@ def check_worker_settings(runs: list[TrialRun], capability: tuple[int, int] | No
     TF32 and cudnn.benchmark on, and the device, its capability, CUDA, driver and torch named.
     `capability`: this GPU's (the search's trials ran on it); None: not compared."""
     expected = None if capability is None else "bf16" if tuple(capability) >= (8, 0) else "fp16+scaler"
-    want = {"vidtune.tf32": "tf32", "vidtune.cudnn_benchmark": "on"}
+    want = {"vidtune.tf32": "matmul=tf32,conv=tf32", "vidtune.cudnn_benchmark": "on"}
     if expected:
         want["vidtune.precision_used"] = expected
     if capability is not None:

@@ -109,7 +109,34 @@ def test_configure_backends_sets_cuda_flags_only_for_cuda():
     with precision.backend_flags("cuda", cudnn_benchmark=True):
         configure_backends(torch.device("cuda"))     # settable without a GPU: flags only
         assert flags() == (True, "tf32", "tf32")
+        # Inductor reads TF32 through the legacy getters: they must still answer (they raised
+        # "mix of the legacy and new APIs" when only the new API was set, failing --compile).
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert flags() == before
+
+
+@pytest.mark.slow
+def test_a_model_with_matmuls_compiles_after_the_cuda_flags_are_set():
+    """`--compile` after `configure_backends` on a GPU: Inductor's GEMM autotuning reads
+    `torch.get_float32_matmul_precision()` when it lowers bmm/addmm (MViT's and Swin's attention).
+    Run on the CPU with the CUDA flags set, max-autotune makes Inductor take that same path."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return torch.bmm(torch.bmm(q, k.transpose(1, 2)).softmax(-1), v)
+
+    torch.manual_seed(0)
+    model, x = Attention(), torch.randn(2, 8, 16)
+    with precision.backend_flags("cuda", cudnn_benchmark=True):
+        compiled = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
 
 
 TF32_API_SINCE = (2, 9)    # torch.backends.cuda.matmul.fp32_precision / cudnn.conv.fp32_precision

@@ -31,7 +31,8 @@ def test_a_gpu_worker_reads_its_flags_back_from_torch(monkeypatch):
     policy = type("Policy", (), {"name": "fp16", "use_scaler": True})()
     got = settings.worker_settings(torch.device("cuda", 0), policy)
     assert got["precision_used"] == "fp16+scaler" and got["cudnn_benchmark"] == "on"
-    assert got["tf32"] == str(torch.backends.cuda.matmul.fp32_precision)
+    assert got["tf32"] == (f"matmul={torch.backends.cuda.matmul.fp32_precision},"
+                           f"conv={torch.backends.cudnn.conv.fp32_precision}")
     assert (got["device_name"], got["compute_capability"], got["driver_version"]) == \
         ("NVIDIA A10G", "8.6", "580.65.06")
 

@@ -99,8 +99,11 @@ def configure_backends(device: torch.device | str, *, cudnn_benchmark: bool = Tr
     if torch.device(device).type != _CUDA:
         return
     torch.backends.cudnn.benchmark = cudnn_benchmark
-    # torch 2.9+ API; mixing it with the legacy allow_tf32 flags is an error, so use only this.
-    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    # Not `torch.backends.cuda.matmul.fp32_precision = "tf32"`: after it, the legacy getter
+    # `torch.get_float32_matmul_precision()` raises ("mix of the legacy and new APIs"), and
+    # Inductor calls that getter when it lowers a matmul, so every `--compile` run failed at its
+    # first step. This setter is read the same by both APIs (matmul fp32_precision becomes "tf32").
+    torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.conv.fp32_precision = "tf32"
 
 
@@ -196,11 +199,12 @@ def backend_flags(device: torch.device | str, *, cudnn_benchmark: bool):
     if not is_cuda(device):
         yield
         return
-    saved = (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,
-             torch.backends.cudnn.conv.fp32_precision)
+    saved = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision(),
+             torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
     configure_backends(device, cudnn_benchmark=cudnn_benchmark)
     try:
         yield
     finally:
-        (torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.fp32_precision,
-         torch.backends.cudnn.conv.fp32_precision) = saved
+        torch.backends.cudnn.benchmark, legacy, matmul, torch.backends.cudnn.conv.fp32_precision = saved
+        torch.set_float32_matmul_precision(legacy)   # both readers as they were
+        torch.backends.cuda.matmul.fp32_precision = matmul

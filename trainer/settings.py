@@ -29,7 +29,8 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
 
     - precision_used: the autocast dtype the run trains in (bf16 | fp16 | fp32), "+scaler" with
       fp16's gradient scaler;
-    - tf32: torch's float32 matmul precision on CUDA (`tf32` or `ieee`), "-" on the CPU;
+    - tf32: torch's float32 precision on CUDA for matmuls and cuDNN convolutions, both named
+      ("matmul=tf32,conv=tf32"; `ieee` where TF32 is off), "-" on the CPU;
     - cudnn_benchmark: "on" | "off" on CUDA, "-" on the CPU;
     - device_name: the GPU's name, or the CPU's model name;
     - compute_capability: "8.6"; "" on the CPU;
@@ -43,7 +44,7 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
     # torch.__version__ is a str subclass (TorchVersion) that such a load refuses.
     return {key: str(value) for key, value in {
         "precision_used": precision,
-        "tf32": str(torch.backends.cuda.matmul.fp32_precision) if cuda else "-",
+        "tf32": tf32_setting() if cuda else "-",
         "cudnn_benchmark": ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
         "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
         "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "",
@@ -51,6 +52,12 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
         "driver_version": nvidia_driver_version() if cuda else "",
         "torch_version": torch.__version__,
     }.items()}
+
+
+def tf32_setting() -> str:
+    """The float32 precision of CUDA matmuls and cuDNN convolutions: "matmul=tf32,conv=tf32"."""
+    return (f"matmul={torch.backends.cuda.matmul.fp32_precision},"
+            f"conv={torch.backends.cudnn.conv.fp32_precision}")
 
 
 def merge_settings(views: list[dict[str, str]]) -> dict[str, str]:
