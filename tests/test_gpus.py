@@ -110,3 +110,65 @@ def test_unsupported_gpus_lists_only_the_gpus_without_kernels(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith("GPU 0: Tesla V100-SXM2-16GB (compute capability 7.0)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpus.unsupported_gpus() == []                      # no CUDA here: nothing to refuse
+
+
+# -- what a waiting trial holds on its GPU (the lease's record) --------------------------------
+
+class _FakeNvml:
+    """pynvml with two GPUs, each running the processes given (pid, bytes), looked up by UUID."""
+
+    def __init__(self, processes_by_uuid: dict[str, list[tuple[int, int]]]):
+        self.processes = processes_by_uuid
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in self.processes:
+            raise RuntimeError(f"NVML: no GPU {uuid}")
+        return uuid
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes[handle]]
+
+
+def _use_nvml(monkeypatch, fake) -> None:
+    import contextlib
+
+    monkeypatch.setattr(gpus, "nvml", lambda: contextlib.nullcontext(fake))
+
+
+def test_nvml_counts_this_process_on_the_gpu_named_by_uuid_and_is_unknown_when_blind(monkeypatch):
+    import os
+
+    me = os.getpid()
+    _use_nvml(monkeypatch, _FakeNvml({"GPU-aaa": [(me + 1, 9 * 2**20)], "GPU-bbb": [(me, 500 * 2**20)]}))
+    assert gpus.nvml_process_memory_mb("GPU-bbb") == 500.0      # by UUID, whatever its index
+    # Not listed (a container: NVML reports host PIDs): unknown, not "no memory"
+    assert gpus.nvml_process_memory_mb("GPU-aaa") is None
+    assert gpus.nvml_process_memory_mb("GPU-ccc") is None        # an NVML error
+    _use_nvml(monkeypatch, None)                                  # no NVIDIA library
+    assert gpus.nvml_process_memory_mb("GPU-bbb") is None
+
+
+def test_a_waiting_worker_is_recorded_by_its_own_context_not_by_nvml_pids(monkeypatch):
+    """The lease record asked when a worker takes its GPU: 0 without a CUDA context (asked
+    in-process: NVML's pid list is blind in containers), NVML's count with one, and the
+    allocator's reserved memory (a lower bound) where NVML does not list the process."""
+    from types import SimpleNamespace
+
+    from vidtune.trainer import precision, worker
+
+    run = SimpleNamespace(device=torch.device("cuda", 0))
+    contexts, nvml_mb = {"has": False}, {"mb": None}
+    monkeypatch.setattr(worker, "has_cuda_context", lambda device: contexts["has"])
+    monkeypatch.setattr(worker, "device_uuid", lambda device: "GPU-bbb")
+    monkeypatch.setattr(worker, "nvml_process_memory_mb", lambda uuid: nvml_mb["mb"])
+    monkeypatch.setattr(worker, "held_device_mb", lambda run: 48.0)
+    nvml_mb["mb"] = 700.0                    # another process's count must not leak in: no context
+    assert worker.process_device_mb(run) == 0.0
+    contexts["has"] = True
+    assert worker.process_device_mb(run) == 700.0
+    nvml_mb["mb"] = None
+    assert worker.process_device_mb(run) == 48.0
+    # On this CPU build torch never started CUDA: no context, without making one.
+    assert not precision.has_cuda_context(torch.device("cuda", 0)) and not torch.cuda.is_initialized()

@@ -174,6 +174,28 @@ def test_a_gpu_trial_waits_for_its_lease_in_host_memory(monkeypatch):
     assert precision.collective_device() == torch.device("cuda", 0)
 
 
+def test_build_run_leaves_nothing_on_the_device_until_place_model(synthetic_root):
+    """A trial waiting for its GPU must hold no memory there: build_run makes the data, model,
+    optimiser and input transforms on the CPU (here `meta` stands for the GPU: any tensor moved
+    there would show); place_model, called once the lease is held, moves them."""
+    from vidtune.datasets.index import build_index
+    from vidtune.trainer.run import build_run, place_model
+
+    cfg = _small(synthetic_root, channels_last=True)
+    device = torch.device("meta")
+    run = build_run(cfg, build_index(cfg.data), device=device)
+
+    def on_device() -> list[str]:
+        modules = {"model": run.model, "train_transform": run.train_transform,
+                   "val_transform": run.val_transform}
+        return [f"{owner}.{name}" for owner, module in modules.items()
+                for name, t in (*module.named_parameters(), *module.named_buffers()) if t.device == device]
+
+    assert on_device() == []
+    place_model(run)
+    assert {"train_transform.0.scale", "val_transform.0.shift"} <= set(on_device())
+
+
 def test_shard_sampler_covers_every_item_once():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))

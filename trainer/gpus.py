@@ -182,20 +182,22 @@ def nvml() -> Iterator[Any]:
         pynvml.nvmlShutdown()
 
 
-def nvml_process_memory_mb(gpu_ids: list[str]) -> float | None:
-    """GPU memory (MiB) this process uses on the GPUs with these physical ids, as the NVIDIA
-    driver counts it (NVML: a CUDA context, the allocator's blocks, libraries' workspaces);
-    0 when it has no context there; None when NVML cannot be asked."""
+def nvml_process_memory_mb(uuid: str) -> float | None:
+    """GPU memory (MiB) this process uses on the GPU with this UUID ("GPU-..."), as the NVIDIA
+    driver counts it (NVML: a CUDA context, the allocator's blocks, libraries' workspaces).
+
+    Matched by UUID, not by index: NVML numbers GPUs in PCI order, CUDA (and Ray's ids) fastest
+    first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and Ray may hand out UUIDs. None when NVML cannot
+    be asked, or does not list this process: in a container NVML reports host PIDs, so its list
+    says nothing about this one (the caller knows from `has_cuda_context` whether there is one)."""
     with nvml() as lib:
         if lib is None:
             return None
         try:
-            used = 0
-            for gpu in gpu_ids:
-                handle = lib.nvmlDeviceGetHandleByIndex(int(gpu))
-                for proc in lib.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if proc.pid == os.getpid() and proc.usedGpuMemory:
-                        used += proc.usedGpuMemory
-            return used / 2**20
+            handle = lib.nvmlDeviceGetHandleByUUID(uuid)
+            mine = [p.usedGpuMemory for p in lib.nvmlDeviceGetComputeRunningProcesses(handle)
+                    if p.pid == os.getpid()]
         except Exception:   # an NVML error: unknown, not zero
             return None
+    return sum(mine) / 2**20 if mine and all(mine) else None
+

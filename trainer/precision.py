@@ -118,6 +118,24 @@ def is_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == _CUDA
 
 
+def has_cuda_context(device: torch.device | str) -> bool:
+    """Whether this process has made its CUDA context on `device`, asked in-process (CUDA's
+    primary-context query, through torch) without making one; False off CUDA and before torch
+    started CUDA here."""
+    device = torch.device(device)
+    if not is_cuda(device) or not torch.cuda.is_initialized():
+        return False
+    # torch's own query (its CUDA-graph and RNG code use it); private, so read in this one place.
+    query = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return True if query is None else bool(query(index))
+
+
+def device_uuid(device: torch.device | str) -> str:
+    """NVML's name of a CUDA device, "GPU-<uuid>", from torch's device properties (no context)."""
+    return f"GPU-{torch.cuda.get_device_properties(torch.device(device)).uuid}"
+
+
 def supports_fused_optimizer(device: torch.device | str) -> bool:
     """AdamW(fused=True) runs one kernel for all parameters on CUDA; use it there only."""
     return is_cuda(device)

@@ -57,6 +57,7 @@ from vidtune.trainer.precision import (
 )
 
 TRAINED, DIVERGED, OUT_OF_MEMORY = "trained", "diverged", "out of memory"   # how an epoch ended
+_CPU = torch.device("cpu")   # where build_run builds everything
 T = TypeVar("T")
 
 
@@ -145,7 +146,8 @@ def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank
               world: int = 1) -> Run:
     """Everything one worker of a run of `cfg` needs, on the videos of `index`: precision (decided
     once for `device`), loaders (`build_loaders`), transforms, the model with `cfg.weights` and the
-    optimizer, scheduler and scaler, all on the CPU but the transforms. Runs no collective (a
+    optimizer, scheduler and scaler, all on the CPU: nothing touches `device` until `place_model`
+    (in a search, a trial waiting for its GPU holds no memory there). Runs no collective (a
     rank that runs out of memory here must not leave the others waiting in one). `rank` / `world`:
     this worker's place among the run's workers (0 / 1 in one process)."""
     policy = choose_precision(cfg.precision, device)
@@ -163,18 +165,20 @@ def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank
     scheduler = make_scheduler(optimizer, cfg.epochs * steps_per_epoch, cfg.warmup_frac)
     return Run(cfg=cfg, spec=spec, device=device, policy=policy, class_names=dict(index.class_names),
                train_loader=train_loader, val_loader=val_loader,
-               train_transform=input_transform(spec, device, train=True, channels_last=cfg.channels_last),
-               val_transform=input_transform(spec, device, train=False, channels_last=cfg.channels_last),
+               train_transform=input_transform(spec, _CPU, train=True, channels_last=cfg.channels_last),
+               val_transform=input_transform(spec, _CPU, train=False, channels_last=cfg.channels_last),
                model=model, optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(),
                rank=rank, world=world)
 
 
 def place_model(run: Run, state: dict[str, Any] | None = None, *,
                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> None:
-    """Put the model on `run.device`, `wrap` it (the Ray worker passes Ray's `prepare_model`:
-    DDP, a collective that broadcasts rank 0's weights), compile it when `cfg.compile`, then
-    restore a checkpoint's training `state` (the optimizer's state follows the parameters to
-    their device as it loads)."""
+    """Put the model and the input transforms on `run.device`, `wrap` the model (the Ray worker
+    passes Ray's `prepare_model`: DDP, a collective that broadcasts rank 0's weights), compile it
+    when `cfg.compile`, then restore a checkpoint's training `state` (the optimizer's state
+    follows the parameters to their device as it loads)."""
+    for transform in (run.train_transform, run.val_transform):
+        transform.to(run.device)   # in place: a module's buffers (the mean and std) move
     model = run.model.to(run.device)
     if wrap is not None:
         model = wrap(model)

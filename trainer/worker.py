@@ -36,7 +36,7 @@ from vidtune.trainer.metrics import (
     reduce_epoch,
     steady_state,
 )
-from vidtune.trainer.precision import free_memory
+from vidtune.trainer.precision import device_uuid, free_memory, has_cuda_context
 from vidtune.trainer.run import (
     DIVERGED,
     TRAINED,
@@ -401,13 +401,17 @@ def held_device_mb(run: Run) -> float:
 
 
 def process_device_mb(run: Run) -> float:
-    """The GPU memory this process has on its device as the driver sees it (NVML: its CUDA
-    context included, which torch's allocator does not count), for the lease's record when the
-    worker asks for the device: 0 means it waited in host memory. `held_device_mb` where NVML
-    cannot say, and on the CPU."""
+    """The GPU memory this process has on its device as the driver sees it, for the lease's
+    record when the worker asks for the device: 0 means it waited in host memory (no CUDA context
+    there, asked in-process). With a context: NVML's count for this process (the context
+    included, which torch's allocator does not count), matched by the device's UUID; where NVML
+    does not list this process (a container: it reports host PIDs), the allocator's reserved
+    memory, a lower bound. `held_device_mb` on the CPU."""
     if run.device.type != "cuda":
         return held_device_mb(run)
-    used = nvml_process_memory_mb(physical_gpu_ids()[:1])
+    if not has_cuda_context(run.device):
+        return 0.0
+    used = nvml_process_memory_mb(device_uuid(run.device))
     return used if used is not None else held_device_mb(run)
 
 
