@@ -64,7 +64,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     """Start (or connect to) Ray.
 
     A no-op when Ray is already initialised in this process (tests share one session).
-    `address`: None starts a local Ray, "auto" or "ray://host:10001" joins a cluster, whose nodes
+    `address`: None or "local" starts a local Ray (never the machine's last `ray start`; RAY_ADDRESS
+    joins one unless it says "local"), "auto" or "ray://host:10001" joins a cluster, whose nodes
     must have vidtune installed (`cluster.yaml`'s setup does it). Extra keyword arguments go to
     `ray.init`; a `runtime_env` given there is merged with `worker_env_vars()` (its own env_vars
     win). A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`),
@@ -97,10 +98,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     return True
 
 
+LOCAL_ADDRESS = "local"     # Ray's own word for "start a Ray of this process's own"
+
+
 def joins_cluster(address: str | None) -> bool:
     """Whether `init_ray(address)` joins a running Ray (--address, or RAY_ADDRESS in the
-    environment) rather than starting one on this machine."""
-    return address is not None or bool(os.environ.get("RAY_ADDRESS"))
+    environment) rather than starting one on this machine. "local" (either way) starts one, as
+    it does for ray.init; so does neither: a local search never follows the machine's last
+    `ray start` (`trainer.ray_start.start_local_ray`)."""
+    if address is None:
+        address = os.environ.get("RAY_ADDRESS") or None
+    return address is not None and address.strip().lower() != LOCAL_ADDRESS
 
 
 def cluster_gpus() -> float:

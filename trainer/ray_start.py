@@ -12,13 +12,15 @@ after killing every Ray process it had started.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import resource
+import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,16 +169,56 @@ def failure_message(cause: str, options: RayStart, store: int | None) -> str:
             f"--ray-start-timeout-s (now {options.start_timeout_s:g} s)")
 
 
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"     # the port a head started by ray.init gives its GCS
+ADDRESS_ENV = "RAY_ADDRESS"              # the Ray a Ray process (or a driver) looks up first
+
+
+def free_port() -> int:
+    """A TCP port free now (the kernel's choice); another process may take it before Ray binds it."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def own_cluster_env() -> Iterator[str]:
+    """While Ray starts here: its GCS on a port chosen now, and RAY_ADDRESS naming it, so that
+    every process ray.init spawns (GCS, raylet, dashboard; the raylet's workers inherit its
+    environment) finds this Ray, not the machine's last `ray start`. ray.init(address="local")
+    itself does not read RAY_ADDRESS. The driver's environment is restored afterwards (a later
+    init in this process starts or joins as it is told). Yields the address (Ray reads
+    127.0.0.1 as this node's own address)."""
+    address = f"127.0.0.1:{free_port()}"
+    saved = {name: os.environ.get(name) for name in (GCS_PORT_ENV, ADDRESS_ENV)}
+    os.environ[GCS_PORT_ENV] = address.rsplit(":", 1)[1]
+    os.environ[ADDRESS_ENV] = address
+    try:
+        yield address
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> None:
-    """`init(**kw)` (ray.init of a local Ray) with an object store sized by `object_store_bytes`,
-    bounded by `options.start_timeout_s`, after `check_address_space`. A start that raises becomes
-    a RayStartError; one that
-    hangs past the timeout prints the error line and ends the process (exit 1), since a hung
-    ray.init cannot be interrupted. Either way the Ray processes it started are killed."""
+    """`init(address="local", **kw)` (ray.init of a Ray of this process's own) with an object
+    store sized by `object_store_bytes`, bounded by `options.start_timeout_s`, after
+    `check_address_space`. A start that raises becomes a RayStartError; one that hangs past the
+    timeout prints the error line and ends the process (exit 1), since a hung ray.init cannot be
+    interrupted. Either way the Ray processes it started are killed.
+
+    "local": without it ray.init joins the Ray this machine's last `ray start` recorded
+    (/tmp/ray/ray_current_cluster), someone else's or a dead one (then it waits for a GCS that
+    never answers). Ray's own processes find their cluster the same way when they look it up
+    (Train's placement-group cleaner asks the state API), so they are started with RAY_ADDRESS
+    naming this Ray (its GCS on a port chosen here, `own_cluster_env`)."""
     store = object_store_bytes(options.object_store_gb)
     check_address_space(store)
     if store is not None:
         kw.setdefault("object_store_memory", store)
+    kw["address"] = "local"
     done = threading.Event()
 
     def watchdog() -> None:
@@ -189,7 +231,8 @@ def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> Non
 
     threading.Thread(target=watchdog, name="vidtune-ray-start-watchdog", daemon=True).start()
     try:
-        init(**kw)
+        with own_cluster_env():
+            init(**kw)
     except Exception as e:    # Ray raises many types here (RuntimeError, ConnectionError, OSError, ...)
         kill_started_ray()
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

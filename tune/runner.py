@@ -29,7 +29,7 @@ from vidtune.trainer import mlflow_model
 from vidtune.trainer.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus, train_device
-from vidtune.trainer.launch import check_batch_sizes, init_ray
+from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
 from vidtune.tune import cleanup, faults, space
@@ -108,7 +108,7 @@ def check_cluster(opts: SearchOptions) -> Fit:
     """Right after connecting, before any trial: `fit_to_cluster` on what the running Ray
     cluster offers, counting the nodes its autoscaler can start (on a cluster: `--address`)."""
     config = None
-    if opts.resources.address is not None:
+    if joins_cluster(opts.resources.address):
         config = Path(opts.resources.cluster_config) if opts.resources.cluster_config else AUTOSCALER_CONFIG
     capacity = read_capacity(config)
     fit = fit_to_cluster(opts, capacity)
