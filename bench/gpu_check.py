@@ -420,7 +420,9 @@ class GpuCheck:
         return gpu_decode.summary(figures)
 
     def learns(self) -> str:
-        precisions = ["fp16"] + (["bf16"] if torch.cuda.is_bf16_supported() else [])
+        # Without emulation: a T4 (sm 7.5) "supports" bf16 only by emulating it, and choose_precision
+        # refuses bf16 there.
+        precisions = ["fp16"] + (["bf16"] if torch.cuda.is_bf16_supported(including_emulation=False) else [])
         workers = min(os.cpu_count() or 1, 16)
         index = learning_check.learning_index(self.work / "learning", workers=workers)
         cache = FrameCache(self.work / "learning-clips")     # epoch 1 fills it: later epochs read it

@@ -47,7 +47,8 @@ def test_memory_is_freed_after_each_out_of_memory(monkeypatch):
     fake = FakeMemory(5)
     find_max_batch_size("tiny", device="cpu", try_batch=fake)
     assert fake.tried == [2, 4, 8, 6, 5]
-    assert freed == [torch.device("cpu")] * 2        # after 8 and 6 failed
+    # before each of the 5 tries (a clean allocator), and after 8 and 6 failed
+    assert freed == [torch.device("cpu")] * 7
 
 
 def test_cudnn_allocation_failure_counts_as_out_of_memory():
@@ -148,3 +149,21 @@ def test_the_clis_default_headroom_is_the_probes():
 def test_cli_refuses_an_unknown_model_listing_the_known_ones(capsys):
     assert batch_probe_cli.main(["--model", "mvit_xxl", "--device", "cpu"]) == 2
     assert "unknown model 'mvit_xxl'" in capsys.readouterr().err
+
+
+def test_each_size_is_measured_from_a_clean_allocator(monkeypatch):
+    """A caching allocator keeps the blocks a try reserved until emptied, so a try's peak can
+    only grow from the last one's: unless the probe empties it first, a "tight" 40 makes every
+    smaller size look tight too, and bisection settles on the last power of two (32)."""
+    allocator = {"reserved": 0.0}      # the share of the device the (fake) allocator holds
+
+    def try_batch(batch_size: int) -> float:
+        need = batch_size / 42         # a step of b clips needs b/42 of the device
+        if need > 1.0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        allocator["reserved"] = max(allocator["reserved"], need)
+        return allocator["reserved"]
+
+    monkeypatch.setattr(batch_probe.prec, "free_memory", lambda device: allocator.update(reserved=0.0))
+    probe = probe_batch_size("tiny", device="cpu", try_batch=try_batch)
+    assert probe.batch_size == 37 and probe.tight == 38    # 37/42 = 0.88 <= 0.9 < 38/42

@@ -146,6 +146,34 @@ def test_free_device_lets_go_of_the_weights_and_optimiser_state_once_checkpointe
     restored.load_state_dict(torch.load(tmp_path / "weights.pt"))    # the checkpoint written before is whole
 
 
+def test_free_device_drops_ddp_inside_a_compiled_model(tmp_path):
+    """Under --compile the trial's model is torch.compile's wrapper around DDP: the hand-over
+    must drop DDP (its gradient buckets are as large as the weights) from inside it too."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from vidtune.trainer.worker import free_device, held_device_mb
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 2))
+        ddp = nn.parallel.DistributedDataParallel(plain)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        ddp(torch.randn(8, 64)).sum().backward()
+        optimizer.step()
+        run = SimpleNamespace(model=torch.compile(ddp), optimizer=optimizer, device=torch.device("cpu"))
+        dropped = weakref.ref(ddp)
+        del ddp
+        free_device(run)
+        gc.collect()
+        assert run.model is plain and dropped() is None and held_device_mb(run) == 0.0
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_gpu_trial_waits_for_its_lease_in_host_memory(monkeypatch):
     """Before the lease, a GPU worker makes no CUDA context on its GPU: Ray's train_func_context
     (which calls torch.cuda.set_device, a context under CUDA 12) is replaced, and its own

@@ -139,6 +139,9 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
     tight: list[int] = []                 # the sizes that ran but used more than 1 - headroom
 
     def fits(batch_size: int) -> bool:
+        # From a clean allocator: the blocks a larger try reserved stay cached, and a smaller
+        # try's peak would then start from theirs (a "tight" 32 made 24 look tight too).
+        prec.free_memory(device)
         ok = True
         try:
             peak = try_batch(batch_size)
@@ -147,8 +150,7 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
                 raise
             ok = False
         if not ok:
-            # Outside the except block: until it ends, the traceback's frames hold the step's
-            # tensors. A step that fitted freed its tensors on return (no gc.collect: ~0.3 s).
+            # Outside the except block: until it ends, the traceback's frames hold the step's tensors.
             prec.free_memory(device)
             return False
         if peak is not None and peak > share * (1.0 - headroom):

@@ -36,6 +36,7 @@ from vidtune.trainer.metrics import (
     reduce_epoch,
     steady_state,
 )
+from vidtune.trainer.models import unwrap
 from vidtune.trainer.precision import device_uuid, free_memory, has_cuda_context
 from vidtune.trainer.run import (
     DIVERGED,
@@ -379,8 +380,9 @@ def free_device(run: Run) -> None:
     caching allocator's cached blocks (`free_memory`). The checkpoint is written before."""
     run.optimizer.state.clear()
     run.optimizer.zero_grad(set_to_none=True)
-    if isinstance(run.model, nn.parallel.DistributedDataParallel):
-        run.model = run.model.module
+    # The plain model, out of every wrapper: DDP holds gradient buckets as large as the weights,
+    # and under --compile DDP sits inside torch.compile's wrapper, not at the top.
+    run.model = unwrap(run.model)
     with torch.no_grad():
         for tensor in (*run.model.parameters(), *run.model.buffers()):
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
