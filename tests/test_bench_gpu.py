@@ -60,8 +60,9 @@ def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurren
     exp = client.create_experiment(gpu_check.EXPERIMENT)
     parent = client.create_run(exp, run_name="search").info.run_id
     for t in range(trials):
-        tags = {gpu_check.PARENT_TAG: parent, "vidtune.precision_used": "bf16", "vidtune.tf32": "tf32",
-                "vidtune.cudnn_benchmark": "on", "vidtune.device": "NVIDIA H200",
+        tags = {gpu_check.PARENT_TAG: parent, "vidtune.precision_used": "bf16",
+                "vidtune.tf32": "matmul=tf32,conv=tf32", "vidtune.cudnn_benchmark": "on",
+                "vidtune.device": "NVIDIA H200",
                 "vidtune.compute_capability": "9.0", "vidtune.cuda": "13.0", "vidtune.driver": "580.65.06",
                 "vidtune.torch": "2.14.1", **(settings or {}).get(t, {})}
         ids = (gpu_ids or {}).get(t, "0")
