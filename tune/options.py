@@ -324,12 +324,24 @@ def load_config_file(path: str) -> ConfigFile:
         hints={k: f"the search chooses it: set {v} instead" for k, v in SEARCHED_KEYS.items()})
 
 
+def _read_given(argv: Sequence[str] | None) -> tuple[dict[str, Any], ConfigFile | None]:
+    """The flags on the command line ({dotted path: value}) and the --config file they name."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = vars(build_parser().parse_args(join_negative_values(argv, SPECS)))
+    return given, load_config_file(given["config"]) if given.get("config") else None
+
+
+def given_options(argv: Sequence[str] | None) -> dict[str, Any]:
+    """{dotted path: value} of every option set on the command line or by its --config file, no
+    preset or default: what a --resume line asks for (`tune.saved_options.resumed_options`)."""
+    given, loaded = _read_given(argv)
+    return {**(loaded.values if loaded else {}), **given}
+
+
 def parse_options(argv: Sequence[str] | None) -> SearchOptions:
     """Flags + config file + preset -> validated SearchOptions (ConfigError on bad input; a check
     failed by a value the file set names the file and key)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    given = vars(build_parser().parse_args(join_negative_values(argv, SPECS)))
-    loaded = load_config_file(given["config"]) if given.get("config") else None
+    given, loaded = _read_given(argv)
     merged: dict[str, Any] = {}
     if given.get("smoke_test"):
         merged.update(SMOKE_TEST)

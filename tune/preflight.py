@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ray import tune
 
@@ -19,7 +20,7 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import check_training_inputs, check_writable_folder
-from vidtune.tune import faults, layout, space, trust
+from vidtune.tune import faults, layout, saved_options, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
 from vidtune.tune.lock import check_not_running
@@ -59,18 +60,24 @@ class Plan:
         return self.experiment_path[len(self.storage.rstrip("/")) + 1:]
 
 
-def prepare(opts: SearchOptions) -> Plan:
+def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
     """The one validation on the driver, before Ray starts: no driver already running this
     search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here,
     and every candidate batch size checked against the training videos each worker gets), the
-    experiment name. Raises ConfigError / DataError
-    naming the flag or file at fault; a plan that passes cannot fail for a reason known here."""
+    experiment name. A --resume runs with the options the search saved when it started
+    (`tune.saved_options`); `given`, what its command line set, must agree with them. Raises
+    ConfigError / DataError naming the flag or file at fault; a plan that passes cannot fail for
+    a reason known here."""
     storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
         check_writable_folder(storage, "--storage")
     if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
         check_not_running(layout.search_path(storage, opts.name), "--resume" if opts.resume else "--name")
+    name = None
+    if opts.resume:   # the search's own options, before anything reads them (the dataset, the stores)
+        name = experiment_name(opts, storage)
+        opts = saved_options.resumed_options(opts, given or {}, layout.search_path(storage, name))
     demo = opts.demo
     if demo:
         root, made = ensure_demo_data()
@@ -86,7 +93,7 @@ def prepare(opts: SearchOptions) -> Plan:
             opts.tracking, artifact_location=check_artifact_location(opts.tracking.artifact_location)))
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
-    name = experiment_name(opts, storage)
+    name = name or experiment_name(opts, storage)
     if opts.time_budget:
         parse_duration(opts.time_budget)
     # A bad --warm-start is refused here, before Ray starts (and by --dry-run); build_searcher loads

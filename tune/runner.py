@@ -32,7 +32,7 @@ from vidtune.trainer.gpus import simulated_gpus, train_device
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import cleanup, faults, space
+from vidtune.tune import cleanup, faults, saved_options, space
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -183,6 +183,11 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
 def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None) -> int:
     """Run the planned search to the end (or resume it); print and record the summary.
     `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
+    if not plan.opts.resume:   # the options a --resume continues with (tune/saved_options.py)
+        try:
+            saved_options.save(plan.opts, plan.search_path, demo=plan.demo)
+        except OSError as e:
+            raise_failure(plan, plan.opts, e)
     fit = check_cluster(plan.opts)
     opts, concurrency, local_gpu = fit.opts, fit.concurrency, fit.local_gpu
     if plan.opts.space.batch_sizes is None and plan.index is not None:

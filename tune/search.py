@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from vidtune.errors import DataError
 from vidtune.flags import ConfigError
 from vidtune.trainer.ray_start import RayStartError, import_failure_message
-from vidtune.tune.options import SearchOptions, build_parser, parse_options
+from vidtune.tune.options import SearchOptions, build_parser, given_options, parse_options
 
 __all__ = ["build_parser", "main"]
 
@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the search; returns the exit code (2 for unusable input, with a one-paragraph message)."""
     try:
         opts = parse_options(argv)
-        return run(opts)
+        # a resume runs with the search's saved options; what this line sets is checked against them
+        return run(opts, given=given_options(argv) if opts.resume else None)
     except (ConfigError, DataError) as e:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 2
@@ -60,9 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def run(opts: SearchOptions) -> int:
+def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
     """Check everything on the driver (`tune.preflight.prepare`), then run the search
-    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration."""
+    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration. `given`: the
+    options the command line set (`tune.options.given_options`), which a --resume checks against
+    the search's saved ones."""
     from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
         preflight,
         runner,
@@ -71,7 +74,7 @@ def run(opts: SearchOptions) -> int:
     # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
     quiet = opts.quiet and not opts.dry_run
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        plan = preflight.prepare(opts)
+        plan = preflight.prepare(opts, given=given)
         if opts.dry_run:
             print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "

@@ -1,0 +1,240 @@
+"""A search's settings are its own (tune/saved_options.py): saved once when it starts, read back by
+--resume, and an option on the resume line that differs from the saved one refused naming both
+values. Without Ray: a planted, signed search folder (as tests/test_driver_integrity.py plants)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pickle
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from vidtune.flags import ConfigError
+from vidtune.tune import runner, saved_options, search, trust
+from vidtune.tune.options import SPECS, given_options, parse_options
+from vidtune.tune.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
+
+VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # the printed lines start with `vidtune`
+
+
+@pytest.fixture(autouse=True)
+def own_key(tmp_path, monkeypatch):
+    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(runner, "init_ray", refuse)
+
+
+def _started_search(storage: Path, data: Path, *extra: str, name: str = "s") -> Path:
+    """A search folder as a search of `--data data --epochs 4 ...extra` leaves it: Tune's state
+    (planted, signed) and vidtune's saved options beside it."""
+    folder = storage / name
+    state = folder / "ray"
+    state.mkdir(parents=True)
+    (state / "tuner.pkl").write_bytes(pickle.dumps({"ok": 1}))
+    (state / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+    trust.sign(str(state))
+    opts = parse_options(["--data", str(data), "--epochs", "4", "--num-samples", "2", "--batch-sizes", "4",
+                          "--no-log-model", *extra])
+    saved_options.save(opts, str(folder), demo=False)
+    return folder
+
+
+def test_the_options_are_saved_once_as_data_atomically(tmp_path, synthetic_root):
+    folder = _started_search(tmp_path, synthetic_root)
+    files = sorted(p.name for p in (folder / "ray").iterdir())
+    assert OPTIONS_FILE in files and not [f for f in files if f.endswith(".tmp")]
+    doc = json.loads((folder / "ray" / OPTIONS_FILE).read_text())
+    values = doc["options"]
+    assert values["train.data.root"] == str(synthetic_root) and values["train.epochs"] == 4
+    assert values["space.batch_sizes"] == [4] and values["tracking.log_model"] is False
+    assert not set(values) & RUN_ONLY
+    assert saved_options.load(str(folder))["space.batch_sizes"] == (4,)     # back in the fields' types
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    target = tmp_path / OPTIONS_FILE
+    target.write_bytes(b"old")
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved_options.os, "fsync", full)
+    with pytest.raises(OSError):
+        saved_options.write_atomically(target, b"new")
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == [OPTIONS_FILE]
+
+
+def test_a_resume_line_without_options_continues_with_the_saved_ones(tmp_path, synthetic_root, capsys,
+                                                                     no_ray):
+    """The printed resume line (--resume --name --storage [--mlflow-uri]) gives no --data: the
+    resume used to fill it with the demo's data, 6 epochs and 4 trials; now the saved ones."""
+    _started_search(tmp_path, synthetic_root)
+    argv = ["--resume", "--name", "s", "--storage", str(tmp_path), "--mlflow-uri",
+            f"sqlite:///{tmp_path}/other.db", "--dry-run"]
+    assert search.main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    doc = json.loads(out.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
+    assert doc["demo"] is False and doc["train"]["data"]["root"] == str(synthetic_root)
+    assert doc["train"]["epochs"] == 4 and doc["num_samples"] == 2 and doc["space"]["batch_sizes"] == [4]
+    assert doc["tracking"]["log_model"] is False
+    assert doc["tracking"]["mlflow_uri"] == f"sqlite:///{tmp_path}/other.db"    # may change on resume
+    assert "demo:" not in out
+
+
+@pytest.mark.parametrize("extra, flag, here, then", [
+    (["--epochs", "6"], "--epochs", "6", "4"),
+    (["--num-samples", "4"], "--num-samples", "4", "2"),
+    (["--batch-sizes", "4,8"], "--batch-sizes", "4,8", "4"),
+])
+def test_an_option_that_differs_from_the_saved_one_is_refused_naming_both(tmp_path, synthetic_root, capsys,
+                                                                         no_ray, extra, flag, here, then):
+    _started_search(tmp_path, synthetic_root)
+    argv = ["--resume", "--name", "s", "--storage", str(tmp_path), *extra]
+    assert search.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"vidtune search: error: {flag}: {here} on this line, {then} when the search at "
+                          f"{tmp_path / 's'} was started") and f"leave {flag} out" in err
+
+
+def test_another_data_folder_is_refused_the_same_one_by_another_path_is_not(tmp_path, synthetic_root, capsys,
+                                                                           no_ray, monkeypatch):
+    _started_search(tmp_path, synthetic_root)
+    other = tmp_path / "d40"
+    other.mkdir()
+    base = ["--resume", "--name", "s", "--storage", str(tmp_path), "--dry-run"]
+    assert search.main([*base, "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data: {other} on this line, {synthetic_root} when the search" in err
+    monkeypatch.chdir(synthetic_root.parent)
+    assert search.main([*base, "--data", synthetic_root.name, "--epochs", "4"]) == 0   # the same, relative
+    assert search.main([*base, "--no-log-model", "--batch-sizes", "4"]) == 0           # as saved
+
+
+def test_a_bool_option_differing_is_named_as_given_or_not(tmp_path, synthetic_root):
+    folder = _started_search(tmp_path, synthetic_root)
+    opts = parse_options(["--resume", "--name", "s", "--data", str(synthetic_root)])
+    with pytest.raises(ConfigError, match=r"^--no-early-stop: given on this line, not given when the search"):
+        saved_options.resumed_options(opts, {"early_stop": False}, str(folder))
+
+
+def test_a_search_without_saved_options_resumes_as_told_and_says_so(tmp_path, synthetic_root, capsys):
+    folder = tmp_path / "old"
+    folder.mkdir()
+    opts = parse_options(["--resume", "--name", "old", "--data", str(synthetic_root), "--epochs", "3"])
+    assert saved_options.resumed_options(opts, {}, str(folder)) is opts
+    assert "started by an older vidtune" in capsys.readouterr().out
+
+
+def test_an_unreadable_options_file_stops_the_resume_naming_it(tmp_path, synthetic_root):
+    folder = _started_search(tmp_path, synthetic_root)
+    (folder / "ray" / OPTIONS_FILE).write_text('{"format": 1, "options": {"train.nope": 1}}')
+    with pytest.raises(ConfigError, match=rf"^--resume: {folder}/ray/{OPTIONS_FILE}, the options .* "
+                       r"cannot be read .*unknown options \['train.nope'\]"):
+        saved_options.load(str(folder))
+    (folder / "ray" / OPTIONS_FILE).write_text('{"format": 1, "opt')
+    with pytest.raises(ConfigError, match="JSONDecodeError"):
+        saved_options.load(str(folder))
+
+
+def test_a_demo_search_saves_no_data_folder(tmp_path):
+    """The demo's folder is found (or made again) by the resume, as by the search."""
+    opts = parse_options([])
+    assert opts.demo
+    saved_options.save(opts, str(tmp_path / "demo"), demo=True)
+    assert saved_options.load(str(tmp_path / "demo"))["train.data.root"] is None
+
+
+def test_the_options_a_resume_may_change_are_listed_in_the_docs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text()
+    section = text.split("### What a resume may change", 1)[1].split("\n#", 1)[0]
+    flags = {s.path: s.flag for s in SPECS}
+    for path in CHANGEABLE | (RUN_ONLY - {"resume"}):
+        assert f"`{flags[path]}" in section, flags[path]
+
+
+def test_given_options_are_the_flags_and_the_config_file_only(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("epochs = 3\n")
+    assert given_options(["--resume", "--config", str(config), "--lr-min", "1e-4"]) == {
+        "train.epochs": 3, "resume": True, "config": str(config), "space.lr_min": 1e-4}
+
+
+def _result_files(folder: Path) -> tuple[list[dict], dict]:
+    rows = sorted(csv.DictReader((folder / "trials.csv").open()), key=lambda r: r["name"])
+    best = json.loads((folder / "best_config.json").read_text())
+    return rows, best
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_printed_resume_line_run_verbatim_keeps_the_search_as_it_was(shared_ray, synthetic_root,
+                                                                         tmp_path):
+    """Ctrl-C after the first trial: the printed line, run as printed (no --data, no --epochs),
+    finishes the search with its own data, epochs and trial count; run again on the finished
+    search it changes nothing (it used to rerun it on the demo's data: DONE trials became STOPPED,
+    best_config.json named the demo's folder). A differing --epochs or --data is refused."""
+    storage, uri = tmp_path / "results", f"sqlite:///{tmp_path / 'mlruns.db'}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = [VIDTUNE, "search", "--data", str(synthetic_root), "--num-samples", "2", "--max-concurrent-trials",
+            "1", "--epochs", "1", "--batch-sizes", "4", "--loader-workers", "0", "--no-log-model",
+            "--name", "kept", "--storage", str(storage), "--mlflow-uri", uri, "--address", shared_ray]
+    log = tmp_path / "first.log"
+    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and \
+                not re.search(r"^t\d\d-\S+ done: ", log.read_text(errors="replace"), re.M):
+            time.sleep(0.5)
+        assert proc.poll() is None, "ended before its Ctrl-C:\n" + log.read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=180) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    first = log.read_text(errors="replace")
+    line = first.split("continue it with:\n  ", 1)[1].splitlines()[0]
+    assert "--data" not in line and "--epochs" not in line and line.startswith("vidtune search "), line
+    command = [VIDTUNE, *shlex.split(line)[1:]]        # as printed, by the installed command's path
+
+    # a line that asks for other data or other epochs is refused, naming both values (in seconds)
+    other = f"--data: {tmp_path} on this line, {synthetic_root} when"
+    for extra, says in ((["--epochs", "6"], "--epochs: 6 on this line, 1 when the search at"),
+                        (["--data", str(tmp_path)], other)):
+        refused = subprocess.run([*command, *extra], cwd=tmp_path, env=env, capture_output=True,
+                                 text=True, timeout=120)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
+
+    def run_line() -> str:
+        out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+
+    assert "demo:" not in run_line()
+    rows, best = _result_files(storage / "kept")
+    assert [r["status"] for r in rows] == ["DONE", "DONE"] and {r["epochs"] for r in rows} == {"1"}, rows
+    assert best["train_config"]["data"]["root"] == str(synthetic_root) and best["train_config"]["epochs"] == 1
+
+    again = run_line()                               # the same line on the finished search
+    assert "demo:" not in again and "lost the others" not in again, again[-3000:]
+    assert _result_files(storage / "kept") == (rows, best)
+    client = MlflowClient(uri)
+    assert not client.search_registered_models()      # --no-log-model holds on every resume
