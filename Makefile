@@ -43,3 +43,13 @@ gpu-check: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The container image of deploy/Dockerfile (CUDA runtime, the pinned stack, a non-root user), for
+# deploy/kuberay/ and cluster.yaml's `docker:` section; then `vidtune --help` inside it. Needs
+# Docker; not run by the tests (tests/test_deploy_image.py checks the file itself).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= vidtune:$(VERSION)
+.PHONY: image
+image:
+	docker build -f deploy/Dockerfile -t $(IMAGE) .
+	docker run --rm $(IMAGE) vidtune --help
