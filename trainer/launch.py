@@ -15,6 +15,7 @@ from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
 from vidtune.trainer.config import PRECISIONS, TrainConfig
 from vidtune.trainer.gpus import SIMULATE_ENV, simulated_gpus
+from vidtune.trainer.ray_auth import token_refusal_explained
 from vidtune.trainer.ray_start import RayStart, start_local_ray
 
 # Train polls its workers every 2 s by default; each report and the end of fit() wait on a poll,
@@ -94,7 +95,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
         start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
                         **kw)
     else:
-        ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
+        with token_refusal_explained(address, ray.exceptions.AuthenticationError):
+            ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)
     return True
 
 
