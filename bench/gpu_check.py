@@ -23,10 +23,14 @@ says. It needs a CUDA device and refuses without one (exit 2).
      CUDA, driver, torch); one training at a time on each GPU (`concurrent_trainings` == 1 in
      every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0;
   7. the search's device lease record (device_lease.json): every trial waited for its GPU without
-     a CUDA context there and gave it back having freed its memory (`check_hand_over`).
+     a CUDA context there and gave it back having freed its memory (`check_hand_over`);
+  8. one epoch of mvit_v2_s as a worker trains it (trainer.run) with --compile and
+     --channels-last: Inductor lowers its attention matmuls, where a TF32 setting once crashed it;
+  9. the batch probe against a known answer: in a slice of the GPU's memory (--probe-share), the
+     size it finds fits, measured alone from a clean allocator, and one more clip does not.
 
 Prints a table of the checks; the first that fails ends the run with a line saying what failed
-(exit 1).
+(exit 1); with --keep-going every check runs (a first run on a new GPU shows all that fails).
 
     make gpu-check                                     # or:
     python -m bench.gpu_check --json gpu-check.json    # --keep DIR keeps the search's files
@@ -53,9 +57,20 @@ from mlflow.tracking import MlflowClient
 from bench import gpu_decode, learning_check
 from bench.common import write_json
 from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
 from vidtune.datasets.synthetic import generate
-from vidtune.trainer.precision import choose_precision, configure_backends, default_device
-from vidtune.tune.tracking.schema import GPU_IDS_TAG  # the physical GPU id(s) a trial trained on
+from vidtune.trainer.batch_probe import make_step_trial, probe_batch_size
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.models import get_spec
+from vidtune.trainer.precision import (
+    choose_precision,
+    configure_backends,
+    default_device,
+    free_memory,
+    peak_reserved_mb,
+)
+from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"
@@ -63,6 +78,7 @@ EXPERIMENT = "gpu-check"
 PARENT_TAG = "mlflow.parentRunId"
 EPOCH_METRICS = ("clips_per_s", "peak_mem_mb", "concurrent_trainings")
 NO_GPU_EXIT = 2
+PARTS = ("all", "local", "search")   # --part: which checks run
 DECODE_VIDEOS = 32   # 4 batches of 8 clips (16 frames of 224 px): 512 frames, 4 seeded steps a side
 
 
@@ -104,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: a temporary one")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write the checks and figures as JSON")
+    p.add_argument("--probe-share", type=float, default=0.05,
+                   help="the share of the GPU's memory the batch-probe check probes in (default 0.05: "
+                        "a small known answer in seconds)")
+    p.add_argument("--part", choices=PARTS, default="all",
+                   help="all (default); local: the checks in this process, without Ray (precision, "
+                        "decoding, learning, --compile, batch probe); search: the search and what it wrote")
+    p.add_argument("--keep-going", action="store_true",
+                   help="run every check even after one fails (default: stop at the first)")
     return p
 
 
@@ -113,6 +137,8 @@ def validate(args: argparse.Namespace) -> None:
                                ("--search-timeout-s", args.search_timeout_s, 1)):
         if value < least:
             raise SystemExit(f"gpu-check: {flag} {value:g}: must be >= {least}")
+    if not 0 < args.probe_share <= 1:
+        raise SystemExit(f"gpu-check: --probe-share {args.probe_share:g}: must be in (0, 1]")
 
 
 def no_gpu_reason() -> str | None:
@@ -254,6 +280,10 @@ def check_one_training_per_gpu(runs: list[TrialRun]) -> str:
 
 
 def check_gpu_ids(runs: list[TrialRun]) -> str:
+    # the tag of the physical GPU id(s) a trial trained on; here, since the schema reads Ray's
+    # result keys and only the search's part of the check needs Ray (--part local runs without it)
+    from vidtune.tune.tracking.schema import GPU_IDS_TAG
+
     missing = [r.name for r in runs if not r.tags.get(GPU_IDS_TAG, "").strip()]
     require(not missing, f"tag {GPU_IDS_TAG!r} missing or empty on: {', '.join(missing)}")
     return f"tag {GPU_IDS_TAG} on every run: " + ", ".join(sorted({r.tags[GPU_IDS_TAG] for r in runs}))
@@ -327,9 +357,10 @@ def mlflow_steps(runs: list[TrialRun], trials: int, epochs: int,
             ("peak memory", lambda: check_positive(runs, "peak_mem_mb", "MB"))]
 
 
-def run_checks(steps: Iterable[tuple[str, Callable[[], str]]]) -> list[Check]:
-    """Run `steps` in order until one fails: raises CheckFailed, or anything else (a store that
-    cannot be read, a JSON file cut short), which is reported as the failure with its type."""
+def run_checks(steps: Iterable[tuple[str, Callable[[], str]]], *, keep_going: bool = False) -> list[Check]:
+    """Run `steps` in order until one fails (every one with `keep_going`): raises CheckFailed, or
+    anything else (a store that cannot be read, a JSON file cut short), which is reported as the
+    failure with its type."""
     done: list[Check] = []
     for name, step in steps:
         try:
@@ -337,8 +368,12 @@ def run_checks(steps: Iterable[tuple[str, Callable[[], str]]]) -> list[Check]:
         except Exception as e:  # noqa: BLE001 - the table and the one line must still come out
             done.append(Check(name, False,
                               str(e) if isinstance(e, CheckFailed) else f"{type(e).__name__}: {e}"))
-            break
+            print(f"gpu-check: {name}: FAIL", flush=True)
+            if not keep_going:
+                break
+            continue
         done.append(Check(name, True, detail))
+        print(f"gpu-check: {name}: PASS: {detail.splitlines()[0] if detail else ''}", flush=True)
     return done
 
 
@@ -361,6 +396,7 @@ class GpuCheck:
         self.device = default_device()          # the first GPU (main refused to run without one)
         self.runs: list[TrialRun] = []
         self.lease_record: list[list[dict]] = []   # the search's device_lease.json (trainer.lease)
+        self._videos: Path | None = None
 
     def precision_table(self) -> str:
         out, log = self.work / "precision.json", self.work / "precision.log"
@@ -374,11 +410,18 @@ class GpuCheck:
         self.figures["precision_table"] = doc = json.loads(out.read_text())
         return check_precision_table(doc)
 
+    def videos(self) -> Path:
+        """The generated videos (112 px, 3 s) the search and the compiled epoch train on, made once."""
+        if self._videos is None:
+            t0 = time.perf_counter()
+            self._videos = generate(self.work / "videos", videos=self.args.videos, size=112, seed=0,
+                                    workers=min(os.cpu_count() or 1, 16), overwrite=True)
+            self.figures["videos_s"] = time.perf_counter() - t0
+        return self._videos
+
     def search(self) -> str:
-        t0 = time.perf_counter()
-        data = generate(self.work / "videos", videos=self.args.videos, size=112, seed=0,
-                        workers=min(os.cpu_count() or 1, 16), overwrite=True)
-        made = time.perf_counter() - t0
+        data = self.videos()
+        made = self.figures["videos_s"]
         log = self.work / "search.log"
         name = f"{EXPERIMENT}-{time.strftime('%Y%m%d-%H%M%S')}"
         cmd = [sys.executable, str(REPO_ROOT / "tune" / "search.py"),
@@ -435,17 +478,74 @@ class GpuCheck:
         require(not found, "the tiny model did not learn: " + "; ".join(found))
         return learning_check.summary(curves)
 
+    def compiled_epoch(self) -> str:
+        """One epoch of MODEL trained as a Train worker trains it (`trainer.run`: build_run,
+        place_model, run_epoch) with --compile and --channels-last, at batch 8."""
+        data = DataConfig(root=str(self.videos()), loader_workers=4, cache_dir=str(self.work / "index"),
+                          clip_cache_dir=str(self.work / "clips-compiled"))
+        cfg = TrainConfig(data=data, model=MODEL, weights="none", epochs=1, batch_size=8, compile=True,
+                          channels_last=True)
+        run = build_run(cfg, build_index(data), device=self.device)
+        place_model(run)
+        t0 = time.perf_counter()
+        result = run_epoch(run, 1)
+        took = time.perf_counter() - t0
+        stats = result.stats
+        loss = stats.loss_sum / stats.clips if stats is not None and stats.clips else math.nan
+        self.figures["compiled_epoch"] = {
+            "outcome": result.outcome, "seconds": took, "train_loss": loss,
+            "steps": stats.steps if stats else 0, "precision": run.policy.name,
+            "peak_reserved_mib": peak_reserved_mb(self.device)}
+        require(result.outcome == TRAINED, f"the compiled, channels-last epoch ended: {result.outcome}")
+        require(math.isfinite(loss), f"the compiled epoch's train_loss is {loss}")
+        return (f"{MODEL} --compile --channels-last ({run.policy.name}): {stats.steps} steps, train_loss "
+                f"{loss:.3f}, epoch {took:.0f} s with compiling")
+
+    def batch_probe(self) -> str:
+        """`probe_batch_size` in a slice of the GPU's memory, against what each size takes alone."""
+        share = self.args.probe_share
+        t0 = time.perf_counter()
+        probe = probe_batch_size(MODEL, device=self.device, share=share, limit=256)
+        took = time.perf_counter() - t0
+        spec = get_spec(MODEL)
+        step = make_step_trial(MODEL, policy=choose_precision("auto", self.device), device=self.device,
+                               num_frames=spec.num_frames, height=spec.height, width=spec.width)
+        bound = share * (1.0 - probe.headroom)
+
+        def alone(batch_size: int) -> float:
+            """The peak share a step of `batch_size` takes from a clean allocator (inf: out of memory)."""
+            free_memory(self.device)
+            try:
+                return step(batch_size) or math.nan
+            except torch.OutOfMemoryError:
+                return math.inf
+
+        fits, next_one = alone(probe.batch_size), alone(probe.batch_size + 1)
+        self.figures["batch_probe"] = {"share": share, "batch_size": probe.batch_size, "seconds": took,
+                                       "peak_share": fits, "next_peak_share": next_one, "bound": bound}
+        require(fits <= bound < next_one,
+                f"the probe found {probe.batch_size}, but alone it peaks at {fits:.4f} and "
+                f"{probe.batch_size + 1} at {next_one:.4f} of the GPU (the bound: {bound:.4f})")
+        gib = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+        return (f"{probe.batch_size} clips fit in {share:g} of {gib:.0f} GiB ({took:.0f} s): alone "
+                f"{fits * gib:.2f} GiB, {probe.batch_size + 1} {next_one * gib:.2f} GiB, "
+                f"bound {bound * gib:.2f}")
+
     def steps(self) -> list[tuple[str, Callable[[], str]]]:
+        """The checks of `--part`, in order."""
         a = self.args
-        return [("precision table", self.precision_table),
-                ("precision auto", self.auto_precision),
-                ("cudnn.benchmark", self.cudnn_benchmark),
-                ("GPU decoding", self.device_decoding),
-                ("learns (fp16, bf16)", self.learns),
-                (f"{a.num_samples}-trial search", self.search),
-                *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
-                              capability=torch.cuda.get_device_capability(self.device)),
-                ("hand-over", lambda: check_hand_over(self.lease_record))]
+        local = [("precision table", self.precision_table),
+                 ("precision auto", self.auto_precision),
+                 ("cudnn.benchmark", self.cudnn_benchmark),
+                 ("GPU decoding", self.device_decoding),
+                 ("learns (fp16, bf16)", self.learns)]
+        search = [(f"{a.num_samples}-trial search", self.search),
+                  *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
+                                capability=torch.cuda.get_device_capability(self.device)),
+                  ("hand-over", lambda: check_hand_over(self.lease_record))]
+        # after the search: a crash while compiling must not cost the search's checks
+        later = [("batch probe", self.batch_probe), ("compiled, channels-last", self.compiled_epoch)]
+        return {"all": local + search + later, "local": local + later, "search": search}[a.part]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.keep).resolve() if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         check = GpuCheck(args, work)
-        checks = run_checks(check.steps())
+        checks = run_checks(check.steps(), keep_going=args.keep_going)
         elapsed = time.perf_counter() - started
         major, minor = torch.cuda.get_device_capability(check.device)
         gpu = f"{torch.cuda.get_device_name(check.device)} (sm {major}.{minor})"

@@ -18,6 +18,7 @@ from bench import gpu_check, gpu_precision
 from vidtune.trainer import precision
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.tune.options import parse_options
+from vidtune.tune.tracking.schema import GPU_IDS_TAG
 
 # -- bench/gpu_check.py -----------------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurren
                 "vidtune.torch": "2.14.1", **(settings or {}).get(t, {})}
         ids = (gpu_ids or {}).get(t, "0")
         if ids is not None:
-            tags[gpu_check.GPU_IDS_TAG] = ids
+            tags[GPU_IDS_TAG] = ids
         run = client.create_run(exp, tags=tags, run_name=f"t{t:02d}").info.run_id
         client.log_param(run, "precision", "auto")
         metrics = []
@@ -231,3 +232,23 @@ def test_the_learning_step_needs_every_precision_to_learn(monkeypatch, tmp_path)
     # emulated bf16 as supported unless told not to
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert check.learns().startswith("fp16 val_acc 0.900") and "bf16" not in check.learns()
+
+
+def test_keep_going_runs_every_check_and_part_picks_the_checks(tmp_path, capsys, monkeypatch):
+    """--keep-going: a first run on a new GPU shows every check that fails, not the first only;
+    --part local runs the checks that need no Ray (a machine without it), --part search the rest."""
+    def fail() -> str:
+        raise gpu_check.CheckFailed("no")
+
+    steps = [("a", fail), ("b", lambda: "fine"), ("c", fail)]
+    assert [c.name for c in gpu_check.run_checks(steps)] == ["a"]
+    checks = gpu_check.run_checks(steps, keep_going=True)
+    assert [(c.name, c.passed) for c in checks] == [("a", False), ("b", True), ("c", False)]
+    assert "gpu-check: b: PASS: fine" in capsys.readouterr().out      # each as it ends
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    names = {part: [name for name, _ in gpu_check.GpuCheck(
+        gpu_check.build_parser().parse_args(["--part", part]), tmp_path).steps()]
+        for part in gpu_check.PARTS}
+    assert names["all"] == names["local"][:5] + names["search"] + names["local"][5:]
+    assert {"batch probe", "compiled, channels-last"} <= set(names["local"])
+    assert "hand-over" in names["search"] and "hand-over" not in names["local"]

@@ -149,9 +149,16 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def free_memory(device: torch.device | str) -> None:
-    """Return cached blocks after an out-of-memory error, so the next try starts clean."""
+    """Return cached blocks (after an out-of-memory error, before a hand-over), so the next try
+    or the next process starts clean."""
     gc.collect()
     if is_cuda(device):
+        # cuBLAS keeps a workspace per handle and stream (32 MiB each on sm_90) in torch's
+        # allocator, which empty_cache cannot return while it is held; torch's own (private)
+        # call releases them, and cuBLAS makes new ones at its next call.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
 
 
