@@ -10,6 +10,8 @@ Check a dataset before a long search:  vidtune index ROOT
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -26,6 +28,7 @@ from typing import Any
 
 from vidtune.datasets.cli import add_dataset_arguments, dataset_config, progress_printer, read_options
 from vidtune.datasets.config import DataConfig
+from vidtune.datasets.duplicates import HASH, find_duplicates
 from vidtune.datasets.folder_walk import OWN_FILE_PREFIX
 from vidtune.datasets.layouts import discover
 from vidtune.datasets.probe import probe_video, run_pool
@@ -146,6 +149,8 @@ class VideoIndex:
     cached: int = 0                      # files whose probe came from the cache
     cache_path: Path | None = None
     links: list[str] = field(default_factory=list)   # each link in the data folder not followed, and why
+    hashed: int = 0                      # files whose content was hashed in this build (datasets.duplicates)
+    duplicates: list[str] = field(default_factory=list)  # each hard link or copy used once, and of what
 
     def _rel(self, p: Path) -> str:
         return _relative(p, self.root)
@@ -187,8 +192,13 @@ class VideoIndex:
         if self.links:
             lines.append(f"\nLinks not followed ({len(self.links)}; each folder and video is read once):")
             lines += [f"  {note}" for note in self.links]
+        if self.duplicates:
+            lines.append(f"\nVideos found twice, used once ({len(self.duplicates)}; hard links and identical "
+                         "copies):")
+            lines += [f"  {note}" for note in self.duplicates]
         where = f" ({self.cache_path})" if self.cache_path else " (cache off)"
-        lines.append(f"\nProbed {_plural(self.probed, 'video')}, {self.cached} from the cache{where}")
+        hashed = f", {self.hashed} hashed to find copies" if self.hashed else ""
+        lines.append(f"\nProbed {_plural(self.probed, 'video')}, {self.cached} from the cache{hashed}{where}")
         return "\n".join(lines)
 
 
@@ -239,9 +249,21 @@ def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool 
     todo: list[Path] = []
     for item in disc.items:
         try:
-            stats[item.path] = st = os.stat(item.path)
+            stats[item.path] = os.stat(item.path)
         except OSError as e:
             probes[item.path] = {"error": f"file not found ({e.strerror})"}
+    # One video, one place: hard links and identical copies, before anything is probed
+    dups = find_duplicates(disc.items, stats, place=functools.partial(_place, disc),
+                           cached_hash=lambda p, st: _cached_hash(cache.get(_cache_key(p, disc.root)), st))
+    left_out = {}      # the copies and links left out: only their hashes are cached
+    if len(dups.items) < len(disc.items):
+        disc = dataclasses.replace(disc, items=dups.items)
+        kept = {it.path for it in dups.items}
+        left_out = {p: st for p, st in stats.items() if p not in kept}
+        stats = {p: st for p, st in stats.items() if p in kept}
+    for item in disc.items:
+        st = stats.get(item.path)
+        if st is None:
             continue
         hit = cache.get(_cache_key(item.path, disc.root))
         if (_valid_entry(hit) and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns
@@ -255,13 +277,37 @@ def build_index(cfg: DataConfig, *, workers: int | None = None, use_cache: bool 
                                                    workers=n_workers, progress=progress), strict=True):
             probes[path] = result
     cache_path = None
-    if candidates and (todo or not cache):
+    if candidates and (todo or not cache or dups.hashed):
         fresh = {_cache_key(p, disc.root): {"size": stats[p].st_size, "mtime_ns": stats[p].st_mtime_ns,
-                                            "probe": probes[p]} for p in stats}
+                                            "probe": probes[p],
+                                            **({HASH: dups.hashes[p]} if p in dups.hashes else {})}
+                 for p in stats}
+        fresh.update({_cache_key(p, disc.root): {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                                 HASH: dups.hashes[p]}
+                      for p, st in left_out.items() if p in dups.hashes})
         cache_path = _write_cache(candidates, fresh, disc.root)
     elif candidates:
         cache_path = read_from
-    return _assemble(disc, probes, cfg, probed=len(todo), cached=cached, cache_path=cache_path)
+    for note in dups.notes:
+        log.warning("%s", note)
+    return _assemble(disc, probes, cfg, probed=len(todo), cached=cached, cache_path=cache_path,
+                     hashed=dups.hashed, duplicates=dups.notes)
+
+
+def _place(disc, item) -> str:
+    """Where `item` sits as the user sees it: `train/Fight`, or `Violence` before the split."""
+    name = disc.class_names[item.label]
+    return f"{item.split}/{name}" if item.split else name
+
+
+def _cached_hash(entry: Any, st: os.stat_result) -> str | None:
+    """The content hash a cache entry holds for this very file (same size and mtime), else None."""
+    if not isinstance(entry, dict):
+        return None
+    digest = entry.get(HASH)
+    if (entry.get("size"), entry.get("mtime_ns")) != (st.st_size, st.st_mtime_ns):
+        return None
+    return digest if isinstance(digest, str) else None
 
 
 def _valid_entry(entry: Any) -> bool:

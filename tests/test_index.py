@@ -6,6 +6,7 @@ import operator
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import av
@@ -24,9 +25,10 @@ GOOD_FRAMES = 12
 
 def write_video(path: Path, frames: int = GOOD_FRAMES, *, codec: str = "libx264", width: int = 64,
                 height: int = 48, fps: int = 10, options: dict | None = None) -> Path:
-    """A small real video of random frames (random so that damage to it cannot be concealed)."""
+    """A small real video of random frames (random so that damage to it cannot be concealed),
+    seeded by its path: two files are two videos, not copies (datasets.duplicates finds those)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(frames)
+    rng = np.random.default_rng([frames, zlib.crc32(str(path).encode())])
     with av.open(str(path), "w", options=options or {}) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
@@ -193,7 +195,7 @@ def test_hung_and_crashed_probes_are_dropped_cached_and_retried_with_a_longer_ti
 def test_manifest_split_without_a_class_in_val_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(index_mod, "run_pool", fake_pool({}, []))
     for name in ("a", "b", "c"):
-        (tmp_path / f"{name}.mp4").write_bytes(b"x")
+        (tmp_path / f"{name}.mp4").write_bytes(name.encode())
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label,split\na.mp4,Fight,train\nb.mp4,NonFight,train\nc.mp4,NonFight,val\n")
     with pytest.raises(DataError, match=rf"no Fight videos in the val split of {manifest}: add some"):
@@ -207,7 +209,7 @@ def test_manifest_split_without_a_class_in_val_is_an_error(tmp_path, monkeypatch
     with pytest.raises(DataError, match=r"lines 3 and 6 list the same video with different splits"):
         build_index(DataConfig(root=str(manifest)), use_cache=False)
     manifest.write_text(rows + "b.mp4,NonFight,train\n")  # the same row twice: the first wins
-    (tmp_path / "e.mp4").write_bytes(b"x")
+    (tmp_path / "e.mp4").write_bytes(b"e")
     manifest.write_text(manifest.read_text() + "e.mp4,NonFight,val\n")
     idx = build_index(DataConfig(root=str(manifest)), use_cache=False)
     assert [(d.path.name, d.reason.split(" (")[0]) for d in idx.dropped] == [("d.mp4", "file not found")]
@@ -325,7 +327,7 @@ def test_manifest_without_split_is_split_over_the_files_that_probe_fine(tmp_path
     rows = []
     for label in ("a", "b"):
         for i in range(3):
-            (tmp_path / f"{label}{i}.mp4").write_bytes(b"x")
+            (tmp_path / f"{label}{i}.mp4").write_bytes(f"{label}{i}".encode())
             rows.append(f"{label}{i}.mp4,{'Fight' if label == 'a' else 'NonFight'}")
     manifest = tmp_path / "m.csv"
     manifest.write_text("path,label\n" + "\n".join(rows + ["a9.mp4,Fight"]) + "\n")  # a9.mp4 is missing
@@ -343,7 +345,7 @@ def test_a_class_with_fewer_than_two_usable_videos_to_split_names_the_dropped_fi
     for cls, prefix in (("Fight", "f"), ("NonFight", "n")):
         for i in range(3):
             (tmp_path / cls).mkdir(exist_ok=True)
-            (tmp_path / cls / f"{prefix}{i}.mp4").write_bytes(b"x")
+            (tmp_path / cls / f"{prefix}{i}.mp4").write_bytes(f"{cls}{prefix}{i}".encode())
     with pytest.raises(DataError) as e:
         build_index(DataConfig(root=str(tmp_path)), use_cache=False)
     msg = str(e.value)
