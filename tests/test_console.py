@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vidtune.trainer.history import write_history
 from vidtune.tune import console, faults, results, search_log, space, tables
 from vidtune.tune.trial import short_lr, short_name
 
@@ -241,3 +242,37 @@ def test_time_left_on_a_recorded_demo_is_near_what_the_search_took(monkeypatch, 
     assert all(0.6 <= ratio <= 1.25 for _, _, ratio in points), points
     # it leans low (median 0.85 here): the later trials' batch 4 epochs were slower than the first's
     assert statistics.median(ratio for _, _, ratio in points) == pytest.approx(1.0, abs=0.2)
+
+
+def test_after_a_resume_the_trial_end_and_best_so_far_lines_use_the_whole_history(capsys, tmp_path):
+    """A fresh console, as after --resume (the console Tune restores holds nothing of the runs
+    before): t01 trained epochs 1-2 before the interruption (0.500 at epoch 1 is its best) and
+    retrains from its epoch-2 checkpoint; t02 had ended before it with 0.625. The trial-end line
+    and the best so far read every epoch (`epochs.json` of each trial's latest checkpoint), as
+    the table does, not only this process's reports (it said "0.375 at epoch 4")."""
+    experiment = tmp_path / "s" / "ray"
+    storage = SimpleNamespace(storage_path=str(tmp_path), experiment_dir_name="s/ray",
+                              experiment_fs_path=str(experiment))
+    a, b = _trial(1, "a"), _trial(2, "b", status="TERMINATED")
+    a.storage = b.storage = storage
+    for trial, history in ((a, {1: 0.5, 2: 0.375}), (b, {1: 0.5, 2: 0.625})):
+        folder = experiment / "train_runs" / short_name(trial) / "epoch_0002"
+        folder.mkdir(parents=True)
+        write_history(folder, {e: {"epoch": e, "val_acc": acc, "clips_per_s": 30.0 + e}
+                               for e, acc in history.items()})
+    c = console.SearchConsole(num_samples=2, epochs=4, objective="val_acc", tty=False)
+    c.on_trial_start(0, [a, b], a)
+    capsys.readouterr()
+    for epoch in (3, 4):
+        c.on_trial_result(0, [a, b], a, {"epoch": epoch, "val_acc": 0.375, "clips_per_s": 40.0,
+                                         "resumed_from_epoch": 2 if epoch == 3 else 0})
+    out = capsys.readouterr().out
+    assert "t01-bs8-lr2.5e-4 continues from epoch 2" in out
+    assert out.rstrip().endswith("best t02-bs8-lr2.5e-4 val_acc 0.625"), out     # t02, ended before
+    a.status, a.last_result = "TERMINATED", {"epoch": 4, "val_acc": 0.375, "clips_per_s": 40.0}
+    c.on_trial_complete(0, [a, b], a)
+    # epoch 1's 0.500 (as the table), and the median speed of epochs 2-4: 32, 40, 40
+    assert capsys.readouterr().out == "t01-bs8-lr2.5e-4 done: best val_acc 0.500 at epoch 1, 40.0 clips/s\n"
+    rows = results.live_row("a", a.config, {1: {"val_acc": 0.5}, 2: {"val_acc": 0.375}, 3: {"val_acc": 0.375},
+                                            4: {"val_acc": 0.375}}, "DONE")
+    assert (rows.best_epoch, rows.val_acc) == (1, 0.5)          # the table's rule, on the same epochs

@@ -26,6 +26,7 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
+from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
@@ -57,6 +58,18 @@ def outcome_line(rows: list[TrialRow], wall_s: float) -> str:
     return f"{trials} in {_duration(wall_s)}{': ' + ended if ended else ''}"
 
 
+# What the console keeps of each epoch's report (`SearchConsole._history`), beside the objective.
+HISTORY_KEYS = ("val_acc", "clips_per_s", "oom", "diverged")
+TRAIN_RUNS = "train_runs"    # the trials' Train runs, in the experiment folder (tune.runner)
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -80,10 +93,10 @@ class SearchConsole(Callback):
         self.concurrency = concurrency
         self.tty = tty
         self._epochs_done: dict[str, int] = {}
-        # per trial: (epoch, val_acc, objective) of its best epoch by val_acc (ties: the later),
-        # the rule of tune.results' rows, so the trial-end line and the table give one number
-        self._best_epoch: dict[str, tuple[int, float, float]] = {}
-        self._speeds: dict[str, dict[int, float]] = {}   # per trial: clips/s of each epoch
+        # per trial: epoch -> what the lines read of that epoch's report (HISTORY_KEYS), every
+        # epoch it trained, those before a --resume too (`_seed`): its best epoch is then
+        # `trainer.history.best_epoch`'s, the rule of the table, so both give one number
+        self._history: dict[str, dict[int, dict[str, float]]] = {}
         self._first_s: list[float] = []     # trial start to its first report: start-up and epoch 1
         self._epoch_s: dict[int, list[float]] = {}   # epoch -> measured durations (training + scoring)
         self._most_running = 0
@@ -95,10 +108,11 @@ class SearchConsole(Callback):
         self._last_seen: dict[str, float] = {}    # trial -> monotonic time of its start / last report
         self._reported: set[str] = set()          # trials that reported since this process started them
         self._progress = ""                       # the progress line now drawn in place ("" none)
+        self._seeded: set[str] = set()            # trials whose saved history this process has read
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_started_at", "_last_seen", "_reported", "_progress"):
+        for key in ("_started_at", "_last_seen", "_reported", "_progress", "_seeded"):
             state.pop(key, None)   # a resumed search measures its own pace
         return state
 
@@ -129,8 +143,11 @@ class SearchConsole(Callback):
         if epoch < 1:
             return
         name = short_name(trial)
+        self._seed(trial)
         self._measure(trial.trial_id, epoch, result)
         self._epochs_done[trial.trial_id] = epoch
+        self._history.setdefault(trial.trial_id, {})[epoch] = {
+            k: _number(result.get(k)) for k in {*HISTORY_KEYS, self.metric}}
         self._note_running(trials)
         restart = restart_line(name, result, worker_died=trial.trial_id in self._reported)
         if restart:
@@ -151,8 +168,6 @@ class SearchConsole(Callback):
                         f"{float(result.get('train_loss', math.nan))} at lr {lr:.3g}")
             self._progress_line(self.overall(trials))
         else:
-            self._note_best(trial.trial_id, epoch, result)
-            self._speeds.setdefault(trial.trial_id, {})[epoch] = float(result.get("clips_per_s", math.nan))
             value = float(result.get(self.metric, math.nan))
             this = (f"{name}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
                     f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
@@ -160,6 +175,7 @@ class SearchConsole(Callback):
             self._progress_line(self.overall(trials, latest=this))
 
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        self._seed(trial)
         last = getattr(trial, "last_result", None) or {}
         epoch = int(last.get("epoch") or 0)
         status = completed_trial_status(trial, epochs=self.epochs)
@@ -207,22 +223,40 @@ class SearchConsole(Callback):
     def _note_running(self, trials: list[Trial]) -> None:
         self._most_running = max(self._most_running, sum(1 for t in trials if t.status == "RUNNING"))
 
-    def _note_best(self, trial_id: str, epoch: int, result: dict[str, Any]) -> None:
-        acc = float(result.get("val_acc", math.nan))
-        if not math.isfinite(acc):
+    def _seed(self, trial: Trial) -> None:
+        """Once per trial and process: the epochs its latest checkpoint's record holds
+        (`trainer.history`, `epochs.json` in its Train run) that this process has not seen
+        reported: after a --resume, those trained before it. A report seen here wins."""
+        if trial.trial_id in self._seeded:
             return
-        best = self._best_epoch.get(trial_id)
-        if best is None or acc >= best[1]:
-            self._best_epoch[trial_id] = (epoch, acc, float(result.get(self.metric, math.nan)))
+        self._seeded.add(trial.trial_id)
+        experiment = _experiment_path(trial)
+        if not experiment:
+            return
+        saved = latest_history(f"{experiment.rstrip('/')}/{TRAIN_RUNS}/{short_name(trial)}")
+        mine = self._history.setdefault(trial.trial_id, {})
+        for epoch, record in saved.items():
+            mine.setdefault(epoch, {k: _number(record.get(k)) for k in {*HISTORY_KEYS, self.metric}})
+
+    def best_of(self, trial_id: str) -> tuple[int, float, float] | None:
+        """(epoch, val_acc, objective) of the trial's best epoch (`trainer.history.best_epoch`:
+        by val_acc, ties to the later, among the epochs that trained), None before one."""
+        best = best_epoch(self._history.get(trial_id, {}))
+        if best is None:
+            return None
+        epoch, record = best
+        return epoch, record["val_acc"], record.get(self.metric, math.nan)
 
     def trial_result(self, trial_id: str, last: dict[str, Any]) -> str:
         """`best val_acc 0.719 at epoch 3, 41.2 clips/s`: the trial's best epoch by val_acc and its
-        steady speed, as its row in the table (from the last report when none was seen)."""
-        epoch, acc, value = self._best_epoch.get(trial_id) or (
+        steady speed over every epoch it trained, as its row in the table (from the last report
+        when none was seen)."""
+        epoch, acc, value = self.best_of(trial_id) or (
             int(last.get("epoch") or 0), float(last.get("val_acc", math.nan)),
             float(last.get(self.metric, math.nan)))
-        speeds = self._speeds.get(trial_id) or {epoch: float(last.get("clips_per_s", math.nan))}
-        speed = steady_state(speeds)
+        trained = {e: r["clips_per_s"] for e, r in self._history.get(trial_id, {}).items()
+                   if not (r.get("oom") == 1 or r.get("diverged") == 1)}
+        speed = steady_state(trained or {epoch: float(last.get("clips_per_s", math.nan))})
         other = f" ({self.metric} {value:.3f})" if self.metric != "val_acc" else ""
         clips = f", {speed:.1f} clips/s" if math.isfinite(speed) else ""
         return f"best val_acc {acc:.3f}{other} at epoch {epoch}{clips}"
@@ -234,7 +268,10 @@ class SearchConsole(Callback):
         done = len(_ended(trials))
         running = sum(1 for t in trials if t.status == "RUNNING")
         to_start = max(0, self.num_samples - done - running)
-        best = max(((v, n) for n, (_, _, v) in self._best_epoch.items() if math.isfinite(v)), default=None)
+        for t in trials:   # after a --resume, the epochs and trials that ended before it count too
+            self._seed(t)
+        bests = ((self.best_of(n), n) for n in self._history)
+        best = max(((b[2], n) for b, n in bests if b is not None and math.isfinite(b[2])), default=None)
         names = {t.trial_id: short_name(t) for t in trials}
         best_text = f"; best {names.get(best[1], best[1])} {self.metric} {best[0]:.3f}" if best else ""
         left = self.time_left(trials)
