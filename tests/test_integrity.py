@@ -138,6 +138,27 @@ def test_a_truncated_best_checkpoint_is_not_named_best(run_folder, tmp_path, mon
     assert "no whole checkpoint is left" in capsys.readouterr().out
 
 
+def test_the_best_checkpoint_is_ranked_by_the_objective(run_folder, tmp_path, monkeypatch):
+    """Under --objective val_f1 the checkpoint named best is the one of the best F1, not of the
+    best accuracy; and among trials whose best epoch has no whole checkpoint, the objective's
+    value at each kept checkpoint decides."""
+    folder = _copy(run_folder, tmp_path / "run")
+    kept = [(folder / "epoch_0002", {"val_acc": 0.8, "val_f1": 0.5, "epoch": 2}),
+            (folder / "epoch_0003", {"val_acc": 0.7, "val_f1": 0.75, "epoch": 3})]
+    run = SimpleNamespace(best_checkpoints=[(SimpleNamespace(path=str(p)), m) for p, m in kept])
+    monkeypatch.setattr(ray.train.Result, "from_path", staticmethod(lambda path: run))
+    result = SimpleNamespace(metrics={})
+    assert results.best_checkpoint(str(folder), result, "t")[:2] == (str(folder / "epoch_0002"), 2)
+    assert results.best_checkpoint(str(folder), result, "t", metric="val_f1") == \
+        (str(folder / "epoch_0003"), 3, 0.7)           # its epoch, and that epoch's val_acc
+    t01 = results.TrialRow("a_00001", 4, 1e-3, None, 0.8, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
+                           name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.8,
+                           checkpoint_score=0.5)
+    t02 = dataclasses.replace(t01, trial_id="a_00002", name="t02", checkpoint="/r/t02/epoch_0002",
+                              best_epoch=1, checkpoint_epoch=2, checkpoint_val_acc=0.7, checkpoint_score=0.75)
+    assert results.best_whole_checkpoint([t01, t02], t01) is t02
+
+
 def test_the_best_checkpoint_is_the_best_whole_one_of_the_search():
     """The issue's case: t01's best epoch (0.500 at epoch 1) has a damaged checkpoint and its
     next whole one is epoch 4 (0.375); t02 has a whole 0.500 checkpoint. The search's best
@@ -145,16 +166,17 @@ def test_the_best_checkpoint_is_the_best_whole_one_of_the_search():
     from vidtune.tune.summary import checkpoint_line
 
     t01 = results.TrialRow("a_00001", 4, 1e-3, None, 0.5, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
-                           name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.375)
+                           name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.375,
+                           checkpoint_score=0.375)
     t02 = dataclasses.replace(t01, trial_id="a_00002", name="t02", checkpoint="/r/t02/epoch_0002",
-                              best_epoch=2, checkpoint_epoch=2, checkpoint_val_acc=0.5)
+                              best_epoch=2, checkpoint_epoch=2, checkpoint_val_acc=0.5, checkpoint_score=0.5)
     assert results.best_whole_checkpoint([t01, t02], t01) is t02
     line = checkpoint_line(t01, t02)
     assert line == ("t01's epoch 1 has no whole checkpoint; the best whole one of the search: "
                     "best checkpoint (t02, epoch 2, val_acc 0.500): /r/t02/epoch_0002")
     # the best trial's own best epoch, when whole, is the answer; with none whole anywhere: none
     whole = dataclasses.replace(t01, checkpoint="/r/t01/epoch_0001", checkpoint_epoch=1,
-                                checkpoint_val_acc=0.5)
+                                checkpoint_val_acc=0.5, checkpoint_score=0.5)
     assert results.best_whole_checkpoint([whole, t02], whole) is whole
     assert checkpoint_line(whole, whole) == "best checkpoint (t01, epoch 1, val_acc 0.500): /r/t01/epoch_0001"
     gone = [dataclasses.replace(r, checkpoint=None) for r in (t01, t02)]

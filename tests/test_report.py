@@ -298,6 +298,44 @@ def test_row_reports_the_best_epoch_by_val_acc():
     assert results.best_epoch_record(result)[0] == 2
 
 
+# accuracy peaks at epoch 2, F1 at epoch 3: the two objectives name different epochs
+DISAGREE = [(0.60, 0.40), (0.85, 0.50), (0.80, 0.78), (0.70, 0.60)]
+
+
+@pytest.mark.parametrize("objective, epoch", [("val_acc", 2), ("val_f1", 3), ("pareto", 2)])
+def test_the_best_epoch_follows_the_objective(objective, epoch, tmp_path):
+    """One rule per objective (pareto: val_acc, the front's accuracy axis): the row's epoch and
+    metrics, the live row MLflow shows while it runs, what Optuna is told, and what ranks the
+    checkpoints Ray Train keeps all name the same epoch."""
+    from vidtune.trainer.config import TrainConfig
+    from vidtune.trainer.history import write_history
+    from vidtune.trainer.launch import build_torch_trainer
+    from vidtune.tune import space
+
+    metric = results.objective_key(objective)
+    epochs = [_epoch(e, 10.0, val_acc=a, val_f1=f) for e, (a, f) in enumerate(DISAGREE, start=1)]
+    row = results.row_from_result(_result(epochs), trial_id="t", epochs=4, finished=True, metric=metric)
+    acc, f1 = DISAGREE[epoch - 1]
+    assert (row.best_epoch, row.val_acc, row.val_f1) == (epoch, acc, f1)
+    live = results.live_row("t", {"batch_size": 8, "lr": 1e-3}, dict(enumerate(epochs, start=1)), "DONE",
+                            metric=metric)
+    assert (live.best_epoch, live.val_acc, live.val_f1) == (epoch, acc, f1)
+    write_history(tmp_path, dict(enumerate(epochs, start=1)))
+    from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+
+    told = space.whole_history_result({**epochs[-1], CHECKPOINT_PATH_KEY: str(tmp_path)}, metric)
+    assert told[metric] == (acc if metric == "val_acc" else f1)
+    trainer = build_torch_trainer(TrainConfig(), score_metric=metric)
+    assert trainer.run_config.checkpoint_config.checkpoint_score_attribute == metric
+
+
+def test_a_best_epoch_needs_a_metric_it_can_be_chosen_by():
+    from vidtune.trainer.history import best_epoch
+
+    with pytest.raises(ValueError, match="val_acc.*val_f1.*not 'clips_per_s'"):
+        best_epoch({1: {"val_acc": 0.5}}, "clips_per_s")
+
+
 def test_best_epoch_ties_go_to_the_later_epoch_and_a_re_reported_epoch_counts_once():
     tie = _result([_epoch(1, 10.0, val_acc=0.8, val_f1=0.1), _epoch(2, 10.0, val_acc=0.8, val_f1=0.2),
                    _epoch(3, 10.0, val_acc=0.7)])

@@ -45,17 +45,27 @@ def latest_history(run_folder: str | Path) -> dict[int, dict[str, Any]]:
     return {}
 
 
-def best_epoch(history: dict[int, dict[str, Any]]) -> tuple[int, dict[str, Any]] | None:
-    """(epoch, report) of the best epoch of `history` by val_acc (ties: the later epoch), among
-    the epochs that trained (not an out-of-memory or diverged report); None when no epoch has a
-    finite val_acc. One rule for the results table, `trials.csv`, MLflow's summary metrics and
-    what the searcher is told (`tune.space.VidtuneOptunaSearch`)."""
+# What a run's best epoch can be chosen by: the search's objective (pareto: val_acc, the front's
+# accuracy axis), and for a run without a search, val_acc.
+BEST_EPOCH_METRICS = ("val_acc", "val_f1")
+
+
+def best_epoch(history: dict[int, dict[str, Any]],
+               metric: str = "val_acc") -> tuple[int, dict[str, Any]] | None:
+    """(epoch, report) of the best epoch of `history` by `metric` (one of BEST_EPOCH_METRICS;
+    ties: the later epoch), among the epochs that trained (not an out-of-memory or diverged
+    report); None when no epoch has a finite value. One rule for the results table, `trials.csv`,
+    MLflow's summary metrics, the checkpoints kept and what the searcher is told
+    (`tune.space.VidtuneOptunaSearch`)."""
+    if metric not in BEST_EPOCH_METRICS:
+        raise ValueError(f"a best epoch is chosen by one of {BEST_EPOCH_METRICS}, not {metric!r}")
     best = None
     for epoch, record in sorted(history.items()):
-        acc = _number(record.get("val_acc"))
-        if _number(record.get("oom")) == 1 or _number(record.get("diverged")) == 1 or not math.isfinite(acc):
+        value = _number(record.get(metric))
+        trained = _number(record.get("oom")) != 1 and _number(record.get("diverged")) != 1
+        if not (trained and math.isfinite(value)):
             continue
-        if best is None or acc >= _number(best[1]["val_acc"]):
+        if best is None or value >= _number(best[1][metric]):
             best = (epoch, record)
     return best
 

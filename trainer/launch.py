@@ -274,10 +274,12 @@ def build_torch_trainer(
     train_loop: Callable[[dict], None] | None = None,
     device_lease: Any = None,
     index: VideoIndex | None = None,
+    score_metric: str = "val_acc",
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
-    Checkpoints are ranked by `val_acc` (the best `checkpoint_keep`, at least 2, are kept, plus
+    Checkpoints are ranked by `score_metric` (val_acc or val_f1: a search's objective, the
+    metric that picks its best epoch; the best `checkpoint_keep`, at least 2, are kept, plus
     always the latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
     A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
@@ -302,12 +304,12 @@ def build_torch_trainer(
         name=name,
         storage_path=storage_path,
         callbacks=callbacks,
-        # At least two: Ray always keeps the latest on top of the best `num_to_keep` by val_acc,
+        # At least two: Ray always keeps the latest on top of the best `num_to_keep` by the score,
         # so with two the run holds at least one checkpoint besides the latest, which a worker
         # falls back to when the latest is damaged (`trainer.worker._read_checkpoint`).
         checkpoint_config=ray.train.CheckpointConfig(
             num_to_keep=max(2, checkpoint_keep),
-            checkpoint_score_attribute="val_acc",
+            checkpoint_score_attribute=score_metric,
             checkpoint_score_order="max",
         ),
         # A dead worker (killed, node lost) restarts the group from the last checkpoint, at most

@@ -44,23 +44,26 @@ class TrialRow:
     batch_size: int
     lr: float
     weight_decay: float | None
-    val_acc: float          # at the best epoch by val_acc (nan when none; OOM, DIVERGED: its report's)
+    val_acc: float          # at the best epoch (nan when none; OOM, DIVERGED: its report's)
     val_f1: float           # at the same epoch
     clips_per_s: float      # steady state: median over epochs 2.. (epoch 1 alone when only it ran)
     epoch_time_s: float     # steady state, like clips_per_s
     epochs: int             # epochs trained (the last epoch reported)
     status: str             # one of STATUSES
-    checkpoint: str | None  # the trial's best whole checkpoint by val_acc (best_checkpoint)
+    checkpoint: str | None  # the trial's best whole checkpoint by the objective (best_checkpoint)
     node_id: str | None = None
     compute_clips_per_s: float = math.nan   # steady state of clips / time not waiting for data
     concurrent_trainings: float = math.nan  # most trainings on its device at once, any epoch (1 = alone)
     other_cpu_cores: float = math.nan       # steady state of the cores other processes kept busy beside it
     name: str = ""          # short readable name (e.g. t03-bs8-lr2.5e-4); "" reads as the trial_id
-    best_epoch: int = 0     # the best epoch by val_acc: val_acc, val_f1 and checkpoint are its (0: none)
+    # The best epoch by the objective's metric (`objective_key`: val_acc, val_f1; pareto: val_acc):
+    # val_acc, val_f1 and the checkpoint are its (0: none)
+    best_epoch: int = 0
     gpu_ids: str = ""       # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
     # The epoch and val_acc of `checkpoint`: best_epoch's, unless that checkpoint is damaged or gone
     checkpoint_epoch: int = 0
     checkpoint_val_acc: float = math.nan
+    checkpoint_score: float = math.nan   # the objective's metric at checkpoint_epoch (what ranks it)
 
     @property
     def label(self) -> str:
@@ -104,12 +107,14 @@ def _epoch_of(x: Any) -> int:
 
 
 def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: bool,
-                    train_run: str | None = None, name: str | None = None) -> TrialRow:
+                    train_run: str | None = None, name: str | None = None,
+                    metric: str = "val_acc") -> TrialRow:
     """One Tune `Result` -> TrialRow. `finished`: Tune ended the trial (not interrupted).
     `train_run`: the folder of the trial's Ray Train run (its checkpoints). `name`: the trial's
-    short readable name (default: the trial id).
+    short readable name (default: the trial id). `metric`: what picks the best epoch, the
+    search's `objective_key`.
 
-    val_acc and val_f1 are those of the best epoch by val_acc (ties: the later epoch), the
+    val_acc and val_f1 are those of the best epoch by `metric` (ties: the later epoch), the
     epoch of Ray Train's best checkpoint; an out-of-memory or diverged trial keeps its last
     report's (no accuracy). `epochs`: the latest epoch any report reached (Tune's per-epoch
     records, as MLflow logs them), also for a trial that failed after its last report."""
@@ -120,11 +125,13 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
     speed = steady_speeds(result, records)
     val_acc, val_f1, best_epoch = _f(m.get("val_acc")), _f(m.get("val_f1")), 0
     if status not in NO_RESULT:
-        best = best_epoch_record(result, records)
+        best = best_epoch_record(result, records, metric)
         if best is not None:
             best_epoch, record = best
             val_acc, val_f1 = _f(record.get("val_acc")), _f(record.get("val_f1"))
-    checkpoint, checkpoint_epoch, checkpoint_val_acc = best_checkpoint(train_run, result, name or trial_id)
+    checkpoint, checkpoint_epoch, checkpoint_val_acc = best_checkpoint(train_run, result, name or trial_id,
+                                                                       metric=metric)
+    checkpoint_score = _f(records.get(checkpoint_epoch, {}).get(metric))
     return TrialRow(
         trial_id=trial_id,
         batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
@@ -134,6 +141,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
         epochs=max(records, default=0), status=status,
         checkpoint=checkpoint, checkpoint_epoch=checkpoint_epoch, checkpoint_val_acc=checkpoint_val_acc,
+        checkpoint_score=checkpoint_score,
         node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
         concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
         other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
@@ -173,12 +181,12 @@ def epoch_records(result: Result, train_run: str | None = None) -> dict[int, dic
     return {**(latest_history(train_run) if train_run else {}), **out}
 
 
-def best_epoch_record(result: Result, records: dict[int, dict[str, Any]] | None = None
-                      ) -> tuple[int, dict[str, Any]] | None:
-    """(epoch, report) of the trial's best epoch (`trainer.history.best_epoch`: by val_acc, ties
-    to the later epoch, among the epochs that trained); None when no epoch has a val_acc.
+def best_epoch_record(result: Result, records: dict[int, dict[str, Any]] | None = None,
+                      metric: str = "val_acc") -> tuple[int, dict[str, Any]] | None:
+    """(epoch, report) of the trial's best epoch (`trainer.history.best_epoch`: by `metric`, ties
+    to the later epoch, among the epochs that trained); None when no epoch has one.
     `records`: `epoch_records(result, train_run)` where already read."""
-    return best_epoch(records if records is not None else epoch_records(result))
+    return best_epoch(records if records is not None else epoch_records(result), metric)
 
 
 SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
@@ -205,8 +213,9 @@ def steady_speeds(result: Result, records: dict[int, dict[str, Any]] | None = No
             "concurrent_trainings": max(shared) if shared else math.nan}
 
 
-def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> tuple[str | None, int, float]:
-    """(path, epoch, val_acc) of the trial's best whole checkpoint by val_acc: the best of the
+def best_checkpoint(train_run: str | None, result: Result, name: str = "", *,
+                    metric: str = "val_acc") -> tuple[str | None, int, float]:
+    """(path, epoch, val_acc) of the trial's best whole checkpoint by `metric`: the best of the
     checkpoints its Ray Train run kept (`ray.train.Result.from_path(train_run).best_checkpoints`)
     that `checkpoint_problem` finds whole, else the next best (ties: the later epoch). Without a
     readable run folder (none given, or gone), the last checkpoint the trial reported, if it still
@@ -219,10 +228,10 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> tu
         quiet.setLevel(logging.WARNING)
         try:
             run = ray.train.Result.from_path(train_run)
-            # Later epochs first, so that the stable sort keeps the later of equal val_acc.
+            # Later epochs first, so that the stable sort keeps the later of equal scores.
             by_epoch = sorted(run.best_checkpoints or [], key=lambda cm: _f(cm[1].get("epoch")), reverse=True)
-            ranked_by_acc = sorted(by_epoch, key=lambda cm: _sort_acc(cm[1]), reverse=True)
-            candidates = [(c.path, m) for c, m in ranked_by_acc]
+            ranked = sorted(by_epoch, key=lambda cm: _sort_score(cm[1], metric), reverse=True)
+            candidates = [(c.path, m) for c, m in ranked]
         except (RuntimeError, OSError, ValueError):
             pass   # an interrupted run may have no checkpoint manager snapshot yet
         finally:
@@ -242,7 +251,8 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "") -> tu
 def best_whole_checkpoint(rows: list[TrialRow], best: TrialRow | None) -> TrialRow | None:
     """The row whose checkpoint is the search's best whole one: the best trial's, when it is of
     its best epoch (the table's answer); else, since that one is damaged or gone, the whole
-    checkpoint of highest val_acc among all trials (ties: the best trial, then the earlier row),
+    checkpoint of highest score (`checkpoint_score`, the objective's metric) among all trials
+    (ties: the best trial, then the earlier row),
     so that another trial's checkpoint as good as the answer is not passed over for a worse
     epoch of the best trial. None when no trial has a whole checkpoint."""
     if best is not None and best.checkpoint and best.checkpoint_epoch == best.best_epoch:
@@ -250,13 +260,13 @@ def best_whole_checkpoint(rows: list[TrialRow], best: TrialRow | None) -> TrialR
     kept = [r for r in rows if r.checkpoint]
     if not kept:
         return None
-    return max(kept, key=lambda r: (_sort_acc({"val_acc": r.checkpoint_val_acc}), r is best,
+    return max(kept, key=lambda r: (_sort_score({"score": r.checkpoint_score}, "score"), r is best,
                                     -kept.index(r)))
 
 
-def _sort_acc(metrics: dict[str, Any]) -> float:
-    acc = _f(metrics.get("val_acc"))
-    return acc if math.isfinite(acc) else -math.inf
+def _sort_score(metrics: dict[str, Any], metric: str) -> float:
+    value = _f(metrics.get(metric))
+    return value if math.isfinite(value) else -math.inf
 
 
 def _first_whole(paths: list[str], name: str) -> str | None:
@@ -276,19 +286,15 @@ SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "di
 
 
 def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
-             status: str) -> TrialRow:
+             status: str, metric: str = "val_acc") -> TrialRow:
     """A trial's row from the epochs seen while it ran (epoch -> its report's SUMMARY_INPUTS;
-    `tune.tracking.tracker` keeps them), by the rules of `row_from_result`: the best epoch by val_acc
-    (ties: the later) among those that trained, the steady-state speeds
+    `tune.tracking.tracker` keeps them), by the rules of `row_from_result`: the best epoch by
+    `metric` (ties: the later) among those that trained, the steady-state speeds
     (`trainer.metrics.steady_state`), none of either for out of memory or diverged (`status` in
     NO_RESULT). No checkpoint: the final row (`row_from_result`) has it."""
     trained = {e: r for e, r in records.items()
                if status not in NO_RESULT and not (_f(r.get("oom")) == 1 or _f(r.get("diverged")) == 1)}
-    best_epoch, best = 0, {}
-    for epoch, record in sorted(trained.items()):
-        acc = _f(record.get("val_acc"))
-        if math.isfinite(acc) and (not best or acc >= _f(best["val_acc"])):
-            best_epoch, best = epoch, record
+    best_at, best = best_epoch(trained, metric) or (0, {})
 
     def steady(key: str) -> float:
         return steady_state({e: _f(r.get(key)) for e, r in trained.items()})
@@ -297,7 +303,7 @@ def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str,
                     lr=_f(config.get("lr")), weight_decay=config.get("weight_decay"),
                     val_acc=_f(best.get("val_acc")), val_f1=_f(best.get("val_f1")),
                     clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
-                    epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_epoch)
+                    epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_at)
 
 
 def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
@@ -317,7 +323,7 @@ def _speed_rank(r: TrialRow) -> float:
 
 
 def best_trial(rows: list[TrialRow], objective: str) -> TrialRow | None:
-    """Highest objective (at each trial's best epoch by val_acc) among usable trials; pareto: the
+    """Highest objective (at each trial's best epoch by it) among usable trials; pareto: the
     most accurate trial on the front. Ties go to the faster trial (clips/s)."""
     key = objective_key(objective)
     pool = pareto_front(rows) if objective == "pareto" else usable(rows)

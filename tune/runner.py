@@ -54,6 +54,7 @@ from vidtune.tune.ray_internals import (
     drop_unreadable_error_pickles,
     restored_searcher,
 )
+from vidtune.tune.results import objective_key
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from vidtune.tune.summary import Summary, print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
@@ -219,7 +220,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
-                               trainer_factory=trainer_factory)
+                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
                  SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,

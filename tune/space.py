@@ -122,7 +122,7 @@ def whole_history_result(result: dict[str, Any], metric: str) -> dict[str, Any]:
     epoch = int(result.get("epoch") or 0)
     if epoch >= 1:
         history[epoch] = {**history.get(epoch, {}), **result}
-    best = best_epoch(history)
+    best = best_epoch(history, metric)
     if best is None or best[1].get(metric) is None:
         return result
     return {**result, metric: best[1][metric]}

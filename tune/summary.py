@@ -34,6 +34,7 @@ from vidtune.tune.results import (
     TrialRow,
     best_trial,
     best_whole_checkpoint,
+    objective_key,
     pareto_front,
     ranked,
     row_from_result,
@@ -182,7 +183,7 @@ def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | Non
         name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
         train_run = f"{plan.experiment_path}/train_runs/{name}"
         row = row_from_result(result, trial_id=trial_id, epochs=opts.train.epochs, finished=finished,
-                              train_run=train_run, name=name)
+                              train_run=train_run, name=name, metric=objective_key(opts.objective))
         rows.append(row)
         pairs.append((row, result, train_run))
     return rows, pairs, states

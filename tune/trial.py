@@ -6,6 +6,7 @@ the trial id) and calls `fit()`; the workers' per-epoch reports reach Tune throu
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,8 +149,8 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
-                      index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None
-                      ) -> Callable[[dict], None]:
+                      index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None,
+                      score_metric: str = "val_acc") -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
@@ -161,6 +162,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     videos checked before Ray started; None: each run indexes the dataset itself).
     `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
+    `score_metric`: what ranks the trial's checkpoints (`tune.results.objective_key`).
     """
     base_dict = base.to_dict()
 
@@ -170,7 +172,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         # the search has ended its Train run (see the except below), which can take longer on a
         # loaded machine; past the wait, Tune would end the next trial with an error.
         os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", str(REUSE_WAIT_S))
-        factory = trainer_factory or build_torch_trainer
+        factory = trainer_factory or functools.partial(build_torch_trainer, score_metric=score_metric)
         context = tune.get_context()
         trial_id, trial_name = context.get_trial_id(), context.get_trial_name()
         cfg = trial_config(TrainConfig.from_dict(base_dict), config)

@@ -40,7 +40,14 @@ from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
 from vidtune.tune.faults import error_text, one_line, read_error_file
-from vidtune.tune.results import SUMMARY_INPUTS, TrialRow, completed_trial_status, epoch_records, live_row
+from vidtune.tune.results import (
+    SUMMARY_INPUTS,
+    TrialRow,
+    completed_trial_status,
+    epoch_records,
+    live_row,
+    objective_key,
+)
 from vidtune.tune.summary import Summary
 from vidtune.tune.tracking import store
 from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, setting_tags, shown_config
@@ -197,7 +204,8 @@ class MLflowTracker(RunWriter, Callback):
         tags[OUTCOME_TAG] = OUTCOMES.get(status, status.lower())
         run_id = self.child_runs.get(trial.trial_id)
         if run_id:   # shown while the search runs; `reconcile` writes the final row's at the end
-            row = live_row(trial.trial_id, trial.config, self._records.get(trial.trial_id, {}), status)
+            row = live_row(trial.trial_id, trial.config, self._records.get(trial.trial_id, {}), status,
+                           metric=objective_key(self.objective))
             self.log_trial_summary(run_id, row)
         self.end_child(trial.trial_id, run_status, tags)
 
