@@ -61,6 +61,20 @@ def test_the_trial_end_line_gives_the_best_epoch_and_steady_speed_like_the_table
     assert capsys.readouterr().out == "t02-bs8-lr2.5e-4 done: best val_acc 0.719 at epoch 2, 41.2 clips/s\n"
 
 
+def test_under_val_f1_the_trial_end_line_names_the_best_epoch_by_f1(capsys):
+    """The console follows the objective as the table does: accuracy peaks at epoch 2, F1 at 3."""
+    c = console.SearchConsole(num_samples=1, epochs=3, objective="val_f1", tty=False)
+    a = _trial(2, "a")
+    c.on_trial_start(0, [a], a)
+    for epoch, acc, f1 in ((1, 0.6, 0.4), (2, 0.85, 0.5), (3, 0.8, 0.78)):
+        c.on_trial_result(0, [a], a, {"epoch": epoch, "val_acc": acc, "val_f1": f1, "clips_per_s": 40.0})
+    a.status, a.last_result = "TERMINATED", {"epoch": 3, "val_acc": 0.8, "val_f1": 0.78, "clips_per_s": 40.0}
+    capsys.readouterr()
+    c.on_trial_complete(0, [a], a)
+    assert capsys.readouterr().out == ("t02-bs8-lr2.5e-4 done: best val_acc 0.800 (val_f1 0.780) at epoch 3, "
+                                       "40.0 clips/s\n")
+
+
 def test_on_a_terminal_the_progress_line_is_redrawn_in_place(capsys):
     c = console.SearchConsole(num_samples=2, epochs=3, objective="val_acc", tty=True)
     a = _trial(1, "a")

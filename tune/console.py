@@ -240,15 +240,16 @@ class SearchConsole(Callback):
 
     def best_of(self, trial_id: str) -> tuple[int, float, float] | None:
         """(epoch, val_acc, objective) of the trial's best epoch (`trainer.history.best_epoch`:
-        by val_acc, ties to the later, among the epochs that trained), None before one."""
-        best = best_epoch(self._history.get(trial_id, {}))
+        by the objective's metric, ties to the later, among the epochs that trained), None
+        before one."""
+        best = best_epoch(self._history.get(trial_id, {}), self.metric)
         if best is None:
             return None
         epoch, record = best
         return epoch, record["val_acc"], record.get(self.metric, math.nan)
 
     def trial_result(self, trial_id: str, last: dict[str, Any]) -> str:
-        """`best val_acc 0.719 at epoch 3, 41.2 clips/s`: the trial's best epoch by val_acc and its
+        """`best val_acc 0.719 at epoch 3, 41.2 clips/s`: the trial's best epoch by the objective and its
         steady speed over every epoch it trained, as its row in the table (from the last report
         when none was seen)."""
         epoch, acc, value = self.best_of(trial_id) or (
