@@ -95,7 +95,7 @@ def test_train_config_file_sets_where_it_runs_and_its_bound_is_blamed(tmp_path, 
     toml.write_text(f'data = "{tmp_path}"\nworkers = 0\n')
     assert train.main(["--config", str(toml)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --workers: got 0; it must be an integer >= 1"), err
+    assert err.startswith("vidtune train: error: --workers: got 0; it must be an integer >= 1"), err
     assert f"workers in {toml}" in err, err
     assert train.main(["--data", str(tmp_path), "--cpus-per-worker", "0"]) == 2
     assert "--cpus-per-worker: got 0.0; it must be a number > 0" in capsys.readouterr().err

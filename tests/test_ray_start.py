@@ -110,7 +110,7 @@ def test_vidtune_train_whose_ray_cannot_start_says_so_and_leaves_no_ray(syntheti
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert last.startswith("error: Ray could not start on this machine (")
+    assert last.startswith("vidtune train: error: Ray could not start on this machine (")
     assert "object store 100000.00 GB" in last
     assert "--object-store-gb" in last and "--ray-start-timeout-s (now 120 s)" in last
     time.sleep(2)
@@ -131,8 +131,9 @@ def test_a_library_that_cannot_load_is_one_line_naming_the_memory_limit(monkeypa
 
 @pytest.mark.slow   # two real commands under prlimit: about 10 s, bounded at 2 x 120 s
 @pytest.mark.parametrize("limit_gb, expected", [
-    (6, "error: Ray could not start on this machine: the address space is limited to 6.0 GB (ulimit -v)"),
-    (2.5, "error: could not load torch (ImportError: "),
+    (6, "vidtune train: error: Ray could not start on this machine: the address space is limited to 6.0 GB "
+        "(ulimit -v)"),
+    (2.5, "vidtune train: error: could not load torch (ImportError: "),
 ])
 def test_vidtune_train_under_a_memory_limit_is_one_line_and_leaves_no_ray(synthetic_root, tmp_path, limit_gb,
                                                                        expected):

@@ -268,14 +268,14 @@ def test_config_bad_file_exits_2_naming_file_and_key(tmp_path, capsys, text, exp
     file.write_text(text)
     assert train.main(["--config", str(file)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --config: {file}"), err
+    assert err.startswith(f"vidtune train: error: --config: {file}"), err
     assert all(x in err for x in expected), err
 
 
 def test_config_missing_or_unknown_type_exits_2(tmp_path, capsys):
     assert train.main(["--config", str(tmp_path / "nowhere.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --config: ") and "nowhere.json is not a file" in err
+    assert err.startswith("vidtune train: error: --config: ") and "nowhere.json is not a file" in err
     ini = tmp_path / "run.ini"
     ini.write_text("[x]\n")
     assert train.main(["--config", str(ini)]) == 2
@@ -290,12 +290,13 @@ def test_config_prints_the_trial_and_blames_the_file_for_its_values(tmp_path, ca
     out, err = capsys.readouterr()
     assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search vidtune-search-demo, "
                           "val_acc 0.875)"), out
-    assert err.startswith("error: --data: ") and "does not exist" in err, err
+    assert err.startswith("vidtune train: error: --data: ") and "does not exist" in err, err
     assert f"set by train_config.data.root in {file}" in err, err
     file = _best_config(tmp_path / "best_config.json", _searched(tmp_path).with_overrides(batch_size=0))
     assert train.main(["--config", str(file)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --batch-size: got 0") and f"train_config.batch_size in {file}" in err, err
+    assert err.startswith("vidtune train: error: --batch-size: got 0"), err
+    assert f"train_config.batch_size in {file}" in err, err
     # a flag given is blamed as a flag
     assert train.main(["--config", str(file), "--batch-size", "-1"]) == 2
     err = capsys.readouterr().err

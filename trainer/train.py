@@ -57,6 +57,7 @@ from vidtune.trainer.launch import (
 )
 from vidtune.trainer.ray_start import RayStart, RayStartError, import_failure_message
 
+PROG = "vidtune train"       # the command as the user typed it: its usage, errors and warnings
 GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
 
 
@@ -103,7 +104,7 @@ SEARCH_NAME_KEYS = ("search", "search_name", "experiment")   # best_config.json'
 def build_parser() -> argparse.ArgumentParser:
     """Every `TrainConfig` field's flag (the same names as the search's), plus `RunOptions`'. Flags
     not given are left out of the parsed namespace, so the config file can set them."""
-    p = argparse.ArgumentParser(prog="vidtune train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_flags(p, TRAIN_FLAGS, group_of=lambda s: GROUPS[s.owner])
     add_flags(p, RUN_FLAGS, group_of=lambda s: "where it runs")
     return p
@@ -289,12 +290,12 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
         result = trainer.fit()
     except Exception as e:  # TrainingFailedError wraps the worker's exception
         close()
-        print(f"error: training failed: {e}", file=sys.stderr)
+        print(f"{PROG}: error: training failed: {e}", file=sys.stderr)
         return 1
     last = close() or result.metrics or {}
     problem = failure_message(last, cfg.lr)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 1
     from vidtune.trainer.checkpointing import first_whole  # heavy: torch, not before the flags are checked
 
@@ -305,9 +306,9 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
         ranked = [(result.checkpoint, last)]
     best, skipped = first_whole([c.path for c, _ in ranked])
     for why in skipped:
-        print(f"warning: {why}; not named best", file=sys.stderr)
+        print(f"{PROG}: warning: {why}; not named best", file=sys.stderr)
     if best is None:
-        print("error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"),
+        print(f"{PROG}: error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"),
               file=sys.stderr)
         return 1
     score = next(m for c, m in ranked if c.path == best)
@@ -333,21 +334,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as e:
             raise (loaded.blame(e, ALL_FLAGS, vars(args)) if loaded else e) from None
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:      # torch or Ray cannot load: most often a memory limit (ulimit -v)
-        print(f"error: {import_failure_message(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {import_failure_message(e)}", file=sys.stderr)
         return 1
     try:
         return run(cfg, where, index)
     except ConfigError as e:      # the cluster cannot hold the run's workers (checked once Ray is up)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except RayStartError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except ImportError as e:
-        print(f"error: {import_failure_message(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {import_failure_message(e)}", file=sys.stderr)
         return 1
 
 
