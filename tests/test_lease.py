@@ -8,13 +8,21 @@ task as far as it can (no sleeps, no wall-clock time). Two slow tests drive the 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 from vidtune.trainer.lease import LeaseBook, start_lease
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeClock:
@@ -281,3 +289,65 @@ def test_the_actor_cancels_a_stopped_waiter(lease):
     assert ray.get(lease.release.remote("stopped")) is False
     assert ray.get(stopped, timeout=30) is None
     assert ray.get(lease.snapshot.remote())["waiting"] == []
+
+
+# A real 2-worker Train run of the `tiny` model on 2 simulated GPUs under a search's lease, in
+# which rank 1 fails at its first epoch while rank 0 waits for it in the epoch's collective (until
+# --collective-timeout-min). Prints the lease's record of the trial once the search's side ends it.
+RANK_FAILS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import ray
+    from vidtune.datasets.config import DataConfig
+    from vidtune.datasets.synthetic import generate
+    from vidtune.trainer import worker
+    from vidtune.trainer.config import TrainConfig
+    from vidtune.trainer.launch import build_torch_trainer, init_ray
+    from vidtune.trainer.lease import LeaseSettings, start_lease
+
+    def loop(config):
+        real = worker.run_epoch
+
+        def rank_1_fails(run, epoch):
+            if run.rank == 1:
+                raise RuntimeError("injected: rank 1 fails")
+            return real(run, epoch)
+
+        worker.run_epoch = rank_1_fails
+        worker.train_loop_per_worker(config)
+
+    if __name__ == "__main__":
+        root = generate(sys.argv[1] + "/videos", videos=16, seed=0)
+        init_ray(num_cpus=4, include_dashboard=False)
+        lease = start_lease("lease-rank-fails")
+        cfg = TrainConfig(data=DataConfig(root=str(root), loader_workers=0), model="tiny", precision="fp32",
+                          epochs=1, batch_size=2, max_failures=0, collective_timeout_min=0.1)
+        trainer = build_torch_trainer(cfg, num_workers=2, use_gpu=True, train_loop=loop,
+                                      resources_per_worker={"CPU": 1, "GPU": 1}, name="rank-fails",
+                                      storage_path=sys.argv[1],
+                                      device_lease=LeaseSettings("lease-rank-fails", "t1"))
+        try:
+            trainer.fit()
+        except Exception as e:
+            print("fit failed:", type(e).__name__)
+        ray.get(lease.end.remote("t1"))     # the search's side: Tune saw the trial end
+        print("RECORD " + json.dumps(ray.get(lease.snapshot.remote())["record"]))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_one_ranks_error_leaves_the_devices_to_the_trials_end(tmp_path):
+    """The other rank still holds its memory while it waits in a collective for the failed one:
+    the failed rank frees what it can but gives back nothing; the trial's devices are given back
+    when the search ends the trial (`end`, once every worker exited), never by a worker's error."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "VIDTUNE_SIMULATE_GPUS": "2"}
+    env.pop("RAY_ADDRESS", None)
+    script = tmp_path / "rank_fails.py"
+    script.write_text(RANK_FAILS_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True, timeout=230)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fit failed" in out.stdout, out.stdout[-2000:]
+    record = json.loads(out.stdout.split("RECORD ", 1)[1].splitlines()[0])
+    events = [e["event"] for e in record if e["owner"] == "t1"]   # the second rank's ask: a regrant
+    assert events[0] == "grant" and events[-1] == "end" and "release" not in events, record

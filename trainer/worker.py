@@ -160,12 +160,15 @@ def train_loop_per_worker(config: dict) -> None:
                                      first=epoch == start_epoch)
             _report(w, epoch, metrics, last=epoch == cfg.epochs)
     finally:
-        if w.slot.held:   # an error ended the run: free what this rank can, then hand over
+        if w.slot.held:   # an error ended the run: free what this rank can
             try:
                 free_device(run)
             except Exception:   # the error that got here matters more
                 pass
-            w.slot.release(device_mb=held_device_mb(run))
+            # No release: the devices are the trial's, and its other ranks may still hold memory
+            # there, waiting in a collective for this one until it times out. The search ends the
+            # trial's lease once every worker has exited (`trainer.lease.LeaseBook.end`); a worker
+            # group Train restarts on the same devices gets them back at once (a regrant).
 
 
 def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _Worker:
