@@ -218,6 +218,33 @@ def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, 
     assert capsys.readouterr().out.count(lines[0]) == 1
 
 
+def test_a_best_checkpoint_on_remote_storage_is_downloaded_and_logged(tmp_path, monkeypatch):
+    """--storage s3://... (cluster.yaml's): the checkpoint is fetched to a local folder for the
+    block that logs it (a file:// URI stands in for the bucket: the same pyarrow path), and that
+    folder is gone afterwards; the model is logged, not skipped."""
+    bucket = tmp_path / "bucket" / "epoch_0002"
+    bucket.mkdir(parents=True)
+    (bucket / "checkpoint.pt").write_bytes(b"weights")
+    opts = parse_options(["--smoke-test", "--storage", str(tmp_path), "--name", "s"])
+    plan = Plan(opts=opts, base=opts.train, storage=str(tmp_path), name="s", demo=False,
+                index=SimpleNamespace(val=[SimpleNamespace(path=tmp_path / "a.mp4")]))
+    row = SimpleNamespace(trial_id="t1", name="t01", checkpoint=f"file://{bucket}", checkpoint_epoch=2)
+    summary = Summary(objective="val_acc", rows=[], trials=[], trial_states=[], interrupted=False,
+                      val_clips=0, answer=[], best=None, checkpoint=row,
+                      importance=SimpleNamespace(shares={}, sentence=lambda: ""), files={})
+    seen = {}
+
+    def log_model(uri, run_id, folder, **kwargs):
+        seen["folder"], seen["files"] = folder, sorted(p.name for p in Path(folder).iterdir())
+        return SimpleNamespace()
+
+    monkeypatch.setattr(mlflow_model, "log_model", log_model)
+    monkeypatch.setattr(mlflow_model, "usage_lines", lambda logged, uri, trial: [f"best model: {trial}"])
+    lines = runner.log_best_model(plan, opts, summary, SimpleNamespace(child_runs={"t1": "run-1"}))
+    assert lines == ["best model: t01's epoch 2"] and seen["files"] == ["checkpoint.pt"]
+    assert "://" not in seen["folder"]
+
+
 def test_unregistered_and_untraceable_the_video_model_is_whole(synthetic_root, tmp_path, monkeypatch):
     """--no-register-model: logged in the trial's run (its experiment, not the store's Default),
     loadable by its models:/<id> URI; a network torch.export cannot trace leaves the

@@ -6,6 +6,7 @@ have the tracker record that summary in MLflow, and print it.
 The plan comes from `tune.preflight.prepare`, which checked everything that needs no Ray."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import ray
+import ray.train
 from ray import tune
 from ray.tune.search import Searcher
 
@@ -261,18 +263,28 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
         return []
     run_id = tracker.child_runs.get(row.trial_id)
     example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
-    why = ("its checkpoint is on remote storage" if "://" in str(row.checkpoint) else
-           f"trial {row.name} has no MLflow run" if run_id is None else
+    why = (f"trial {row.name} has no MLflow run" if run_id is None else
            "no validation video to be its input example" if example is None else None)
     if why is None:
         try:
-            logged = mlflow_model.log_model(opts.tracking.mlflow_uri, run_id, row.checkpoint,
-                                            example_video=example, registered_name=opts.tracking.model_name)
+            uri, registered = opts.tracking.mlflow_uri, opts.tracking.model_name
+            with local_checkpoint(str(row.checkpoint)) as folder:
+                logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
+                                                registered_name=registered)
             return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
                                             trial=f"{row.name}'s epoch {row.checkpoint_epoch}")
         except Exception as e:   # the model is a convenience on top of the results: never their end
             why = faults.one_line(e, 200)
     return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
+
+
+def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
+    """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
+    (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
+    block's end removes (Ray Train's own `Checkpoint.as_directory`)."""
+    if "://" not in path:
+        return contextlib.nullcontext(path)
+    return ray.train.Checkpoint(path).as_directory()
 
 
 def save_lease_record(lease: Any, log: Path) -> Path | None:
