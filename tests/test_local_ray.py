@@ -96,6 +96,13 @@ def test_a_local_search_beside_another_ray_runs_on_its_own(synthetic_root, tmp_p
     GCS that is gone. The other Ray runs in a process group of its own and is ended by killing
     that group (never `ray stop`, which stops every Ray on the machine)."""
     temp_root = tempfile.mkdtemp(prefix="vt-lr-", dir="/tmp")   # short: Ray's socket paths fit 107 bytes
+    try:
+        _search_and_stale_record(synthetic_root, tmp_path, temp_root)
+    finally:
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
+def _search_and_stale_record(synthetic_root: Path, tmp_path: Path, temp_root: str) -> None:
     port = _free_port()
     foreign = subprocess.Popen([RAY_CLI, "start", "--head", "--block", f"--port={port}", "--num-cpus=1",
                                 f"--dashboard-port={_free_port()}", "--disable-usage-stats"],
@@ -124,24 +131,21 @@ def test_a_local_search_beside_another_ray_runs_on_its_own(synthetic_root, tmp_p
     finally:
         os.killpg(foreign.pid, signal.SIGKILL)
         foreign.wait(timeout=30)
-    try:
-        log = (tmp_path / "results" / "own" / LOG_FILE).read_text(errors="replace")
-        assert "Connecting to existing Ray cluster" not in log + out.stdout + out.stderr
-        assert "Started a local Ray instance" in log, log[-3000:]
-        assert actors == [], actors                     # nothing of the search on the other Ray
-        rows = list(csv.DictReader(open(tmp_path / "results" / "own" / "trials.csv")))
-        assert [r["status"] for r in rows] == ["DONE"], rows
+    log = (tmp_path / "results" / "own" / LOG_FILE).read_text(errors="replace")
+    assert "Connecting to existing Ray cluster" not in log + out.stdout + out.stderr
+    assert "Started a local Ray instance" in log, log[-3000:]
+    assert actors == [], actors                     # nothing of the search on the other Ray
+    rows = list(csv.DictReader(open(tmp_path / "results" / "own" / "trials.csv")))
+    assert [r["status"] for r in rows] == ["DONE"], rows
 
-        # The record now names a Ray that is gone: a local Ray starts anyway, in seconds.
-        assert record.exists()
-        started = time.monotonic()
-        probe = subprocess.run([sys.executable, "-c", (
-            "import ray\nfrom vidtune.trainer.launch import init_ray\n"
-            "init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
-            "print('own', ray.get_runtime_context().gcs_address)\nray.shutdown()\n")],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
-        assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
-        own = probe.stdout.split("own ", 1)[1].split()[0]
-        assert not own.endswith(f":{port}") and time.monotonic() - started < 60, (own, port)
-    finally:
-        shutil.rmtree(temp_root, ignore_errors=True)
+    # The record now names a Ray that is gone: a local Ray starts anyway, in seconds.
+    assert record.exists()
+    started = time.monotonic()
+    probe = subprocess.run([sys.executable, "-c", (
+        "import ray\nfrom vidtune.trainer.launch import init_ray\n"
+        "init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "print('own', ray.get_runtime_context().gcs_address)\nray.shutdown()\n")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
+    own = probe.stdout.split("own ", 1)[1].split()[0]
+    assert not own.endswith(f":{port}") and time.monotonic() - started < 60, (own, port)
