@@ -47,8 +47,9 @@ class DataConfig:
                                help="frame width after decoding (default: the model's)")
     min_frames: int = option(8, flag="--min-frames", metavar="N", ge=1,
                              help="videos that decode fewer frames are left out at indexing")
-    loader_workers: int = option(2, flag="--loader-workers", metavar="N", ge=0,
-                                 help="DataLoader processes per training worker")
+    loader_workers: int | None = option(None, flag="--loader-workers", metavar="N", ge=0,
+                                        help="DataLoader processes per training worker (default: "
+                                        "one fewer than the CPUs it holds, --cpus-per-worker; at least 2)")
     probe_timeout_s: float = option(30.0, flag="--probe-timeout-s", metavar="S", gt=0,
                                     help="seconds allowed to probe one file "
                                     "(decord can hang on broken files)")

@@ -445,3 +445,13 @@ def test_a_learning_rate_of_1e6_ends_the_run_as_diverged(ray_session, synthetic_
     assert not math.isfinite(metrics["train_loss"]) and math.isnan(metrics["val_loss"])
     assert metrics["val_acc"] == metrics["clips_per_s"] == metrics["steady_clips_per_s"] == 0.0
     assert metrics["gpu_ids"] == "" and isinstance(metrics["node_id"], str)
+
+
+def test_loader_workers_default_from_the_cpus_a_worker_holds():
+    """A GPU worker given 8 CPUs decodes on 7 (2 left a big GPU waiting for data); one with a
+    CPU or less still decodes on 2 beside training; --loader-workers wins, 0 included."""
+    from vidtune.trainer.run import loader_workers
+
+    assert [loader_workers(None, cpus) for cpus in (0.5, 0.9, 1, 3, 4, 8, 16.0)] == [2, 2, 2, 2, 3, 7, 15]
+    assert loader_workers(0, 8) == 0 and loader_workers(5, 1) == 5
+    assert DataConfig().loader_workers is None      # the default is decided where the CPUs are known

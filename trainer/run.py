@@ -122,6 +122,18 @@ def clip_datasets(cfg: TrainConfig, spec: ModelSpec, index: VideoIndex,
             VideoClipDataset(index.val, train=False, **common))
 
 
+MIN_LOADER_WORKERS = 2   # decode in parallel with training even on a worker of one CPU
+
+
+def loader_workers(asked: int | None, cpus: float) -> int:
+    """DataLoader processes of a training worker holding `cpus` CPUs: `asked` (--loader-workers)
+    when given, else all its CPUs but the one the training process keeps, at least
+    MIN_LOADER_WORKERS (a GPU worker with 8 CPUs decodes on 7: with 2, a big GPU waits for data)."""
+    if asked is not None:
+        return asked
+    return max(MIN_LOADER_WORKERS, int(cpus) - 1)
+
+
 def build_loaders(cfg: TrainConfig, spec: ModelSpec, index: VideoIndex, device: torch.device, *,
                   rank: int = 0, world: int = 1) -> tuple[DataLoader, DataLoader]:
     """(train, val) loaders of this rank, each built once. Train: sharded by a DistributedSampler
@@ -129,7 +141,7 @@ def build_loaders(cfg: TrainConfig, spec: ModelSpec, index: VideoIndex, device: 
     order depends only on (seed, epoch), so a resumed run sees the batches an uninterrupted one
     does. Val: sharded without duplicates (`ShardSampler`)."""
     train_set, val_set = clip_datasets(cfg, spec, index, device)
-    common = dict(batch_size=cfg.batch_size, num_workers=cfg.data.loader_workers,
+    common = dict(batch_size=cfg.batch_size, num_workers=loader_workers(cfg.data.loader_workers, 1),
                   pin_memory=device.type != "cpu", seed=cfg.seed)
     train_sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
     return (build_loader(train_set, train=True, sampler=train_sampler, **common),

@@ -6,6 +6,7 @@ The run itself (data, model, optimizer, one epoch) is `trainer.run`'s; the train
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import posixpath
 import tempfile
@@ -46,6 +47,7 @@ from vidtune.trainer.run import (
     build_run,
     current_lr,
     data_counts,
+    loader_workers,
     place_model,
     run_epoch,
     save_run_checkpoint,
@@ -175,7 +177,9 @@ def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _W
     """The worker's run (`trainer.run.build_run`), with the model and optimiser on the CPU.
     Runs no collective: a rank that runs out of memory here must not leave the others waiting."""
     ctx = ray.train.get_context()
-    _use_allocated_cpus(cfg.cpu_threads)
+    cpus = _use_allocated_cpus(cfg.cpu_threads)
+    data = dataclasses.replace(cfg.data, loader_workers=loader_workers(cfg.data.loader_workers, cpus))
+    cfg = dataclasses.replace(cfg, data=data)
     if index is None:
         index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
     run = build_run(cfg, index, device=train_device(), rank=ctx.get_world_rank(), world=ctx.get_world_size())
@@ -191,11 +195,12 @@ def _prepare_ddp(model: nn.Module, run: Run) -> nn.Module:
                                          parallel_strategy_kwargs=ddp_kwargs)
 
 
-def _use_allocated_cpus(threads: int | None) -> None:
+def _use_allocated_cpus(threads: int | None) -> float:
     """Give torch `threads` threads (--cpu-threads), by default as many as the CPUs Ray reserved
-    for this worker (at least 1)."""
+    for this worker (at least 1); returns those CPUs."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
     torch.set_num_threads(threads or max(1, int(cpus)))
+    return cpus
 
 
 def _use_device_threads(w: _Worker) -> None:
