@@ -27,8 +27,9 @@ LAYERS = tuple(LAYER_FOLDERS)
 LIBRARY = LAYERS[:4]
 # Issue 18's target was 25; the subcommands' fast --help and refusals (no Ray, torch or MLflow
 # before the flags are checked) deferred a few more, each with its reason on its line. Issue 27:
-# `vidtune predict` imports MLflow only for a models:/ checkpoint.
-MAX_LOCAL_IMPORTS = 31
+# `vidtune predict` imports MLflow only for a models:/ checkpoint. Issue 42: transformers only
+# for an hf: model (trainer.models._hf_entry).
+MAX_LOCAL_IMPORTS = 32
 
 
 def layer_of(module: str) -> str:

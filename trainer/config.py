@@ -14,7 +14,9 @@ from vidtune.datasets.config import DataConfig
 from vidtune.flags import option
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-MODEL_CHOICES_HELP = "tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b"
+MODEL_CHOICES_HELP = ("tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b, or a "
+                      "Hugging Face video classifier (VideoMAE, TimeSformer, ViViT): hf:HUB_ID or "
+                      "hf:/path/to/folder")
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: str = option("tiny", flag="--model", metavar="NAME", help=f"model: {MODEL_CHOICES_HELP}")
     weights: str = option("none", flag="--weights", metavar="W",
-                          help="none, kinetics (torchvision's pretrained), or a state-dict / vidtune "
-                          "checkpoint file")
+                          help="none (random init; an hf: model keeps its checkpoint's weights), kinetics "
+                          "(torchvision's pretrained), or a state-dict / vidtune checkpoint file")
     epochs: int = option(3, flag="--epochs", metavar="N", ge=1,
                          help="training epochs (per trial in a search)")
     batch_size: int = option(8, flag="--batch-size", metavar="B", ge=1,

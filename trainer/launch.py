@@ -131,10 +131,15 @@ def validate_config(cfg: TrainConfig) -> None:
     """
     check_bounds(cfg, TRAIN_FLAGS)
     _check_data(cfg)
-    from vidtune.trainer.models import MODEL_NAMES  # imports torch + torchvision: seconds, so checked last
+    from vidtune.trainer.models import get_spec, has_kinetics_weights  # torch: seconds, so checked last
 
-    if cfg.model not in MODEL_NAMES:
-        raise ConfigError("--model", f"unknown model {cfg.model!r}; choose one of {', '.join(MODEL_NAMES)}")
+    try:   # an hf: model's checkpoint is fetched here, once, on the driver (a refusal: one line)
+        get_spec(cfg.model)
+    except ValueError as e:
+        raise ConfigError("--model", str(e)) from None
+    if cfg.weights == "kinetics" and not has_kinetics_weights(cfg.model):
+        raise ConfigError("--weights", f"model {cfg.model!r} has no Kinetics weights; pass --weights none "
+                          "(an hf: model then loads its checkpoint's own) or a state-dict file")
     _check_clip_size(cfg)
     if cfg.weights not in BUILTIN_WEIGHTS:
         _check_weights_file(cfg.model, Path(cfg.weights))

@@ -1,12 +1,15 @@
-"""Model registry: torchvision video transformers plus a `tiny` MViT for the CPU.
+"""Model registry: torchvision video transformers, a `tiny` MViT for the CPU, and Hugging Face
+video classifiers by name (`hf:HUB_ID` or `hf:/path/to/folder`, `trainer.hf_models`).
 
 Every model takes `float B x C x T x H x W` (C = 3, normalised with its spec's mean/std) and
 returns `B x num_classes` logits. Weights are `none` (random init), `kinetics` (torchvision's
 Kinetics-400 checkpoint, downloaded into the torch hub cache) or a path to a local state dict;
-the classification head is replaced for `num_classes` after loading.
+the classification head is replaced for `num_classes` after loading. An `hf:` model brings its
+own weights, input size and normalisation from its checkpoint (`--weights none` keeps them).
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 import socket
@@ -141,13 +144,39 @@ _REGISTRY: dict[str, _Entry] = {
 }
 
 MODEL_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+HF_PREFIX = "hf:"       # --model hf:MCG-NJU/videomae-base, or hf:/path/to/a/save_pretrained/folder
+
+
+def is_hf_model(name: str) -> bool:
+    return name.startswith(HF_PREFIX)
 
 
 def _entry(name: str) -> _Entry:
+    if is_hf_model(name):
+        return _hf_entry(name)
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}") from None
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}, or "
+                         f"{HF_PREFIX}HUB_ID / {HF_PREFIX}FOLDER for a Hugging Face video classifier"
+                         ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_entry(name: str) -> _Entry:
+    """The registry entry of Hugging Face model `name` (`hf:` + hub id or folder), read from its
+    checkpoint, fetched into the hub cache on the first call (the driver's, before Ray starts).
+    WeightsError naming the checkpoint and the cache when it cannot be had."""
+    from vidtune.trainer import hf_models  # heavy (transformers, ~2 s): only for an hf: model
+
+    source = name[len(HF_PREFIX):]
+    try:
+        folder = hf_models.local_checkpoint(source)
+        s = hf_models.input_spec(folder, source)
+    except hf_models.HFModelError as e:
+        raise WeightsError(str(e)) from None
+    return _Entry(ModelSpec(name, s.num_frames, s.height, s.width, s.mean, s.std),
+                  functools.partial(hf_models.build, folder, source), None, True)
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -187,6 +216,9 @@ def build_model(name: str, weights: str = "none", num_classes: int = 2) -> nn.Mo
 
 
 def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
+    if entry.kinetics is None and is_hf_model(name):
+        raise WeightsError(f"model {name!r} loads its pretrained weights from its checkpoint; "
+                           "leave --weights at none (or pass a state dict / vidtune checkpoint)")
     if entry.kinetics is None:
         raise WeightsError(
             f"model {name!r} has no pretrained weights; use --weights none, or pick one of "
@@ -321,7 +353,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def _classifier_name(model: nn.Module) -> str:
-    """Dotted name of the final nn.Linear: `head` (Swin3D) or `head.1` (MViT)."""
+    """Dotted name of the final nn.Linear: `head` (Swin3D), `head.1` (MViT), or the model's own
+    `classifier_name` (`hf.classifier`: trainer.hf_models.HFVideoClassifier)."""
+    named = getattr(model, "classifier_name", None)
+    if isinstance(named, str):
+        return named
     head = getattr(model, "head", None)
     if isinstance(head, nn.Linear):
         return "head"

@@ -1,0 +1,189 @@
+"""Hugging Face video classifiers (VideoMAE, TimeSformer, ViViT, ...) as vidtune models.
+
+`--model hf:MCG-NJU/videomae-base` (a hub id) or `--model hf:/path/to/folder` (what
+`save_pretrained` wrote). The checkpoint is resolved to a local folder once (`local_checkpoint`:
+the hub cache is read first, so a filled cache, or `HF_HUB_OFFLINE=1`, needs no network), and
+everything else reads that folder: the input size and frames per clip from its `config.json`, the
+mean and std from its image processor (`preprocessor_config.json`), the weights with
+`AutoModelForVideoClassification` and a fresh head.
+
+This module imports transformers (about 2 s): `trainer.models` imports it only for an `hf:` model,
+so a search with a torchvision model never pays for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import huggingface_hub
+import torch
+import transformers
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import errors as hub_errors
+from torch import nn
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForVideoClassification
+
+# What a video classifier needs from a hub repository: config, image processor, weights
+# (safetensors, or a PyTorch .bin that transformers loads with weights_only=True; sharded too).
+CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.bin")
+# transformers' IMAGENET_DEFAULT_MEAN/STD: what its video processors default to, used when a
+# folder has no preprocessor_config.json (a bare `model.save_pretrained`).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class HFModelError(ValueError):
+    """A Hugging Face checkpoint that cannot be used; one line naming it and what to do."""
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A checkpoint's input: `num_frames x height x width` RGB clips normalised as
+    `(x / 255 - mean) / std` (its image processor's rescale and normalisation in one)."""
+
+    num_frames: int
+    height: int
+    width: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def is_folder(source: str) -> bool:
+    """Whether `source` (the part after `hf:`) names a local folder rather than a hub id."""
+    return source.startswith(("/", ".", "~")) or Path(source).expanduser().is_dir()
+
+
+def cache_home() -> str:
+    """Where hub checkpoints are cached (`HF_HUB_CACHE`, by default `$HF_HOME/hub`)."""
+    return hub_constants.HF_HUB_CACHE
+
+
+def local_checkpoint(source: str) -> Path:
+    """The local folder of checkpoint `source`: the folder itself, or the hub cache's snapshot
+    of a hub id, downloaded on the first call only (config, image processor, weights). Raises
+    HFModelError naming the source and the cache (`HF_HOME`) when it is neither."""
+    if is_folder(source):
+        folder = Path(source).expanduser()
+        if not (folder / "config.json").is_file():
+            raise HFModelError(f"Hugging Face model folder {folder} has no config.json; pass a folder "
+                               "written by save_pretrained, or a hub id (hf:MCG-NJU/videomae-base)")
+        return folder
+    with contextlib.suppress(hub_errors.LocalEntryNotFoundError, ValueError):
+        return Path(huggingface_hub.snapshot_download(source, allow_patterns=list(CHECKPOINT_FILES),
+                                                      local_files_only=True))
+    try:
+        return Path(huggingface_hub.snapshot_download(source, allow_patterns=list(CHECKPOINT_FILES)))
+    except Exception as e:  # noqa: BLE001 - network, auth, a malformed id: all end the same way
+        raise HFModelError(_fetch_failure(source, e)) from None
+
+
+def _fetch_failure(source: str, e: BaseException) -> str:
+    where = f"the cache {cache_home()} (HF_HOME={os.environ.get('HF_HOME', hub_constants.HF_HOME)})"
+    if isinstance(e, hub_errors.GatedRepoError):
+        why = "it is gated: accept its terms on huggingface.co and log in (hf auth login, or HF_TOKEN)"
+    elif isinstance(e, hub_errors.RepositoryNotFoundError):
+        why = "no such repository, or a private one: check the id, or log in (hf auth login, or HF_TOKEN)"
+    elif hub_constants.HF_HUB_OFFLINE or isinstance(e, hub_errors.LocalEntryNotFoundError):
+        why = ("it is not cached and the hub cannot be reached (offline, or HF_HUB_OFFLINE=1): download it "
+               "on a machine with a network and point HF_HOME at that cache, or pass hf:/path/to/folder")
+    else:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return f"Hugging Face model {source!r} is not in {where} and could not be downloaded; {why}"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' load report and progress bars off: vidtune states what it loaded itself."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _pair(value: int | list[int] | tuple[int, ...]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+def input_spec(folder: Path, source: str) -> InputSpec:
+    """Frames per clip and frame size from `folder`'s config (what its position embeddings are
+    sized for), mean and std from its image processor, folded with the processor's rescale
+    (`x * rescale_factor`, minus 1 with ViViT's `offset`) into vidtune's `(x / 255 - mean) / std`."""
+    with _quiet():
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError, KeyError) as e:
+            raise HFModelError(f"Hugging Face model {source!r}: its config cannot be read ({e})") from None
+    num_frames, image_size = getattr(config, "num_frames", None), getattr(config, "image_size", None)
+    if num_frames is None or image_size is None:
+        raise HFModelError(f"Hugging Face model {source!r} ({config.model_type}) is not a video classifier "
+                           "with a fixed clip size (its config has no num_frames / image_size); use "
+                           "VideoMAE, TimeSformer or ViViT")
+    height, width = _pair(image_size)
+    mean, std, scale, offset = IMAGENET_MEAN, IMAGENET_STD, 1 / 255, 0.0
+    if (folder / "preprocessor_config.json").is_file():
+        with _quiet():
+            processor = AutoImageProcessor.from_pretrained(folder)
+        if getattr(processor, "do_normalize", True):
+            mean, std = tuple(processor.image_mean), tuple(processor.image_std)
+        else:
+            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        scale = processor.rescale_factor if getattr(processor, "do_rescale", True) else 1.0
+        offset = 1.0 if getattr(processor, "offset", False) else 0.0
+    # (x * scale - offset - m) / s == (x / 255 - (m + offset) / (255 scale)) / (s / (255 scale))
+    k = 255 * scale
+    return InputSpec(int(num_frames), height, width, tuple((m + offset) / k for m in mean),
+                     tuple(s / k for s in std))
+
+
+def class_labels(num_classes: int) -> dict[int, str]:
+    """The head's label names in the saved config: vidtune's label 1 is the violent class."""
+    if num_classes == 2:
+        return {0: "non-violent", 1: "violent"}
+    return {i: f"class_{i}" for i in range(num_classes)}
+
+
+class HFVideoClassifier(nn.Module):
+    """A transformers video classifier behind vidtune's model interface: float
+    `B x C x T x H x W` in, `B x num_classes` logits out (transformers takes `pixel_values`
+    `B x T x C x H x W` and returns an output object). `classifier_name` names the head for
+    `trainer.models` (backbone freezing, head replacement)."""
+
+    classifier_name = "hf.classifier"
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.hf(pixel_values=x.transpose(1, 2)).logits
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """The model as transformers writes it, for use outside vidtune."""
+        self.hf.save_pretrained(folder)
+
+
+def build(folder: Path, source: str, num_classes: int = 2) -> HFVideoClassifier:
+    """The checkpoint in `folder` with a freshly initialised `num_classes`-way head (kept when
+    the checkpoint's head already has that many outputs), float32 on the CPU, in train mode."""
+    labels = class_labels(num_classes)
+    with _quiet():
+        try:
+            hf = AutoModelForVideoClassification.from_pretrained(
+                folder, ignore_mismatched_sizes=True, id2label=labels,
+                label2id={v: k for k, v in labels.items()}, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise HFModelError(f"Hugging Face model {source!r} cannot be loaded as a video classifier: "
+                               f"{str(e).splitlines()[0][:300]}") from None
+    if not isinstance(getattr(hf, "classifier", None), nn.Linear):
+        raise HFModelError(f"Hugging Face model {source!r} ({type(hf).__name__}) has no nn.Linear "
+                           "`classifier` head")
+    return HFVideoClassifier(hf).train()
