@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from vidtune import atomic
 from vidtune.flags import ConfigError
 from vidtune.tune import runner, saved_options, search, trust
 from vidtune.tune.options import SPECS, given_options, parse_options
@@ -74,9 +75,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monke
     def full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(saved_options.os, "fsync", full)
+    monkeypatch.setattr(atomic.os, "fsync", full)
     with pytest.raises(OSError):
-        saved_options.write_atomically(target, b"new")
+        atomic.write_atomically(target, b"new")
     assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == [OPTIONS_FILE]
 
 

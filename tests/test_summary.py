@@ -4,7 +4,9 @@ the tracker records in MLflow what it is handed. Fake Tune results, a SQLite sto
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +14,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from vidtune import atomic
+from vidtune.tune import faults
 from vidtune.tune.options import base_config, parse_options
 from vidtune.tune.preflight import Plan
 from vidtune.tune.summary import Summary, print_summary, summarise
@@ -119,3 +123,44 @@ def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
     assert links.startswith("compare the trials in MLflow: http://127.0.0.1:5000/#/experiments/")
     assert tracker.summary_links("down") == \
         f"compare the trials in MLflow: {uri}  (after: mlflow ui --backend-store-uri sqlite:///{db})"
+
+
+def _fail_inside(folder: Path):
+    """An os.fsync that fails with ENOSPC for files under `folder` (a full disk there only)."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(folder):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    return fsync
+
+
+def test_a_full_disk_leaves_the_last_results_whole_and_no_empty_file(tmp_path, monkeypatch, capsys):
+    """trials.csv and best_config.json are written whole or not at all (vidtune/atomic.py): with
+    the search's disk full, the files of the last summary stay as they were, no zero-byte or
+    temporary file is left, and the results go to a temporary folder, saying so."""
+    monkeypatch.chdir(tmp_path)
+    plan = _plan(tmp_path)
+    first = summarise(plan, plan.opts, _results(plan))
+    folder = Path(plan.search_path)
+    before = {name: (folder / name).read_bytes() for name in ("trials.csv", "best_config.json")}
+    monkeypatch.setattr(atomic.os, "fsync", _fail_inside(folder))
+    again = summarise(plan, plan.opts, _results(plan))
+    assert "could not be written to" in capsys.readouterr().out
+    assert {name: (folder / name).read_bytes() for name in before} == before
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp") or p.stat().st_size == 0]
+    assert again.files["trials_csv"].parent != folder and again.files["trials_csv"].stat().st_size > 0
+    assert first.files["trials_csv"] == folder / "trials.csv"
+
+
+def test_a_kept_traceback_is_whole_or_absent_on_a_full_disk(tmp_path, monkeypatch):
+    experiment = tmp_path / "s" / "ray"
+    experiment.mkdir(parents=True)
+    monkeypatch.setattr(atomic.os, "fsync", _fail_inside(tmp_path))
+    assert faults.keep_traceback(str(experiment), "t01", "Traceback ...\nValueError: x") is None
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]          # no empty file, no .tmp
+    monkeypatch.undo()
+    kept = faults.keep_traceback(str(experiment), "t01", "Traceback ...\nValueError: x")
+    assert kept.read_text() == "Traceback ...\nValueError: x\n"

@@ -30,6 +30,7 @@ from typing import Any
 from ray.tune import Callback
 from ray.tune.experiment import Trial
 
+from vidtune.atomic import write_atomically
 from vidtune.tune import layout
 
 DISABLE_TUNE_SIGINT = "TUNE_DISABLE_SIGINT_HANDLER"
@@ -164,11 +165,8 @@ def keep_traceback(experiment_path: str, name: str, text: str) -> Path | None:
     written (a full disk): the caller points at Tune's file instead."""
     path = failure_file(experiment_path, name)
     try:
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+        if not path.is_file():   # whole or not at all: a full disk leaves no empty or cut file
+            write_atomically(path, text if text.endswith("\n") else text + "\n")
     except OSError:
         return None
     return path

@@ -23,6 +23,7 @@ from ray import tune
 from ray.tune.search import Searcher
 
 from vidtune import __version__
+from vidtune.atomic import write_atomically
 from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
@@ -295,8 +296,7 @@ def save_lease_record(lease: Any, log: Path) -> Path | None:
     path = log.with_name("device_lease.json" if log.name == LOG_FILE else f"{log.stem}.device_lease.json")
     try:
         record = ray.get(lease.snapshot.remote(), timeout=30)["record"]
-        path.write_text(json.dumps(record, indent=1))
-        return path
+        return write_atomically(path, json.dumps(record, indent=1))   # whole or not at all (a full disk)
     except Exception as e:    # bookkeeping: never the reason a search fails
         print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
         return None

@@ -16,12 +16,12 @@ as before, and says so.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow.fs
 
+from vidtune.atomic import write_atomically
 from vidtune.flags import ConfigError, FlagSpec, build, get_path
 from vidtune.tune import layout
 from vidtune.tune.options import SPECS, SearchOptions
@@ -64,22 +64,6 @@ def save(opts: SearchOptions, search_path: str, *, demo: bool) -> str:
         return path
     write_atomically(Path(path), data)
     return path
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary file in the same folder (flush, fsync, rename): the
-    old file, or none, until the new one is whole. The temporary file goes when the write fails."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load(search_path: str) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 from ray import tune
 
+from vidtune.atomic import atomic_path, write_atomically
 from vidtune.tune import faults
 from vidtune.tune.answer import SearchedRange, answer_lines
 from vidtune.tune.budget import TimeBudget
@@ -236,8 +237,10 @@ def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: T
 def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
                    target: Path, val_clips: int, importance: Importance | None,
                    checkpoint: TrialRow | None) -> dict[str, Path]:
-    files = {"trials_csv": write_csv(rows, target / "trials.csv", objective=opts.objective,
-                                     val_clips=val_clips, weight_decay=opts.train.weight_decay),
+    with atomic_path(target / "trials.csv") as csv_tmp:   # a full disk leaves the old file, not a cut one
+        write_csv(rows, csv_tmp, objective=opts.objective, val_clips=val_clips,
+                  weight_decay=opts.train.weight_decay)
+    files = {"trials_csv": target / "trials.csv",
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
                                      title=plan.name, val_clips=val_clips),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
@@ -257,7 +260,6 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
                "checkpoint_trial": checkpoint.name if checkpoint else None,
                "checkpoint_epoch": checkpoint.checkpoint_epoch if checkpoint else 0,
                "checkpoint_val_acc": checkpoint.checkpoint_val_acc if checkpoint else None}
-        path = target / "best_config.json"
-        path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
-        files["best_config"] = path
+        files["best_config"] = write_atomically(target / "best_config.json",
+                                                json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n")
     return {k: v for k, v in files.items() if v}
