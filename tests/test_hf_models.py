@@ -1,0 +1,110 @@
+"""Hugging Face video classifiers (`--model hf:...`), without a network: tiny random VideoMAE /
+ViViT checkpoints written with `save_pretrained` into a temporary folder."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import VideoIndex
+from vidtune.datasets.records import VideoInfo
+from vidtune.datasets.transforms import ClipTransform
+from vidtune.flags import ConfigError
+from vidtune.trainer import models
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.launch import validate_config
+from vidtune.trainer.run import clip_datasets
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_frames=8,
+             image_size=32, num_labels=5)
+
+
+def save_tiny(kind: str, folder):
+    """A random 2-layer checkpoint of `kind` with a 5-way head and its image processor."""
+    if kind == "videomae":
+        model = transformers.VideoMAEForVideoClassification(
+            transformers.VideoMAEConfig(patch_size=8, tubelet_size=2, **SMALL))
+        processor = transformers.VideoMAEImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+            image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3])
+    else:
+        model = transformers.VivitForVideoClassification(
+            transformers.VivitConfig(tubelet_size=[2, 8, 8], **SMALL))
+        processor = transformers.VivitImageProcessor(size={"shortest_edge": 32},
+                                                     crop_size={"height": 32, "width": 32})
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def videomae(tmp_path_factory):
+    return save_tiny("videomae", tmp_path_factory.mktemp("videomae"))
+
+
+def test_hf_names_are_models_and_unknown_names_point_at_them(videomae):
+    assert models.is_hf_model(f"hf:{videomae}") and not models.is_hf_model("tiny")
+    cfg = TrainConfig.from_dict({"model": f"hf:{videomae}"})
+    assert cfg.model == f"hf:{videomae}"
+    with pytest.raises(ValueError, match="unknown model 'resnet'.*hf:HUB_ID"):
+        models.get_spec("resnet")
+
+
+@pytest.mark.parametrize("kind", ["videomae", "vivit"])
+def test_input_spec_comes_from_the_config_and_normalises_as_the_processor_does(kind, tmp_path):
+    folder = save_tiny(kind, tmp_path)
+    spec = models.get_spec(f"hf:{folder}")
+    assert (spec.num_frames, spec.height, spec.width) == (8, 32, 32)
+    clip = np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
+    processor = transformers.AutoImageProcessor.from_pretrained(folder)
+    theirs = processor(list(clip), return_tensors="pt").pixel_values          # B x T x C x H x W
+    ours = ClipTransform(spec.mean, spec.std, train=False)(torch.from_numpy(clip)[None])   # B x C x T x H x W
+    torch.testing.assert_close(ours.transpose(1, 2), theirs, atol=1e-5, rtol=0)
+
+
+def test_head_is_replaced_with_two_labels_and_freezing_leaves_it_training(videomae):
+    name = f"hf:{videomae}"
+    model = models.build_model(name)
+    saved = transformers.AutoModelForVideoClassification.from_pretrained(videomae)
+    head = models.classifier(model)
+    assert head.out_features == 2 and saved.classifier.out_features == 5
+    assert model.hf.config.id2label == {0: "non-violent", 1: "violent"}
+    torch.testing.assert_close(model.hf.videomae.embeddings.patch_embeddings.projection.weight,
+                               saved.videomae.embeddings.patch_embeddings.projection.weight)
+    logits = model(torch.randn(2, 3, 8, 32, 32))          # B x C x T x H x W, as the loop gives it
+    assert logits.shape == (2, 2)
+    models.set_backbone_trainable(model, False)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"hf.classifier.weight",
+                                                                         "hf.classifier.bias"}
+    models.set_backbone_trainable(model, True)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_the_checkpoints_clip_size_reaches_the_datasets_and_the_cache_key(videomae, tmp_path):
+    video = tmp_path / "a.mp4"
+    video.write_bytes(b"x")           # entry_key stats the file only
+    info = VideoInfo(path=video, label=1, split="train", num_frames=30, fps=15.0, width=112, height=112,
+                     duration_s=2.0)
+    index = VideoIndex(layout="rwf2000", class_names={0: "NonFight", 1: "Fight"}, train=[info], val=[info],
+                       dropped=[])
+    cfg = TrainConfig(data=DataConfig(root=str(tmp_path), clip_cache_dir=str(tmp_path / "cache")),
+                      model=f"hf:{videomae}")
+    train, val = clip_datasets(cfg, models.get_spec(cfg.model), index, torch.device("cpu"))
+    assert (train.num_frames, train.height, train.width) == (8, 32, 32)
+    assert (val.num_frames, val.height, val.width) == (8, 32, 32)
+    at_32 = train.cache.entry_path(info, height=train.height, width=train.width)
+    assert at_32 != train.cache.entry_path(info, height=64, width=64)     # tiny's size: another entry
+
+
+def test_the_driver_refuses_another_clip_size_and_a_missing_checkpoint(videomae, tmp_path):
+    base = dict(data=DataConfig(root=str(tmp_path)), model=f"hf:{videomae}")
+    validate_config(TrainConfig(**base))
+    with pytest.raises(ConfigError, match="--num-frames.*exactly 8 frames x 32 x 32"):
+        validate_config(TrainConfig(**{**base, "data": DataConfig(root=str(tmp_path), num_frames=16)}))
+    with pytest.raises(ConfigError, match="--weights.*no Kinetics weights"):
+        validate_config(TrainConfig(**base, weights="kinetics"))
+    with pytest.raises(ConfigError, match="--model.*has no config.json"):
+        validate_config(TrainConfig(data=base["data"], model=f"hf:{tmp_path}"))
