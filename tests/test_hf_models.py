@@ -108,3 +108,30 @@ def test_the_driver_refuses_another_clip_size_and_a_missing_checkpoint(videomae,
         validate_config(TrainConfig(**base, weights="kinetics"))
     with pytest.raises(ConfigError, match="--model.*has no config.json"):
         validate_config(TrainConfig(data=base["data"], model=f"hf:{tmp_path}"))
+
+
+def test_a_hub_id_loads_from_a_filled_cache_offline_and_a_missing_one_is_one_line(videomae, tmp_path,
+                                                                                  monkeypatch):
+    """The hub path without a network: a cache laid out as huggingface_hub writes it
+    (models--ORG--NAME/refs/main -> snapshots/COMMIT/), HF_HUB_OFFLINE on."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--vidtune-test--tiny-videomae"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in videomae.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = models.get_spec("hf:vidtune-test/tiny-videomae")
+    assert (spec.num_frames, spec.height, spec.width) == (8, 32, 32)
+    assert models.classifier(models.build_model("hf:vidtune-test/tiny-videomae")).out_features == 2
+    with pytest.raises(ConfigError) as refused:
+        validate_config(TrainConfig(data=DataConfig(root=str(tmp_path)), model="hf:vidtune-test/missing"))
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("--model: Hugging Face model 'vidtune-test/missing'")
+    assert str(tmp_path / "hub") in line and "HF_HOME" in line and "HF_HUB_OFFLINE=1" in line
