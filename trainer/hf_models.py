@@ -87,7 +87,7 @@ def _fetch_failure(source: str, e: BaseException) -> str:
     elif isinstance(e, hub_errors.RepositoryNotFoundError):
         why = "no such repository, or a private one: check the id, or log in (hf auth login, or HF_TOKEN)"
     elif hub_constants.HF_HUB_OFFLINE or isinstance(e, hub_errors.LocalEntryNotFoundError):
-        why = ("it is not cached and the hub cannot be reached (offline, or HF_HUB_OFFLINE=1): download it "
+        why = ("the hub cannot be reached (offline, or HF_HUB_OFFLINE=1): download it "
                "on a machine with a network and point HF_HOME at that cache, or pass hf:/path/to/folder")
     else:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
