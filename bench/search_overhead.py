@@ -59,6 +59,7 @@ from vidtune.trainer.run import (
     run_epoch,
     save_run_checkpoint,
 )
+from vidtune.tune import layout
 from vidtune.tune.options import base_config, parse_options
 from vidtune.tune.options import build_parser as search_parser
 from vidtune.tune.runner import fill_clip_cache
@@ -554,7 +555,8 @@ def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-search")}
     run = run_logged([sys.executable, str(REPO_ROOT / "tune" / "search.py"), *argv], env=env, cwd=tmp,
                      timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "search.log")
-    experiment = tmp / "results" / EXPERIMENT
+    # Tune's trial folders are in the search folder's state subfolder (tune.layout), not at its top
+    experiment = Path(layout.state_path(str(tmp / "results" / EXPERIMENT)))
     trials = read_search_trials(experiment) if experiment.is_dir() else []
     if run["returncode"] != 0 or not any(t["results"] for t in trials):
         tail = "\n".join(text for _, text in run["lines"][-40:])
