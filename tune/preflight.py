@@ -20,7 +20,7 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import check_training_inputs, check_writable_folder
-from vidtune.tune import faults, layout, saved_options, space, trust
+from vidtune.tune import faults, last_good, layout, saved_options, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
 from vidtune.tune.lock import check_not_running
@@ -148,6 +148,11 @@ def check_resumable(path: str, *, trust_state: bool) -> None:
     signed every state file (tune/trust.py), unless --trust-state."""
     check_not_running(path, "--resume")
     path = layout.state_path(path)
+    key = trust.load_key(create=False) if trust.key_path().exists() else None
+    restored = last_good.restore(path, key)      # a state cut short by a full disk: its last whole copy
+    if restored:
+        print(restored)
+        trust.sign(path, last_good.restored_names(path), key=key)
     try:
         check_experiment_state(path)
     except ValueError as e:

@@ -35,7 +35,7 @@ from vidtune.trainer.gpus import simulated_gpus, train_device
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import cleanup, faults, saved_options, space
+from vidtune.tune import cleanup, faults, last_good, saved_options, space
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -313,7 +313,9 @@ def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoRetu
                     "it), then continue the search with --resume; the epochs already checkpointed are "
                     "kept")
         except ValueError:
-            then = ("the search's saved state was cut short, so it cannot be resumed: free space and "
+            then = ("Tune's saved state was cut short; free space there, then --resume continues from its "
+                    "last whole copy" if last_good.has_copy(plan.experiment_path) else
+                    "the search's saved state was cut short, so it cannot be resumed: free space and "
                     "start a new search under another --name; the runs recorded so far stay in MLflow")
         raise DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
     if opts.resume:

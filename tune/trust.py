@@ -30,6 +30,7 @@ from ray.tune import Callback
 from ray.tune.experiment import Trial
 
 from vidtune.flags import ConfigError
+from vidtune.tune import last_good
 from vidtune.tune.ray_internals import TUNE_STATE_FILES, TUNE_TRIAL_STATE_FILES, experiment_staging_path
 
 TAGS_NAME = ".vidtune-state.hmac"
@@ -288,6 +289,7 @@ class StateSigner:
         changed = [n for n, s in stamps.items() if self._seen.get(n) != s]
         if changed or set(self._seen) - set(stamps):
             sign(self.experiment_path, changed, key=self._key)
+            last_good.keep(self.experiment_path, self._key)   # a whole copy to resume from (full disk)
         self._seen = stamps
 
 
