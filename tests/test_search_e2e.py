@@ -397,7 +397,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.launch).
     from ray.util.state import list_actors
 
-    assert not [a for a in list_actors(limit=10_000) if a.class_name == "PreemptionWatcher"]
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000)   # this Ray's
+    assert not [a for a in actors if a.class_name == "PreemptionWatcher"]
 
 
 @pytest.mark.slow

@@ -294,7 +294,8 @@ def _dataset_managers() -> int:
     """Ray Data `DatasetManager` actors this Ray has had, alive or dead."""
     from ray.util.state import list_actors
 
-    return len(list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000))
+    return len(list_actors(address=ray.get_runtime_context().gcs_address,
+                           filters=[("class_name", "=", "DatasetManager")], limit=10_000))
 
 
 def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synthetic_root, tmp_path):
