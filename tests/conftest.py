@@ -260,3 +260,20 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device; torch.cuda.is_available() is False here")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def own_key(tmp_path, monkeypatch):
+    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fail the test if the search gets as far as starting Ray."""
+    from vidtune.tune import runner  # heavy (Ray): only for the tests that ask for it
+
+    def refuse(*a, **kw):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(runner, "init_ray", refuse)

@@ -19,20 +19,9 @@ from vidtune.flags import ConfigError
 from vidtune.tune import lock, preflight, runner, search, trust
 from vidtune.tune.lock import LOCK_NAME, SearchLock
 
+# A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
+pytestmark = pytest.mark.usefixtures("own_key")
 
-@pytest.fixture(autouse=True)
-def own_key(tmp_path, monkeypatch):
-    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fail the test if the search gets as far as starting Ray."""
-    def refuse(*a, **kw):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(runner, "init_ray", refuse)
 
 
 def _plant_lock(folder, *, pid, host=None, started=None, heartbeat=None):

@@ -17,10 +17,8 @@ from vidtune.tune import last_good, preflight, trust
 STATE = "experiment_state-2026-12-04_10-00-00.json"
 
 
-@pytest.fixture(autouse=True)
-def own_key(tmp_path, monkeypatch):
-    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+# A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
+pytestmark = pytest.mark.usefixtures("own_key")
 
 
 def _state(folder, trials: int) -> None:

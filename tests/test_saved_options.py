@@ -20,25 +20,16 @@ from mlflow.tracking import MlflowClient
 
 from vidtune import atomic
 from vidtune.flags import ConfigError
-from vidtune.tune import runner, saved_options, search, trust
+from vidtune.tune import saved_options, search, trust
 from vidtune.tune.options import SPECS, given_options, parse_options
 from vidtune.tune.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
 
 VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # the printed lines start with `vidtune`
 
 
-@pytest.fixture(autouse=True)
-def own_key(tmp_path, monkeypatch):
-    """A state key of this test's own (never the user's ~/.config/vidtune/state.key)."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+# A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
+pytestmark = pytest.mark.usefixtures("own_key")
 
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    def refuse(*a, **kw):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(runner, "init_ray", refuse)
 
 
 def _started_search(storage: Path, data: Path, *extra: str, name: str = "s") -> Path:
