@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 import pytest
+from scipy.stats import binomtest
 
 from vidtune.tune.answer import SearchedRange, answer_lines
 from vidtune.tune.results import TrialRow
@@ -21,6 +22,15 @@ from vidtune.tune.uncertainty import accuracy_interval, format_accuracy, half_wi
 def test_wilson_interval_matches_known_values(correct, n, low, high):
     lo, hi = wilson_interval(correct, n)
     assert lo == pytest.approx(low, abs=5e-4) and hi == pytest.approx(high, abs=5e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 32, 200, 398])
+def test_wilson_interval_is_scipys_for_every_count(n):
+    """The hand-written interval against scipy's (installed with scikit-learn and MLflow, not a
+    declared dependency of the library): every count of n clips."""
+    for correct in range(n + 1):
+        theirs = binomtest(correct, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson_interval(correct, n) == pytest.approx((theirs.low, theirs.high), abs=1e-12)
 
 
 def test_interval_edges_and_bad_counts():

@@ -32,9 +32,22 @@ def test_parse_duration_rejects_with_the_flag_the_value_and_the_forms(text):
     assert repr(text) in str(e.value) and "90m" in str(e.value) and "3600s" in str(e.value)
 
 
-def test_format_duration_reads_back():
-    assert [format_duration(s) for s in (7200, 5400, 90, 45, 0)] == ["2h", "1h30m", "1m30s", "45s", "0s"]
-    assert parse_duration(format_duration(5430)) == 5430
+@pytest.mark.parametrize("seconds, text", [
+    (0, "0s"), (0.4, "0s"), (5, "5s"), (45, "45s"), (59.6, "1m"), (60, "1m"), (90, "1m30s"), (180, "3m"),
+    (252, "4m12s"), (605, "10m05s"), (3599, "59m59s"), (3600, "1h"), (3700, "1h01m"), (5400, "1h30m"),
+    (5430, "1h30m"), (7200, "2h"), (90061, "25h01m"), (-3, "0s")])
+def test_format_duration_two_largest_units(seconds, text):
+    """The console's (`4 trials in 4m12s`, `about 1h01m left`) and the budget's one formatter."""
+    assert format_duration(seconds) == text
+
+
+@pytest.mark.parametrize("seconds", [1, 45, 59, 60, 61, 90, 599, 3599, 3600, 3660, 5400, 7200, 86400, 90000])
+def test_format_duration_reads_back(seconds):
+    """What the budget prints, `--time-budget` takes: exact to the second under an hour, to the
+    minute above it."""
+    assert parse_duration(format_duration(seconds)) == seconds
+    assert parse_duration(format_duration(seconds + 59)) == (seconds + 59 if seconds + 59 < 3600
+                                                             else (seconds + 59) // 60 * 60)
 
 
 class FakeClock:

@@ -106,7 +106,7 @@ def test_time_left_comes_from_the_measured_epochs_and_the_plan(monkeypatch):
                                          "epoch_end_ts": 1010.0})
     # a and b: 2 epochs x 10 s each; 2 trials to start: 20 s + 2 x 10 s each; 2 at a time
     assert c.time_left([a, b]) == (2 * 20 + 2 * 40) / 2
-    assert "about 1m00s left" in c.overall([a, b])
+    assert "about 1m left" in c.overall([a, b])
     clock[0] = 25.0   # epoch 2 takes 5 s: the steady epochs replace epoch 1's pace
     c.on_trial_result(0, [a, b], a, {"epoch": 2, "val_acc": 0.5})
     assert c.time_left([a, b]) == (1 * 5 + 2 * 5 + 2 * (20 + 2 * 5)) / 2

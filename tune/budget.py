@@ -48,12 +48,17 @@ def parse_duration(value: str | int | float, flag: str = FLAG) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """3600 -> "1h", 5400 -> "1h30m", 90 -> "1m30s", 45 -> "45s" (whole seconds)."""
-    s = max(0, round(seconds))
+    """Whole seconds in the two largest units, the second zero-padded, zero units at the end left
+    out: 45 -> "45s", 90 -> "1m30s", 180 -> "3m", 3700 -> "1h01m", 7200 -> "2h". The console's and
+    the budget's one formatter; `parse_duration` reads it back (to the minute above an hour)."""
+    s = max(0, int(round(seconds)))
     h, rest = divmod(s, 3600)
     m, s = divmod(rest, 60)
-    text = "".join(f"{n}{unit}" for n, unit in ((h, "h"), (m, "m"), (s, "s")) if n)
-    return text or "0s"
+    parts = [(h, "h"), (m, "m")] if h else [(m, "m"), (s, "s")] if m else [(s, "s")]
+    text = f"{parts[0][0]}{parts[0][1]}"
+    if len(parts) == 2 and parts[1][0]:
+        text += f"{parts[1][0]:02d}{parts[1][1]}"
+    return text
 
 
 class TimeBudget(Searcher):

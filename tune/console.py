@@ -28,21 +28,10 @@ from ray.tune.experiment import Trial
 
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
+from vidtune.tune.budget import format_duration
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
 from vidtune.tune.trial import short_name
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
-
 
 # The words for each status in the end block's count ("4 done, 1 stopped early").
 OUTCOME_WORDS = {"DONE": "done", "STOPPED": "stopped early", "OOM": "out of memory", "DIVERGED": "diverged",
@@ -55,7 +44,7 @@ def outcome_line(rows: list[TrialRow], wall_s: float) -> str:
     counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
     ended = ", ".join(f"{n} {OUTCOME_WORDS[s]}" for s, n in counts.items() if n)
     trials = f"{len(rows)} trial{'s' if len(rows) != 1 else ''}"
-    return f"{trials} in {_duration(wall_s)}{': ' + ended if ended else ''}"
+    return f"{trials} in {format_duration(wall_s)}{': ' + ended if ended else ''}"
 
 
 # What the console keeps of each epoch's report (`SearchConsole._history`), beside the objective.
@@ -276,7 +265,7 @@ class SearchConsole(Callback):
         names = {t.trial_id: short_name(t) for t in trials}
         best_text = f"; best {names.get(best[1], best[1])} {self.metric} {best[0]:.3f}" if best else ""
         left = self.time_left(trials)
-        eta = f"; about {_duration(left)} left" if left is not None and left >= 1 else ""
+        eta = f"; about {format_duration(left)} left" if left is not None and left >= 1 else ""
         line = (f"{done}/{self.num_samples} trials done, {running} running, {to_start} to start"
                 f"{best_text}{eta}")
         return f"{latest}  |  {line}" if latest else f"  {line}"

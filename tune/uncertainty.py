@@ -3,12 +3,16 @@
 An accuracy measured on n validation clips is a proportion: its 95% interval is Wilson's score
 interval (Wilson, 1927), which stays inside [0, 1] and is right for small n, unlike the normal
 approximation. The tables, trials.csv, MLflow and the answer sentences (`tune.answer`) use it.
+It is scipy's `binomtest(k, n).proportion_ci(method="wilson")` (tests/test_answer.py checks they
+agree), written out because scipy is not a declared dependency and `scipy.stats` takes most of a
+second to import in every process that formats an accuracy.
 """
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
-Z_95 = 1.959964   # the standard normal's 97.5% quantile: a two-sided 95% interval
+Z_95 = NormalDist().inv_cdf(0.975)   # 1.95996...: a two-sided 95% interval
 
 
 def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float]:
