@@ -47,22 +47,11 @@ OBJECTIVES = ("val_acc", "val_f1", "pareto")
 LR_SCALINGS = ("none", "linear", "sqrt")
 TPE_KINDS = ("univariate", "multivariate")
 SAMPLERS = ("tpe", "gp")
-# The search's early-stopping and sampler defaults, chosen by leave-one-table-out replays of
-# recorded learning-curve tables (BENCHMARKS.md "Search quality on tables the defaults were not
-# chosen on"). Grace 0.4 x --epochs (2 of 4-6 epochs, 3 of 8): a grace of 1 epoch stops trials
-# whose epoch-1 rank is not their final one; on the three sharp-topped tables 12 trials with it got
-# within 1 point in 5-10 % of seeds, 20 with 0.4 in 35-50 %. More ASHA brackets did not do better
-# across tables; Optuna's GPSampler, replayed on one table (a suggestion costs ~0.3 s of CPU),
-# was no better than TPE there.
+# The search's defaults (ASHA's grace 0.4 x --epochs, one bracket, TPE, at most 6 random starts)
+# won leave-one-table-out replays of recorded learning curves: docs/search-defaults.md.
 GRACE_SHARE = 0.4
 ASHA_BRACKETS = 1
 SAMPLER = "tpe"
-# At most 6 random trials before TPE takes over (was 10): chosen once a fifth table, the second
-# the goals can judge, was missed by 10 (38 % of the grid's time to within 1 point, goal 30 %); 6
-# got there in 25 % on both judged tables over 100 replay seeds, and the held-out sixth judged it
-# (BENCHMARKS.md "Search quality on tables the defaults were not chosen on"). Two tables recorded
-# later (bench/tables/missed/) miss the time goal by 4-5 points, every candidate included, though
-# these defaults are the fastest strategy on both.
 RANDOM_START_CAP = 6
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
 GPU_BATCH_SIZES = (8, 16, 32)      # mvit_v2_s at 16 x 224 x 224 fits 32 in bf16 on a 40 GB card
@@ -165,10 +154,7 @@ class SearchOptions:
 
     train: TrainConfig = field(default_factory=TrainConfig)
     space: SearchSpace = field(default_factory=SearchSpace)
-    # 20 trials with multivariate TPE (below) and ASHA's grace at 0.4 x --epochs: picked by
-    # leave-one-table-out over the recorded tables (BENCHMARKS.md "Search quality on tables the
-    # defaults were not chosen on"). More trials cost little where ASHA stops the weak ones and
-    # reach a narrow top more often (see GRACE_SHARE above).
+    # 20 trials: more reach a narrow top, and ASHA stops the weak ones (docs/search-defaults.md)
     num_samples: int = option(20, flag="--num-samples", metavar="N", ge=1, group="search",
                               help="number of trials")
     objective: str = option("val_acc", flag="--objective", choices=OBJECTIVES, group="search",
