@@ -50,9 +50,9 @@ from bench.sq_report import console_table, grid_table, one_seed_warning, pct, pl
 from bench.sq_strategies import GROUPS, Strategy, run_strategy, strategies
 from bench.sq_table import Table
 
-# A trial's start and end as the search pays them on 2 CPU cores (BENCHMARKS.md "A search's cost
-# around the same trainings", the default table): trial start -> first epoch 8.4 s, plus the
-# last epoch -> trial end 1.6 s less the plain run's 0.3 s.
+# A trial's start and end as the search paid them on 2 CPU cores (`bench.search_overhead
+# --trial-seconds 10`, 2026-12-01): trial start -> first epoch 8.4 s, plus last epoch -> trial end
+# 1.6 s, less the plain run's 0.3 s.
 START_COST_S = 9.7
 PLOTTED = "grid,random,random+asha,issue17,default"
 PR_SET_PDEATHSIG = 1        # linux/prctl.h

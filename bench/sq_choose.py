@@ -4,7 +4,7 @@ replayed on every recorded table; for each table in turn, the candidate that doe
 was not chosen on. The default the tool ships is the pick over all tables, and it must meet both
 goals on each of them.
 
-The goals (BENCHMARKS.md "Search quality", checked by tests/test_search_quality.py): within 1 point
+The goals (docs/search-defaults.md, checked by tests/test_search_quality.py): within 1 point
 of the grid's best seed-mean final val_acc by `GOAL_TIME` of the grid's device time (median over
 replay seeds), and at 30 % of the grid's time at least as good as random + ASHA in `GOAL_BEATS`
 of the seeds.

@@ -136,7 +136,8 @@ def strategies(group: str = "issue29") -> list[Strategy]:
 
 def bohb_installed() -> bool:
     """TuneBOHB's own dependencies (hpbandster, ConfigSpace) are not the project's: a reference
-    point where they are importable (BENCHMARKS.md "Search quality" says how)."""
+    point where they are importable (`pip install --target DIR hpbandster ConfigSpace`, then
+    PYTHONPATH=DIR)."""
     return all(importlib.util.find_spec(m) is not None for m in ("hpbandster", "ConfigSpace"))
 
 

@@ -136,7 +136,7 @@ def test_benchmarks_has_a_section_for_every_bench_script():
                      if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8"))
     assert "search_quality" in scripts and "search_overhead" in scripts
     sections = re.findall(r"^## `bench\.(\w+)`", text, re.M)
-    assert sorted(sections) == scripts, f"BENCHMARKS.md sections {sorted(sections)} != bench scripts {scripts}"
+    assert sorted(sections) == scripts, f"sections {sorted(sections)}, scripts {scripts}"
     for script in scripts:
         body = text.split(f"## `bench.{script}`", 1)[1].split("\n## ", 1)[0]
         assert f"python -m bench.{script}" in body, f"BENCHMARKS.md's bench.{script} section gives no command"

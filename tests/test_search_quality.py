@@ -402,11 +402,11 @@ def test_the_checked_in_table_is_one_the_benchmark_can_judge_by(path):
 @pytest.mark.parametrize("path", UNJUDGED, ids=[p.stem for p in UNJUDGED])
 def test_an_unjudged_table_breaks_a_rule(path):
     """bench/tables/unjudged holds recorded tables the goals are not checked on: each for a
-    reason a rule names (BENCHMARKS.md says which), never only because the defaults miss there."""
+    reason a rule names (docs/search-defaults.md says which), never only because the defaults miss there."""
     assert Table.load(path).problems() != []
 
 
-# Replay seeds the goals are judged on, as the defaults were chosen (BENCHMARKS.md): with 20, the
+# Replay seeds the goals are judged on, as the defaults were chosen (docs/search-defaults.md): with 20, the
 # median time to within 1 point moved from 25 % to 36 % of the grid's on one table between seed
 # counts (a median over few seeds of a two-humped distribution: seeds that find the top early and
 # seeds that find it late), so 20 judged noise.
@@ -423,7 +423,7 @@ def replay_defaults(tables: list[Path], out: Path) -> dict:
 
 @pytest.mark.slow
 def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, capsys):
-    """The defaults were chosen by leave-one-table-out replays (BENCHMARKS.md "Search quality"): on
+    """The defaults were chosen by leave-one-table-out replays (docs/search-defaults.md): on
     every checked-in table the default comes within 1 point of the grid's best in <= 30 % of the
     grid's device time (median of GOAL_SEEDS seeds) and is at least as good as random + ASHA at
     30 % in >= 75 % of seeds. A change of defaults that breaks either on any table fails here.
@@ -439,8 +439,8 @@ def test_the_default_search_meets_its_goals_on_every_checked_in_table(tmp_path, 
     assert worst["default_beats_random_asha"] == min(r["default_beats_random_asha"] for r in per_table)
 
 
-# What the defaults get on each table of bench/tables/missed, 100 replay seeds (BENCHMARKS.md "A
-# fourth judgeable table" and "A sixth"): median time to within 1 point as a share of the grid's
+# What the defaults get on each table of bench/tables/missed, 100 replay seeds (docs/search-defaults.md,
+# "Where the defaults miss"): median time to within 1 point as a share of the grid's
 # time, and the share of seeds at least as good as random + ASHA at 30 %. No candidate met both
 # goals on the first; the second was recorded after that and judged the same defaults unseen.
 KNOWN_MISSES = {"tiny-s6fps12px64-e7-lr11": {"time": 0.35, "beats": 0.71},
@@ -450,7 +450,7 @@ KNOWN_MISSES = {"tiny-s6fps12px64-e7-lr11": {"time": 0.35, "beats": 0.71},
 @pytest.mark.slow
 def test_where_the_defaults_miss_they_do_no_worse_than_recorded(tmp_path):
     """bench/tables/missed holds judgeable tables on which no candidate of the benchmark met both
-    goals, the defaults included. The README quotes the worst of them. Each is replayed with the
+    goals, the defaults included. docs/search.md quotes them. Each is replayed with the
     defaults: a change that does worse there fails, and so does one that meets both goals there
     (the table then belongs in bench/tables/, where the goals are enforced). ~15 s."""
     assert {p.stem for p in MISSED} == set(KNOWN_MISSES), "a table in missed/ needs its KNOWN_MISSES entry"
