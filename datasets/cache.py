@@ -1,7 +1,7 @@
 """A node-local cache of decoded frames: decode each video once, read its frames every epoch after.
 
-Decoding with decord costs far more than reading stored frames, and every epoch of every trial
-used to decode every video again (BENCHMARKS.md, "clip cache", has the measured clips/s and disk
+Decoding with decord costs far more than reading stored frames, which every epoch of every trial
+would otherwise do for every video (BENCHMARKS.md, `bench.data_loading`, has the clips/s and disk
 per frame of each format). Now the first read of a video decodes *all* its frames at the decode
 size (H x W) into an entry (jpeg or raw; files in `datasets.cache_layout`); later reads, in any
 epoch, trial or search on this node, take the frames from it. Every frame is kept because the

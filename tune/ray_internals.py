@@ -46,8 +46,7 @@ The uses (checked against Ray 2.60.0):
    the search continues. A resumed search's summary reads its `--time-budget` state from it.
    The public Tuner has no accessor for its TuneConfig.
 
-`ray._raylet.PlacementGroupID` (formerly imported by tune/cleanup.py) is public as
-`ray.PlacementGroupID`, so it is not here.
+`ray.PlacementGroupID` is public, so it is not here.
 """
 from __future__ import annotations
 
