@@ -2,7 +2,7 @@
 
 Decoding with decord costs far more than reading stored frames, which every epoch of every trial
 would otherwise do for every video (BENCHMARKS.md, `bench.data_loading`, has the clips/s and disk
-per frame of each format). Now the first read of a video decodes *all* its frames at the decode
+per frame of each format). The first read of a video decodes *all* its frames at the decode
 size (H x W) into an entry (jpeg or raw; files in `datasets.cache_layout`); later reads, in any
 epoch, trial or search on this node, take the frames from it. Every frame is kept because the
 train jitter starts its window anywhere: one entry serves every window, stride and clip length.
