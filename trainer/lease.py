@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from vidtune.trainer.gpus import physical_gpu_ids
 
@@ -220,11 +221,18 @@ async def actor_exited(worker: Any) -> bool:
 DeviceLease = ray.remote(num_cpus=0, max_concurrency=1000)(LeaseBook)
 
 
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Where a search's own actors (the lease, tune.cleanup's registry) go: the search process's
+    node. A zero-CPU actor may otherwise land on any node, and a reclaimed spot node would take
+    the whole search's bookkeeping with it."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1, lead_slots: int = 0):
     """Create the search's lease actor (owned by the caller: it ends with the search process).
     `lead_slots`: GPUs the search may use at once, one lead trial each (0: no roles, CPU)."""
-    return DeviceLease.options(name=name, get_if_exists=True).remote(capacity, cpu_capacity,
-                                                                     lead_slots=lead_slots)
+    return DeviceLease.options(name=name, get_if_exists=True, scheduling_strategy=on_this_node()).remote(
+        capacity, cpu_capacity, lead_slots=lead_slots)
 
 
 def device_keys(device: Any) -> list[str]:

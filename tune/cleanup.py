@@ -36,6 +36,7 @@ from ray.tune.experiment import Trial
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
 # Train V2 has no public callback that sees the worker group: the private one is fenced there.
+from vidtune.trainer.lease import on_this_node
 from vidtune.tune.ray_internals import WorkerGroupCallback, worker_group_placement_group
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class _PlacementGroupRegistry:
 
 def start_registry(name: str):
     """Create the registry actor (owned by the calling process, so it dies with the search)."""
-    return _PlacementGroupRegistry.options(name=name, get_if_exists=True).remote()
+    return _PlacementGroupRegistry.options(name=name, get_if_exists=True,
+                                           scheduling_strategy=on_this_node()).remote()
 
 
 class PlacementGroupRecorder(WorkerGroupCallback):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -223,7 +224,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
-                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
+                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective),
+                               attempt=uuid.uuid4().hex)
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
                  SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
@@ -346,7 +348,8 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
         return tuner, restored_searcher(tuner)
     objective = space.objective_for(opts.objective)
-    searcher = space.build_searcher(opts, objective, study_name=plan.name)
+    searcher = space.build_searcher(opts, objective, study_name=plan.name,
+                                    val_clips=len(plan.index.val) if plan.index is not None else 0)
     tuner = tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
@@ -362,9 +365,11 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
         run_config=tune.RunConfig(
             # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
             name=plan.tune_name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
-            # A trial is not rerun by Tune: its Train run already restarted a dead worker group
-            # (--max-failures), and out of memory is an answer, not a failure.
-            failure_config=tune.FailureConfig(max_failures=0),
+            # Tune runs a trial again (from its Train run's last checkpoint) when the node of its
+            # driver and Train controller was lost (a reclaimed spot node): --max-failures times,
+            # as Train restarts a lost worker group. A trial that failed by itself is not rerun
+            # (tune.trial_retry), and out of memory is an answer, not a failure.
+            failure_config=tune.FailureConfig(max_failures=opts.train.max_failures),
             callbacks=callbacks),
     )
     return tuner, searcher

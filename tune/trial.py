@@ -23,6 +23,7 @@ from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import build_torch_trainer
 from vidtune.trainer.lease import LEAD, LeaseSettings
 from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
+from vidtune.tune.trial_retry import is_lost_process, raise_if_failed_before, record_own_error
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
@@ -150,7 +151,7 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
                       index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None,
-                      score_metric: str = "val_acc") -> Callable[[dict], None]:
+                      score_metric: str = "val_acc", attempt: str | None = None) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
@@ -163,6 +164,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     `score_metric`: what ranks the trial's checkpoints (`tune.results.objective_key`).
+    `attempt`: this search process's id: a trial Tune retries after it failed by itself in the
+    same process fails at once (`tune.trial_retry`); only a lost node's trials run again.
     """
     base_dict = base.to_dict()
 
@@ -186,6 +189,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             # would resume from the final checkpoint and report nothing, so report its metrics.
             tune.report(finished)
             return
+        if attempt:
+            raise_if_failed_before(run_path, attempt)
         lease = LeaseSettings(lease_name, trial_id) if lease_name else None
         role = LEAD
         if lease_name and resources.takes_roles:
@@ -197,11 +202,13 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
         )
         try:
             trainer.fit()
-        except Exception:
+        except Exception as e:
             # Tune stopped this trial (ASHA, the end of the search) and the search ended its Train
             # run (tune.cleanup): nothing failed. Returning frees this process for the next trial.
             if registry_name and was_released(registry_name, trial_id):
                 return
+            if attempt and not is_lost_process(e):
+                record_own_error(run_path, attempt, e)
             raise
 
     return trial_driver
