@@ -61,7 +61,8 @@ def test_out_of_memory_trial_is_infeasible_for_optuna():
     searcher.on_trial_complete("ok", {"val_acc": 0.8, "oom": 0})
     searcher.on_trial_complete("oom", {"val_acc": 0.0, "oom": 1})
     ok, oom = optuna_study(searcher).trials
-    assert oom.user_attrs == {"failure_reason": "out of memory"}
+    assert oom.user_attrs == {"failure_reason": "out of memory", "status": "out of memory",
+                              "vidtune_trial": "t-oom"}
     # Optuna constraints: > 0 infeasible, <= 0 feasible (read by TPE).
     assert oom.constraints == {space.OOM_CONSTRAINT: 1.0, space.DIVERGED_CONSTRAINT: 0.0}
     assert ok.constraints == {space.OOM_CONSTRAINT: 0.0, space.DIVERGED_CONSTRAINT: 0.0}
@@ -80,7 +81,8 @@ def test_diverged_trial_is_infeasible_for_optuna():
     searcher.on_trial_complete("ok", {"val_acc": 0.6, "oom": 0, "diverged": 0})
     searcher.on_trial_complete("nan", {"val_acc": 0.0, "oom": 0, "diverged": 1})
     ok, nan = optuna_study(searcher).trials
-    assert nan.state == TrialState.COMPLETE and nan.user_attrs == {"failure_reason": "diverged"}
+    assert nan.state == TrialState.COMPLETE and nan.user_attrs["failure_reason"] == "diverged"
+    assert nan.user_attrs["status"] == "diverged"
     assert nan.constraints == {space.OOM_CONSTRAINT: 0.0, space.DIVERGED_CONSTRAINT: 1.0}
     # Optuna's rule: feasible when every constraint is <= 0
     feasible = [t.number for t in optuna_study(searcher).trials
@@ -109,13 +111,13 @@ def test_optuna_is_told_the_best_epoch_of_every_epoch_trained_even_after_a_resum
     remote = {**last, CHECKPOINT_PATH_KEY: "s3://b/k"}
     assert space.whole_history_result(remote, "val_acc")["val_acc"] == 0.375
 
-    opts = _opts()
+    opts = _opts(epochs=4)
     searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="t")
     searcher.set_search_properties("val_acc", "max", space.param_space(opts))
     searcher.suggest("resumed")
     searcher.suggest("plain")
     searcher.on_trial_complete("resumed", last)
-    searcher.on_trial_complete("plain", {"epoch": 1, "val_acc": 0.6, "oom": 0})
+    searcher.on_trial_complete("plain", {"epoch": 4, "val_acc": 0.6, "oom": 0})
     assert [t.value for t in optuna_study(searcher).trials] == [0.5, 0.6]
 
 

@@ -186,8 +186,10 @@ class SearchOptions:
                                              group="search", help="random trials before TPE takes over "
                                              f"(default min({RANDOM_START_CAP}, max(2, --num-samples / 2)))")
     optuna_storage: str | None = option(None, flag="--optuna-storage", metavar="URL", group="search",
-                                        help="store the Optuna study (e.g. sqlite:///optuna.db) to open it "
-                                        "with optuna-dashboard")
+                                        help="where the Optuna study is stored, to open it with "
+                                        "optuna-dashboard (default: optuna.db beside a sqlite:/// MLflow "
+                                        "store, else in a local --storage folder; in memory when both are "
+                                        "remote)")
     study_name: str | None = option(None, flag="--study-name", metavar="NAME", group="search",
                                     help="Optuna study name (default: the search's --name)")
     time_budget: str | None = option(None, flag="--time-budget", metavar="T", group="search",

@@ -27,6 +27,7 @@ from vidtune.tune.lock import check_not_running
 from vidtune.tune.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
 from vidtune.tune.ray_internals import check_experiment_state
 from vidtune.tune.tracking.store import check_artifact_location, check_store_uri
+from vidtune.tune.tracking.study import default_storage
 from vidtune.tune.warm_start import load_warm_start
 
 DEFAULT_STORAGE = "vidtune-results"
@@ -91,6 +92,8 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
     if opts.tracking.artifact_location:
         opts = replace(opts, tracking=replace(
             opts.tracking, artifact_location=check_artifact_location(opts.tracking.artifact_location)))
+    if opts.optuna_storage is None:   # the study beside the MLflow store, for optuna-dashboard
+        opts = replace(opts, optuna_storage=default_storage(opts.tracking.mlflow_uri, storage))
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
     name = name or experiment_name(opts, storage)

@@ -15,14 +15,17 @@ from typing import Any
 import optuna
 from ray import tune
 from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+from ray.tune.result import TRAINING_ITERATION
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from vidtune.trainer.history import best_epoch, read_history
+from vidtune.trainer.history import BEST_EPOCH_METRICS, best_epoch, read_history
 from vidtune.tune.budget import TimeBudget, parse_duration
+from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.options import RANDOM_START_CAP, SearchOptions, SearchSpace
-from vidtune.tune.ray_internals import optuna_pending_trial
+from vidtune.tune.ray_internals import optuna_pending_trial, optuna_study
+from vidtune.tune.tracking import study
 from vidtune.tune.warm_start import load_warm_start
 
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
@@ -82,9 +85,29 @@ class VidtuneOptunaSearch(OptunaSearch):
     config gets the lr it trains with (`trial_lr`), so Tune's trial config, the results table,
     the CSV and MLflow show that one; the drawn lr stays the Optuna trial's parameter."""
 
-    def __init__(self, *args: Any, space: SearchSpace | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, space: SearchSpace | None = None, epochs: int = 0, val_clips: int = 0,
+                 **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._lr_space = space if space is not None and space.lr_scaling != "none" else None
+        self._epochs = epochs          # a trial's full length: fewer epochs trained = stopped early (PRUNED)
+        self._val_clips = val_clips    # validation clips: the accuracy's 95% interval in the study
+        self._named: set[str] = set()  # Tune trial ids whose Optuna trial carries its vidtune name
+        self._reported: dict[str, int] = {}   # Tune trial id -> the last step Ray reported to Optuna
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # a searcher pickled by an older vidtune (a --resume) lacks the later attributes
+        self.__dict__.update({"_epochs": 0, "_val_clips": 0, "_named": set(), "_reported": {}, **state})
+
+    def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
+        done = super().set_search_properties(metric, mode, config, **spec)
+        ot_study = optuna_study(self)   # Ray keeps it private: see tune/ray_internals.py
+        if done and ot_study is not None and self.metric:
+            # optuna-dashboard and Optuna's plots name the objective(s), not "Objective 0"; Optuna
+            # calls it experimental (since 3.2), on every call
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                ot_study.set_metric_names(study.metric_names(self.metric))
+        return done
 
     def suggest(self, trial_id: str) -> dict | None:
         config = super().suggest(trial_id)
@@ -92,6 +115,17 @@ class VidtuneOptunaSearch(OptunaSearch):
             lr = trial_lr(self._lr_space, int(config["batch_size"]), float(config["lr"]))
             config = {**config, "lr": lr}
         return config
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id not in self._named:   # the dashboard names a running trial from its first epoch
+            ot_trial = optuna_pending_trial(self, trial_id)
+            if ot_trial is not None:
+                ot_trial.set_user_attr(study.NAME_ATTR, study.trial_name(trial_id, result))
+                ot_trial.set_user_attr(study.STATUS_ATTR, study.RUNNING)
+                self._named.add(trial_id)
+        super().on_trial_result(trial_id, result)
+        if isinstance(self.metric, str) and TRAINING_ITERATION in result:   # what Ray reported
+            self._reported[trial_id] = int(result[TRAINING_ITERATION])
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
@@ -102,30 +136,60 @@ class VidtuneOptunaSearch(OptunaSearch):
                 ot_trial.set_constraint(constraint, 1.0 if failed else 0.0)
                 if failed:
                     ot_trial.set_user_attr("failure_reason", reason)
-        if result and isinstance(self.metric, str):
-            result = whole_history_result(result, self.metric)
+        best = best_of_history(result, history_metric(self.metric)) if result else None
+        if result and isinstance(self.metric, str) and best and best[1].get(self.metric) is not None:
+            result = {**result, self.metric: best[1][self.metric]}   # `whole_history_result`
+        attrs = study.trial_attrs(trial_id, result, epochs=self._epochs,
+                                  val_clips=self._val_clips, error=error,
+                                  finished=not trial_unfinished(trial_id), best=best[1] if best else None)
+        if ot_trial is not None:
+            for key, value in attrs.items():
+                ot_trial.set_user_attr(key, value)
+        if ot_trial is not None and result and not error and study.pruned(attrs) \
+                and isinstance(self.metric, str) and result.get(self.metric) is not None:
+            # ASHA stopped it: PRUNED, not COMPLETE. Optuna values a pruned trial by its last
+            # intermediate value; Ray did not report the epoch ASHA stopped it at, so that epoch is
+            # reported with the trial's best epoch's value, the number the table and MLflow give it
+            # (as a completed trial is told). Ray tells PRUNED for a result without the metric.
+            step = int(result.get(TRAINING_ITERATION) or result.get("epoch") or 0)
+            if step > self._reported.get(trial_id, 0):
+                ot_trial.report(float(result[self.metric]), step)
+            result = {k: v for k, v in result.items() if k != self.metric}
         super().on_trial_complete(trial_id, result=result, error=error)
 
 
 def whole_history_result(result: dict[str, Any], metric: str) -> dict[str, Any]:
     """A trial's last Tune result with `metric` set to its value at the trial's best epoch over
-    every epoch it trained (`trainer.history.best_epoch`), the number the results table,
-    `trials.csv`, MLflow and `--warm-start` give that trial, so Optuna learns the same one.
+    every epoch it trained (`best_of_history`), the number the results table, `trials.csv`,
+    MLflow and `--warm-start` give that trial, so Optuna learns the same one. Unchanged when the
+    history has no value of `metric`."""
+    best = best_of_history(result, metric)
+    if best is None or best[1].get(metric) is None:
+        return result
+    return {**result, metric: best[1][metric]}
+
+
+def best_of_history(result: dict[str, Any], metric: str) -> tuple[int, dict[str, Any]] | None:
+    """(epoch, report) of a trial's best epoch by `metric` over every epoch it trained
+    (`trainer.history.best_epoch`), from its last Tune result.
 
     The epochs come from `epochs.json` in the checkpoint the result came with (Train's
     `TuneReportCallback` puts its path in the result): after `--resume` Tune's results for a trial
-    restart, the checkpoint's record holds the epochs from before the interruption. Unchanged
-    when the result has no readable checkpoint (an out-of-memory or diverged end; remote storage:
-    then the last epoch's value) or no epoch trained."""
+    restart, the checkpoint's record holds the epochs from before the interruption. The last
+    epoch alone when the result has no readable checkpoint (an out-of-memory or diverged end;
+    remote storage); None when no epoch trained."""
     path = result.get(CHECKPOINT_PATH_KEY)
     history = read_history(path) if path and "://" not in str(path) else {}
     epoch = int(result.get("epoch") or 0)
     if epoch >= 1:
         history[epoch] = {**history.get(epoch, {}), **result}
-    best = best_epoch(history, metric)
-    if best is None or best[1].get(metric) is None:
-        return result
-    return {**result, metric: best[1][metric]}
+    return best_epoch(history, metric)
+
+
+def history_metric(metric: str | list[str] | None) -> str:
+    """The metric a trial's best epoch is chosen by for the searcher's `metric`: itself (val_acc,
+    val_f1), val_acc for pareto (a list) as the results table does."""
+    return metric if isinstance(metric, str) and metric in BEST_EPOCH_METRICS else "val_acc"
 
 
 def reference_batch(space: SearchSpace) -> int | None:
@@ -161,15 +225,18 @@ def build_sampler(opts: SearchOptions) -> optuna.samplers.BaseSampler:
                                           multivariate=opts.tpe == "multivariate")
 
 
-def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str) -> Searcher:
+def build_searcher(opts: SearchOptions, objective: Objective, *, study_name: str,
+                   val_clips: int = 0) -> Searcher:
     """Seeded TPE (or GP, `--sampler`: `build_sampler`) through Ray's OptunaSearch; the study goes
-    to `--optuna-storage` when given.
+    to `--optuna-storage` (`tune.preflight` fills its default: beside the MLflow store), its trials
+    carrying what optuna-dashboard shows (`tune.tracking.study`; `val_clips`: the validation
+    clips, for the accuracy's interval).
     `--warm-start`: an earlier search's finished trials inside this space seed the study.
     `--time-budget`: wrapped in `tune.budget.TimeBudget`, which starts no trial after the budget."""
     sampler = build_sampler(opts)
     storage = optuna.storages.RDBStorage(opts.optuna_storage) if opts.optuna_storage else None
     kwargs: dict[str, Any] = dict(sampler=sampler, storage=storage, study_name=opts.study_name or study_name,
-                                  space=opts.space)
+                                  space=opts.space, epochs=opts.train.epochs, val_clips=val_clips)
     if opts.warm_start:
         seed = load_warm_start(opts.warm_start, opts.space, opts.objective, own_storage=opts.optuna_storage,
                                own_study=opts.study_name or study_name)

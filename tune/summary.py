@@ -41,6 +41,7 @@ from vidtune.tune.results import (
     row_from_result,
 )
 from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
+from vidtune.tune.tracking.study import dashboard_line
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,8 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     for line in summary.answer:
         say(line)
     say(mlflow_links)
+    if study_line := dashboard_line(opts.optuna_storage, opts.study_name or plan.name):
+        say(study_line)
     say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
     if importance.shares or opts.num_samples >= MIN_TRIALS:   # a short search was never going to have it
         say(importance.sentence())

@@ -63,6 +63,7 @@ from vidtune.tune.tracking.schema import (
     TRIAL_ID_TAG,
     numeric_metrics,
 )
+from vidtune.tune.tracking.study import MLFLOW_RUN_KEY
 from vidtune.tune.trial import short_name
 
 RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
@@ -196,6 +197,11 @@ class MLflowTracker(RunWriter, Callback):
     def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict,
                         **info: Any) -> None:
         self.log_result(trial.trial_id, result)
+        # into the trial's last result (Tune lets a callback add to it in place): the searcher
+        # puts the run id on the trial's Optuna trial when it ends (`tune.tracking.study`)
+        run_id = self.child_runs.get(trial.trial_id)
+        if run_id:
+            result[MLFLOW_RUN_KEY] = run_id
 
     @_guarded
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:

@@ -1,0 +1,162 @@
+"""The search's Optuna study as optuna-dashboard shows it: each trial carries its vidtune name,
+outcome, accuracy with its 95% interval, speed and MLflow run id as user attributes; the
+objective is named; a trial ASHA stopped is PRUNED (valued by its best epoch, as the table gives
+it); the study is kept beside the MLflow store by default and the summary prints the command
+that opens it. The slow test opens the study a real smoke search stored through
+optuna-dashboard's own server on 127.0.0.1 and reads its trials over its HTTP API."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow.tracking import MlflowClient
+
+from vidtune.flags import build
+from vidtune.tune import space
+from vidtune.tune.options import SPECS, SearchOptions
+from vidtune.tune.ray_internals import optuna_study
+from vidtune.tune.tracking import study
+
+PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}
+DASHBOARD_START_S = 60      # optuna-dashboard answers /api/studies within this, or the test fails
+
+
+def _opts(**kw) -> SearchOptions:
+    return build(SearchOptions, {PATHS[k]: v for k, v in {"batch_sizes": (4, 8), **kw}.items()})
+
+
+def _result(trial_no: int, cfg: dict, epoch: int, val_acc: float, **kw) -> dict:
+    """A flattened Tune result as the searcher gets it: Tune's experiment tag, the config as
+    config/<key>, the trainer's report."""
+    return {"experiment_tag": f"{trial_no}_batch_size={cfg['batch_size']},lr={cfg['lr']}",
+            **{f"config/{k}": v for k, v in cfg.items()}, "epoch": epoch, "training_iteration": epoch,
+            "val_acc": val_acc, "steady_clips_per_s": 41.27, "oom": 0, "diverged": 0, **kw}
+
+
+def test_a_trial_asha_stopped_is_pruned_and_every_trial_is_labelled(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    opts = _opts(optuna_storage=url, epochs=4)
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="s", val_clips=32)
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    done, stopped = searcher.suggest("aaa_00000"), searcher.suggest("aaa_00001")
+    for epoch, acc in enumerate((0.5, 0.625, 0.75, 0.71875), start=1):
+        searcher.on_trial_result("aaa_00000", _result(1, done, epoch, acc))
+    searcher.on_trial_complete("aaa_00000", _result(1, done, 4, 0.71875, mlflow_run_id="run-a"))
+    # ASHA's stop: Tune does not hand the searcher the epoch it stopped the trial at
+    searcher.on_trial_result("aaa_00001", _result(2, stopped, 1, 0.59375))
+    searcher.on_trial_complete("aaa_00001", _result(2, stopped, 2, 0.5625, mlflow_run_id="run-b"))
+
+    loaded = optuna.load_study(study_name="s", storage=url)
+    assert loaded.metric_names == ["val_acc"]
+    first, second = loaded.trials
+    assert first.state == optuna.trial.TrialState.COMPLETE and first.value == 0.71875
+    # valued by the epoch ASHA stopped it at, which the searcher reported itself
+    assert second.state == optuna.trial.TrialState.PRUNED
+    assert second.value == 0.5625 and second.intermediate_values == {1: 0.59375, 2: 0.5625}
+    assert first.user_attrs == {"vidtune_trial": study.trial_name("aaa_00000", _result(1, done, 4, 0.7)),
+                                "status": "done", "val_acc": 0.7188, "val_acc_95ci": "[0.55, 0.84]",
+                                "speed_clips_per_s": 41.3, "mlflow_run_id": "run-a"}
+    assert first.user_attrs["vidtune_trial"].startswith(f"t01-bs{done['batch_size']}-lr")
+    assert second.user_attrs["status"] == "stopped early" and second.user_attrs["mlflow_run_id"] == "run-b"
+
+
+def test_a_running_trial_is_named_in_the_study_from_its_first_epoch():
+    opts = _opts(epochs=4)
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="s")
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    cfg = searcher.suggest("bbb_00000")
+    searcher.on_trial_result("bbb_00000", _result(3, cfg, 1, 0.5))
+    (trial,) = optuna_study(searcher).trials
+    assert trial.state == optuna.trial.TrialState.RUNNING
+    assert trial.user_attrs["status"] == "running" and trial.user_attrs["vidtune_trial"].startswith("t03-bs")
+
+
+def test_pareto_objectives_are_named():
+    opts = _opts(objective="pareto")
+    searcher = space.build_searcher(opts, space.objective_for("pareto"), study_name="p")
+    searcher.set_search_properties(None, None, space.param_space(opts))
+    assert optuna_study(searcher).metric_names == ["val_acc", "steady_clips_per_s"]
+
+
+def test_the_study_is_kept_beside_the_mlflow_store_by_default(tmp_path):
+    assert study.default_storage(f"sqlite:///{tmp_path}/m/mlruns.db", "/x") == f"sqlite:///{tmp_path}/m/optuna.db"
+    assert study.default_storage("http://127.0.0.1:5000", str(tmp_path)) == f"sqlite:///{tmp_path}/optuna.db"
+    assert study.default_storage("http://127.0.0.1:5000", "s3://bucket/results") is None
+
+
+def test_the_dashboard_line_names_a_stored_study_only(tmp_path):
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert study.dashboard_line(None, "s") == ""
+    optuna.create_study(study_name="there", storage=url)
+    assert study.dashboard_line(url, "elsewhere") == ""
+    line = study.dashboard_line(url, "there")
+    command = line.split(": ", 1)[1].split()[0]
+    assert command == str(Path(sys.executable).parent / "optuna-dashboard") and Path(command).is_file()
+    assert f"{command} {url} --host 127.0.0.1" in line
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_optuna_dashboard_serves_the_smoke_searchs_study_with_its_trials_names(smoke_search):
+    """The session's smoke search kept its study beside mlruns.db; the summary printed the
+    command; optuna-dashboard's own server, started as printed, lists the study and its trials
+    with their vidtune names and MLflow run ids, which are the runs of those names."""
+    out = smoke_search
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    storage = f"sqlite:///{out.folder / 'optuna.db'}"
+    (line,) = [x for x in out.stdout.splitlines() if "optuna-dashboard" in x]
+    command = line.split(": ", 1)[1].split()
+    assert command[:2] == [str(Path(sys.executable).parent / "optuna-dashboard"), storage]
+    port = _free_port()
+    command[command.index("--port") + 1] = str(port)
+    server = subprocess.Popen(command, cwd=out.folder, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True, env={k: v for k, v in os.environ.items()
+                                                           if k != "VIRTUAL_ENV"})
+    try:
+        base, deadline, studies = f"http://127.0.0.1:{port}", time.monotonic() + DASHBOARD_START_S, None
+        while studies is None:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"optuna-dashboard did not answer in {DASHBOARD_START_S} s"
+            try:
+                studies = _get(f"{base}/api/studies")["studies"]
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        (summary,) = studies
+        trials = _get(f"{base}/api/studies/{summary['study_id']}")["trials"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    with open(out.results / "trials.csv", newline="") as f:
+        table = {row["name"]: row for row in csv.DictReader(f)}
+    attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
+    assert sorted(a["vidtune_trial"] for a in attrs) == sorted(table)
+    client = MlflowClient(out.uri)
+    for trial, a in zip(trials, attrs, strict=True):
+        assert trial["state"] == "Complete" and a["status"] == "done"    # 1 epoch of 1: nothing to stop
+        assert client.get_run(a["mlflow_run_id"]).info.run_name == a["vidtune_trial"]
+        row = table[a["vidtune_trial"]]
+        assert float(a["val_acc"]) == pytest.approx(float(row["best_val_acc"]), abs=1e-4)
+        low, high = float(row["best_val_acc_low"]), float(row["best_val_acc_high"])
+        assert a["val_acc_95ci"] == f"[{low:.2f}, {high:.2f}]"
