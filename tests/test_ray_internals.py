@@ -195,3 +195,17 @@ def test_trial_states_of_a_real_search(ray_session, tmp_path):
             assert result.metrics["trial_id"] == trial_id
         by_k[result.config["k"]] = status
     assert by_k == {0: "TERMINATED", 1: "ERROR", 2: "TERMINATED"}
+
+
+def test_quiet_report_lines_silences_trains_per_report_dump_only():
+    """Train's workers log a ~2 KB "Reporting training result N: TrainingReport(...)" line at INFO
+    for every report; vidtune train's console would echo it after each epoch line."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    from vidtune.trainer.torch_trainer import quiet_report_lines
+
+    quiet_report_lines()
+    assert not context.logger.isEnabledFor(logging.INFO)
+    assert context.logger.isEnabledFor(logging.WARNING)

@@ -56,8 +56,8 @@ class TrainConfig:
                                          help="train only the classification head for the first N epochs")
     max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,
                                help="times a run restarts from its last checkpoint after a worker dies "
-                               "(Ray Train's FailureConfig), and times a search reruns a trial whose node was "
-                               "lost (Tune's); an error of the trial's own or out of memory is never retried")
+                               "(Ray Train's FailureConfig), and times a search reruns a trial whose node "
+                               "was lost (Tune's); a trial's own error or out of memory is never retried")
     # How long a rank of a multi-worker run waits in a collective (all-reduce, broadcast) before
     # its run fails. NCCL's own default, 30 minutes, is how long the other ranks hang when one
     # fails mid-step (out of memory inside DDP's backward, a lost node). 10 minutes stays far

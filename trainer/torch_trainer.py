@@ -8,11 +8,14 @@ decord/torch DataLoader (`trainer.worker`) and passes no datasets, so a trial sp
 start-up and a process on the head on nothing (`bench/trial_overhead.py`). Given datasets, this
 is Ray's trainer unchanged.
 
-This is the trainer layer's one use of a Ray internal (`DatasetsCallback`, the callback that
+This is the trainer layer's one home for Ray internals (`DatasetsCallback`, the callback that
 starts the actor, and `_create_default_callbacks`, where Train lists its callbacks; Train has no
-public switch for either). Like `vidtune.tune.ray_internals`, it checks the Ray minor on import.
+public switch for either; and the logger of a worker's reports, `quiet_report_lines`). Like
+`vidtune.tune.ray_internals`, it checks the Ray minor on import.
 """
 from __future__ import annotations
+
+import logging
 
 from ray.train.torch import TorchTrainer
 
@@ -23,8 +26,19 @@ try:
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
     raise moved_internal("ray.train.v2._internal.callbacks.datasets.DatasetsCallback", e) from e
+try:
+    from ray.train.v2._internal.execution import context as _train_context
+except ImportError as e:
+    raise moved_internal("ray.train.v2._internal.execution.context", e) from e
 
-__all__ = ["TorchTrainer", "VidtuneTorchTrainer"]
+__all__ = ["TorchTrainer", "VidtuneTorchTrainer", "quiet_report_lines"]
+
+
+def quiet_report_lines() -> None:
+    """Keep Train's "Reporting training result N: TrainingReport(...)" line (a ~2 KB dump of
+    every metric, logged at INFO by each worker for each report) off the user's console; the
+    console prints its own epoch line. The logger is named by Train's file path, not a module."""
+    logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 
 
 class VidtuneTorchTrainer(TorchTrainer):

@@ -54,6 +54,7 @@ from vidtune.trainer.run import (
     unless_out_of_memory,
 )
 from vidtune.trainer.settings import SETTING_KEYS, merge_settings, worker_settings
+from vidtune.trainer.torch_trainer import quiet_report_lines
 from vidtune.trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
 
 INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
@@ -121,6 +122,7 @@ def train_loop_per_worker(config: dict) -> None:
     back as soon as its last epoch is scored and written to a local folder and its device memory
     is freed (`_report`), before the checkpoint goes to the storage and Train's teardown.
     """
+    quiet_report_lines()
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
     index = config.pop(INDEX_CONFIG_KEY, None)
