@@ -1,13 +1,13 @@
 """--collective-timeout-min: a multi-worker run whose rank fails or stops ends after the timeout,
-not after NCCL's 30 minutes (`TorchConfig(timeout_s=...)`, trainer.launch.build_torch_trainer)."""
+not after NCCL's 30 minutes (`TorchConfig(timeout_s=...)`, trainer.build_trainer.build_torch_trainer)."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
+from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import build_torch_trainer
 
 
 def test_the_timeout_reaches_the_torch_config_of_every_run(monkeypatch):

@@ -13,7 +13,7 @@ from vidtune.tune import console
 
 
 def test_train_cli_says_why_a_run_has_no_result():
-    from vidtune.trainer.train import failure_message, format_epoch
+    from vidtune.trainer.train_run import failure_message, format_epoch
 
     diverged = {"epoch": 2, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 9.5e5, "batch_size": 8}
     message = failure_message(diverged, lr=1e6)

@@ -77,13 +77,14 @@ def test_ray_packs_half_gpus_but_leads_spread_over_every_gpu():
 
 
 # A real 2-worker Train run on 4 simulated GPUs, built as a search's trials are
-# (trainer.launch.build_torch_trainer, gloo under simulation): each rank reports its GPU.
+# (trainer.build_trainer.build_torch_trainer, gloo under simulation): each rank reports its GPU.
 TWO_WORKER_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray.train, torch.distributed as dist
     from vidtune.trainer.config import TrainConfig
     from vidtune.trainer.gpus import physical_gpu_ids, train_device
-    from vidtune.trainer.launch import build_torch_trainer, init_ray
+    from vidtune.trainer.build_trainer import build_torch_trainer
+    from vidtune.trainer.launch import init_ray
     from vidtune.trainer.lease import device_keys
 
     OUT = sys.argv[1]   # captured with `loop` (pickled by value: it is defined in __main__)

@@ -301,7 +301,8 @@ RANK_FAILS_SCRIPT = textwrap.dedent("""
     from vidtune.datasets.synthetic import generate
     from vidtune.trainer import worker
     from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.launch import build_torch_trainer, init_ray
+    from vidtune.trainer.build_trainer import build_torch_trainer
+    from vidtune.trainer.launch import init_ray
     from vidtune.trainer.lease import LeaseSettings, start_lease
 
     def loop(config):

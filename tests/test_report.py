@@ -307,9 +307,9 @@ def test_the_best_epoch_follows_the_objective(objective, epoch, tmp_path):
     """One rule per objective (pareto: val_acc, the front's accuracy axis): the row's epoch and
     metrics, the live row MLflow shows while it runs, what Optuna is told, and what ranks the
     checkpoints Ray Train keeps all name the same epoch."""
+    from vidtune.trainer.build_trainer import build_torch_trainer
     from vidtune.trainer.config import TrainConfig
     from vidtune.trainer.history import write_history
-    from vidtune.trainer.launch import build_torch_trainer
     from vidtune.tune import space
 
     metric = results.objective_key(objective)

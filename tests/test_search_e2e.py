@@ -312,7 +312,7 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
 
 
 def scripted_trainer_factory(oom_marker: Path):
-    """A trainer factory with the signature of trainer.launch.build_torch_trainer, around
+    """A trainer factory with the signature of trainer.build_trainer.build_torch_trainer, around
     `scripted_worker`."""
     def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks,
                          device_lease=None, index=None):

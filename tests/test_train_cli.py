@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vidtune.datasets.config import DataConfig
-from vidtune.trainer import predict, train
+from vidtune.trainer import predict, train, train_run
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import TRAIN_FLAGS, ConfigError, validate_config
 from vidtune.trainer.models import build_model
@@ -122,7 +122,7 @@ def test_cli_num_frames_above_the_shortest_video_exits_2_before_ray(synthetic_ro
     def no_ray(*args, **kwargs):
         raise AssertionError("vidtune train started Ray despite a clip longer than every video")
 
-    monkeypatch.setattr(train, "init_ray", no_ray)
+    monkeypatch.setattr(train_run, "init_ray", no_ray)
     assert train.main(["--data", str(synthetic_root), "--model", "swin3d_t", "--weights", "none",
                        "--num-frames", "1000"]) == 2
     captured = capsys.readouterr()
@@ -328,7 +328,7 @@ def _no_ray(monkeypatch, machine=(8.0, 1.0)):
     def no_ray(*args, **kwargs):
         raise AssertionError("vidtune train started Ray for a run the machine cannot hold")
 
-    monkeypatch.setattr(train, "init_ray", no_ray)
+    monkeypatch.setattr(train_run, "init_ray", no_ray)
     monkeypatch.setattr(train, "local_capacity", lambda: ClusterCapacity((machine,), machine))
 
 
@@ -372,11 +372,11 @@ def test_cli_on_a_cluster_checks_its_nodes_and_the_autoscalers_once_connected(sy
     def no_trainer(cfg, **kw):
         raise Built(kw["num_workers"], kw["use_gpu"], kw["resources_per_worker"])
 
-    monkeypatch.setattr(train, "init_ray", lambda **kw: True)
+    monkeypatch.setattr(train_run, "init_ray", lambda **kw: True)
     monkeypatch.setattr(train, "local_capacity", lambda: pytest.fail("the local machine was checked"))
-    monkeypatch.setattr(train, "read_capacity", capacity)
-    monkeypatch.setattr(train, "build_torch_trainer", no_trainer)
-    monkeypatch.setattr(train, "_epoch_printer", lambda epochs: (None, lambda: None))
+    monkeypatch.setattr(train_run, "read_capacity", capacity)
+    monkeypatch.setattr(train_run, "build_torch_trainer", no_trainer)
+    monkeypatch.setattr(train_run, "_epoch_printer", lambda epochs: (None, lambda: None))
     assert train.main(["--data", str(synthetic_root), "--address", "auto", "--workers", "3"]) == 2
     assert "--workers: the run asks for 3 GPU(s)" in capsys.readouterr().err and read == [AUTOSCALER_CONFIG]
     with pytest.raises(Built) as built:       # two GPU nodes to come: the run waits for them

@@ -16,6 +16,7 @@ from torch import nn
 
 from vidtune.datasets.config import DataConfig
 from vidtune.trainer import models
+from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.checkpointing import (
     CheckpointError,
     load_checkpoint,
@@ -23,7 +24,6 @@ from vidtune.trainer.checkpointing import (
     save_checkpoint,
 )
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import build_torch_trainer
 from vidtune.trainer.loop import make_optimizer, make_scheduler
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.trainer.precision import is_out_of_memory

@@ -1,7 +1,10 @@
-"""Driver-side launch helpers: start or join Ray, check a config before
-any worker starts, and build the Ray Train `TorchTrainer` of one training run.
+"""Driver-side launch helpers: check a config before any worker starts, and start or join Ray.
 
-Used by `trainer.train` (one run), `tune.search` (one trainer per trial) and the tests.
+The light half of launching: nothing here imports Ray or torch at import time, so the CLIs
+refuse a bad flag in well under a second. The checks that need the model registry
+(`trainer.model_checks`) and Ray itself (`init_ray`) are imported when they run; the heavy
+half, the Ray Train run, is `trainer.build_trainer`. Used by `trainer.train`, the search's
+`tune.preflight` and `tune.runner`, and the tests.
 """
 from __future__ import annotations
 
@@ -28,11 +31,10 @@ DEFAULT_HEALTH_CHECK_INTERVAL_S = "0.5"
 # machine is never drained, so there it is switched off (bench/search_overhead.py shows the cost).
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
-BUILTIN_WEIGHTS = ("none", "kinetics")
 TRAIN_FLAGS = tuple(flag_specs(TrainConfig))
 
 __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", "check_writable_folder",
-           "init_ray", "build_torch_trainer", "worker_env_vars", "cluster_gpus"]
+           "init_ray", "worker_env_vars"]
 
 
 def worker_env_vars() -> dict[str, str]:
@@ -113,13 +115,6 @@ def joins_cluster(address: str | None) -> bool:
     return address is not None and address.strip().lower() != LOCAL_ADDRESS
 
 
-def cluster_gpus() -> float:
-    """GPUs the running Ray cluster offers (0.0 on a CPU machine). Ray must be initialised."""
-    import ray  # heavy: as in init_ray
-
-    return float(ray.cluster_resources().get("GPU", 0.0))
-
-
 def validate_config(cfg: TrainConfig) -> None:
     """Check every option that would otherwise fail inside a Ray worker, on the driver, before
     Ray starts: the declared bounds of every field, the dataset path, the model name, the clip
@@ -131,18 +126,9 @@ def validate_config(cfg: TrainConfig) -> None:
     """
     check_bounds(cfg, TRAIN_FLAGS)
     _check_data(cfg)
-    from vidtune.trainer.models import get_spec, has_kinetics_weights  # torch: seconds, so checked last
+    from vidtune.trainer.model_checks import check_model  # heavy (torch: seconds), so checked last
 
-    try:   # an hf: model's checkpoint is fetched here, once, on the driver (a refusal: one line)
-        get_spec(cfg.model)
-    except ValueError as e:
-        raise ConfigError("--model", str(e)) from None
-    if cfg.weights == "kinetics" and not has_kinetics_weights(cfg.model):
-        raise ConfigError("--weights", f"model {cfg.model!r} has no Kinetics weights; pass --weights none "
-                          "(an hf: model then loads its checkpoint's own) or a state-dict file")
-    _check_clip_size(cfg)
-    if cfg.weights not in BUILTIN_WEIGHTS:
-        _check_weights_file(cfg.model, Path(cfg.weights))
+    check_model(cfg)
 
 
 def check_batch_sizes(batch_sizes: Iterable[int], train_videos: int, workers: int, *, flag: str,
@@ -222,129 +208,3 @@ def _check_data(cfg: TrainConfig) -> None:
     root = Path(cfg.data.root).expanduser()
     if not root.exists():
         raise ConfigError("--data", f"{root} does not exist; pass the folder of videos (or a CSV manifest)")
-
-
-def _check_clip_size(cfg: TrainConfig) -> None:
-    from vidtune.trainer.models import (  # heavy: torch + torchvision, as in validate_config
-        check_input_size,
-        get_spec,
-    )
-
-    spec, d = get_spec(cfg.model), cfg.data
-    num_frames, height, width = (d.num_frames or spec.num_frames, d.height or spec.height,
-                                 d.width or spec.width)
-    try:
-        check_input_size(cfg.model, num_frames, height, width)
-    except ValueError as e:
-        flag = ("--num-frames" if num_frames != spec.num_frames else
-                "--height" if height != spec.height else "--width" if width != spec.width else "--model")
-        raise ConfigError(flag, str(e)) from None
-
-
-def _check_weights_file(model_name: str, path: Path) -> None:
-    from vidtune.trainer.models import (  # heavy: torch + torchvision, as in validate_config
-        WeightsError,
-        build_model,
-    )
-
-    if not path.is_file():
-        raise ConfigError(
-            "--weights",
-            f"{path} is not a file; pass 'none', 'kinetics' or the path of a saved state dict / "
-            "vidtune checkpoint",
-        )
-    try:
-        # Loads the file onto a CPU model of that name: refuses another architecture (only the
-        # classification head may differ), a damaged file, or one that is not a state dict.
-        build_model(model_name, weights=str(path))
-    except WeightsError as e:
-        raise ConfigError("--weights", str(e)) from None
-
-
-def collective_timeout_s(cfg: TrainConfig) -> int:
-    """`cfg.collective_timeout_min` in whole seconds (`TorchConfig.timeout_s` is an int), at least 1."""
-    return max(1, round(cfg.collective_timeout_min * 60))
-
-
-def build_torch_trainer(
-    cfg: TrainConfig,
-    *,
-    num_workers: int = 1,
-    use_gpu: bool = False,
-    resources_per_worker: dict | None = None,
-    name: str | None = None,
-    storage_path: str | None = None,
-    callbacks: list | None = None,
-    checkpoint_keep: int = 1,
-    train_loop: Callable[[dict], None] | None = None,
-    device_lease: Any = None,
-    index: VideoIndex | None = None,
-    score_metric: str = "val_acc",
-):
-    """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
-
-    Checkpoints are ranked by `score_metric` (val_acc or val_f1: a search's objective, the
-    metric that picks its best epoch; the best `checkpoint_keep`, at least 2, are kept, plus
-    always the latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
-    None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
-    A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
-    (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
-    A rank left waiting in a collective by another (failed, stuck) fails after
-    `cfg.collective_timeout_min` (`--collective-timeout-min`, `TorchConfig(timeout_s=...)`).
-    `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
-    (pass a wrapper of it to, e.g., register extra models in the worker process first).
-    `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
-    their devices before the first epoch and give them back after the last (`trainer.lease`).
-    `index`: the `datasets.index.VideoIndex` the driver checked; the workers train on exactly
-    those videos instead of indexing the dataset again.
-    """
-    import ray.train  # heavy: only once a run is built, not for the CLIs' --help or a bad flag
-
-    from vidtune.trainer.lease import LEASE_CONFIG_KEY  # heavy: imports ray
-    from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig  # heavy: Ray Train, torch
-    from vidtune.trainer.torch_trainer import VidtuneTorchTrainer  # heavy: as process_group
-    from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker  # heavy: imports ray and torch
-
-    run_config = ray.train.RunConfig(
-        name=name,
-        storage_path=storage_path,
-        callbacks=callbacks,
-        # At least two: Ray always keeps the latest on top of the best `num_to_keep` by the score,
-        # so with two the run holds at least one checkpoint besides the latest, which a worker
-        # falls back to when the latest is damaged (`trainer.worker._read_checkpoint`).
-        checkpoint_config=ray.train.CheckpointConfig(
-            num_to_keep=max(2, checkpoint_keep),
-            checkpoint_score_attribute=score_metric,
-            checkpoint_score_order="max",
-        ),
-        # A dead worker (killed, node lost) restarts the group from the last checkpoint, at most
-        # cfg.max_failures times. Out of memory never gets here: the worker reports it and returns.
-        failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-        # Train's INFO log repeats every report's metrics dict; the CLIs print their own lines.
-        logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        # Also set through ray.init; repeated here for drivers that connected to Ray themselves.
-        worker_runtime_env={"env_vars": worker_env_vars()},
-    )
-    scaling = ray.train.ScalingConfig(
-        num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker
-    )
-    loop_config = cfg.to_dict()
-    if device_lease is not None:
-        loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
-    if index is not None:
-        loop_config[INDEX_CONFIG_KEY] = index
-    # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's (trainer.process_group.GPU_BACKEND),
-    # and no CUDA context before the lease (LeasedTorchConfig). Simulated GPUs (trainer.gpus): the
-    # workers train on the CPU, where NCCL cannot run. The CPU: gloo (Ray's choice).
-    # timeout_s: a rank that fails mid-collective ends the run after --collective-timeout-min
-    # instead of NCCL's 30 minutes (a timed-out NCCL collective ends its worker's process under
-    # torch's async error handling; gloo raises in the waiting rank).
-    backend = None if not use_gpu else "gloo" if simulated_gpus() else GPU_BACKEND
-    torch_config = LeasedTorchConfig(backend=backend, timeout_s=collective_timeout_s(cfg))
-    return VidtuneTorchTrainer(
-        train_loop or train_loop_per_worker,
-        torch_config=torch_config,
-        train_loop_config=loop_config,
-        scaling_config=scaling,
-        run_config=run_config,
-    )

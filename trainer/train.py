@@ -10,17 +10,15 @@ Prints one line per epoch as it ends and, at the end, the best checkpoint (by va
 Exit codes: 0 done, 1 training failed, ran out of memory or diverged (its loss became inf or
 NaN: lower --lr), 2 bad input (reported before Ray starts; workers a cluster given by --address
 cannot hold, once connected).
+This module is the command (flags, config file, the checks before Ray); the run on Ray is
+`trainer.train_run`, imported once the inputs are checked.
 """
 from __future__ import annotations
 
 import argparse
 import math
-import queue as stdlib_queue
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from vidtune.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
@@ -34,59 +32,17 @@ from vidtune.flags import (
     build,
     check_bounds,
     flag_of,
-    flag_specs,
     join_negative_values,
-    option,
 )
-from vidtune.trainer.capacity import (
-    AUTOSCALER_CONFIG,
-    ClusterCapacity,
-    WorkerRequest,
-    check_fits,
-    check_gpus_per_worker,
-    local_capacity,
-    read_capacity,
-)
+from vidtune.trainer.capacity import check_gpus_per_worker, local_capacity
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import (
-    TRAIN_FLAGS,
-    build_torch_trainer,
-    check_training_inputs,
-    init_ray,
-    joins_cluster,
-)
-from vidtune.trainer.ray_start import RayStart, RayStartError, import_failure_message
+from vidtune.trainer.launch import TRAIN_FLAGS, check_training_inputs, joins_cluster
+from vidtune.trainer.ray_start import RayStartError, import_failure_message
+from vidtune.trainer.train_options import PROG, RUN_FLAGS, RunOptions, check_capacity
 
-PROG = "vidtune train"       # the command as the user typed it: its usage, errors and warnings
 GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """What `vidtune train` takes besides the `TrainConfig`: its config file and where
-    the run goes. None: decided when Ray is up (GPUs) or named by Ray (storage, name)."""
-
-    config: str | None = option(None, flag="--config", metavar="FILE",
-                                help="a search's best_config.json (its train_config), or a TOML/YAML file of "
-                                "options (keys as the flags, e.g. batch-size or batch_size); flags given "
-                                "on the command line override it")
-    workers: int = option(1, flag="--workers", metavar="N", ge=1,
-                          help="Ray Train workers, data-parallel replicas")
-    gpus_per_worker: float | None = option(None, flag="--gpus-per-worker", metavar="G", ge=0,
-                                           help="GPUs per worker (default: 1 when GPUs are present, else 0)")
-    cpus_per_worker: float = option(1.0, flag="--cpus-per-worker", metavar="C", gt=0,
-                                    help="CPUs Ray reserves per worker")
-    storage: str | None = option(None, flag="--storage", metavar="PATH",
-                                 help="where checkpoints go (default ~/ray_results; shared storage on a "
-                                 "cluster)")
-    name: str | None = option(None, flag="--name", metavar="NAME",
-                              help="run name (default vidtune-train-TIMESTAMP); reuse it to resume")
-    address: str | None = option(None, flag="--address", metavar="ADDR",
-                                 help="Ray cluster address (auto, ray://host:10001); default: local Ray")
-    ray_start: RayStart = field(default_factory=RayStart)   # a local Ray's object store and time limit
-
-
-RUN_FLAGS = tuple(flag_specs(RunOptions))
 ALL_FLAGS = TRAIN_FLAGS + RUN_FLAGS
 
 # The tables a config file may hold: a search's best_config.json keeps the trial's TrainConfig
@@ -182,146 +138,6 @@ def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:
     return index
 
 
-def check_capacity(where: RunOptions, capacity: ClusterCapacity, *, place: str, more: str) -> WorkerRequest:
-    """The run's workers fit on `capacity` (`trainer.capacity.check_fits`, the search's rule),
-    counting the nodes an autoscaler may start; returns what each worker asks for,
-    --gpus-per-worker defaulting to 1 where there are GPUs. ConfigError naming the flag
-    (--gpus-per-worker when given, else --workers); `place` and `more` as `check_fits`'s."""
-    nodes = capacity.planned
-    gpus = where.gpus_per_worker
-    if gpus is None:
-        gpus = 1.0 if sum(g for _, g in nodes) > 0 else 0.0
-    flag = "--gpus-per-worker" if where.gpus_per_worker is not None else "--workers"
-    request = WorkerRequest(where.workers, where.cpus_per_worker, gpus, gpus_flag=flag)
-    check_fits(request, nodes, where=place, more=more)
-    return request
-
-
-def format_epoch(m: dict[str, Any], epochs: int) -> str:
-    """One human-readable line of a worker report."""
-    head = f"epoch {m['epoch']}/{epochs}"
-    if m.get("oom"):
-        return f"{head}  OUT OF MEMORY at batch size {m['batch_size']} (peak {m['peak_mem_mb']:.0f} MB)"
-    if m.get("diverged"):
-        return f"{head}  DIVERGED: training loss {m['train_loss']}; stopped, no checkpoint"
-    return (f"{head}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
-            f"val_acc {m['val_acc']:.3f}  val_f1 {m['val_f1']:.3f}  val_recall {m['val_recall']:.3f}  "
-            f"val_auc {m['val_auc']:.3f}  {m['clips_per_s']:.1f} clips/s  {m['epoch_time_s']:.1f} s  "
-            f"data_wait {100 * m['data_wait_frac']:.0f}%  peak_mem {m['peak_mem_mb']:.0f} MB  "
-            f"lr {m['lr']:.2e}"
-            + (f"  reader_failures {m['reader_failures']}" if m.get("reader_failures") else ""))
-
-
-def failure_message(last: dict[str, Any], lr: float) -> str | None:
-    """Why a run whose last report is `last` has no result, and what to change; None when it
-    trained. `lr`: the run's --lr."""
-    if last.get("oom"):
-        return (f"out of memory at batch size {last.get('batch_size')}; lower --batch-size "
-                "(use --grad-accum to keep the effective batch), or try --precision bf16/fp16")
-    if last.get("diverged"):
-        return (f"training diverged in epoch {last.get('epoch')}: the training loss became "
-                f"{last.get('train_loss')} (inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. "
-                f"{lr / 10:g}), or keep --clip-grad-norm on and --warmup-frac above 0")
-    return None
-
-
-def _epoch_printer(epochs: int):
-    """A Ray Train callback (runs in the Train controller) that sends rank 0's metrics to a
-    queue, and a driver thread that prints them as they come, unprefixed by Ray's log tags.
-    Its `close()` returns the last metrics reported (None without any): Train's `Result.metrics`
-    holds only reports that came with a checkpoint, which out of memory and divergence do not."""
-    import ray.train  # heavy: not before the flags and the data are checked
-    from ray.util.queue import Empty, Queue  # heavy: Ray, as above
-
-    q = Queue(actor_options={"num_cpus": 0})
-
-    class EpochQueue(ray.train.UserCallback):
-        def __init__(self, queue):
-            self.queue = queue
-
-        def after_report(self, run_context, metrics, checkpoint):
-            self.queue.put(dict(metrics[0]))
-
-    stop = threading.Event()
-    last: list[dict[str, Any]] = []
-
-    def pump():
-        while True:
-            try:
-                metrics = q.get(timeout=0.5)
-            except (Empty, stdlib_queue.Empty):
-                if stop.is_set():
-                    return
-                continue
-            last[:] = [metrics]
-            print(format_epoch(metrics, epochs), flush=True)
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-
-    def close() -> dict[str, Any] | None:
-        stop.set()
-        thread.join(timeout=10)
-        q.shutdown()
-        return last[0] if last else None
-
-    return EpochQueue(q), close
-
-
-def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) -> int:
-    """Start Ray, fit, print the best checkpoint. Inputs must have been checked."""
-    init_ray(address=where.address, ray_start=where.ray_start)
-    # Again on what Ray has, on a cluster the nodes its autoscaler may start (the config `ray up`
-    # leaves on the head): Train would wait without end for workers that cannot be placed.
-    capacity = read_capacity(AUTOSCALER_CONFIG if joins_cluster(where.address) else None)
-    request = check_capacity(where, capacity, place="the Ray cluster", more="add GPU nodes")
-    use_gpu = request.gpus_per_worker > 0
-    resources = {"CPU": float(request.cpus_per_worker)}
-    if use_gpu:
-        resources["GPU"] = float(request.gpus_per_worker)
-    name = where.name or time.strftime("vidtune-train-%Y%m%d-%H%M%S")
-    callback, close = _epoch_printer(cfg.epochs)
-    trainer = build_torch_trainer(cfg, num_workers=where.workers, use_gpu=use_gpu,
-                                  resources_per_worker=resources, name=name, storage_path=where.storage,
-                                  callbacks=[callback], index=index)
-    print(f"training {cfg.model} on {where.workers} worker(s), {'GPU' if use_gpu else 'CPU'}, run {name}",
-          flush=True)
-    try:
-        result = trainer.fit()
-    except Exception as e:  # TrainingFailedError wraps the worker's exception
-        close()
-        print(f"{PROG}: error: training failed: {e}", file=sys.stderr)
-        return 1
-    last = close() or result.metrics or {}
-    problem = failure_message(last, cfg.lr)
-    if problem:
-        print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return 1
-    from vidtune.trainer.checkpointing import first_whole  # heavy: torch, not before the flags are checked
-
-    # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
-    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)),
-                    reverse=True)
-    if not ranked and result.checkpoint is not None:
-        ranked = [(result.checkpoint, last)]
-    best, skipped = first_whole([c.path for c, _ in ranked])
-    for why in skipped:
-        print(f"{PROG}: warning: {why}; not named best", file=sys.stderr)
-    if best is None:
-        print(f"{PROG}: error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"),
-              file=sys.stderr)
-        return 1
-    score = next(m for c, m in ranked if c.path == best)
-    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): "
-          f"{best}")
-    return 0
-
-
-def _acc(metrics: dict[str, Any]) -> float:
-    acc = metrics.get("val_acc", math.nan)
-    return acc if isinstance(acc, (int, float)) and math.isfinite(acc) else -math.inf
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -340,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {import_failure_message(e)}", file=sys.stderr)
         return 1
     try:
+        from vidtune.trainer.train_run import run  # heavy (Ray Train, torch): once the inputs are checked
+
         return run(cfg, where, index)
     except ConfigError as e:      # the cluster cannot hold the run's workers (checked once Ray is up)
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -19,8 +19,8 @@ from ray.tune.experiment import Trial
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from vidtune.datasets.index import VideoIndex
+from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import build_torch_trainer
 from vidtune.trainer.lease import LEAD, LeaseSettings
 from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
 from vidtune.tune.trial_retry import is_lost_process, raise_if_failed_before, record_own_error
@@ -161,7 +161,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     hold their devices (None: no lease, trials may share a device).
     `index`: the driver's `datasets.index.VideoIndex`, handed to every trial's workers (the
     videos checked before Ray started; None: each run indexes the dataset itself).
-    `trainer_factory`: defaults to `trainer.launch.build_torch_trainer`; tests pass one that
+    `trainer_factory`: defaults to `trainer.build_trainer.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     `score_metric`: what ranks the trial's checkpoints (`tune.results.objective_key`).
     `attempt`: this search process's id: a trial Tune retries after it failed by itself in the
