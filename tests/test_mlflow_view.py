@@ -4,8 +4,8 @@ the fallback on an MLflow whose UI was not checked, and the parent's description
 first, relative links, a sentence under each plot). A SQLite store, no Ray."""
 from __future__ import annotations
 
-import json
 import math
+import re
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlparse
 
@@ -14,8 +14,10 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from vidtune.tune.results import TrialRow
+from vidtune.tune.tables import format_markdown
 from vidtune.tune.tracking import view
-from vidtune.tune.tracking.schema import OUTCOME_TAG
+from vidtune.tune.tracking.description import CELL_PAD, spaced_table
+from vidtune.tune.tracking.schema import INTERVAL_TAG, OUTCOME_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.tracking.view import SHARE_KEY_PARAM, VIEW_TAG_PREFIX, read_view
 
@@ -111,7 +113,7 @@ def test_the_description_opens_with_the_answer_and_its_links_are_relative(uri, t
     t.publish_view(table_markdown="| trial |\n|---|\n| best |", best_trial_id="best", objective="val_acc",
                    answer=answer)
     note = MlflowClient(uri).get_run(t.parent_run_id).data.tags["mlflow.note.content"]
-    assert note.startswith(answer[0]) and note.index(answer[1]) < note.index("| trial |")
+    assert note.startswith(answer[0]) and note.index(answer[1]) < note.index(f"| {CELL_PAD}trial{CELL_PAD} |")
     assert "127.0.0.1" not in note and "http" not in note
     best_run = t.child_runs["best"]
     assert f"](#/experiments/{t.experiment_id}/runs/{best_run}?workflowType=machine_learning)" in note
@@ -141,8 +143,9 @@ def test_the_saved_view_opens_its_charts_with_every_metric_in_its_section(object
     assert [c["type"] for c in compare] == ["SCATTER", "PARALLEL", "LINE"]
     scatter, parallel, per_epoch = compare
     assert (scatter["xaxis"]["key"], scatter["yaxis"]["key"]) == ("speed_clips_per_s", best)
+    # MLflow colours a parallel chart's lines by its last metric: the objective
     assert parallel["selectedParams"] == ["batch_size", "lr"] and parallel["selectedMetrics"] == [
-        best, "speed_clips_per_s"]
+        "speed_clips_per_s", best]
     assert per_epoch["metricKey"] == objective and per_epoch["xAxisKey"] == "step"
     assert all(c["runsCountToCompare"] >= 100 for c in cards)   # every trial, not the UI's first 10
     # Every metric a run logs has exactly one card, so the UI adds none of its own (alphabetical,
@@ -162,17 +165,61 @@ def test_the_saved_view_opens_its_charts_with_every_metric_in_its_section(object
     assert view.view_state(parent_run_id="abc", objective=objective)["compareRunCharts"] == cards
 
 
-def test_the_links_open_the_charts_and_compare_stays_in_the_model_training_ui(uri):
+def test_the_links_open_the_charts_in_the_model_training_ui(uri):
     t = _search(uri, "chart-links", [_row("a", 0.5, 10.0), _row("b", 0.6, 12.0)])
     charts = _link_query(t.runs_table_url(charts=True))
     assert charts[view.MODE_PARAM] == ["CHART"] and charts[SHARE_KEY_PARAM] == [t.view_id]
     assert view.MODE_PARAM not in _link_query(t.runs_table_url())
     lines = t.summary_links(None).splitlines()
     assert t.runs_table_url(charts=True) in lines[0] and t.run_url(t.parent_run_id) in lines[1]
-    compare = view.compare_link(t.experiment_id, list(t.child_runs.values()))
-    query = parse_qs(urlparse(compare[1:]).query)
-    assert query["workflowType"] == ["machine_learning"]
-    assert set(json.loads(query["runs"][0])) == set(t.child_runs.values())
+
+
+def test_every_link_in_the_description_opens_a_page_that_shows_the_objective(uri):
+    """The search's view (its charts and table, whose state has the objective's column and
+    sort), or a trial's run (its description leads with the objective); never MLflow's Compare
+    page, which opened on train_loss."""
+    t = _search(uri, "every-link", [_row("a", 0.5, 10.0), _row("b", 0.6, 12.0)])
+    t.publish_view(table_markdown="| trial |\n|---|\n| a |", best_trial_id="b", objective="val_acc")
+    c = MlflowClient(uri)
+    note = c.get_run(t.parent_run_id).data.tags["mlflow.note.content"]
+    links = re.findall(r"\]\((#/[^)]+)\)", note)
+    assert len(links) == 3 and not any("compare-runs" in link for link in links)
+    state = read_view(c.get_experiment(t.experiment_id).tags[VIEW_TAG_PREFIX + t.view_id])
+    for link in links:
+        path, query = urlparse(link[1:]).path, _link_query("http://x/" + link)
+        assert query["workflowType"] == ["machine_learning"]
+        if path.endswith("/runs"):      # the saved view: sorted by the objective, its column shown
+            assert query[SHARE_KEY_PARAM] == [t.view_id]
+            assert state["orderByKey"] == "metrics.`best_val_acc`" in state["selectedColumns"]
+        else:                           # the best trial's run
+            assert c.get_run(path.rsplit("/", 1)[1]).data.tags["mlflow.note.content"].startswith(
+                "best val_acc 0.600 [")
+
+
+def test_the_trials_table_keeps_a_space_between_its_cells():
+    """MLflow's UI renders the description's table as a bare HTML table, its cells' text run
+    together ("t04-bs8-lr2.1e-48") unless each keeps a space the markdown converter does not trim
+    (checked with showdown and sanitize-html, MLflow's own: "<td> t04-bs8-lr2.1e-4 </td>")."""
+    rows = [_row("t04-bs8-lr2.1e-4", 0.781, 45.1)]
+    table = format_markdown(rows, val_clips=32)
+    spaced = spaced_table(table)
+
+    def text(markdown: str) -> str:   # what a reader sees: each cell trimmed as the converter does
+        return "".join(c.strip().replace(CELL_PAD, " ") for line in markdown.splitlines()
+                       if not set(line) <= set("|-: ") for c in line.strip().strip("|").split("|"))
+    assert "t04-bs8-lr2.1e-44" in text(table)                 # batch size 4 glued to the name
+    assert " t04-bs8-lr2.1e-4  4 " in text(spaced) and "0.781 [0.61, 0.89]" in text(spaced)
+    assert spaced.splitlines()[1] == table.splitlines()[1]     # the rule row (alignment) as it was
+    assert len(spaced.splitlines()[2].split("|")) == len(table.splitlines()[2].split("|"))
+
+
+def test_the_runs_table_shows_the_interval_as_one_rounded_column(uri):
+    t = _search(uri, "interval", [_row("a", 0.75, 10.0)])
+    run = MlflowClient(uri).get_run(t.child_runs["a"])
+    assert run.data.tags[INTERVAL_TAG] == "[0.58, 0.87]"        # 24 of 32 clips, Wilson
+    assert run.data.metrics["best_val_acc_low"] == pytest.approx(0.5789, abs=1e-4)   # kept, not shown
+    columns = view.view_state(parent_run_id="p", objective="val_acc")["selectedColumns"]
+    assert f"tags.`{INTERVAL_TAG}`" in columns and not any("best_val_acc_low" in c for c in columns)
 
 
 def test_the_description_shows_narrow_copies_of_the_plots_linked_to_the_full_size(uri, tmp_path):

@@ -19,6 +19,7 @@ from vidtune.tune import faults
 from vidtune.tune.options import base_config, parse_options
 from vidtune.tune.preflight import Plan
 from vidtune.tune.summary import Summary, print_summary, summarise
+from vidtune.tune.tracking.description import spaced_table
 from vidtune.tune.tracking.schema import BEST_TAG, TRIAL_ID_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
 
@@ -112,7 +113,7 @@ def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
         "previews"}                                   # the plots' narrow copies the description shows
     assert parent.data.metrics["best_val_acc"] == done.best.val_acc
     note = parent.data.tags["mlflow.note.content"]
-    assert note.startswith(done.answer[0]) and done.table_markdown in note
+    assert note.startswith(done.answer[0]) and spaced_table(done.table_markdown) in note
     children = {r.data.tags[TRIAL_ID_TAG]: r for r in c.search_runs(
         [tracker.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
     assert set(children) == {t for t, _ in done.trial_states}

@@ -61,6 +61,7 @@ from vidtune.tune.ray_internals import (
 from vidtune.tune.results import objective_key
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from vidtune.tune.summary import Summary, print_summary, summarise
+from vidtune.tune.tracking import registry
 from vidtune.tune.tracking.description import ui_hint
 from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
@@ -275,7 +276,8 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
                 logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
                                                 registered_name=registered)
             return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
-                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}")
+                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}") + \
+                describe_registered(plan, opts, summary, tracker, logged, run_id)
         except Exception as e:   # the model is a convenience on top of the results: never their end
             why = faults.one_line(e, 200)
     return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
@@ -284,6 +286,25 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
 def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
     """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
     (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
+def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,
+                        logged: mlflow_model.Logged, run_id: str) -> list[str]:
+    """The registered version's description, tags and alias `best` (`tune.tracking.registry`);
+    returns the line saying where `best` is. Never raises: the version stands without them."""
+    row = summary.checkpoint
+    if logged.name is None or logged.version is None or row is None:
+        return []
+    try:
+        facts = registry.VersionFacts(
+            search=plan.search_path, experiment_id=tracker.experiment_id, search_run_id=tracker.open_parent(),
+            trial_run_id=run_id, trial=row.label, epoch=row.checkpoint_epoch, epochs=opts.train.epochs,
+            val_acc=row.checkpoint_val_acc, val_clips=summary.val_clips, speed=row.clips_per_s,
+            objective=opts.objective, score=row.checkpoint_score, model=opts.train.model,
+            data=plan.base.data.root)
+        return [registry.describe_version(tracker.client, logged.name, logged.version, facts)]
+    except Exception as e:   # the registry refused a write: the version is there, undescribed
+        return [f"  the version's description and alias were not written ({faults.one_line(e, 200)})"]
+
+
     block's end removes (Ray Train's own `Checkpoint.as_directory`)."""
     if "://" not in path:
         return contextlib.nullcontext(path)

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from vidtune.tune.tracking import view
-from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, NODE_TAG, OUTCOME_TAG
+from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, INTERVAL_TAG, NODE_TAG, OUTCOME_TAG
 from vidtune.tune.tracking.store import sqlite_path
 
 # The plots the parent run may hold (`tune.summary` logs them at its root), in the description's
@@ -57,6 +57,25 @@ def write_previews(files: Sequence[Path], folder: Path) -> list[Path]:
             continue
         out.append(folder / path.name)
     return out
+
+
+CELL_PAD = "&ensp;"   # an en space, as an entity: the markdown converter trims plain spaces in a cell
+
+
+def spaced_table(markdown: str) -> str:
+    """`markdown` with a space kept on each side of every table cell's text. MLflow's UI renders a
+    description's markdown table as a bare HTML table (its sanitizer allows no style, its page
+    sets no cell padding), so adjacent cells' text runs together ("t04-bs8-lr2.1e-48"); an
+    entity survives the converter's trimming of the cells and the sanitizer. Rule rows
+    (`|---:|`) and lines outside tables are kept as they are."""
+    out = []
+    for line in markdown.splitlines():
+        cells = line.strip().strip("|").split("|") if line.lstrip().startswith("|") else None
+        if cells is None or all(set(c.strip()) <= set("-:") for c in cells):
+            out.append(line)
+            continue
+        out.append("| " + " | ".join(f"{CELL_PAD}{c.strip()}{CELL_PAD}" for c in cells) + " |")
+    return "\n".join(out)
 
 
 def save_view(client: MlflowClient, *, tracking_uri: str, experiment_id: str, parent_run_id: str,
@@ -127,10 +146,13 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
     best_line = (f"Best trial by {objective}: [{c.get_run(best_run).info.run_name}]"
                  f"({view.run_link(experiment_id, best_run)}) (tag `{BEST_TAG}`)." if best_run
                  else "No trial produced a usable result.")
+    # Every link opens a page that shows the objective: the view's charts and table, a run's page.
+    # (MLflow's side-by-side Compare page opened on train_loss, not the objective.)
     table_line = (f"[Compare the trials]({view.runs_link(experiment_id, view_id, charts=True)}) in charts "
-                  f"(best {objective} against speed, batch size and lr against both, {objective} per epoch), "
-                  f"in [the runs table]({view.runs_link(experiment_id, view_id)}) (best first) or "
-                  f"[side by side]({view.compare_link(experiment_id, list(child_runs.values()))}).")
+                  f"(best {objective} against speed, batch size and lr against both, coloured by "
+                  f"{objective}; {objective} per epoch) or in "
+                  f"[the runs table]({view.runs_link(experiment_id, view_id)}) "
+                  f"(best {objective} first, with its 95% interval).")
     held = {a.path for a in c.list_artifacts(parent)}
     previews = ({Path(a.path).name for a in c.list_artifacts(parent, PREVIEW_FOLDER)}
                 if PREVIEW_FOLDER in held else set())
@@ -146,10 +168,11 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
     note = "\n".join([
         *[f"{line}\n" for line in answer],
         f"**vidtune search** `{Path(experiment_path).name}` ({experiment_path})", "",
-        best_line + " " + table_line, "", table_markdown, "",
+        best_line + " " + table_line, "", spaced_table(table_markdown), "",
         *plots,
-        "Each trial's run holds its summary (`best_val_acc`, `best_val_acc_low` / `_high`: its 95% "
-        "interval, `best_epoch`, `best_val_f1`, `speed_clips_per_s`: the steady-state clips/s) and its "
+        "Each trial's run holds its summary (`best_val_acc`, its 95% interval as the tag "
+        f"`{INTERVAL_TAG}` and as the metrics `best_val_acc_low` / `_high`, `best_epoch`, `best_val_f1`, "
+        "`speed_clips_per_s`: the steady-state clips/s) and its "
         "history per epoch (step = epoch; `lr_current` is the schedule's learning rate, the param `lr` "
         f"its peak). `{OUTCOME_TAG}` says how it ended: done, stopped early (by ASHA; FINISHED), out of "
         "memory, diverged (its loss became inf or NaN), failed (FAILED; see `vidtune.failure_reason`), "

@@ -29,6 +29,7 @@ from vidtune.tune.tracking.schema import (
     FAILURE_TAG,
     GPU_IDS_TAG,
     INTERRUPTED_REASON,
+    INTERVAL_TAG,
     NODE_ID_TAG,
     NODE_TAG,
     NOTE_TAG,
@@ -39,6 +40,7 @@ from vidtune.tune.tracking.schema import (
     STOP_TAG,
     TRACEBACK_ARTIFACT,
 )
+from vidtune.tune.uncertainty import format_interval
 
 
 class RunWriter:
@@ -157,6 +159,9 @@ class RunWriter:
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
         self.client.set_tag(run_id, NOTE_TAG, trial_description(row, self.val_clips, self.epochs))
+        interval = format_interval(values["best_val_acc_low"], values["best_val_acc_high"])
+        if interval:   # the runs table's one readable interval column
+            self.client.set_tag(run_id, INTERVAL_TAG, interval)
 
     # the parent's page in the UI (`tune.tracking.description`) ------------------------------------
     def save_view(self) -> None:
@@ -218,7 +223,7 @@ def trial_description(row: TrialRow, val_clips: int, epochs: int) -> str:
     acc, low, high = summary["best_val_acc"], summary["best_val_acc_low"], summary["best_val_acc_high"]
     if not math.isfinite(acc):
         return f"no accuracy ({outcome}) after {row.epochs} of {epochs} epochs"
-    interval = f" [{low:.2f}, {high:.2f}]" if math.isfinite(low) and math.isfinite(high) else ""
+    interval = f" {format_interval(low, high)}" if format_interval(low, high) else ""
     fast = math.isfinite(row.clips_per_s) and row.clips_per_s > 0
     speed = f"; {row.clips_per_s:.1f} clips/s" if fast else ""
     return f"best val_acc {acc:.3f}{interval} at epoch {row.best_epoch} of {epochs}; {outcome}{speed}"

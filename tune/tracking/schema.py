@@ -46,6 +46,9 @@ RENAMED = {"lr": "lr_current"}
 STEP_METRIC = "clips_per_s"      # logged for every epoch (0 for out of memory): which steps a run has
 OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverged | failed | interrupted
 BEST_TAG = "vidtune.best"
+# The best val_acc's 95% interval as one readable runs-table column, "[0.58, 0.87]" (the bounds are
+# also metrics, `best_val_acc_low` / `_high`, kept out of the charts)
+INTERVAL_TAG = "best_val_acc_95ci"
 READER_TAG = "vidtune.reader_failures"
 TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
 # OUTCOME_TAG's words for each of `tune.results.STATUSES`

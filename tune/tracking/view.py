@@ -41,6 +41,7 @@ import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from vidtune.tune.results import objective_key
+from vidtune.tune.tracking.schema import INTERVAL_TAG
 
 WORKFLOW_QUERY = {"workflowType": "machine_learning"}   # MLflow 3's model-training UI, not GenAI's
 SHARE_KEY_PARAM = "viewStateShareKey"
@@ -88,13 +89,15 @@ def objective_metric(objective: str) -> str:
 
 def view_columns(objective: str, tags: Sequence[str] = ()) -> list[str]:
     """The view's columns, in order: batch size, lr, the objective (and the accuracy beside an
-    F1 objective), the accuracy's 95% interval, the best epoch, the one speed, then `tags` (the
+    F1 objective), the accuracy's 95% interval as one column (the tag INTERVAL_TAG, "[0.58,
+    0.87]", not the two unrounded bounds), the best epoch, the one speed, then `tags` (the
     trial's outcome)."""
     ranked_by = objective_metric(objective)
-    metrics = [ranked_by] + (["best_val_acc"] if ranked_by != "best_val_acc" else []) + \
-        ["best_val_acc_low", "best_val_acc_high", "best_epoch", "speed_clips_per_s"]
+    accuracy = [ranked_by] + (["best_val_acc"] if ranked_by != "best_val_acc" else [])
     return ([column("params", "batch_size"), column("params", "lr")] +
-            [column("metrics", m) for m in metrics] + [column("tags", t) for t in tags])
+            [column("metrics", m) for m in accuracy] + [column("tags", INTERVAL_TAG)] +
+            [column("metrics", m) for m in ("best_epoch", "speed_clips_per_s")] +
+            [column("tags", t) for t in tags])
 
 
 def view_state(*, parent_run_id: str, objective: str, tags: Sequence[str] = ()) -> dict[str, Any]:
@@ -132,16 +135,18 @@ def _line(view: str, metric: str, section: str, **fields: Any) -> dict[str, Any]
 
 def comparison_cards(view: str, objective: str) -> list[dict[str, Any]]:
     """The three charts a person compares trials with: the best objective against the one speed
-    (each point a trial, named on hover), parallel coordinates of batch size and lr to the best
-    objective and the speed, and the objective per epoch, one line a trial."""
+    (each point a trial, named on hover), parallel coordinates of batch size and lr to the speed
+    and the best objective, and the objective per epoch, one line a trial. The parallel chart
+    colours its lines by its last metric (MLflow 3.17's bundle, chunk 7417: `S=h[h.length-1]`
+    over the selected metrics), so the objective comes last."""
     best, speed = objective_metric(objective), "speed_clips_per_s"
     per_epoch = objective_key(objective) if objective_key(objective) == "val_f1" else "val_acc"
     return [
         _card(view, "scatter", COMPARE_SECTION, "SCATTER", displayName=f"{best} against {speed}",
               xaxis={"key": speed, "type": "METRIC"}, yaxis={"key": best, "type": "METRIC"}),
         _card(view, "parallel", COMPARE_SECTION, "PARALLEL", displayName="batch size and lr against "
-              f"{best} and speed", selectedParams=["batch_size", "lr"], selectedMetrics=[best, speed],
-              showAllRuns=True),
+              f"speed and {best} (coloured by {best})", selectedParams=["batch_size", "lr"],
+              selectedMetrics=[speed, best], showAllRuns=True),
         _line(view, per_epoch, COMPARE_SECTION, displayName=f"{per_epoch} per epoch, every trial",
               displayPoints=True),
     ]
@@ -194,13 +199,6 @@ def runs_link(experiment_id: str, view: str | None = None, *, charts: bool = Fal
     query = {**WORKFLOW_QUERY, **({SHARE_KEY_PARAM: view} if view else {}),
              **({MODE_PARAM: CHART_MODE} if view and charts else {})}
     return f"#/experiments/{experiment_id}/runs?{urlencode(query)}"
-
-
-def compare_link(experiment_id: str, run_ids: Sequence[str]) -> str:
-    """MLflow's side-by-side comparison of `run_ids` (its Compare page), in the model-training
-    UI: the Compare button of the runs table drops `workflowType` and lands in the GenAI one."""
-    query = {"runs": json.dumps(list(run_ids)), "experiments": json.dumps([experiment_id]), **WORKFLOW_QUERY}
-    return f"#/compare-runs?{urlencode(query)}"
 
 
 def run_link(experiment_id: str, run_id: str) -> str:
