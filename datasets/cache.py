@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,6 +114,11 @@ class FrameCache:
         root = cfg.clip_cache_dir or default_root()
         fmt = resolve_format(cfg.clip_cache_format, on_gpu=on_gpu)
         return cls(root, format=fmt, max_gb=cfg.clip_cache_max_gb)
+
+    @classmethod
+    def for_this_machine(cls, cfg: DataConfig) -> FrameCache | None:
+        """`from_config` with the `auto` format resolved for this machine (jpeg when it has a GPU)."""
+        return cls.from_config(cfg, on_gpu=torch.cuda.is_available())
 
     def __repr__(self) -> str:
         return f"FrameCache({str(self.root)!r}, format={self.format!r}, max_gb={self.max_bytes / 1e9:g})"
@@ -270,8 +274,3 @@ class FrameCache:
         update_sizes(self.root, self._sizes)
         return sum(self._sizes.values())
 
-
-if __name__ == "__main__":   # `python -m vidtune.datasets.cache`: the command line
-    from vidtune.datasets.cache_cli import main
-
-    sys.exit(main())

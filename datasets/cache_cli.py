@@ -2,7 +2,7 @@
 (`vidtune.datasets.cache`), before a search, so that no trial pays for decoding.
 
     vidtune cache ROOT --model mvit_v2_s              # at a model's input size
-    python -m vidtune.datasets.cache ROOT --height 224 --width 224
+    python -m vidtune.datasets.cache_cli ROOT --height 224 --width 224
 
 The data layer does not know the models: `--model` is resolved by the caller's `clip_size_of`
 (`vidtune cache`, i.e. `vidtune.trainer.fill_cache`, passes the model registry's). The heavy
@@ -22,7 +22,7 @@ from vidtune.datasets.index import build_index
 from vidtune.errors import DataError
 from vidtune.flags import ConfigError, add_flags, flag_specs, option
 
-PROG = "python -m vidtune.datasets.cache"
+PROG = "python -m vidtune.datasets.cache_cli"
 MODEL_CLI = "vidtune cache"     # the same CLI with --model looked up in trainer.models
 
 
@@ -101,11 +101,9 @@ def main(argv: list[str] | None = None, *, clip_size_of: Callable[[str], tuple[i
                              clip_cache_format=opts.format)
     except ConfigError as e:
         p.error(str(e))
-    import torch  # heavy (seconds), as is the cache below: once the flags are checked
+    from vidtune.datasets.cache import FrameCache  # heavy (torch: seconds): once the flags are checked
 
-    from vidtune.datasets.cache import FrameCache  # heavy: torch
-
-    cache = FrameCache.from_config(cfg, on_gpu=torch.cuda.is_available())
+    cache = FrameCache.for_this_machine(cfg)
     try:
         index = build_index(cfg, workers=opts.workers)
     except DataError as e:

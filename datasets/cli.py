@@ -1,4 +1,4 @@
-"""What the data CLIs share (`vidtune index`, `python -m vidtune.datasets.cache`, and the
+"""What the data CLIs share (`vidtune index`, `python -m vidtune.datasets.cache_cli`, and the
 trainer's `predict` and `batch_probe`): the dataset's positional ROOT and layout flags, reading a
 CLI's own option dataclass from its parsed flags, and the progress line of a long pass."""
 from __future__ import annotations

@@ -404,7 +404,7 @@ def test_cli_fills_the_cache_then_finds_it_filled(synthetic_root, tmp_path):
         (root / split / name).mkdir(parents=True)
         for src in sorted((synthetic_root / split / name).iterdir())[:2]:
             shutil.copy(src, root / split / name / src.name)
-    cmd = [sys.executable, "-m", "vidtune.datasets.cache", str(root), "--height", "32", "--width", "32",
+    cmd = [sys.executable, "-m", "vidtune.datasets.cache_cli", str(root), "--height", "32", "--width", "32",
            "--cache-dir", str(tmp_path / "clips"), "--workers", "2"]
     first = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr

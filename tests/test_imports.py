@@ -135,6 +135,51 @@ def test_the_import_graph_has_no_cycle():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+def all_imports_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports anywhere}: at module level, inside functions and in
+    its `if __name__ == "__main__":` block. A function-local import still runs, later: a circle
+    through one (a `python -m` entry whose `__main__` block imports a module that imports it back
+    runs the module twice, as `__main__` and under its name) is still a circle."""
+    graph = {}
+    for name, file in MODULES.items():
+        tree = ast.parse(file.read_text(), filename=str(file))
+        targets = {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for t in _imported(node)}
+        graph[name] = {t for t in targets if t != name and t not in LAYERS and not name.startswith(t + ".")}
+    return graph
+
+
+def test_no_import_circle_even_through_function_local_imports():
+    cycle = find_cycle(all_imports_graph())
+    assert cycle is None, "import circle (counting function-local imports): " + " -> ".join(cycle)
+
+
+def _main_block(tree: ast.Module) -> ast.If | None:
+    """The module's `if __name__ == "__main__":` block, if any."""
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant)
+                and test.comparators[0].value == "__main__"):
+            return node
+    return None
+
+
+def test_a_python_m_entry_runs_its_own_main():
+    """A module's `__main__` block imports no project module: the `python -m` entry of a command
+    lives in one module, the one whose `main` it runs (a block that imports another module's
+    `main` is a second entry, and a circle when that module imports this one)."""
+    wrong = []
+    for name, file in MODULES.items():
+        block = _main_block(ast.parse(file.read_text(), filename=str(file)))
+        if block is None:
+            continue
+        for node in ast.walk(block):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                wrong += [f"{name}:{node.lineno} imports {t} in its __main__ block" for t in _imported(node)]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_each_layer_imports_only_the_layers_before_it():
     wrong = []
     for module, targets in import_graph().items():

@@ -15,7 +15,6 @@ CLI: `vidtune batch-probe --model mvit_v2_s --precision auto` (`vidtune.trainer.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -183,8 +182,3 @@ def probe_batch_size(model_name: str, *, precision: str = "auto", device: torch.
                       memory_gib=prec.device_memory_gib(device), tight=min(tight) if tight else None,
                       share=share)
 
-
-if __name__ == "__main__":   # `python -m vidtune.trainer.batch_probe`: the command line
-    from vidtune.trainer.batch_probe_cli import main
-
-    sys.exit(main())
