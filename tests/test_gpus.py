@@ -156,19 +156,19 @@ def test_a_waiting_worker_is_recorded_by_its_own_context_not_by_nvml_pids(monkey
     allocator's reserved memory (a lower bound) where NVML does not list the process."""
     from types import SimpleNamespace
 
-    from vidtune.trainer import precision, worker
+    from vidtune.trainer import device_memory, precision
 
     run = SimpleNamespace(device=torch.device("cuda", 0))
     contexts, nvml_mb = {"has": False}, {"mb": None}
-    monkeypatch.setattr(worker, "has_cuda_context", lambda device: contexts["has"])
-    monkeypatch.setattr(worker, "device_uuid", lambda device: "GPU-bbb")
-    monkeypatch.setattr(worker, "nvml_process_memory_mb", lambda uuid: nvml_mb["mb"])
-    monkeypatch.setattr(worker, "held_device_mb", lambda run: 48.0)
+    monkeypatch.setattr(device_memory, "has_cuda_context", lambda device: contexts["has"])
+    monkeypatch.setattr(device_memory, "device_uuid", lambda device: "GPU-bbb")
+    monkeypatch.setattr(device_memory, "nvml_process_memory_mb", lambda uuid: nvml_mb["mb"])
+    monkeypatch.setattr(device_memory, "held_device_mb", lambda run: 48.0)
     nvml_mb["mb"] = 700.0                    # another process's count must not leak in: no context
-    assert worker.process_device_mb(run) == 0.0
+    assert device_memory.process_device_mb(run) == 0.0
     contexts["has"] = True
-    assert worker.process_device_mb(run) == 700.0
+    assert device_memory.process_device_mb(run) == 700.0
     nvml_mb["mb"] = None
-    assert worker.process_device_mb(run) == 48.0
+    assert device_memory.process_device_mb(run) == 48.0
     # On this CPU build torch never started CUDA: no context, without making one.
     assert not precision.has_cuda_context(torch.device("cuda", 0)) and not torch.cuda.is_initialized()

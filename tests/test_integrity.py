@@ -25,7 +25,8 @@ from vidtune.trainer.checkpointing import (
 from vidtune.trainer.history import write_history
 from vidtune.trainer.loop import make_optimizer, make_scheduler
 from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.worker import METRIC_KEYS, _resume_candidates, first_whole_checkpoint
+from vidtune.trainer.resume import first_whole_checkpoint, resume_candidates
+from vidtune.trainer.worker import METRIC_KEYS
 from vidtune.tune import console, faults, results
 from vidtune.tune.tracking.schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
@@ -96,7 +97,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous_one(run_folder
     _copy(run_folder, folder)
     _truncate(folder / "epoch_0003")
     latest = ray.train.Checkpoint.from_directory(str(folder / "epoch_0003"))
-    candidates = _resume_candidates(latest)
+    candidates = resume_candidates(latest)
     assert [Path(c.path).name for c in candidates] == ["epoch_0003", "epoch_0002"]
     found, damaged = first_whole_checkpoint(candidates)
     path, state, history = found
@@ -109,7 +110,7 @@ def test_no_whole_checkpoint_means_starting_again(run_folder, tmp_path):
     _copy(run_folder, folder)
     for name in ("epoch_0002", "epoch_0003"):
         _truncate(folder / name)
-    found, damaged = first_whole_checkpoint(_resume_candidates(
+    found, damaged = first_whole_checkpoint(resume_candidates(
         ray.train.Checkpoint.from_directory(str(folder / "epoch_0003"))))
     assert found is None and len(damaged) == 2
     assert {"damaged_checkpoints", "cache_repairs", "resumed_from_epoch"} <= set(METRIC_KEYS)

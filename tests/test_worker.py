@@ -129,7 +129,7 @@ def test_free_device_lets_go_of_the_weights_and_optimiser_state_once_checkpointe
     on its device (here the CPU, as with simulated GPUs): what the lease records at release."""
     from types import SimpleNamespace
 
-    from vidtune.trainer.worker import free_device, held_device_mb
+    from vidtune.trainer.device_memory import free_device, held_device_mb
 
     model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -155,7 +155,7 @@ def test_free_device_drops_ddp_inside_a_compiled_model(tmp_path):
 
     import torch.distributed as dist
 
-    from vidtune.trainer.worker import free_device, held_device_mb
+    from vidtune.trainer.device_memory import free_device, held_device_mb
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import posixpath
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,14 +18,13 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from pyarrow import fs
 from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
-from vidtune.trainer.checkpointing import CheckpointError, checkpoint_problem, load_checkpoint
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.gpus import nvml_process_memory_mb, physical_gpu_ids, train_device
-from vidtune.trainer.history import read_history, write_history
+from vidtune.trainer.device_memory import free_device, held_device_mb, process_device_mb
+from vidtune.trainer.gpus import physical_gpu_ids, train_device
+from vidtune.trainer.history import write_history
 from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
 from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from vidtune.trainer.metrics import (
@@ -37,8 +35,8 @@ from vidtune.trainer.metrics import (
     reduce_epoch,
     steady_state,
 )
-from vidtune.trainer.models import unwrap
-from vidtune.trainer.precision import device_uuid, free_memory, has_cuda_context
+from vidtune.trainer.precision import free_memory
+from vidtune.trainer.resume import first_whole_checkpoint, resume_candidates
 from vidtune.trainer.run import (
     DIVERGED,
     TRAINED,
@@ -257,13 +255,13 @@ def _read_checkpoint(w: _Worker) -> tuple[int, dict[str, Any] | None]:
     device; `_prepare_model` restores it once the model is there.
 
     A checkpoint is used only once `checkpoint_problem` finds it whole: a damaged latest one
-    gives way to the newest whole one of the run's other checkpoints (`_resume_candidates`), and
+    gives way to the newest whole one of the run's other checkpoints (`trainer.resume.resume_candidates`), and
     without any the run starts again from epoch 1; either is said in one line (to the search's
     log) and in the first epoch's `damaged_checkpoints`."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 1, None
-    found, damaged = first_whole_checkpoint(_resume_candidates(checkpoint))
+    found, damaged = first_whole_checkpoint(resume_candidates(checkpoint))
     w.damaged_checkpoints = len(damaged)
     if damaged:
         # Ray still lists the damaged folder as its latest: new folders must not reuse its name,
@@ -283,34 +281,6 @@ def _read_checkpoint(w: _Worker) -> tuple[int, dict[str, Any] | None]:
     w.speed_by_epoch = {int(e): float(v) for e, v in speeds.items()}
     w.resumed_from_epoch = int(state["epoch"])
     return w.resumed_from_epoch + 1, state
-
-
-def _resume_candidates(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
-    """`latest`, then the other checkpoint folders (`epoch_*`) of its run, newest first (by name:
-    epochs are zero-padded), on the same filesystem (local or remote)."""
-    here = latest.path.rstrip("/")
-    infos = latest.filesystem.get_file_info(fs.FileSelector(posixpath.dirname(here), allow_not_found=True))
-    others = sorted((i.path for i in infos if i.type == fs.FileType.Directory
-                     and posixpath.basename(i.path).startswith("epoch_") and i.path.rstrip("/") != here),
-                    key=posixpath.basename, reverse=True)
-    return [latest, *(ray.train.Checkpoint(path, filesystem=latest.filesystem) for path in others)]
-
-
-def first_whole_checkpoint(candidates: list[ray.train.Checkpoint]
-                           ) -> tuple[tuple[str, dict[str, Any], dict[int, dict]] | None, list[str]]:
-    """((path, state, history) of the first of `candidates` that is whole and loads, or None;
-    why each one before it was skipped). Remote checkpoints are downloaded to be checked."""
-    damaged: list[str] = []
-    for checkpoint in candidates:
-        with checkpoint.as_directory() as directory:
-            problem = checkpoint_problem(directory)
-            if problem is None:
-                try:
-                    return (checkpoint.path, load_checkpoint(directory), read_history(directory)), damaged
-                except CheckpointError as e:
-                    problem = str(e)
-        damaged.append(f"checkpoint {checkpoint.path} is damaged: {problem}")
-    return None, damaged
 
 
 def _data_metrics(w: _Worker) -> dict[str, float | int]:
@@ -381,50 +351,6 @@ def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = Fal
             _hand_over(w)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=f"epoch_{epoch:04d}{w.checkpoint_suffix}")
-
-
-def free_device(run: Run) -> None:
-    """Let go of everything the run holds on its device, for a run that will not train again:
-    the optimiser's state and the gradients, the parameters' and buffers' storage (each left an
-    empty tensor of its dtype, on its device), DDP's wrapper with its gradient buckets, and the
-    caching allocator's cached blocks (`free_memory`). The checkpoint is written before."""
-    run.optimizer.state.clear()
-    run.optimizer.zero_grad(set_to_none=True)
-    # The plain model, out of every wrapper: DDP holds gradient buckets as large as the weights,
-    # and under --compile DDP sits inside torch.compile's wrapper, not at the top.
-    run.model = unwrap(run.model)
-    with torch.no_grad():
-        for tensor in (*run.model.parameters(), *run.model.buffers()):
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    free_memory(run.device)
-
-
-def held_device_mb(run: Run) -> float:
-    """The device memory (MiB) this worker holds for its run. On a GPU, what torch's caching
-    allocator reserves there (what another process cannot have), 0 before this process made a
-    CUDA context (asking would make one); on the CPU (simulated GPUs included), the bytes of the
-    model's parameters, buffers and gradients and of the optimiser's state."""
-    if run.device.type == "cuda":
-        return torch.cuda.memory_reserved(run.device) / 2**20 if torch.cuda.is_initialized() else 0.0
-    params = list(run.model.parameters())
-    tensors = [*params, *run.model.buffers(), *(p.grad for p in params if p.grad is not None),
-               *(v for state in run.optimizer.state.values() for v in state.values() if torch.is_tensor(v))]
-    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == run.device.type) / 2**20
-
-
-def process_device_mb(run: Run) -> float:
-    """The GPU memory this process has on its device as the driver sees it, for the lease's
-    record when the worker asks for the device: 0 means it waited in host memory (no CUDA context
-    there, asked in-process). With a context: NVML's count for this process (the context
-    included, which torch's allocator does not count), matched by the device's UUID; where NVML
-    does not list this process (a container: it reports host PIDs), the allocator's reserved
-    memory, a lower bound. `held_device_mb` on the CPU."""
-    if run.device.type != "cuda":
-        return held_device_mb(run)
-    if not has_cuda_context(run.device):
-        return 0.0
-    used = nvml_process_memory_mb(device_uuid(run.device))
-    return used if used is not None else held_device_mb(run)
 
 
 def _hand_over(w: _Worker) -> None:
