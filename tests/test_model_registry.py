@@ -236,7 +236,7 @@ def test_a_best_checkpoint_on_remote_storage_is_downloaded_and_logged(tmp_path, 
 
     def log_model(uri, run_id, folder, **kwargs):
         seen["folder"], seen["files"] = folder, sorted(p.name for p in Path(folder).iterdir())
-        return SimpleNamespace()
+        return mlflow_model.Logged("models:/m-1", "m-1")    # not registered: no version to describe
 
     monkeypatch.setattr(mlflow_model, "log_model", log_model)
     monkeypatch.setattr(mlflow_model, "usage_lines", lambda logged, uri, trial: [f"best model: {trial}"])

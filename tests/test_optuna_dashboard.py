@@ -140,14 +140,16 @@ def test_optuna_dashboard_serves_the_smoke_searchs_study_with_its_trials_names(s
             assert server.poll() is None, server.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, f"optuna-dashboard did not answer in {DASHBOARD_START_S} s"
             try:
-                studies = _get(f"{base}/api/studies")["studies"]
+                studies = _get(f"{base}/api/studies")["study_summaries"]
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.5)
         (summary,) = studies
-        trials = _get(f"{base}/api/studies/{summary['study_id']}")["trials"]
+        detail = _get(f"{base}/api/studies/{summary['study_id']}")
+        trials = detail["trials"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+    assert summary["study_name"] == out.results.name and detail["objective_names"] == ["val_acc"]
     with open(out.results / "trials.csv", newline="") as f:
         table = {row["name"]: row for row in csv.DictReader(f)}
     attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
