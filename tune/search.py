@@ -48,11 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as e:      # torch or Ray cannot load: most often a memory limit (ulimit -v)
         print(f"vidtune search: error: {import_failure_message(e)}", file=sys.stderr)
         return 1
-    except RuntimeError as e:
-        from vidtune.tune.faults import DiskFullError  # imports Ray: loaded by then if the search ran
-
-        if not isinstance(e, (DiskFullError, RayStartError)):
-            raise
+    except RayStartError as e:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -67,6 +63,7 @@ def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
     options the command line set (`tune.options.given_options`), which a --resume checks against
     the search's saved ones."""
     from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
+        faults,
         preflight,
         runner,
     )
@@ -80,7 +77,11 @@ def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
             print("dry run: everything checked (cluster resources are checked when the search connects); "
                   "nothing ran.")
             return 0
-        return runner.execute(plan)
+        try:
+            return runner.execute(plan)
+        except faults.DiskFullError as e:
+            print(f"vidtune search: error: {e}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":
