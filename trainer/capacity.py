@@ -7,7 +7,7 @@ than GPUs), and NCCL refuses two ranks of one run on one GPU. So the request is 
 naming the flag and value: `check_gpus_per_worker` needs only the flags (both CLIs run it before
 Ray starts); `check_fits` compares the request with the nodes (`vidtune train` reads this
 machine's before it starts a local Ray, `local_capacity`; on a cluster, and in a search, the
-running cluster's and the nodes its autoscaler may start, `read_capacity`).
+running cluster's and the nodes its autoscaler may start, `capacity_of`).
 """
 from __future__ import annotations
 
@@ -102,13 +102,12 @@ def read_node_types(config: Path = AUTOSCALER_CONFIG) -> tuple[NodeType, ...]:
     return tuple(capped)
 
 
-def read_capacity(config: Path | None) -> ClusterCapacity:
-    """The running Ray cluster's capacity (Ray must be initialised); `config`: the autoscaler's
-    cluster config (None: no autoscaler)."""
-    import ray  # heavy: trainer.train imports this module before it decides to start Ray
-
+def capacity_of(nodes: Sequence[dict], config: Path | None) -> ClusterCapacity:
+    """The running Ray cluster's capacity from its `nodes` (`ray.nodes()`: the caller, which has
+    Ray, asks; this module stays Ray-free for the checks before Ray starts); `config`: the
+    autoscaler's cluster config (None: no autoscaler)."""
     alive, head, head_memory = [], None, None
-    for n in ray.nodes():
+    for n in nodes:
         if not n.get("Alive"):
             continue
         res = n.get("Resources") or {}

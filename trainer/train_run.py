@@ -9,14 +9,16 @@ import queue as stdlib_queue
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import ray
 import ray.train
 from ray.util.queue import Empty, Queue
 
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.build_trainer import build_torch_trainer
-from vidtune.trainer.capacity import AUTOSCALER_CONFIG, read_capacity
+from vidtune.trainer.capacity import AUTOSCALER_CONFIG, ClusterCapacity, capacity_of
 from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import init_ray, joins_cluster
@@ -136,6 +138,12 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
     print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): "
           f"{best}")
     return 0
+
+
+def read_capacity(config: Path | None) -> ClusterCapacity:
+    """The running Ray cluster's capacity (`trainer.capacity.capacity_of` its nodes); `config`:
+    the autoscaler's cluster config (None: no autoscaler)."""
+    return capacity_of(ray.nodes(), config)
 
 
 def _acc(metrics: dict[str, Any]) -> float:

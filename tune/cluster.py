@@ -29,9 +29,9 @@ from vidtune.trainer.capacity import (  # noqa: F401 (some re-exported for tune.
     Node,
     NodeType,
     WorkerRequest,
+    capacity_of,
     check_fits,
     describe_nodes,
-    read_capacity,
     read_node_types,
 )
 from vidtune.trainer.gpus import simulated_gpus, unsupported_gpus
@@ -47,6 +47,12 @@ TRIAL_ON_HEAD_GB = 0.92
 # driver process (~1 GB with Tune, Optuna and the MLflow client) and an MLflow tracking server
 # (cluster.yaml starts one there).
 HEAD_RESERVE_GB = 2.5
+
+
+def read_capacity(config: Path | None) -> ClusterCapacity:
+    """The running Ray cluster's capacity (`trainer.capacity.capacity_of` its nodes); `config`:
+    the autoscaler's cluster config (None: no autoscaler)."""
+    return capacity_of(ray.nodes(), config)
 
 
 def trials_the_head_holds(head_memory_gb: float | None) -> int | None:
