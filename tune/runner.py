@@ -107,7 +107,10 @@ def _execute(plan: Plan) -> int:
             ray.shutdown()
         sys.stdout, sys.stderr = streams
         if ray_lines is not None:
-            ray_lines.close()
+            # On a full disk the log's last buffered lines cannot be written; the search's own
+            # error (disk full at ...) is the one to show, not this close's.
+            with contextlib.suppress(OSError):
+                ray_lines.close()
 
 
 def check_cluster(opts: SearchOptions) -> Fit:
