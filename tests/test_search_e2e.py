@@ -213,11 +213,13 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(smoke_search, sha
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
     # the last block opens with the answer (up to 4 lines) and says once what each column means;
-    # the legend of a speed measured beside other work shows only on a busy machine; 2 lines say
-    # where the registered model is and how to load and serve it
-    assert len([ln for ln in lines if not ln.startswith("~ other processes")]) <= 48, "\n".join(lines)
+    # the legend of a speed measured beside other work shows only on a busy machine; 3 lines say
+    # where the registered model is, how to load and serve it and where its alias `best` is; 1 line
+    # opens the Optuna study in optuna-dashboard
+    assert len([ln for ln in lines if not ln.startswith("~ other processes")]) <= 50, "\n".join(lines)
     answer = max(i for i, ln in enumerate(lines) if ln.startswith("Best: "))   # the last block, answer first
     assert any(ln.startswith("compare the trials in MLflow:") for ln in lines[answer:answer + 6])
+    assert any(ln.startswith("the Optuna study ") for ln in lines[answer:answer + 8])
     assert lines[-1].startswith("results: ")
     assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and \
         any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
