@@ -50,11 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(join_negative_values(argv, PROBE_FLAGS + CLIP_FLAGS))
-    from vidtune.trainer.batch_probe import probe_batch_size  # heavy (torch): once the flags are checked
-
     try:
         opts = read_options(ProbeOptions, PROBE_FLAGS, args)
         clip = read_options(DataConfig, CLIP_FLAGS, args)
+        from vidtune.trainer.batch_probe import probe_batch_size  # heavy (torch): once the flags are checked
+
         probe = probe_batch_size(opts.model, precision=args.precision, device=opts.device,
                                  num_frames=clip.num_frames, height=clip.height, width=clip.width,
                                  start=opts.start, limit=opts.limit, headroom=opts.headroom)
