@@ -363,6 +363,16 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
                for r in stopped)
     failed = [r for r in children if r.info.status == "FAILED"]     # OOM: FAILED with reason, run once
     assert len(failed) == 1 and "out of memory" in failed[0].data.tags[FAILURE_TAG], statuses
+    # The study beside mlruns.db (the default) records ASHA's stops as PRUNED, the others not, and
+    # names each trial and its MLflow run as MLflow does (tune.tracking.study)
+    study = optuna.load_study(study_name=plan.name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    by_run = {t.user_attrs["mlflow_run_id"]: t for t in study.trials}
+    assert set(by_run) == {r.info.run_id for r in children}
+    for run in children:
+        trial = by_run[run.info.run_id]
+        assert trial.user_attrs["vidtune_trial"] == run.info.run_name
+        assert trial.user_attrs["status"] == run.data.tags["vidtune.outcome"]
+        assert (trial.state.name == "PRUNED") == (run in stopped), (run.info.run_name, trial.state)
     # Every placement group this search created is gone: nothing left reserved for the next trial
     # or the next search (leaked groups used to make the search sit idle for 60 s per retry).
     new = {pg: info["state"] for pg, info in placement_group_table().items() if pg not in pgs_before}
