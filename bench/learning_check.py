@@ -58,14 +58,14 @@ def learning_index(folder: Path, *, workers: int | None = None) -> VideoIndex:
 
 def fit_tiny(train_videos: Sequence, val_videos: Sequence, *, device: torch.device | str = "cpu",
              precision: str = "auto", cache: FrameCache | None = None, seed: int = 0,
-             epochs: int = EPOCHS, loader_workers: int = 1) -> Curve:
-    """Train `tiny` from a fixed seed for `epochs` on `train_videos` (index entries) and score
-    `val_videos` after each epoch, at `precision` (`trainer.precision.choose_precision`) on
-    `device`. `cache`: the clip cache as a search uses it (its first epoch decodes each video
-    once; later epochs read the stored JPEG frames)."""
+             epochs: int = EPOCHS, loader_workers: int = 1, model: str = "tiny", lr: float = LR) -> Curve:
+    """Train `model` (any registry name, `hf:FOLDER` too) at `lr` from a fixed seed for `epochs`
+    on `train_videos` (index entries) and score `val_videos` after each epoch, at `precision`
+    (`trainer.precision.choose_precision`) on `device`. `cache`: the clip cache as a search uses
+    it (its first epoch decodes each video once; later epochs read the stored JPEG frames)."""
     torch.manual_seed(seed)
     device = torch.device(device)
-    spec = get_spec("tiny")
+    spec = get_spec(model)
     policy = choose_precision(precision, device)
     clip = dict(num_frames=spec.num_frames, frame_stride=2, height=spec.height, width=spec.width, cache=cache)
     train_ds = VideoClipDataset(list(train_videos), train=True, seed=seed, **clip)
@@ -75,8 +75,8 @@ def fit_tiny(train_videos: Sequence, val_videos: Sequence, *, device: torch.devi
                                 pin_memory=pin, seed=seed)
     val_loader = build_loader(val_ds, batch_size=BATCH_SIZE, train=False, num_workers=loader_workers,
                               pin_memory=pin, seed=seed)
-    model = build_model("tiny").to(device)
-    optimizer = make_optimizer(model, LR, 0.05, device)
+    net = build_model(model).to(device)
+    optimizer = make_optimizer(net, lr, 0.05, device)
     scheduler = make_scheduler(optimizer, epochs * len(train_loader), warmup_frac=0.1)
     scaler = policy.make_scaler()
     train_tf = ClipTransform(spec.mean, spec.std, train=True).to(device)
@@ -85,10 +85,10 @@ def fit_tiny(train_videos: Sequence, val_videos: Sequence, *, device: torch.devi
     started = time.perf_counter()
     for epoch in range(epochs):
         train_ds.set_epoch(epoch)
-        stats = train_one_epoch(model, train_loader, transform=train_tf, optimizer=optimizer,
+        stats = train_one_epoch(net, train_loader, transform=train_tf, optimizer=optimizer,
                                 scheduler=scheduler, scaler=scaler, policy=policy, device=device)
         skipped += stats.nonfinite_steps
-        out = evaluate(model, val_loader, transform=val_tf, policy=policy, device=device)
+        out = evaluate(net, val_loader, transform=val_tf, policy=policy, device=device)
         accuracies.append(classification_metrics(out.probs, out.labels)["val_acc"])
     return Curve(policy.name, accuracies, skipped, time.perf_counter() - started)
 

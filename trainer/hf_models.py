@@ -187,3 +187,24 @@ def build(folder: Path, source: str, num_classes: int = 2) -> HFVideoClassifier:
         raise HFModelError(f"Hugging Face model {source!r} ({type(hf).__name__}) has no nn.Linear "
                            "`classifier` head")
     return HFVideoClassifier(hf).train()
+
+
+# Files of an image/video processor that `save_pretrained` output carries beside the model.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def export_pretrained(weights: dict[str, torch.Tensor], source: str, folder: str | Path) -> Path:
+    """Write the trained model `weights` (a vidtune checkpoint's `model` state dict) of checkpoint
+    `source` (the part after `hf:`) as `save_pretrained` does into `folder`: config with the
+    head's labels, weights, and the source's image processor, so that
+    `AutoModelForVideoClassification.from_pretrained(folder)` loads it outside vidtune."""
+    head = weights[f"{HFVideoClassifier.classifier_name}.weight"]
+    checkpoint = local_checkpoint(source)
+    model = build(checkpoint, source, num_classes=head.shape[0])
+    model.load_state_dict(weights)
+    out = Path(folder)
+    model.save_pretrained(out)
+    for file in PROCESSOR_FILES:
+        if (checkpoint / file).is_file():
+            (out / file).write_bytes((checkpoint / file).read_bytes())
+    return out

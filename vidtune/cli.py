@@ -3,6 +3,7 @@
     vidtune search --data /data/rwf2000      # the hyperparameter search (no --data: the demo)
     vidtune train --data /data/rwf2000 ...   # one training run, no search
     vidtune predict --checkpoint ... a.mp4   # score videos with a trained model
+    vidtune ui / vidtune serve MODEL         # MLflow's UI / model server on a search's store
 
 Each subcommand is the `main(argv)` of the module that implements it, with the same flags and
 `--help` as `python -m <module>`; this file only picks the module. It imports nothing heavy
@@ -35,11 +36,15 @@ COMMANDS: dict[str, Command] = {
                     "the search on a generated dataset, on this machine (what `search` without --data runs)"),
     "train": Command("vidtune.trainer.train", "train one configuration, no search (Ray Train)"),
     "predict": Command("vidtune.trainer.predict", "score videos with a trained checkpoint"),
+    "ui": Command("vidtune.ui_cli", "open MLflow's UI on a search's store (no activated venv needed)"),
+    "serve": Command("vidtune.serve_cli", "serve a registered model over HTTP with MLflow (P(violent) per video)"),
     "index": Command("vidtune.datasets.index", "find and probe a data folder's videos; list unusable ones"),
     "cache": Command("vidtune.trainer.fill_cache",
                      "decode a data folder once into the clip cache, at a model's input size"),
     "synth": Command("vidtune.datasets.synthetic",
                      "write a small learnable violence-like dataset of real video files"),
+    "export-hf": Command("vidtune.trainer.hf_export",
+                         "write a trained hf: model as save_pretrained does, for use outside vidtune"),
     "batch-probe": Command("vidtune.trainer.batch_probe_cli",
                            "find the largest batch size that fits in one GPU's memory"),
 }

@@ -1,0 +1,97 @@
+"""A trained hf: model leaves vidtune like a torchvision one: logged in MLflow, its python_function
+model scoring videos as `vidtune predict` does, and as `save_pretrained` output
+(`vidtune export-hf`) that transformers loads without vidtune. No network: a tiny VideoMAE folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from tests.test_hf_models import save_tiny
+from vidtune.trainer import mlflow_model, scoring
+from vidtune.trainer.checkpointing import save_checkpoint
+from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.hf_export import main as export_hf
+from vidtune.trainer.models import build_model, get_spec
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(model name, checkpoint folder, the network): a tiny VideoMAE with a 2-way head whose
+    weights differ from the folder's (as training leaves them), saved as a trial saves them."""
+    tmp = tmp_path_factory.mktemp("hf-export")
+    name = f"hf:{save_tiny('videomae', tmp / 'source')}"
+    torch.manual_seed(0)
+    network = build_model(name)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    optimizer = torch.optim.AdamW(network.parameters())
+    save_checkpoint(tmp / "ckpt", model=network, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
+                    config=TrainConfig(model=name).to_dict(), spec=get_spec(name),
+                    class_names={1: "Fight", 0: "NonFight"})
+    return name, tmp / "ckpt", network.eval()
+
+
+def test_export_hf_writes_what_transformers_loads_with_the_trained_weights(trained, tmp_path, capsys):
+    name, ckpt, network = trained
+    assert export_hf(["--checkpoint", str(ckpt), str(tmp_path / "out")]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+    loaded = transformers.AutoModelForVideoClassification.from_pretrained(tmp_path / "out").eval()
+    assert loaded.config.id2label == {0: "non-violent", 1: "violent"}
+    x = torch.randn(2, 3, 8, 32, 32)                                   # B x C x T x H x W
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(pixel_values=x.transpose(1, 2)).logits, network(x))
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out")
+    assert list(processor.image_mean) == [0.4, 0.5, 0.6]              # the source's, copied
+
+
+def test_export_hf_refuses_a_torchvision_checkpoint_and_a_used_folder_in_one_line(trained, tmp_path, capsys):
+    network = build_model("tiny")
+    optimizer = torch.optim.AdamW(network.parameters())
+    save_checkpoint(tmp_path / "tiny", model=network, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
+                    config=TrainConfig().to_dict(), spec=get_spec("tiny"),
+                    class_names={1: "Fight", 0: "NonFight"})
+    assert export_hf(["--checkpoint", str(tmp_path / "tiny"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--checkpoint" in err and "'tiny', not a Hugging Face one" in err
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("x")
+    assert export_hf(["--checkpoint", str(trained[1]), str(tmp_path / "used")]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_logged_hf_model_scores_videos_as_predict_does(trained, synthetic_root, tmp_path):
+    """The generic path: `mlflow_model.log_model` of an hf: checkpoint, loaded back as a
+    python_function model, gives each video the probability `vidtune predict`'s code gives it."""
+    _, ckpt, _ = trained
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name="t01")
+    videos = sorted(str(p) for p in (synthetic_root / "val").rglob("*.mp4"))[:2]
+    logged = mlflow_model.log_model(uri, run.info.run_id, ckpt, example_video=videos[0],
+                                    registered_name="hf-tiny")
+    assert logged.uri == "models:/hf-tiny/1"
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        scored = mlflow.pyfunc.load_model(logged.uri).predict(videos)
+    finally:
+        mlflow.set_tracking_uri(before)
+    predictor = scoring.Predictor.from_checkpoint(ckpt, torch.device("cpu"))
+    assert (predictor.num_frames, predictor.height, predictor.width) == (8, 32, 32)
+    expected = [mlflow_model.video_probability(predictor, Path(v), 1.0, 8) for v in videos]
+    assert scored == pytest.approx(expected, abs=1e-6)
+    assert len(set(round(s, 6) for s in scored)) == 2 and all(0 < s < 1 for s in scored)
