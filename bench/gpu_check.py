@@ -27,7 +27,10 @@ says. It needs a CUDA device and refuses without one (exit 2).
   8. one epoch of mvit_v2_s as a worker trains it (trainer.run) with --compile and
      --channels-last: Inductor lowers its attention matmuls, where a TF32 setting once crashed it;
   9. the batch probe against a known answer: in a slice of the GPU's memory (--probe-share), the
-     size it finds fits, measured alone from a clean allocator, and one more clip does not.
+     size it finds fits, measured alone from a clean allocator, and one more clip does not;
+ 10. a hub architecture: a tiny random VideoMAE, written with save_pretrained and trained as
+     `--model hf:FOLDER` on the learning videos in fp16 and bf16, each learning (val_acc 0.8) and
+     reporting its clips/s and peak memory.
 
 Prints a table of the checks; the first that fails ends the run with a line saying what failed
 (exit 1); with --keep-going every check runs (a first run on a new GPU shows all that fails).
@@ -69,6 +72,7 @@ from vidtune.trainer.precision import (
     default_device,
     free_memory,
     peak_reserved_mb,
+    reset_peak_memory,
 )
 from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
 
@@ -478,6 +482,37 @@ class GpuCheck:
         require(not found, "the tiny model did not learn: " + "; ".join(found))
         return learning_check.summary(curves)
 
+    def hub_architecture(self) -> str:
+        """A hub architecture trained as `--model hf:FOLDER` trains it: a tiny random VideoMAE
+        (bench/learning_check.TINY_VIDEOMAE, written with save_pretrained) on the learning videos,
+        in fp16 with GradScaler and in bf16 (where the GPU has it). Each must learn (the CPU's
+        bar, tests/test_hf_learning.py) and report its speed and peak memory."""
+        precisions = ["fp16"] + (["bf16"] if torch.cuda.is_bf16_supported(including_emulation=False) else [])
+        workers = min(os.cpu_count() or 1, 16)
+        index = learning_check.learning_index(self.work / "learning-hf", workers=workers)
+        folder = learning_check.save_tiny_videomae(self.work / "tiny-videomae")
+        cache = FrameCache(self.work / "learning-hf-clips")
+        curves, rows = [], []
+        for p in precisions:
+            reset_peak_memory(self.device)
+            curve = learning_check.fit_tiny(
+                index.train, index.val, device=self.device, precision=p, cache=cache,
+                loader_workers=min(workers, 4), model=f"hf:{folder}", lr=learning_check.HF_LR,
+                epochs=learning_check.HF_EPOCHS)
+            clips = (len(index.train) + len(index.val)) * len(curve.accuracies)   # trained + scored
+            curves.append(curve)
+            rows.append({**asdict(curve), "clips_per_s": clips / curve.seconds if curve.seconds else 0.0,
+                         "peak_reserved_mib": peak_reserved_mb(self.device) or 0.0})
+        self.figures["hub_architecture"] = rows
+        require([c.precision for c in curves] == precisions,
+                f"asked {precisions}, trained {[c.precision for c in curves]}")
+        found = [problem for c in curves for problem in learning_check.problems(c)]
+        require(not found, "the tiny VideoMAE did not learn: " + "; ".join(found))
+        silent = [r["precision"] for r in rows if not (r["clips_per_s"] > 0 and r["peak_reserved_mib"] > 0)]
+        require(not silent, f"no speed or peak memory reported for {silent}")
+        return "; ".join(f"{r['precision']} val_acc {r['accuracies'][-1]:.3f}, {r['clips_per_s']:.0f} "
+                         f"clips/s (train + val), peak {r['peak_reserved_mib']:.0f} MiB" for r in rows)
+
     def compiled_epoch(self) -> str:
         """One epoch of MODEL trained as a Train worker trains it (`trainer.run`: build_run,
         place_model, run_epoch) with --compile and --channels-last, at batch 8."""
@@ -544,7 +579,8 @@ class GpuCheck:
                                 capability=torch.cuda.get_device_capability(self.device)),
                   ("hand-over", lambda: check_hand_over(self.lease_record))]
         # after the search: a crash while compiling must not cost the search's checks
-        later = [("batch probe", self.batch_probe), ("compiled, channels-last", self.compiled_epoch)]
+        later = [("batch probe", self.batch_probe), ("compiled, channels-last", self.compiled_epoch),
+                 ("hub architecture (VideoMAE)", self.hub_architecture)]
         return {"all": local + search + later, "local": local + later, "search": search}[a.part]
 
 
