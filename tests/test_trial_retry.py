@@ -1,6 +1,6 @@
 """Which failed trials a search runs again (tune/trial_retry.py): only those whose process or
 node was lost; a trial that failed by itself fails at once when Tune retries it, until a
---resume (a new search process) gives it another go."""
+--resume (a new search process, with a new registry) gives it another go."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,15 +11,10 @@ from ray.train import ControllerError, WorkerGroupError
 
 from vidtune.trainer.config import TrainConfig
 from vidtune.tune import trial as trial_module
+from vidtune.tune import trial_retry
 from vidtune.tune.faults import exception_line
 from vidtune.tune.trial import TrialResources, make_trial_driver
-from vidtune.tune.trial_retry import (
-    OWN_ERROR_FILE,
-    TrialFailedBefore,
-    is_lost_process,
-    raise_if_failed_before,
-    record_own_error,
-)
+from vidtune.tune.trial_retry import TrialFailedBefore, is_lost_process
 
 
 def _raised_from(error: BaseException, cause: BaseException) -> BaseException:
@@ -45,22 +40,55 @@ def test_only_lost_processes_and_nodes_count_as_lost(error, lost):
     assert is_lost_process(error) is lost
 
 
-def test_an_own_error_stops_a_retry_of_the_same_search_process_only(tmp_path):
-    run = str(tmp_path / "train_runs" / "t00-bs4-lr1e-3")
-    raise_if_failed_before(run, "a")                       # nothing recorded: no error
-    record_own_error(run, "a", ValueError("video x.mp4 does not decode"))
-    assert (tmp_path / "train_runs" / "t00-bs4-lr1e-3" / OWN_ERROR_FILE).is_file()
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeRegistry:
+    """tune.cleanup's registry actor without Ray: its two methods the retry rule uses, called
+    through `.remote` as on the actor handle (`ray.get` patched to return the value)."""
+
+    def __init__(self):
+        self.errors: dict[str, str] = {}
+        self.note_own_error = _Method(lambda trial_id, text: self.errors.setdefault(trial_id, text))
+        self.own_error = _Method(self.errors.get)
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """The search's registry, by name "reg" (another name: no such actor, as Ray would say)."""
+    fake = FakeRegistry()
+
+    def get_actor(name):
+        if name != "reg":
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return fake
+
+    monkeypatch.setattr(trial_retry.ray, "get_actor", get_actor)
+    monkeypatch.setattr(trial_retry.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(trial_module, "was_released", lambda name, trial_id: False)
+    monkeypatch.setattr(trial_module, "PlacementGroupRecorder", lambda name, trial_id: None)
+    return fake
+
+
+def test_an_own_error_stops_a_retry_while_the_registry_lives(registry):
+    trial_retry.raise_if_failed_before("reg", "t1")                       # nothing noted: no error
+    try:
+        raise ValueError("video x.mp4 does not decode")
+    except ValueError as e:
+        trial_retry.note_own_error("reg", "t1", e)
     with pytest.raises(TrialFailedBefore) as failed:
-        raise_if_failed_before(run, "a")
+        trial_retry.raise_if_failed_before("reg", "t1")
     # What the console shows of a failed trial is the first error, not the refusal.
     assert exception_line(str(failed.value)) == "ValueError: video x.mp4 does not decode"
-    raise_if_failed_before(run, "b")                       # a --resume: tried again
+    trial_retry.raise_if_failed_before("reg", "t2")                       # another trial: tried
+    # A --resume is a new search process with a new registry: nothing noted there.
+    trial_retry.raise_if_failed_before("other-search", "t1")
 
 
-def test_recording_on_a_storage_that_fails_keeps_the_trial_error(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a folder")
-    record_own_error(str(blocker / "run"), "a", ValueError("x"))   # cannot write: no exception
+def test_a_registry_that_cannot_be_asked_keeps_the_trial_error(registry):
+    trial_retry.note_own_error("gone", "t1", ValueError("x"))             # no exception of its own
 
 
 class _Context:
@@ -83,13 +111,12 @@ def _driver(tmp_path, monkeypatch, error: BaseException):
         return SimpleNamespace(fit=lambda: (_ for _ in ()).throw(error))
 
     resources = TrialResources(workers=1, cpus_per_worker=1.0, gpus_per_worker=0.0)
-    driver = make_trial_driver(TrainConfig(), resources,
-                               train_storage=str(tmp_path / "train_runs"), trainer_factory=factory,
-                               attempt="search-1")
+    driver = make_trial_driver(TrainConfig(), resources, train_storage=str(tmp_path / "train_runs"),
+                               trainer_factory=factory, registry_name="reg")
     return driver, built
 
 
-def test_a_trial_that_failed_by_itself_is_not_trained_again_on_retry(tmp_path, monkeypatch):
+def test_a_trial_that_failed_by_itself_is_not_trained_again_on_retry(tmp_path, monkeypatch, registry):
     driver, built = _driver(tmp_path, monkeypatch, ValueError("broken video"))
     with pytest.raises(ValueError):
         driver({"batch_size": 4, "lr": 1e-3})
@@ -98,7 +125,7 @@ def test_a_trial_that_failed_by_itself_is_not_trained_again_on_retry(tmp_path, m
     assert built == ["t00-bs4-lr1e-3"]          # the retry built no trainer
 
 
-def test_a_trial_whose_controller_was_lost_is_trained_again_on_retry(tmp_path, monkeypatch):
+def test_a_trial_whose_controller_was_lost_is_trained_again_on_retry(tmp_path, monkeypatch, registry):
     driver, built = _driver(tmp_path, monkeypatch, ControllerError(ray.exceptions.ActorDiedError()))
     for _ in range(2):
         with pytest.raises(ControllerError):

@@ -45,12 +45,20 @@ log = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class _PlacementGroupRegistry:
     """trial id -> the placement groups (hex ids) and Train controller actors of its Train runs,
-    and the trials whose resources were released (they were stopped, failed or finished)."""
+    the trials whose resources were released (they were stopped, failed or finished), and the
+    errors trials raised by themselves (`tune.trial_retry`)."""
 
     def __init__(self) -> None:
         self._groups: dict[str, list[str]] = {}
         self._controllers: dict[str, list[ActorHandle]] = {}
         self._released: set[str] = set()
+        self._own_errors: dict[str, str] = {}
+
+    def note_own_error(self, trial_id: str, text: str) -> None:
+        self._own_errors.setdefault(trial_id, text)
+
+    def own_error(self, trial_id: str) -> str | None:
+        return self._own_errors.get(trial_id)
 
     def add(self, trial_id: str, pg_hex: str, controller: ActorHandle | None = None) -> None:
         self._groups.setdefault(trial_id, []).append(pg_hex)

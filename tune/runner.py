@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -228,8 +227,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
-                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective),
-                               attempt=uuid.uuid4().hex)
+                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
                  SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,

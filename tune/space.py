@@ -116,7 +116,20 @@ class VidtuneOptunaSearch(OptunaSearch):
             config = {**config, "lr": lr}
         return config
 
+    def _told_already(self, trial_id: str) -> bool:
+        """Whether the study already holds this trial's end: a trial that errored was told to
+        Optuna as FAIL, in the study's database, and a --resume runs it again. Optuna cannot
+        reopen a finished trial, so it stays FAIL there; Tune's results, trials.csv and MLflow
+        carry its new result."""
+        ot_trial, ot_study = optuna_pending_trial(self, trial_id), optuna_study(self)
+        if ot_trial is None or ot_study is None:
+            return False
+        running = ot_study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return ot_trial.number not in {t.number for t in running}
+
     def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if self._told_already(trial_id):
+            return
         if trial_id not in self._named:   # the dashboard names a running trial from its first epoch
             ot_trial = optuna_pending_trial(self, trial_id)
             if ot_trial is not None:
@@ -128,6 +141,8 @@ class VidtuneOptunaSearch(OptunaSearch):
             self._reported[trial_id] = int(result[TRAINING_ITERATION])
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if self._told_already(trial_id):
+            return
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
         if ot_trial is not None and result:
             for key, constraint, reason in (("oom", OOM_CONSTRAINT, "out of memory"),

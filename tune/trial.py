@@ -23,7 +23,7 @@ from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.lease import LEAD, LeaseSettings
 from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
-from vidtune.tune.trial_retry import is_lost_process, raise_if_failed_before, record_own_error
+from vidtune.tune.trial_retry import is_lost_process, note_own_error, raise_if_failed_before
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
 SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
@@ -151,12 +151,14 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
                       index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None,
-                      score_metric: str = "val_acc", attempt: str | None = None) -> Callable[[dict], None]:
+                      score_metric: str = "val_acc") -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
     the trial, `short_name`).
-    `registry_name`: the `tune.cleanup` registry its placement group is recorded in (None: none).
+    `registry_name`: the `tune.cleanup` registry its placement group is recorded in, and its own
+    errors, so that Tune's retry (meant for a lost node) does not train it again (`tune.trial_retry`);
+    None: none.
     `lease_name`: the search's `trainer.lease` actor; the trial's workers train only while they
     hold their devices (None: no lease, trials may share a device).
     `index`: the driver's `datasets.index.VideoIndex`, handed to every trial's workers (the
@@ -164,8 +166,6 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     `trainer_factory`: defaults to `trainer.build_trainer.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     `score_metric`: what ranks the trial's checkpoints (`tune.results.objective_key`).
-    `attempt`: this search process's id: a trial Tune retries after it failed by itself in the
-    same process fails at once (`tune.trial_retry`); only a lost node's trials run again.
     """
     base_dict = base.to_dict()
 
@@ -189,8 +189,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             # would resume from the final checkpoint and report nothing, so report its metrics.
             tune.report(finished)
             return
-        if attempt:
-            raise_if_failed_before(run_path, attempt)
+        if registry_name:
+            raise_if_failed_before(registry_name, trial_id)
         lease = LeaseSettings(lease_name, trial_id) if lease_name else None
         role = LEAD
         if lease_name and resources.takes_roles:
@@ -207,8 +207,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             # run (tune.cleanup): nothing failed. Returning frees this process for the next trial.
             if registry_name and was_released(registry_name, trial_id):
                 return
-            if attempt and not is_lost_process(e):
-                record_own_error(run_path, attempt, e)
+            if registry_name and not is_lost_process(e):
+                note_own_error(registry_name, trial_id, e)
             raise
 
     return trial_driver
