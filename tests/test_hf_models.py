@@ -156,3 +156,20 @@ def test_a_smoke_search_trains_a_videomae_folder(videomae, shared_ray, synthetic
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = out.stdout.split("\ntrials:\n", 1)[1]
     assert sum(line.rstrip().endswith(" DONE") for line in table.splitlines()) == 2, table
+
+
+def test_workers_read_the_drivers_hub_cache_offline_as_it_does_and_never_get_the_token(monkeypatch, tmp_path):
+    """The driver fetched the checkpoint into HF_HOME (or HF_HUB_CACHE); every Ray worker gets the
+    same settings through the runtime env (trainer.launch.worker_env_vars), HF_HUB_OFFLINE with
+    them, but not HF_TOKEN: workers only read the cache."""
+    from vidtune.trainer.launch import worker_env_vars
+
+    for name in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    assert not {k for k in worker_env_vars() if k.startswith("HF_")}
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "shared-hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    env = worker_env_vars()
+    assert env["HF_HOME"] == str(tmp_path / "shared-hf") and env["HF_HUB_OFFLINE"] == "1"
+    assert "HF_TOKEN" not in env and "hf_secret" not in env.values()

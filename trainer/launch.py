@@ -37,15 +37,22 @@ __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", 
            "init_ray", "worker_env_vars"]
 
 
+# Where the driver fetched an hf: model's checkpoint (trainer.hf_models), and whether the hub may be
+# asked at all: every worker reads the same cache, offline when the driver is (never the token:
+# the driver downloads, workers only read).
+HF_CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+
+
 def worker_env_vars() -> dict[str, str]:
-    """Environment every Ray worker process gets from this driver: today only the simulated-GPU
-    count of a CPU test run (`vidtune.trainer.gpus`).
+    """Environment every Ray worker process gets from this driver: the simulated-GPU count of a
+    CPU test run (`vidtune.trainer.gpus`) and the Hugging Face cache settings (`HF_CACHE_ENV`).
 
     The code itself is not shipped: workers import the installed `vidtune` package of their node
     (on this machine, the driver's own interpreter and site-packages; on a cluster, what
     `cluster.yaml`'s setup installed on every node).
     """
-    return {SIMULATE_ENV: os.environ[SIMULATE_ENV]} if simulated_gpus() else {}
+    env = {name: os.environ[name] for name in HF_CACHE_ENV if name in os.environ}
+    return {**env, SIMULATE_ENV: os.environ[SIMULATE_ENV]} if simulated_gpus() else env
 
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"   # Ray's token authentication: on unless this says otherwise
