@@ -291,6 +291,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         out = _finish(_start(args, tmp_path, log, shared_ray), log)
         last = out.strip().splitlines()[-1]
         assert last.startswith(f"vidtune search: error: disk full at {full}"), out[-3000:]
+        assert "trials ran; checkpoints kept: t0" in last, last      # what is there to resume
         assert "search interrupted" not in out                     # one message, not two
         assert "Traceback" not in out, out[-3000:]
         c, parent, children = _runs(uri)
@@ -321,3 +322,28 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         assert [r["status"] for r in rows] == ["DONE", "DONE"], rows
     finally:
         subprocess.run(["umount", "-l", str(full)], capture_output=True)
+
+
+def test_a_full_disk_says_which_whole_checkpoints_each_trial_kept(tmp_path):
+    """The disk-full error's count: whole checkpoints only (a folder cut short by the full disk
+    fails its checksums), per trial, as ranges where they run on."""
+    from vidtune.trainer.checkpointing import write_checksums
+    from vidtune.tune.faults import kept_checkpoints
+
+    runs = tmp_path / "ray" / "train_runs"
+    for trial, epochs in (("t01", (1, 2, 3)), ("t02", (1, 3)), ("t03", ())):
+        (runs / trial).mkdir(parents=True)
+        for epoch in epochs:
+            folder = runs / trial / f"epoch_{epoch:04d}"
+            folder.mkdir()
+            (folder / "checkpoint.pt").write_bytes(b"x" * 100)
+            write_checksums(folder)
+    cut = runs / "t03" / "epoch_0001"
+    cut.mkdir()
+    (cut / "checkpoint.pt").write_bytes(b"x" * 100)
+    write_checksums(cut)
+    (cut / "checkpoint.pt").write_bytes(b"x" * 10)                   # cut short after its checksums
+    assert kept_checkpoints(str(tmp_path / "ray")) == (
+        "3 trials ran; checkpoints kept: t01 epochs 1-3, t02 epochs 1, 3, t03 none")
+    assert kept_checkpoints(str(tmp_path / "elsewhere")) == ""
+    assert kept_checkpoints("s3://bucket/search/ray") == ""

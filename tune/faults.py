@@ -31,6 +31,7 @@ from ray.tune import Callback
 from ray.tune.experiment import Trial
 
 from vidtune.atomic import write_atomically
+from vidtune.trainer.checkpointing import checkpoint_problem
 from vidtune.tune import layout
 
 DISABLE_TUNE_SIGINT = "TUNE_DISABLE_SIGINT_HANDLER"
@@ -127,6 +128,26 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
         except OSError:
             pass
     return None
+
+
+def kept_checkpoints(experiment_path: str) -> str:
+    """What a search that stopped on a full disk kept, read from its trials' Train runs
+    (`<experiment>/train_runs/<trial>/epoch_NNNN`, whole by their checksums): "2 trials ran;
+    checkpoints kept: t01 epochs 1-2, t02 none". "" on remote storage or with no trial."""
+    if "://" in experiment_path:
+        return ""
+    runs = sorted(p for p in (Path(experiment_path) / "train_runs").glob("*") if p.is_dir())
+    if not runs:
+        return ""
+    kept = []
+    for run in runs:
+        epochs = sorted(int(c.name.split("_")[1]) for c in run.glob("epoch_[0-9]*")
+                        if c.is_dir() and checkpoint_problem(c) is None)
+        span = ("none" if not epochs else f"epoch {epochs[0]}" if len(epochs) == 1 else
+                f"epochs {epochs[0]}-{epochs[-1]}" if epochs == list(range(epochs[0], epochs[-1] + 1)) else
+                f"epochs {', '.join(map(str, epochs))}")
+        kept.append(f"{run.name} {span}")
+    return f"{len(runs)} trial{'s' if len(runs) != 1 else ''} ran; checkpoints kept: {', '.join(kept)}"
 
 
 # -- a failed trial's traceback ------------------------------------------------------------------

@@ -341,7 +341,9 @@ def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoRetu
                     "last whole copy" if last_good.has_copy(plan.experiment_path) else
                     "the search's saved state was cut short, so it cannot be resumed: free space and "
                     "start a new search under another --name; the runs recorded so far stay in MLflow")
-        raise DiskFullError(f"disk full at {plan.storage} ({full}): {then}") from None
+        kept = faults.kept_checkpoints(plan.experiment_path)
+        kept = f"; {kept}" if kept else ""
+        raise DiskFullError(f"disk full at {plan.storage} ({full}){kept}: {then}") from None
     if opts.resume:
         raise ConfigError("--resume", unreadable_state(plan.experiment_path, failure)) from failure
     raise failure
