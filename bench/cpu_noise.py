@@ -13,6 +13,7 @@ next parallel step, so the training slows by more than the share of CPU the back
 
     python -m bench.cpu_noise                                  # tiny, 1 and 2 threads, 0 / 0.1 / 0.2 cores
     python -m bench.cpu_noise --threads 2 --noise-cores 0 0.05 0.1 0.2 0.4 --json noise.json
+    python -m bench.cpu_noise --quick                          # 1 round of 4 steps, 1 thread: checks it runs
 """
 from __future__ import annotations
 
@@ -48,7 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-processes", type=int, default=2, help="background processes (default 2)")
     p.add_argument("--burst-ms", type=float, default=2.0, help="each background burst, ms (default 2)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
+    p.add_argument("--quick", action="store_true",
+                   help="a few seconds, to check the script runs: 4 steps, 1 round, 1 thread, "
+                   "0 and 0.2 cores")
     return p
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    """--quick: shrink the run to one short timing per case (its figures are too noisy to quote)."""
+    if args.quick:
+        args.steps, args.rounds, args.threads, args.noise_cores = 4, 1, [1], [0.0, 0.2]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -150,6 +160,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_quick(args)
     check_args(args)
     rows = measure(args)
     first = args.noise_cores[0]
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"model": args.model, "batch_size": args.batch_size, "steps": args.steps,
                                "rounds": args.rounds, "noise_processes": args.noise_processes,
-                               "burst_ms": args.burst_ms, "rows": rows})
+                               "burst_ms": args.burst_ms, "quick": args.quick, "rows": rows})
     return 0
 
 

@@ -18,7 +18,10 @@ TF32 peak. Rows run most interesting first; past --max-seconds the rest are skip
 
     python -m bench.gpu_precision --json gpu.json          # H200: mvit_v2_s 16x224x224, batch 8, 16 (< 5 min)
     python -m bench.gpu_precision --model swin3d_t --batch-sizes 16 32 --channels-last
+    python -m bench.gpu_precision --quick                  # a GPU: 1 batch size, bf16, 3 timed steps (~1 min)
     python -m bench.gpu_precision --cpu-smoke              # no GPU: the same rows, tiny model, 2 timed steps
+
+Without a CUDA device (and without --cpu-smoke) it refuses with exit 2, as `make gpu-check` does.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ from vidtune.trainer.precision import is_out_of_memory
 # --max-seconds counts from the process's start: Python's start and torch's import are part of the run.
 STARTED = psutil.Process().create_time()
 REPO_ROOT = Path(__file__).resolve().parents[1]
+NO_GPU_EXIT = 2       # no CUDA device: refused, as bench/gpu_check.py does
 
 # Peak dense (no sparsity) tensor-core TFLOP/s from NVIDIA's datasheets, per autocast precision;
 # "tf32" is what fp32 rows use (TF32 on), "fp32" the plain CUDA-core rate. Matched as a substring
@@ -142,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run on the CPU instead: tiny model, batch 2, fp32 and bf16, 1 warm-up + 2 timed "
                         "steps, a 10-video corpus (checks the script without a GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run to check the script: the first batch size, the first precision, "
+                        "1 warm-up + 3 timed steps, a 16-video corpus with a jpeg cache, --max-seconds 120 "
+                        "(with --cpu-smoke: a 2-row CPU run)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
     return p
 
@@ -346,8 +354,12 @@ def setup(args: argparse.Namespace) -> torch.device | None:
                                 ("--source-size", [args.source_size], 16)):
         if min(values) < least:
             raise SystemExit(f"{flag} {min(values)}: must be >= {least}")
+    if args.quick:
+        args.batch_sizes, args.precisions = args.batch_sizes[:1], args.precisions[:1]
+        args.warmup_steps, args.steps, args.videos = 1, 3, 16
+        args.cache_formats, args.max_seconds = args.cache_formats[:1], min(args.max_seconds, 120)
     if args.cpu_smoke:
-        args.model, args.batch_sizes, args.precisions = "tiny", [2], ["fp32", "bf16"]
+        args.model, args.batch_sizes, args.precisions = "tiny", [2], ["fp32", "bf16"][:1 if args.quick else 2]
         args.warmup_steps, args.steps, args.videos, args.source_size = 1, 2, 10, 112
         args.loader_workers = min(args.loader_workers, 1)
         # steadier on a shared CPU: several OpenMP threads spin-wait for a busy core
@@ -355,8 +367,9 @@ def setup(args: argparse.Namespace) -> torch.device | None:
         return torch.device("cpu")
     device = torch.device(args.device) if args.device else prec.default_device()
     if not prec.is_cuda(device):
-        print(f"no CUDA device here ({device}): nothing to measure on a GPU (run with --cpu-smoke for a CPU "
-              "check)")
+        print(f"gpu_precision: refused: torch {torch.__version__} sees no CUDA device here ({device}); this "
+              "benchmark needs one GPU (nothing was run; --cpu-smoke checks the script on the CPU)",
+              file=sys.stderr)
         return None
     return device
 
@@ -434,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = setup(args)
     if device is None:
-        return 0
+        return NO_GPU_EXIT
     spec = get_spec(args.model)
     torch.manual_seed(0)
     model = build_model(args.model)    # weights="none": random init, nothing to download

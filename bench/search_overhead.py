@@ -552,7 +552,10 @@ def run_plain(argv: list[str], trials: list[dict], threads: int, tmp: Path, args
 
 
 def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg-search")}
+    # Without RAY_ADDRESS the search starts a Ray of its own: one RAY_ADDRESS names (another run's)
+    # has other work on it and would not be torn down with the search, unlike the plain side.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["XDG_CACHE_HOME"] = str(tmp / "xdg-search")
     run = run_logged([sys.executable, str(REPO_ROOT / "tune" / "search.py"), *argv], env=env, cwd=tmp,
                      timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "search.log")
     # Tune's trial folders are in the search folder's state subfolder (tune.layout), not at its top

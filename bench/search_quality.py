@@ -6,6 +6,8 @@
         --json out.json --plot out.png
     python -m bench.search_quality choose bench/tables/A.json bench/tables/B.json ... --seeds 50 \\
         --json choice.json
+    python -m bench.search_quality record --data DIR --out t.json --quick   # 2 runs x 2 epochs: a check
+    python -m bench.search_quality replay t.json --quick                     # 2 replay seeds
 
 `record` trains the grid with the project's own loop outside Ray (`bench.sq_record`); `replay`
 drives the searcher and scheduler `tune/space.py` builds against that table with a simulated
@@ -56,6 +58,7 @@ from bench.sq_table import Table
 START_COST_S = 9.7
 PLOTTED = "grid,random,random+asha,issue17,default"
 PR_SET_PDEATHSIG = 1        # linux/prctl.h
+QUICK_STRATEGIES = ("grid", "random", "random+asha", "default", "share=.4")   # `choose` needs a candidate
 
 
 @dataclass
@@ -104,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--loader-workers", type=int, default=1, help="DataLoader processes (default 1)")
     r.add_argument("--cache-dir", default=None, help="clip cache folder (default the project's)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--quick", action="store_true",
+                   help="a tiny grid to check the command runs: batch size 4, 2 learning rates "
+                   "(--lr-min, --lr-max), seed 0, 2 epochs")
     p_ = sub.add_parser("replay", help="replay the strategies against recorded tables")
     p_.add_argument("tables", nargs="+", metavar="TABLE", help="table JSONs from `record`")
     _replay_flags(p_)
@@ -133,6 +139,9 @@ def _replay_flags(p: argparse.ArgumentParser) -> None:
                    help="how close to the best seed-mean final val_acc counts as found, in points "
                    "(default 1)")
     p.add_argument("--jobs", type=int, default=1, help="processes replaying at once (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"2 replay seeds of {', '.join(QUICK_STRATEGIES)} (unless --only), to check the "
+                   "command runs")
 
 
 class InputError(Exception):
@@ -321,6 +330,10 @@ def choose_main(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.quick and args.command == "record":
+        args.batch_sizes, args.lr_points, args.add_lrs, args.seeds, args.epochs = (4,), 2, (), (0,), 2
+    elif args.quick:     # the GP strategies alone take minutes: the baselines and the default only
+        args.seeds, args.only = 2, args.only or ",".join(QUICK_STRATEGIES)
     if args.command == "record":
         torch.set_num_threads(args.threads)
         base, index = prepare(args.data, args.model, loader_workers=args.loader_workers,

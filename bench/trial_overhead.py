@@ -14,6 +14,7 @@ Measures, with N repetitions each:
 Compare the last numbers with a trial's epoch time to see how much of a short search is overhead.
 
     python -m bench.trial_overhead                       # 3 repetitions on a local 2-CPU Ray
+    python -m bench.trial_overhead --quick               # 1 repetition: checks it runs (~1 min)
     python -m bench.trial_overhead --repeats 5 --train-workers 2 --num-cpus 4
     python -m bench.trial_overhead --health-check-interval-s 2   # Ray's default poll, for comparison
     python -m bench.trial_overhead --address auto --storage s3://bucket/tmp   # on a running cluster
@@ -35,7 +36,7 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from vidtune.trainer.launch import init_ray
+from vidtune.trainer.launch import LOCAL_ADDRESS, init_ray
 from vidtune.tune.trial import DRIVER_CPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,12 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-interval-s", type=float, default=0.5,
                    help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (vidtune sets 0.5; Ray's default is 2)")
     p.add_argument("--address", default=None,
-                   help="join this Ray cluster instead of starting one (e.g. auto)")
+                   help="join this Ray cluster instead of starting one (e.g. auto); without it the bench "
+                   "starts a Ray of its own even where RAY_ADDRESS names one")
     p.add_argument("--storage", default=None,
                    help="storage_path for the trials (default: a temporary folder; "
                    "on a multi-node cluster pass shared storage, e.g. s3://bucket/prefix)")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write every row (seconds per repetition, mean, min, max) to FILE")
+    p.add_argument("--quick", action="store_true",
+                   help="one repetition of each measurement, to check it runs")
     return p
 
 
@@ -149,6 +153,8 @@ def _run_tuner(trainable, *, trial_cpus: float, storage: str, config: dict,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.repeats = 1
     _check_args(args)
     # Read by Train's controller when it starts, so set before Ray does.
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
@@ -159,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.address else args.repeats
     for i in range(rounds):
         start = time.time()
-        init_ray(address=args.address, num_cpus=None if args.address else args.num_cpus,
+        # "local": a Ray of its own, not one RAY_ADDRESS names (another run's: its load would skew this)
+        init_ray(address=args.address or LOCAL_ADDRESS, num_cpus=None if args.address else args.num_cpus,
                  log_to_driver=False)
         init_times.append(time.time() - start)
         if i < rounds - 1:
