@@ -290,3 +290,23 @@ def test_after_a_resume_the_trial_end_and_best_so_far_lines_use_the_whole_histor
     rows = results.live_row("a", a.config, {1: {"val_acc": 0.5}, 2: {"val_acc": 0.375}, 3: {"val_acc": 0.375},
                                             4: {"val_acc": 0.375}}, "DONE")
     assert (rows.best_epoch, rows.val_acc) == (1, 0.5)          # the table's rule, on the same epochs
+
+
+def test_a_trial_tune_runs_again_says_so_and_why(capsys, tmp_path):
+    """A lost node's trial is retried by Tune (tune/trial_retry.py): its second start says it
+    goes on from its checkpoint and why the first try ended, not "started" as if new."""
+    c = console.SearchConsole(num_samples=2, epochs=3, objective="val_acc", tty=False)
+    a = _trial(1, "a")
+    c.on_trial_start(0, [a], a)
+    error = tmp_path / "error.txt"
+    error.write_text("Failure # 1\nTraceback (most recent call last):\n  ...\n"
+                     "ray.exceptions.ActorDiedError: The actor died unexpectedly\n")
+    a.error_file = str(error)
+    c.on_trial_recover(0, [a], a)
+    c.on_trial_start(0, [a], a)
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["trial 1/2 t01-bs8-lr2.5e-4 started: batch size 8, lr 0.00025",
+                   "trial 1/2 t01-bs8-lr2.5e-4 started again from its last checkpoint (its last try ended: "
+                   "ray.exceptions.ActorDiedError: The actor died unexpectedly)"]
+    c.on_trial_start(0, [a], a)                    # a later start (a --resume) is a plain one again
+    assert "started: batch size 8" in capsys.readouterr().out

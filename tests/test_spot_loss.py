@@ -135,6 +135,7 @@ def test_a_trial_whose_node_is_reclaimed_finishes_on_another_node(synthetic_root
             pytest.fail(f"the search did not end:\n{log.read_text()[-3000:]}")
         out = log.read_text(errors="replace")
         assert proc.returncode == 0, out[-3000:]
+        assert "started again from its last checkpoint (its last try ended: " in out, out[-3000:]
 
         client = MlflowClient(uri)
         runs_ = client.search_runs([client.get_experiment_by_name("vidtune").experiment_id])

@@ -89,6 +89,7 @@ class SearchConsole(Callback):
         self._first_s: list[float] = []     # trial start to its first report: start-up and epoch 1
         self._epoch_s: dict[int, list[float]] = {}   # epoch -> measured durations (training + scoring)
         self._most_running = 0
+        self._retried: dict[str, str] = {}   # trial -> why its last try ended, while Tune retries it
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
@@ -122,8 +123,18 @@ class SearchConsole(Callback):
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
         extra = f", weight decay {cfg['weight_decay']:.3g}" if "weight_decay" in cfg else ""
-        self._print(f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name} started: "
+        label = f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name}"
+        why = self._retried.pop(trial.trial_id, None)
+        if why is not None:   # Tune's retry (tune/trial_retry.py): its Train run goes on from its checkpoint
+            self._print(f"{label} started again from its last checkpoint (its last try ended: {why})")
+            return
+        self._print(f"{label} started: "
                     f"batch size {cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
+
+    def on_trial_recover(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        """A trial that failed and that Tune runs again (a lost node: --max-failures)."""
+        text = read_error_file(getattr(trial, "error_file", None))
+        self._retried[trial.trial_id] = exception_line(text) if text else "its process or node was lost"
 
     def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict,
                         **info: Any) -> None:
