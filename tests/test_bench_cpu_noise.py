@@ -31,3 +31,16 @@ def test_cpu_noise_rejects_bad_flags_naming_them(argv, flag):
     with pytest.raises(SystemExit) as e:
         cpu_noise.check_args(cpu_noise.build_parser().parse_args(argv))
     assert str(e.value).startswith(flag)
+
+
+@pytest.mark.slow        # a fresh interpreter importing torch, and background processes
+@pytest.mark.timeout(300)
+def test_cpu_noise_quick_runs_as_a_user_runs_it(tmp_path):
+    from tests.test_bench_runs import ok, run_bench, table_rows
+
+    out = ok(run_bench("cpu_noise", "--quick", "--json", str(tmp_path / "n.json"), timeout_s=280))
+    rows = table_rows(out, "threads", "background cores", "wall s", "clips/s", "x time at 0 cores", "CPU s")
+    assert [r.split()[:2] for r in rows] == [["1", "0.00"], ["1", "0.20"]]
+    doc = json.loads((tmp_path / "n.json").read_text())
+    assert doc["quick"] and (doc["steps"], doc["rounds"]) == (4, 1) and len(doc["rows"]) == 2
+    assert {"threads", "noise_cores", "wall_s", "cpu_s", "clips_per_s", "x_first"} <= set(doc["rows"][0])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import weakref
 from pathlib import Path
 
@@ -252,3 +253,38 @@ def test_keep_going_runs_every_check_and_part_picks_the_checks(tmp_path, capsys,
     assert names["all"] == names["local"][:5] + names["search"] + names["local"][5:]
     assert {"batch probe", "compiled, channels-last"} <= set(names["local"])
     assert "hand-over" in names["search"] and "hand-over" not in names["local"]
+
+
+# -- run as a user runs them (fresh interpreters): the refusal without a GPU, and the CPU modes ---
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without a GPU")
+@pytest.mark.parametrize("name, says", [("gpu_check", "gpu-check: refused:"),
+                                        ("gpu_precision", "gpu_precision: refused:")])
+def test_gpu_benchmarks_refuse_with_exit_2_without_a_gpu(name, says, tmp_path):
+    from tests.test_bench_runs import run_bench
+
+    extra = ["--quick"] if name == "gpu_precision" else []
+    proc = run_bench(name, *extra, "--json", str(tmp_path / "out.json"), timeout_s=110)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says) and "needs one GPU" in lines[0], proc.stderr
+    assert "nothing was run" in lines[0] and proc.stdout == ""
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gpu_precision_cpu_smoke_quick_prints_its_rows(tmp_path):
+    from tests.test_bench_runs import ok, run_bench, table_rows
+
+    out = ok(run_bench("gpu_precision", "--cpu-smoke", "--quick", "--json", str(tmp_path / "p.json"),
+                       timeout_s=380))
+    rows = table_rows(out, "source", "precision", "cudnn.bench", "batch", "clips/s", "ms/step", "MFU_%")
+    assert [r.split()[:2] for r in rows] == [["synthetic", "fp32"], ["decord", "fp32"],
+                                             ["cache-jpeg", "fp32"]]
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["model"] == "tiny" and doc["device"].startswith("CPU") and not doc["skipped"]
+    assert [r["source"] for r in doc["rows"]] == ["synthetic", "decord", "cache-jpeg"]
+    assert all("error" not in r for r in doc["rows"]), doc["rows"]

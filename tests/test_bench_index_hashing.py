@@ -26,3 +26,16 @@ def test_index_hashing_times_each_case_and_writes_json(capsys, tmp_path):
 def test_index_hashing_rejects_bad_flags_naming_them(argv, flag):
     with pytest.raises(SystemExit, match=flag):
         index_hashing.main(argv)
+
+
+@pytest.mark.slow        # a fresh interpreter
+@pytest.mark.timeout(120)
+def test_index_hashing_quick_runs_as_a_user_runs_it(tmp_path):
+    from tests.test_bench_runs import ok, run_bench, table_rows
+
+    out = ok(run_bench("index_hashing", "--quick", "--json", str(tmp_path / "h.json"), timeout_s=110))
+    rows = table_rows(out, "case", "s", "GB/s", "x plain read")
+    assert len(rows) == 6 and rows[0].startswith("plain read of every byte")
+    doc = json.loads((tmp_path / "h.json").read_text())
+    assert (doc["files"], doc["mb"], doc["repeats"], doc["quick"]) == (4, 1.0, 1, True)
+    assert doc["rows"][4]["bytes_hashed"] == 4 * 1_000_000 and "machine" in doc
