@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from vidtune import servers
 from vidtune.tune.ray_internals import optuna_study
 from vidtune.tune.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG
@@ -128,7 +129,7 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     out = _finish(proc, log)
     assert proc.returncode == 130, out[-3000:]
     assert "SIGINT received" in out and "UNFINISHED" in out
-    assert "continue it with:\n  vidtune search --resume --name s" in out
+    assert f"continue it with:\n  {servers.vidtune_command()} search --resume --name s" in out
     _, parent, children = _runs(uri)
     assert parent.info.status == "KILLED"
     assert children and all(r.info.status != "RUNNING" for r in children)

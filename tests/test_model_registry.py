@@ -28,6 +28,7 @@ from mlflow.models import Model
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import _validate_model_name
 
+from vidtune import servers
 from vidtune.flags import ConfigError
 from vidtune.trainer import mlflow_model, predict, scoring
 from vidtune.trainer.checkpointing import save_checkpoint
@@ -78,8 +79,8 @@ def test_the_registered_model_scores_videos_as_predict_does_on_the_best_checkpoi
     assert f"best model: {uri} (MLflow's registry: {NAME} version 1, {searched.trial}'s epoch 1)" \
         in searched.stdout
     db = searched.folder / "mlruns.db"
-    serve = f"  serve it: MLFLOW_TRACKING_URI=sqlite:///{db} mlflow models serve -m {uri} --env-manager local"
-    assert serve in searched.stdout
+    serve = f"  serve it: {servers.vidtune_command()} serve {uri} --mlflow-uri sqlite:///{db}"
+    assert serve in searched.stdout     # run as printed: tests/test_serve_commands.py
     # registered from the best trial's own run, which the logged model keeps the params of
     client = MlflowClient(searched.uri)
     version = client.get_model_version(NAME, "1")

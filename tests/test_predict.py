@@ -2,6 +2,7 @@
 missing or damaged video is named, the others are still scored, the exit code says so."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from vidtune.trainer import predict, scoring
 from vidtune.trainer.checkpointing import save_checkpoint
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.scoring_rule import SCORING_RULE
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +54,14 @@ def test_clip_windows_short_and_long_videos():
 def test_predict_prints_probabilities_and_names_a_missing_video(synthetic_root, checkpoint_dir, capsys):
     videos = _videos(synthetic_root, 2)
     missing = synthetic_root / "val" / "no such clip.mp4"
-    code = predict.main(["--checkpoint", str(checkpoint_dir), str(videos[0]), str(missing), str(videos[1])])
+    code = predict.main(["--checkpoint", str(checkpoint_dir), "--aggregation", "max", str(videos[0]),
+                         str(missing), str(videos[1])])
     out, err = capsys.readouterr()
     assert code == 1
-    assert "no such clip.mp4" in err and "1 of 3" in err
+    assert "no such clip.mp4: no such file" in err and "1 of 3" in err
     for video in videos:
         line = next(ln for ln in out.splitlines() if ln.startswith(str(video)))
-        probs = [float(x) for x in re.findall(r"(?:max|mean) ([0-9.]+)", line)]
-        assert len(probs) == 2 and all(0.0 <= p <= 1.0 for p in probs), line
-        assert "P(Fight)" in line
+        assert re.fullmatch(rf"{re.escape(str(video))}: P\(Fight\) [0-9.]+ \(max over \d+ windows\)", line)
     # 3 s clips, 1 s windows: every video is scored window by window with start times
     windows = re.findall(r"^\s+([0-9.]+) s\s+([0-9.]+)$", out, flags=re.M)
     assert len(windows) >= 4
@@ -71,13 +72,62 @@ def test_predict_names_a_damaged_video_and_scores_the_rest(synthetic_root, check
     damaged = tmp_path / "damaged.mp4"
     damaged.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 2000)
     good = _videos(synthetic_root, 1)[0]
-    code = predict.main(["--checkpoint", str(checkpoint_dir), "--window-stride", "10", str(damaged),
-                         str(good)])
+    code = predict.main(["--checkpoint", str(checkpoint_dir), "--aggregation", "mean",
+                         "--window-stride", "10", str(damaged), str(good)])
     out, err = capsys.readouterr()
-    assert code == 1 and "damaged.mp4" in err
+    assert code == 1 and f"{damaged}: does not decode as a video" in err
     # 3 s video, 1 s clip, windows 10 s apart: the first window and one flush with the end
-    assert re.search(rf"^{re.escape(str(good))}: P\(Fight\) max [0-9.]+ mean [0-9.]+ over 2 windows$", out,
+    assert re.search(rf"^{re.escape(str(good))}: P\(Fight\) [0-9.]+ \(mean over 2 windows\)$", out,
                      flags=re.M), out
+
+
+def test_by_default_a_video_is_scored_on_the_clip_validation_scores(synthetic_root, checkpoint_dir, capsys):
+    """The default rule is validation's: the centred clip `VideoClipDataset(train=False)` reads,
+    through the same transform and model; `max` and `mean` are the windows' max and mean."""
+    from vidtune.datasets.config import DataConfig
+    from vidtune.datasets.index import build_index
+    from vidtune.datasets.video import VideoClipDataset
+
+    p = scoring.Predictor.from_checkpoint(checkpoint_dir, torch.device("cpu"), "fp32")
+    index = build_index(DataConfig(root=str(synthetic_root)))
+    infos = index.val[:3]
+    val_set = VideoClipDataset(infos, num_frames=p.num_frames, frame_stride=p.frame_stride, height=p.height,
+                               width=p.width, train=False)
+    clips = torch.stack([val_set[i][0] for i in range(len(infos))])
+    expected = p.probabilities(clips)
+    scored = [scoring.video_score(p, Path(v.path)) for v in infos]
+    np.testing.assert_allclose(scored, expected, atol=1e-6)
+    assert predict.main(["--checkpoint", str(checkpoint_dir), *(str(v.path) for v in infos)]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split(": ", 1)[1] for ln in out.splitlines()] == \
+        [f"P(Fight) {q:.3f} (centre clip)" for q in expected]
+    windows = [q for _, q in scoring.score_video(p, Path(infos[0].path), 0.5)]
+    assert len(windows) > 1
+    assert scoring.video_score(p, Path(infos[0].path), "max", 0.5) == max(windows)
+    assert scoring.video_score(p, Path(infos[0].path), "mean", 0.5) == pytest.approx(np.mean(windows))
+
+
+def test_predict_help_states_the_scoring_rule(capsys):
+    with pytest.raises(SystemExit):
+        predict.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert " ".join(SCORING_RULE.split()) in out
+    assert "--aggregation {centre,max,mean}" in out
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda d: d / "gone.mp4", "no such file"),
+    (lambda d: d, "a folder, not a video file"),
+    (lambda d: os.mkfifo(d / "pipe.mp4") or d / "pipe.mp4", "not a regular file"),
+    (lambda d: (d / "notes.mp4").write_text("not a video") and d / "notes.mp4", "does not decode as a video"),
+    (lambda d: "", "'': an empty path"),
+    (lambda d: " ", "' ': an empty path"),
+])
+def test_a_path_that_cannot_be_scored_is_named_with_why(tmp_path, make, said):
+    path = make(tmp_path)
+    with pytest.raises(scoring.VideoReadError) as e:
+        scoring.open_video(path)
+    assert said in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_predict_bad_checkpoint_exits_2(tmp_path, synthetic_root, capsys):

@@ -7,6 +7,7 @@ import csv
 import errno
 import json
 import os
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune import atomic
+from vidtune import atomic, servers
 from vidtune.tune import faults
 from vidtune.tune.options import base_config, parse_options
 from vidtune.tune.preflight import Plan
@@ -95,7 +96,11 @@ def test_the_summary_prints_without_a_tracker(summary, capsys):
     assert code == 0
     assert out.index(done.answer[0]) < out.index("compare the trials in MLflow: (links)") \
         < out.index("trials:")
-    assert f"train it again: vidtune train --config {done.files['best_config']}" in out
+    # the line runs as printed where the venv is not active: vidtune by its absolute path
+    line = next(ln for ln in out.splitlines() if ln.startswith("train it again: "))
+    argv = shlex.split(line.removeprefix("train it again: "))
+    assert argv[1:] == ["train", "--config", str(done.files["best_config"])]
+    assert os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK) and Path(argv[0]).name == "vidtune"
 
 
 def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
@@ -123,7 +128,7 @@ def test_the_tracker_records_the_summary_it_is_handed(summary, tmp_path):
     links = tracker.summary_links(None)
     assert links.startswith("compare the trials in MLflow: http://127.0.0.1:5000/#/experiments/")
     assert tracker.summary_links("down") == \
-        f"compare the trials in MLflow: {uri}  (after: mlflow ui --backend-store-uri sqlite:///{db})"
+        f"compare the trials in MLflow: {uri}  (after: {servers.vidtune_command()} ui --mlflow-uri sqlite:///{db})"
 
 
 def _fail_inside(folder: Path):

@@ -3,10 +3,14 @@
 One MLflow model, two flavours:
 
 - `python_function`: video file paths in (a list, or a DataFrame's one column), P(violent) in
-  [0, 1] per video out: the max over the video's clip windows, what `vidtune predict` prints as
-  the video's score (`trainer.scoring`, the same code). Its signature comes from `VideoModel.
-  predict`'s type hints (list[str] -> list[float]), its input example is a validation video's
-  path. Saved as MLflow's "models from code" (no pickled Python object) with the checkpoint (its
+  [0, 1] per video out, by the one scoring rule (`trainer.scoring_rule`): the centred clip that
+  validation scored, what `vidtune predict` prints (`trainer.scoring.video_score`, the same
+  code); `params={"aggregation": "max" | "mean"}` asks for another. Its signature comes from
+  `VideoModel.predict`'s type hints (list[str] -> list[float]) and its input example (a
+  validation video's path, with the default params). A batch with a path that cannot be scored
+  is refused as a whole, before any video is scored: MlflowException INVALID_PARAMETER_VALUE
+  (HTTP 400 from `mlflow models serve`, no stack trace), one line per bad path (`bad_paths`).
+  Saved as MLflow's "models from code" (no pickled Python object) with the checkpoint (its
   weights and settings, not the optimizer's state) as its artifact, read back with
   `torch.load(weights_only=True)`.
 - `pytorch`: the bare network, exported with `torch.export` (MLflow's `pt2` format, no pickle):
@@ -39,10 +43,13 @@ import mlflow.pytorch
 import torch
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model, infer_signature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.tracking import MlflowClient
 
+from vidtune import servers
 from vidtune.trainer import scoring
 from vidtune.trainer.checkpointing import FILE_NAME, checkpoint_file, load_checkpoint
+from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE
 
 MODEL_NAME = "model"               # the logged model's name in its run
 TORCH_DATA = "pytorch"             # the exported network's folder inside the model
@@ -52,6 +59,7 @@ MODEL_CODE = ("from mlflow.models import set_model\n\nfrom vidtune.trainer.mlflo
               "set_model(VideoModel())\n")
 # What the python_function model is told at load time (`model_config`); `vidtune predict`'s defaults.
 SCORING = {"window_stride_s": 1.0, "batch_size": 8, "device": "auto", "precision": "auto"}
+PARAMS = {"aggregation": CENTRE}   # what a request may change (`params`), with its default
 # Kept in the model's checkpoint: what scoring needs, not the optimizer's state (2x the weights).
 KEPT = ("format", "version", "epoch", "model", "config", "spec", "class_names", "metrics")
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_ID"   # read by MLflow's fluent API when no experiment is set
@@ -76,15 +84,48 @@ class VideoModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[float]:
         """`model_input`: video file paths (MLflow turns a DataFrame's one column, or a
         `{"inputs": [...]}` request, into that list; its type hint is the model's signature).
-        Raises `scoring.VideoReadError` naming a video that is missing or does not decode."""
-        return [video_probability(self.predictor, Path(path), self.window_stride_s, self.batch_size)
-                for path in model_input]
+        `params`: {"aggregation": centre | max | mean}. Raises MlflowException
+        (INVALID_PARAMETER_VALUE) naming every path that cannot be scored, or a bad aggregation."""
+        aggregation = str((params or {}).get("aggregation") or CENTRE)
+        if aggregation not in AGGREGATIONS:
+            raise MlflowException(f"params: aggregation {aggregation!r} is not one of "
+                                  f"{', '.join(AGGREGATIONS)}", error_code=INVALID_PARAMETER_VALUE)
+        probes, bad = bad_paths(model_input)
+        if not bad:
+            try:
+                return [video_probability(self.predictor, Path(path), self.window_stride_s,
+                                          self.batch_size, aggregation, info=info)
+                        for path, info in zip(model_input, probes, strict=True)]
+            except scoring.VideoReadError as e:   # probed fine, then a frame did not decode
+                bad = [str(e)]
+        raise MlflowException(refusal(bad, len(model_input)), error_code=INVALID_PARAMETER_VALUE)
 
 
-def video_probability(p: scoring.Predictor, path: Path, window_stride_s: float, batch_size: int) -> float:
-    """A video's P(violent): the max over its clip windows, as `vidtune predict` scores a video
-    (one violent moment makes a violent video)."""
-    return max(q for _, q in scoring.score_video(p, path, window_stride_s, batch_size))
+def bad_paths(paths: list[str]) -> tuple[list[dict[str, Any] | None], list[str]]:
+    """Each path's probe (None for a bad one) and one line per path that cannot be scored
+    (`scoring.open_video`: empty, missing, a folder, not a regular file, does not decode)."""
+    probes: list[dict[str, Any] | None] = []
+    bad: list[str] = []
+    for path in paths:
+        try:
+            probes.append(scoring.open_video(path))
+        except scoring.VideoReadError as e:
+            probes.append(None)
+            bad.append(str(e))
+    return probes, bad
+
+
+def refusal(bad: list[str], total: int) -> str:
+    """The error of a refused batch: what was refused, then one line per bad path."""
+    return (f"{len(bad)} of {total} video path(s) cannot be scored (paths are read on the serving "
+            "machine); nothing was scored, send the batch again without them:\n" + "\n".join(bad))
+
+
+def video_probability(p: scoring.Predictor, path: Path, window_stride_s: float, batch_size: int,
+                      aggregation: str = CENTRE, info: dict[str, Any] | None = None) -> float:
+    """A video's P(violent) by the scoring rule (`scoring.video_score`): by default the centred
+    clip validation scored, so the model's accuracy on the validation videos is the reported one."""
+    return scoring.video_score(p, path, aggregation, window_stride_s, batch_size, info=info)
 
 
 # -- saving and logging ------------------------------------------------------------------------
@@ -121,7 +162,7 @@ def save_model(path: str, mlflow_model: Model | None = None, *, checkpoint: str 
         predictor = scoring.Predictor.from_checkpoint(slim, torch.device("cpu"), "fp32")
         mlflow.pyfunc.save_model(
             path, mlflow_model=mlflow_model, python_model=str(code), artifacts={"checkpoint": str(slim)},
-            model_config=SCORING, input_example=[str(example_video)],
+            model_config=SCORING, input_example=([str(example_video)], PARAMS),
             pip_requirements=requirements())
         try:
             add_torch_flavour(mlflow_model, Path(path), predictor, Path(tmp) / "torch")
@@ -199,36 +240,31 @@ def log_model(tracking_uri: str, run_id: str, checkpoint: str | Path, *, example
 
 
 def usage_lines(logged: Logged, tracking_uri: str, trial: str = "") -> list[str]:
-    """The search summary's two lines: where the model is, how to load it and how to serve it."""
+    """The search summary's lines: where the model is, how to load it, score videos with it
+    and serve it; each command runs as printed in any shell (`vidtune.servers`)."""
     where = f"MLflow's registry: {logged.name} version {logged.version}" if logged.name else \
         "logged in MLflow, not registered"
+    store = absolute(tracking_uri)
     return [f"best model: {logged.uri} ({where}{', ' + trial if trial else ''}); load it with "
-            "mlflow.pyfunc.load_model (video paths in, P(violent) out) or vidtune predict --checkpoint "
-            f"{logged.uri}",
-            f"  serve it: MLFLOW_TRACKING_URI={absolute(tracking_uri)} mlflow models serve -m {logged.uri} "
-            "--env-manager local -h 127.0.0.1 -p 5001"]
+            "mlflow.pyfunc.load_model (video paths in, P(violent) of the centred clip out, as validation "
+            "scored it)",
+            "  score videos: " + servers.vidtune_line("predict", "--checkpoint", logged.uri, "--mlflow-uri",
+                                                      store, "VIDEO", "..."),
+            f"  serve it: {servers.serve_line(store, logged.uri)}   (http://{servers.HOST}:"
+            f"{servers.SERVE_PORT}/invocations)"]
 
 
 # -- reading one back (`vidtune predict --checkpoint models:/NAME/VERSION`) ---------------------
 
-def sqlite_file(tracking_uri: str) -> Path | None:
-    """The database file of a `sqlite:///FILE` store (relative to the working folder), else None."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    return Path(tracking_uri[len("sqlite:///"):]).expanduser().resolve()
+sqlite_file = servers.sqlite_file       # the store's SQLite file, else None
+absolute = servers.absolute_store       # a SQLite store's path made absolute
+missing_store = servers.missing_store   # why a SQLite store is not there, else None
 
 
-def absolute(tracking_uri: str) -> str:
-    """`tracking_uri` with a SQLite file's path made absolute (a command that works from anywhere)."""
-    db = sqlite_file(tracking_uri)
-    return f"sqlite:///{db}" if db is not None else tracking_uri
-
-
-def missing_store(tracking_uri: str) -> str | None:
-    """Why a `sqlite:///FILE` store cannot hold a registry (no such file: MLflow would create an
-    empty one), else None."""
-    db = sqlite_file(tracking_uri)
-    return None if db is None or db.is_file() else f"no such store ({db} does not exist)"
+def check_model_uri(uri: str, tracking_uri: str) -> tuple[str, str]:
+    """(name, version) of the registered model `uri` (models:/NAME/VERSION or models:/NAME@ALIAS)
+    in the store `tracking_uri`; ModelURIError saying what is missing and what there is."""
+    return _version_of(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri), uri, tracking_uri)
 
 
 def _version_of(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, str]:

@@ -6,12 +6,13 @@
 The checkpoint is a folder written by `vidtune train` or a search, or a model a search registered
 in MLflow (`models:/NAME/VERSION` or `models:/NAME@ALIAS`, looked up in --mlflow-uri's registry).
 
-The model sees fixed-length clips (`num_frames` frames, every `frame_stride`-th), so a video
-longer than one clip is scored window by window: the clip window slides over the video every
-`--window-stride` seconds; each window's start time and probability are printed, and the
-video's score is the max over windows (the mean is shown too): one violent moment makes a
-violent video. A video that is missing or cannot be decoded is named on stderr; the others are
-still scored; the exit code is then 1 (2 for a bad checkpoint or flag).
+The model sees fixed-length clips (`num_frames` frames, every `frame_stride`-th). By default a
+video's score is that of the one clip validation scored, centred in the video
+(`trainer.scoring_rule`, the rule the registered MLflow model follows too); with `--aggregation
+max` or `mean` the clip window slides over the video every `--window-stride` seconds, each
+window's start time and probability are printed, and the video's score is their max or mean.
+A video that is missing or cannot be decoded is named on stderr; the others are still scored;
+the exit code is then 1 (2 for a bad checkpoint or flag).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from vidtune.datasets.cli import read_options
 from vidtune.flags import ConfigError, add_flags, flag_specs, join_negative_values, option
 from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE, SCORING_RULE
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,12 @@ class PredictOptions:
                                     help="the MLflow store whose registry holds a models:/ checkpoint "
                                     "(default $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db, a search's "
                                     "default)")
+    aggregation: str = option(CENTRE, flag="--aggregation", choices=AGGREGATIONS,
+                              help="a video's score: centre (the centred clip validation scored; the "
+                              "registered model's default) | max | mean (over clip windows every "
+                              "--window-stride seconds)")
     window_stride: float = option(1.0, flag="--window-stride", metavar="S", gt=0,
-                                  help="seconds between window starts in long videos")
+                                  help="seconds between window starts (--aggregation max or mean)")
     batch_size: int = option(8, flag="--batch-size", metavar="N", ge=1,
                              help="windows scored per forward pass")
     device: str = option("auto", flag="--device", metavar="DEVICE",
@@ -53,7 +59,8 @@ PRECISION_FLAG = tuple(s for s in flag_specs(TrainConfig) if s.path == "precisio
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vidtune predict", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="vidtune predict", description=__doc__.split("\n\n")[0],
+                                epilog=f"Scoring rule: {SCORING_RULE}")
     p.add_argument("videos", nargs="+", metavar="VIDEO", help="video files to score")
     add_flags(p, PREDICT_FLAGS + PRECISION_FLAG, group_of=lambda s: "prediction", suppress=False)
     return p
@@ -86,20 +93,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {where}{e}", file=sys.stderr)
         return 2
     failed = 0
+    name = predictor.positive_name
     for video in args.videos:
         try:
+            if opts.aggregation == CENTRE:
+                score = scoring.video_score(predictor, Path(video))
+                print(f"{video}: P({name}) {score:.3f} (centre clip)", flush=True)
+                continue
             windows = scoring.score_video(predictor, Path(video), opts.window_stride, opts.batch_size)
         except scoring.VideoReadError as e:
             print(f"error: {e}", file=sys.stderr)
             failed += 1
             continue
         probs = [q for _, q in windows]
-        name = predictor.positive_name
-        if len(windows) == 1:
-            print(f"{video}: P({name}) {probs[0]:.3f}", flush=True)
-            continue
-        print(f"{video}: P({name}) max {max(probs):.3f} mean {sum(probs) / len(probs):.3f} "
-              f"over {len(windows)} windows")
+        score = max(probs) if opts.aggregation == "max" else sum(probs) / len(probs)
+        print(f"{video}: P({name}) {score:.3f} ({opts.aggregation} over {len(windows)} "
+              f"window{'s' if len(windows) > 1 else ''})")
         for start, q in windows:
             print(f"  {start:8.2f} s  {q:.3f}")
         sys.stdout.flush()

@@ -1,8 +1,13 @@
 """Scoring videos with a trained model: the model and its precision loaded from a checkpoint
-(`Predictor`), long videos cut into clip windows, one violence probability per window.
+(`Predictor`), a video's score by the one scoring rule (`video_score`), long videos cut into
+clip windows with one violence probability per window (`score_video`).
 
-`vidtune predict` (`vidtune.trainer.predict`) is its command line; this module is what it
-imports once its flags are checked (torch, the model), so that `--help` answers at once.
+The scoring rule (`SCORING_RULE`, `AGGREGATIONS`) is shared by `vidtune predict` and the MLflow
+model a search registers (`trainer.mlflow_model`): by default a video's score is P(violent) of
+the one clip validation scored (`datasets.video.sample_indices` without a generator: the centred
+window), so the accuracy of either on the validation videos is the val_acc the search reported.
+`vidtune predict` (`vidtune.trainer.predict`) is its command line; the rule's words live in
+`vidtune.trainer.scoring_rule` (no torch) so that `--help` answers at once.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from vidtune.errors import DataError
 from vidtune.trainer.checkpointing import CheckpointError, load_checkpoint
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.trainer.precision import choose_precision, default_device
+from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE, SCORING_RULE, rule_sentence  # noqa: F401 (re-exported)
 
 
 class VideoReadError(RuntimeError):
@@ -92,25 +98,66 @@ def clip_windows(total_frames: int, num_frames: int, frame_stride: int, fps: flo
     return starts[:, None] + frame_stride * np.arange(num_frames, dtype=np.int64)[None, :]
 
 
+def open_video(given: str | Path) -> dict[str, Any]:
+    """The video's probe (`datasets.probe.probe_video`: the frames that really decode, as the
+    index counts them for validation), or VideoReadError saying in one line why `given` cannot be
+    scored: empty path, no such file, a folder, not a regular file, does not decode."""
+    if not str(given).strip():
+        raise VideoReadError(f"{str(given)!r}: an empty path, not a video file")
+    path = Path(given)
+    if not path.exists():
+        raise VideoReadError(f"{path}: no such file")
+    if path.is_dir():
+        raise VideoReadError(f"{path}: a folder, not a video file")
+    if not path.is_file():
+        raise VideoReadError(f"{path}: not a regular file (a device, a pipe or a socket)")
+    try:
+        info = probe_video(str(path))
+    except OSError as e:             # unreadable (permissions), removed meanwhile
+        raise VideoReadError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if "error" in info:
+        raise VideoReadError(f"{path}: does not decode as a video ({info['error']})")
+    return info
+
+
+def video_score(p: Predictor, path: Path, aggregation: str = CENTRE, window_stride_s: float = 1.0,
+                batch_size: int = 8, info: dict[str, Any] | None = None) -> float:
+    """The video's P(violent) by the scoring rule `aggregation` (`scoring_rule.AGGREGATIONS`):
+    `centre` (the default), the clip validation scored: `num_frames` frames `frame_stride`
+    apart, centred in the video, as `VideoClipDataset` reads a validation item; `max` / `mean`,
+    over the clip windows `score_video` slides every `window_stride_s` seconds. `info`: the
+    video's probe when the caller has it (`open_video`). Raises VideoReadError naming the file."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation {aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+    if aggregation == CENTRE:
+        info = info or open_video(path)
+        clip = sample_indices(info["num_frames"], p.num_frames, p.frame_stride, None)
+        return float(p.probabilities(torch.from_numpy(_read(p, path, clip)[None]))[0])
+    probs = [q for _, q in score_video(p, path, window_stride_s, batch_size, info=info)]
+    return max(probs) if aggregation == "max" else sum(probs) / len(probs)
+
+
+def _read(p: Predictor, path: Path, indices: np.ndarray) -> np.ndarray:
+    """Frames `indices` of the video at the model's size, uint8 N x H x W x C; VideoReadError."""
+    try:
+        return read_frames(path, indices.tolist(), height=p.height, width=p.width)
+    except DataError as e:   # "Failed to read video PATH: reason"
+        reason = str(e).removeprefix(f"Failed to read video {path}: ")
+        raise VideoReadError(f"{path}: does not decode as a video ({reason})") from None
+
+
 def score_video(p: Predictor, path: Path, window_stride_s: float,
-                batch_size: int = 8) -> list[tuple[float, float]]:
+                batch_size: int = 8, info: dict[str, Any] | None = None) -> list[tuple[float, float]]:
     """[(window start in seconds, P(violent))] for every clip window of the video.
     Raises VideoReadError naming the file when it is missing or does not decode."""
-    if not path.is_file():
-        raise VideoReadError(f"{path}: no such file")
-    info = probe_video(str(path))  # the frames that really decode, not what the container claims
-    if "error" in info:
-        raise VideoReadError(f"{path}: {info['error']}")
+    info = info or open_video(path)  # the frames that really decode, not what the container claims
     fps = float(info["fps"]) or 25.0
     windows = clip_windows(info["num_frames"], p.num_frames, p.frame_stride, fps, window_stride_s)
     out: list[tuple[float, float]] = []
     for chunk in np.array_split(windows, max(1, -(-len(windows) // batch_size))):
         # Overlapping windows share frames: decode each frame once, then gather.
         needed = np.unique(chunk)
-        try:
-            frames = read_frames(path, needed.tolist(), height=p.height, width=p.width)
-        except DataError as e:
-            raise VideoReadError(str(e)) from None
+        frames = _read(p, path, needed)
         clips = torch.from_numpy(frames[np.searchsorted(needed, chunk)])
         out.extend((float(w[0]) / fps, float(q)) for w, q in zip(chunk, p.probabilities(clips), strict=True))
     return out

@@ -22,6 +22,7 @@ import psutil
 from ray import tune
 
 from vidtune.atomic import atomic_path, write_atomically
+from vidtune.servers import vidtune_line
 from vidtune.tune import faults
 from vidtune.tune.answer import SearchedRange, answer_lines
 from vidtune.tune.budget import TimeBudget
@@ -112,8 +113,9 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips
     interrupted, importance = summary.interrupted, summary.importance
     uri = opts.tracking.mlflow_uri
-    resume = (f"vidtune search --resume --name {plan.name} --storage {plan.storage}"
-              f"{'' if uri == 'sqlite:///mlruns.db' else ' --mlflow-uri ' + uri}")
+    # every command printed runs as printed in a shell without the venv (`vidtune.servers`)
+    resume = vidtune_line("search", "--resume", "--name", plan.name, "--storage", str(plan.storage),
+                          *(() if uri == "sqlite:///mlruns.db" else ("--mlflow-uri", uri)))
 
     say("")   # the last block: the answer first
     for line in summary.answer:
@@ -142,7 +144,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     if best:
         say(checkpoint_line(best, summary.checkpoint))
         if "best_config" in files:
-            say(f"train it again: vidtune train --config {files['best_config']}")
+            say(f"train it again: {vidtune_line('train', '--config', str(files['best_config']))}")
     for line in model:
         say(line)
     if files:

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from vidtune.servers import ui_line
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, INTERVAL_TAG, NODE_TAG, OUTCOME_TAG
 from vidtune.tune.tracking.store import sqlite_path
@@ -113,7 +114,8 @@ def ui_base(tracking_uri: str) -> str:
 def ui_hint(tracking_uri: str) -> str:
     """For the console, after a link: how to start the UI of a SQLite store ("" for a server)."""
     path = sqlite_path(tracking_uri)
-    return f"  (after: mlflow ui --backend-store-uri sqlite:///{path})" if path is not None else ""
+    # `vidtune ui` runs MLflow's UI from vidtune's environment: the line works without the venv active
+    return f"  (after: {ui_line(f'sqlite:///{path}')})" if path is not None else ""
 
 
 def runs_table_url(tracking_uri: str, experiment_id: str, view_id: str | None, *,

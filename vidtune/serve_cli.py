@@ -1,0 +1,74 @@
+"""A model a search registered, served over HTTP by MLflow, from any shell (the venv need not be
+activated).
+
+    vidtune serve models:/NAME@best --mlflow-uri sqlite:////abs/path/mlruns.db
+    curl -s http://127.0.0.1:5001/invocations -H 'Content-Type: application/json' \\
+         -d '{"inputs": ["/abs/path/a.mp4", "/abs/path/b.mp4"]}'
+
+Runs `mlflow models serve -m MODEL --env-manager local --host HOST --port PORT` from vidtune's
+environment (`vidtune.servers`), with MLFLOW_TRACKING_URI set to the store whose registry holds
+MODEL. The answer is P(violent) per video by vidtune's scoring rule (`vidtune predict --help`);
+a request with a path the server cannot score gets HTTP 400 naming each such path.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from vidtune import servers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vidtune serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", metavar="MODEL",
+                   help="models:/NAME/VERSION or models:/NAME@ALIAS (printed by a search), or a saved "
+                   "model's folder")
+    g = p.add_argument_group("server")
+    g.add_argument("--mlflow-uri", metavar="URI", default=None,
+                   help="the MLflow store whose registry holds MODEL (default $MLFLOW_TRACKING_URI, else "
+                   "sqlite:///mlruns.db in this folder, a search's default)")
+    g.add_argument("--host", metavar="HOST", default=servers.HOST,
+                   help="the interface to listen on (0.0.0.0: every one; the server has no login)")
+    g.add_argument("--port", metavar="PORT", type=int, default=servers.SERVE_PORT,
+                   help="the port to listen on")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    store, flag = servers.store_of(args.mlflow_uri)
+    if not 0 < args.port < 65536:
+        print(f"error: --port: got {args.port}; a port is 1..65535", file=sys.stderr)
+        return 2
+    model = args.model
+    if model.startswith("models:/"):
+        if missing := servers.missing_store(store):
+            print(f"error: {flag}: {store}: {missing}; pass the --mlflow-uri the search wrote to, to "
+                  f"find {model}", file=sys.stderr)
+            return 2
+        # heavy (MLflow, ~2 s): only once the flags are checked, to name a model that is not there
+        from vidtune.trainer import mlflow_model
+
+        try:
+            mlflow_model.check_model_uri(model, servers.absolute_store(store))
+        except mlflow_model.ModelURIError as e:
+            print(f"error: MODEL: {e}", file=sys.stderr)
+            return 2
+    elif "://" not in model:
+        folder = Path(model).expanduser().resolve()
+        if not (folder / "MLmodel").is_file():
+            print(f"error: MODEL: {model}: no MLflow model there (no {folder / 'MLmodel'}); pass "
+                  "models:/NAME/VERSION or a saved model's folder", file=sys.stderr)
+            return 2
+        model = str(folder)
+    store = servers.absolute_store(store)
+    print(f"serving {model} at http://{args.host}:{args.port}/invocations (Ctrl-C stops it)", flush=True)
+    return servers.exec_mlflow(["models", "serve", "-m", model, "--env-manager", "local",
+                                "--host", args.host, "--port", str(args.port)],
+                               {servers.STORE_ENV: store})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
