@@ -8,7 +8,14 @@ from pathlib import Path
 
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.models import WeightsError, build_model, check_input_size, get_spec, has_kinetics_weights
+from vidtune.trainer.models import (
+    WeightsError,
+    build_model,
+    check_input_size,
+    fetch_kinetics,
+    get_spec,
+    has_kinetics_weights,
+)
 
 BUILTIN_WEIGHTS = ("none", "kinetics")
 
@@ -24,6 +31,11 @@ def check_model(cfg: TrainConfig) -> None:
     if cfg.weights == "kinetics" and not has_kinetics_weights(cfg.model):
         raise ConfigError("--weights", f"model {cfg.model!r} has no Kinetics weights; pass --weights none "
                           "(an hf: model then loads its checkpoint's own) or a state-dict file")
+    if cfg.weights == "kinetics":   # fetched once, here: the workers read this machine's (or a copy)
+        try:
+            fetch_kinetics(cfg.model)
+        except WeightsError as e:
+            raise ConfigError("--weights", str(e)) from None
     _check_clip_size(cfg)
     if cfg.weights not in BUILTIN_WEIGHTS:
         _check_weights_file(cfg.model, Path(cfg.weights))

@@ -215,6 +215,35 @@ def build_model(name: str, weights: str = "none", num_classes: int = 2) -> nn.Mo
     return _load_into_fresh_model(name, entry, state, source, num_classes)
 
 
+def kinetics_file(name: str) -> Path:
+    """Model `name`'s Kinetics-400 file in this machine's torch hub cache (there or not yet)."""
+    if (weights := _entry(name).kinetics) is None:
+        raise WeightsError(f"model {name!r} has no Kinetics weights")
+    return Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
+
+
+def fetch_kinetics(name: str) -> Path:
+    """`kinetics_file`, downloaded (hash checked) if absent: on the driver before Ray starts (and
+    tune.kinetics copies it to every node). WeightsError naming the file to fill when offline."""
+    path = kinetics_file(name)
+    if path.is_file():
+        return path
+    url, match = _entry(name).kinetics.url, torch.hub.HASH_REGEX.search(path.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    previous = socket.getdefaulttimeout()   # process-wide: urllib in torch.hub takes no timeout
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:   # to a temporary file, renamed once whole
+        torch.hub.download_url_to_file(url, str(path), hash_prefix=match.group(1) if match else None,
+                                       progress=False)
+    except (urllib.error.URLError, OSError, TimeoutError, RuntimeError) as e:
+        raise WeightsError(f"could not download the Kinetics-400 weights of {name!r} from {url} ({e}). "
+                           f"Offline? Download that file on a machine with internet and copy it to {path} "
+                           f"(keep --weights kinetics), or pass it: --weights /path/to/{path.name}") from e
+    finally:
+        socket.setdefaulttimeout(previous)
+    return path
+
+
 def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
     if entry.kinetics is None and is_hf_model(name):
         raise WeightsError(f"model {name!r} loads its pretrained weights from its checkpoint; "
@@ -223,30 +252,17 @@ def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
         raise WeightsError(
             f"model {name!r} has no pretrained weights; use --weights none, or pick one of "
             f"{', '.join(n for n in MODEL_NAMES if _REGISTRY[n].kinetics is not None)} for kinetics")
-    url = entry.kinetics.url
-    # Process-wide for the few seconds of the download; urllib in torch.hub takes no timeout.
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    # Downloaded here only on a node that joined after the search started. The file may be one a
+    # user copied there: weights_only=True, which torch.hub does not default to.
+    path = fetch_kinetics(name)
     try:
-        # Reads the torch hub cache first; downloads (once) only when the file is not there. The
-        # hash is checked on download only, and the file may be one a user copied there (see
-        # below): weights_only=True, which torch.hub does not default to.
-        return entry.kinetics.get_state_dict(progress=False, check_hash=True, weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = refused_pickle(e)
         if reason is None:
             raise
-        cached = Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1]
-        raise WeightsError(f"Kinetics-400 weights file {cached} {reason}; delete it to download the "
+        raise WeightsError(f"Kinetics-400 weights file {path} {reason}; delete it to download the "
                            f"real one, or pass a state dict you trust with --weights PATH") from None
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
-        raise WeightsError(
-            f"could not download the Kinetics-400 weights of {name!r} from {url} ({e}). "
-            f"Offline? Download that file on a machine with internet and pass its path: "
-            f"--weights /path/to/{url.rsplit('/', 1)[-1]} (or copy it into "
-            f"{Path(torch.hub.get_dir()) / 'checkpoints'} and keep --weights kinetics)") from e
-    finally:
-        socket.setdefaulttimeout(previous)
 
 
 _WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")

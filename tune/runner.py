@@ -35,7 +35,7 @@ from vidtune.trainer.gpus import simulated_gpus, train_device
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import cleanup, faults, last_good, saved_options, space
+from vidtune.tune import cleanup, faults, kinetics, last_good, saved_options, space
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -206,6 +206,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     opts = probe_batch_sizes(opts, plan.base, fit)
     resources = trial_resources(opts)
     check_every_node(plan.storage, opts.train.weights)
+    if opts.train.weights == "kinetics":
+        kinetics.share_kinetics(opts.train.model)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,
                            trains_here=not resources.use_gpu or driver_node_gpus() > 0)
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
