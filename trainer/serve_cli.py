@@ -48,26 +48,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {flag}: {store}: {missing}; pass the --mlflow-uri the search wrote to, to "
                   f"find {model}", file=sys.stderr)
             return 2
-        # heavy (MLflow, ~2 s): only once the flags are checked, to name a model that is not there
-        from vidtune.trainer import mlflow_model
-
-        try:
-            mlflow_model.check_model_uri(model, servers.absolute_store(store))
-        except mlflow_model.ModelURIError as e:
-            print(f"error: MODEL: {e}", file=sys.stderr)
-            return 2
-    elif "://" not in model:
+        # MLflow's registry names a version that is not there (`trainer.serve_model`, which loads
+        # MLflow: this module stays light for --help and bad flags), then serves it
+        return servers.exec_python("vidtune.trainer.serve_model", [model, servers.absolute_store(store),
+                                                                   args.host, str(args.port)])
+    if "://" not in model:
         folder = Path(model).expanduser().resolve()
         if not (folder / "MLmodel").is_file():
             print(f"error: MODEL: {model}: no MLflow model there (no {folder / 'MLmodel'}); pass "
                   "models:/NAME/VERSION or a saved model's folder", file=sys.stderr)
             return 2
         model = str(folder)
-    store = servers.absolute_store(store)
-    print(f"serving {model} at http://{args.host}:{args.port}/invocations (Ctrl-C stops it)", flush=True)
+    return serve(model, servers.absolute_store(store), args.host, args.port)
+
+
+def serve(model: str, store: str, host: str, port: int) -> int:
+    """Replace this process by `mlflow models serve` of `model` on `host:port`, `store` its
+    MLFLOW_TRACKING_URI (returns only if that cannot start)."""
+    print(f"serving {model} at http://{host}:{port}/invocations (Ctrl-C stops it)", flush=True)
     return servers.exec_mlflow(["models", "serve", "-m", model, "--env-manager", "local",
-                                "--host", args.host, "--port", str(args.port)],
-                               {servers.STORE_ENV: store})
+                                "--host", host, "--port", str(port)], {servers.STORE_ENV: store})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ COMMANDS: dict[str, Command] = {
     "train": Command("vidtune.trainer.train", "train one configuration, no search (Ray Train)"),
     "predict": Command("vidtune.trainer.predict", "score videos with a trained checkpoint"),
     "ui": Command("vidtune.ui_cli", "open MLflow's UI on a search's store (no activated venv needed)"),
-    "serve": Command("vidtune.serve_cli",
+    "serve": Command("vidtune.trainer.serve_cli",
                      "serve a registered model over HTTP with MLflow (P(violent) per video)"),
     "index": Command("vidtune.datasets.index", "find and probe a data folder's videos; list unusable ones"),
     "cache": Command("vidtune.trainer.fill_cache",

@@ -1,6 +1,6 @@
 """MLflow's UI and model server started from the environment vidtune is installed in, whatever
-the shell's PATH: what `vidtune ui` (`vidtune.ui_cli`) and `vidtune serve` (`vidtune.serve_cli`)
-run, and the lines the search's summary prints to run them.
+the shell's PATH: what `vidtune ui` (`vidtune.ui_cli`) and `vidtune serve`
+(`vidtune.trainer.serve_cli`) run, and the lines the search's summary prints to run them.
 
 MLflow's `mlflow ui` and `mlflow models serve` start `uvicorn` (and gunicorn, huey) by name from
 PATH; in a shell where the venv is not activated neither `mlflow` nor `uvicorn` is there and the
@@ -108,4 +108,16 @@ def exec_mlflow(args: Sequence[str], extra_env: Mapping[str, str]) -> int:
     except OSError as e:
         print(f"error: cannot start {argv[0]}: {e.strerror or e}; reinstall vidtune "
               "(pip install -e .), which installs MLflow", file=sys.stderr)
+    return 127
+
+
+def exec_python(module: str, args: Sequence[str]) -> int:
+    """Replace this process by `python -m MODULE ARGS` (this interpreter). Returns only if the
+    exec fails (127)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    except OSError as e:
+        print(f"error: cannot start {sys.executable}: {e.strerror or e}", file=sys.stderr)
     return 127
