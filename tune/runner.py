@@ -35,7 +35,7 @@ from vidtune.trainer.gpus import simulated_gpus, train_device
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import cleanup, faults, kinetics, last_good, saved_options, space
+from vidtune.tune import cleanup, faults, kinetics, last_good, node_cache, saved_options, space
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -164,11 +164,11 @@ def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = 
 
 def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool,
                     trains_here: bool = True) -> TrainConfig:
-    """Decode every indexed video once into this node's clip cache before the first trial, so no
-    trial's epoch 1 pays for decoding (other nodes of a cluster fill theirs on first read).
-    Not when no trial trains on this node (`trains_here` False: the CPU head of a GPU cluster):
-    the nodes that train fill their own caches. Returns `base` with the cache format resolved
-    (auto: jpeg when trials train on GPUs, else raw), so every worker reads the same format."""
+    """Decode every indexed video once into the clip cache of each node that trains, before the
+    first trial, so no trial's epoch 1 pays for decoding: this node's here (not when no trial
+    trains on it, `trains_here` False: the CPU head of a GPU cluster), the other nodes' by a task
+    on each (`tune.node_cache`). Returns `base` with the cache format resolved (auto: jpeg when
+    trials train on GPUs, else raw), so every worker reads the same format."""
     d = base.data
     cache = FrameCache.from_config(d, on_gpu=on_gpu)
     if cache is None:
@@ -176,15 +176,13 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     base = base.with_overrides(data=replace(d, clip_cache_format=cache.format))
     if index is None:
         return base
-    if not trains_here:
-        print(f"clip cache: no trial trains on this node; each GPU node fills its own cache ({cache.root}) "
-              "during its first epoch")
-        return base
     spec = get_spec(base.model)
     height, width = d.height or spec.height, d.width or spec.width
     videos = list(index.train) + list(index.val)
-    # Every video decoded once at the model's size before the first trial (its summary says so).
-    print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
+    if trains_here:   # every video decoded once at the model's size (its summary says so)
+        print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
+    node_cache.fill_every_node(base.data, videos, height=height, width=width, on_gpu=on_gpu,
+                               skip=ray.get_runtime_context().get_node_id() if trains_here else None)
     return base
 
 

@@ -1,0 +1,69 @@
+"""The clip cache filled on every node that trains, before the first trial.
+
+The driver fills its own node's cache (`tune.runner.fill_clip_cache`). On a cluster, each other
+node's trials read that node's cache, which its first trial would fill during its first epoch:
+that epoch is then bound by decoding (and with several trials or DDP ranks on one node, each
+decodes the same videos). Here a task pinned to each such node decodes every video there at
+once, all nodes side by side, with a line per node as it finishes. A node the autoscaler starts
+later fills its cache during its first trial, as before.
+"""
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from vidtune.datasets.cache import FrameCache
+from vidtune.datasets.cache_fill import fill_cache
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.records import VideoInfo
+
+WAIT_S = 3600.0   # a large dataset on a slow disk; a node that takes longer is left to its first trial
+
+
+def fill_this_node(data: DataConfig, videos: list[VideoInfo], height: int, width: int, on_gpu: bool) -> str:
+    """Run on a node: decode `videos` into this node's clip cache (its path as `data` resolves it
+    there); the fill's summary."""
+    cache = FrameCache.from_config(data, on_gpu=on_gpu)
+    if cache is None:
+        return "no clip cache"
+    return fill_cache(videos, height=height, width=width, cache=cache).summary(cache)
+
+
+def training_nodes(on_gpu: bool, skip: str | None) -> list[dict]:
+    """The alive nodes trials can train on (with GPUs when `on_gpu`, else with CPUs), but `skip`."""
+    kind = "GPU" if on_gpu else "CPU"
+    return [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] != skip
+            and float((n.get("Resources") or {}).get(kind, 0.0)) > 0]
+
+
+def fill_every_node(data: DataConfig, videos: list[VideoInfo], *, height: int, width: int, on_gpu: bool,
+                    skip: str | None) -> dict[str, str]:
+    """Fill the clip cache of every training node but `skip` (the driver's, filled already), all
+    at once; node address -> its fill's summary, or why it was not filled. Never raises: a node
+    whose fill fails fills its cache during its first trial."""
+    nodes = training_nodes(on_gpu, skip)
+    if not nodes or not videos:
+        return {}
+    print(f"clip cache: filling it on {len(nodes)} other node(s) before the first trial "
+          f"({len(videos)} videos each)", flush=True)
+    task = ray.remote(num_cpus=0, max_retries=0)(fill_this_node)
+    pending = {task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+               .remote(data, videos, height, width, on_gpu): n.get("NodeManagerAddress", n["NodeID"])
+               for n in nodes}
+    done: dict[str, str] = {}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=WAIT_S)
+        if not ready:   # the rest fill on first read
+            for ref, address in pending.items():
+                ray.cancel(ref, force=True)
+                done[address] = f"not filled within {WAIT_S:.0f} s; its first trial fills it"
+                print(f"clip cache on node {address}: {done[address]}", flush=True)
+            break
+        address = pending.pop(ready[0])
+        try:
+            done[address] = ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            done[address] = f"not filled ({reason[:200]}); its first trial fills it"
+        print(f"clip cache on node {address}: {done[address]}", flush=True)
+    return done
