@@ -28,11 +28,18 @@ def run_bench(name: str, *argv: str, timeout_s: float) -> subprocess.CompletedPr
 def table_rows(out: str, *columns: str) -> list[str]:
     """The rows under the first header line naming all `columns` in that order, ruled by a line of
     dashes beneath it; fails (with the output) when there is no such table or it has no row."""
+    def names_all(line: str) -> bool:        # each column after the one before it
+        at = 0
+        for column in columns:
+            at = line.find(column, at)
+            if at < 0:
+                return False
+            at += len(column)
+        return True
+
     lines = out.splitlines()
     for i, line in enumerate(lines):
-        at = [line.find(c) for c in columns]
-        if -1 not in at and at == sorted(at) and i + 1 < len(lines) and set(lines[i + 1]) <= {"-", " "} \
-                and "-" in lines[i + 1]:
+        if names_all(line) and i + 1 < len(lines) and set(lines[i + 1]) <= {"-", " "} and "-" in lines[i + 1]:
             rows = []
             for row in lines[i + 2:]:
                 if not row.strip():
