@@ -14,6 +14,7 @@ import pytest
 from conftest import SMOKE_MODEL
 from mlflow.tracking import MlflowClient
 
+from vidtune.trainer.scoring_rule import SCORING_RULE
 from vidtune.tune.tracking import registry, view
 from vidtune.tune.tracking.schema import PARENT_TAG
 
@@ -104,6 +105,6 @@ def test_the_smoke_searchs_registered_version_explains_itself(smoke_search, synt
     assert f"[{row['name']}]({view.run_link(run.info.experiment_id, run.info.run_id)})" in text
     assert view.run_link(run.info.experiment_id, run.data.tags[PARENT_TAG]) in text
     assert f"vidtune search `{out.results.name}`" in text
-    assert "**Input**" in text and "**Output**" in text and "**Scoring rule**" in text
+    assert "**Input**" in text and "**Output**" in text and f"**Scoring rule**: {SCORING_RULE}" in text
     assert version.tags["objective"] == "val_acc" and version.tags["model"] == "tiny"
     assert version.tags["data"] == str(synthetic_root)

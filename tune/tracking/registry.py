@@ -1,6 +1,7 @@
 """The registered model version as MLflow's registry shows it: a description that explains it
 (which search, trial and epoch, the accuracy with its 95% interval, the training speed, what
-goes in and comes out, how a video is scored, links to the search's run and the trial's run),
+goes in and comes out, how a video is scored (`trainer.scoring_rule.SCORING_RULE`, the rule
+`vidtune predict` and the served model apply), links to the search's run and the trial's run),
 tags (objective, model, data, the score that ranks it) and the alias `best`, which moves to a
 version that scores at least as well as the one holding it (on the same data and objective).
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from vidtune.trainer.scoring_rule import SCORING_RULE
 from vidtune.tune.tracking import view
 from vidtune.tune.uncertainty import accuracy_interval, format_interval
 
@@ -22,11 +24,6 @@ BEST_ALIAS = "best"
 OBJECTIVE_TAG, MODEL_TAG, DATA_TAG = "objective", "model", "data"
 SCORE_TAG = "score"              # the objective's metric at the registered epoch: what ranks versions
 SEARCH_TAG, TRIAL_TAG, EPOCH_TAG = "search", "trial", "epoch"
-# TODO(issue 41, deliverable 2): trainer/scoring.py is to hold the one scoring rule's sentence;
-# until it does, this import-free sentence stands in, true whatever the rule becomes.
-SCORING_RULE_PLACEHOLDER = ("A video's score is P(violent) computed from the model's clips of it by "
-                            "vidtune's scoring code (trainer/scoring.py); `vidtune predict --help` states "
-                            "the rule and its options.")
 INPUT = ("video file paths (a JSON list `{\"inputs\": [...]}`, or a DataFrame's one column), each a "
          "file the serving machine can read")
 OUTPUT = "P(violent) in [0, 1] per video, in the order given"
@@ -62,7 +59,7 @@ def version_tags(f: VersionFacts) -> dict[str, str]:
     return tags
 
 
-def version_description(f: VersionFacts, name: str, scoring_rule: str = SCORING_RULE_PLACEHOLDER) -> str:
+def version_description(f: VersionFacts, name: str, scoring_rule: str = SCORING_RULE) -> str:
     """The version's description (markdown; the links are relative to the UI, as the search's run's
     are, and open the pages that show the objective: the search's answer and trials table, the
     trial's run)."""
@@ -116,7 +113,7 @@ def moves_alias(new: dict[str, str], held: dict[str, str] | None) -> bool:
 
 
 def describe_version(client: MlflowClient, name: str, version: int, facts: VersionFacts, *,
-                     scoring_rule: str = SCORING_RULE_PLACEHOLDER) -> str:
+                     scoring_rule: str = SCORING_RULE) -> str:
     """Write registered version `version` of `name`'s description and tags and move the alias
     `best` to it when it scores at least as well as the holder (`moves_alias`); the registered
     model gets a description when it has none. Returns the console line saying where `best` is."""
