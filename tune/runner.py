@@ -284,9 +284,6 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
     return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
 
 
-def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
-    """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
-    (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
 def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,
                         logged: mlflow_model.Logged, run_id: str) -> list[str]:
     """The registered version's description, tags and alias `best` (`tune.tracking.registry`);
@@ -306,6 +303,9 @@ def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, track
         return [f"  the version's description and alias were not written ({faults.one_line(e, 200)})"]
 
 
+def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
+    """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
+    (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
     block's end removes (Ray Train's own `Checkpoint.as_directory`)."""
     if "://" not in path:
         return contextlib.nullcontext(path)
