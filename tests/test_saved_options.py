@@ -24,7 +24,7 @@ from vidtune.tune import saved_options, search, trust
 from vidtune.tune.options import SPECS, given_options, parse_options
 from vidtune.tune.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
 
-VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # the printed lines start with `vidtune`
+VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # what the printed lines start with
 
 
 # A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
@@ -203,8 +203,9 @@ def test_the_printed_resume_line_run_verbatim_keeps_the_search_as_it_was(shared_
             os.killpg(proc.pid, signal.SIGKILL)
     first = log.read_text(errors="replace")
     line = first.split("continue it with:\n  ", 1)[1].splitlines()[0]
-    assert "--data" not in line and "--epochs" not in line and line.startswith("vidtune search "), line
-    command = [VIDTUNE, *shlex.split(line)[1:]]        # as printed, by the installed command's path
+    # by the installed command's absolute path, so it runs without an activated venv
+    assert "--data" not in line and "--epochs" not in line and line.startswith(f"{VIDTUNE} search "), line
+    command = shlex.split(line)                         # as printed
 
     # a line that asks for other data or other epochs is refused, naming both values (in seconds)
     other = f"--data: {tmp_path} on this line, {synthetic_root} when"
