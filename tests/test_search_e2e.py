@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from vidtune.trainer import train
 from vidtune.trainer.launch import validate_config
 from vidtune.trainer.precision import choose_precision
+from vidtune.tune.tracking.description import CELL_PAD
 from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def test_search_end_to_end(shared_ray, synthetic_root, tmp_path):
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     db = tmp_path / "mlruns.db"
-    assert f"mlflow ui --backend-store-uri sqlite:///{db}" in out.stdout
+    assert f"vidtune ui --mlflow-uri sqlite:///{db}" in out.stdout     # runs without the venv active
     assert "\nBest: t" in out.stdout and "\nbest checkpoint (" in out.stdout     # the answer first
     table = out.stdout.split("\ntrials:\n", 1)[1]
     assert "batch" in table and "clips/s" in table
@@ -137,7 +138,9 @@ def _check_the_mlflow_view_and_names(stdout: str, storage: Path, parent, childre
     assert not [n for n in top if n.startswith(("experiment_state", "tuner.pkl", "searcher-state")) or
                 n.startswith(tuple(names))], top
     note = parent.data.tags["mlflow.note.content"]
-    assert "| trial | batch | lr |" in note and all(name in note for name in names)
+    pad = CELL_PAD   # the cells keep a space on each side in MLflow's rendering (spaced_table)
+    assert f"| {pad}trial{pad} | {pad}batch{pad} | {pad}lr{pad} |" in note
+    assert all(name in note for name in names)
     best = [r for r in children if r.data.tags.get("vidtune.best") == "true"]
     # a relative link to the best child, opening the model-training UI
     assert len(best) == 1 and f"(#/experiments/{best[0].info.experiment_id}/runs/{best[0].info.run_id}?" \
