@@ -16,7 +16,7 @@ from vidtune.tune.tracking.schema import RESUMED_TAG
 
 pytest.importorskip("transformers")
 
-EPOCHS = 2         # interrupted after epoch 1, the resume trains epoch 2
+EPOCHS = 4   # room for the Ctrl-C to land mid-search: a tiny model trains an epoch in seconds
 
 
 @pytest.mark.slow
