@@ -94,6 +94,10 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
             opts.tracking, artifact_location=check_artifact_location(opts.tracking.artifact_location)))
     if opts.optuna_storage is None:   # the study beside the MLflow store, for optuna-dashboard
         opts = replace(opts, optuna_storage=default_storage(opts.tracking.mlflow_uri, storage))
+        if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:///"):
+            # in --storage when MLflow is a server: that folder may not exist yet (it was checked
+            # writable above)
+            Path(opts.optuna_storage.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     if opts.optuna_storage and opts.optuna_storage.startswith("sqlite:"):
         check_store_uri(opts.optuna_storage, "--optuna-storage")
     name = name or experiment_name(opts, storage)
