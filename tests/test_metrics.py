@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -100,11 +101,14 @@ def test_peak_memory_on_cpu_is_the_process_peak_rss_in_mib():
     before = peak_memory_mb("cpu")
     assert before >= _proc_status_mib("VmHWM") - 1          # at least the kernel's high-water mark
     # Grow the resident set to `extra` MiB past the old peak with a written (so resident) block.
+    # An anonymous mmap, not a tensor: malloc may hand back memory an earlier test freed but
+    # kept resident, which grows nothing (CI read a growth of 0.0 that way); fresh pages must.
     extra = 96
-    size_mib = before - _proc_status_mib("VmRSS") + extra
-    block = torch.ones(int(size_mib * 2**20) // 8, dtype=torch.float64)
+    size = int((before - _proc_status_mib("VmRSS") + extra) * 2**20)
+    block = mmap.mmap(-1, size)
+    np.frombuffer(block, dtype=np.uint8)[:: mmap.PAGESIZE] = 1   # one write per page
     grown = peak_memory_mb("cpu")
-    del block
+    block.close()
     assert grown - before == pytest.approx(extra, abs=12)    # MiB, not KiB or bytes
     assert _proc_status_mib("VmRSS") < grown - extra / 2     # the block went back to the OS ...
     assert peak_memory_mb("cpu") >= grown                    # ... but a peak never goes down
