@@ -1,11 +1,11 @@
-"""vidtune.trainer.gpus: simulated GPUs, and the device a worker that Ray gave a GPU trains on."""
+"""vidtune.trainer.gpus and .devices: simulated GPUs, the device a worker Ray gave a GPU trains on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from vidtune.flags import ConfigError
-from vidtune.trainer import gpus
+from vidtune.trainer import devices, gpus
 
 
 def test_simulated_gpus_is_a_whole_number_or_refused_naming_the_variable(monkeypatch):
@@ -22,16 +22,16 @@ def test_simulated_gpus_is_a_whole_number_or_refused_naming_the_variable(monkeyp
 
 def test_the_device_is_the_gpu_ray_gave_by_its_place_in_cuda_visible_devices(monkeypatch):
     monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
-    monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["3"])
+    monkeypatch.setattr(devices, "physical_gpu_ids", lambda: ["3"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     _fake_gpus(monkeypatch, {1: ("NVIDIA A10G", (8, 6))})     # a GPU the build has kernels for
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")        # Ray Train: one list for a run's workers
-    assert gpus.train_device() == torch.device("cuda", 1)
+    assert devices.train_device() == torch.device("cuda", 1)
     monkeypatch.setenv(gpus.SIMULATE_ENV, "4")
-    assert gpus.train_device() == torch.device("cpu")        # simulated: placement only, CPU training
-    monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: [])
+    assert devices.train_device() == torch.device("cpu")        # simulated: placement only, CPU training
+    monkeypatch.setattr(devices, "physical_gpu_ids", lambda: [])
     monkeypatch.delenv(gpus.SIMULATE_ENV)
-    assert gpus.train_device() == torch.device("cpu")        # no GPU from Ray
+    assert devices.train_device() == torch.device("cpu")        # no GPU from Ray
 
 
 def _ray_gave_gpu_0(monkeypatch, *, cuda_available: bool) -> None:
@@ -44,7 +44,7 @@ def _ray_gave_gpu_0(monkeypatch, *, cuda_available: bool) -> None:
             return "node-a"
 
     monkeypatch.delenv(gpus.SIMULATE_ENV, raising=False)
-    monkeypatch.setattr(gpus, "physical_gpu_ids", lambda: ["0"])
+    monkeypatch.setattr(devices, "physical_gpu_ids", lambda: ["0"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: Context())
 
@@ -52,7 +52,7 @@ def _ray_gave_gpu_0(monkeypatch, *, cuda_available: bool) -> None:
 def test_a_gpu_that_torch_cannot_use_fails_with_what_to_check(monkeypatch):
     _ray_gave_gpu_0(monkeypatch, cuda_available=False)
     with pytest.raises(RuntimeError) as e:
-        gpus.train_device()
+        devices.train_device()
     message = str(e.value)
     assert "GPU 0 on node node-a" in message and "nvidia-smi" in message and gpus.SIMULATE_ENV in message
 
@@ -95,7 +95,7 @@ def test_a_gpu_torch_was_not_built_for_is_refused_at_worker_start_naming_it_and_
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     _fake_gpus(monkeypatch, {0: ("Tesla V100-SXM2-16GB", (7, 0))})
     with pytest.raises(RuntimeError) as e:
-        gpus.train_device()
+        devices.train_device()
     message = str(e.value)
     assert "GPU 0 on node node-a" in message
     assert "Tesla V100-SXM2-16GB (compute capability 7.0)" in message                   # the GPU
@@ -106,10 +106,10 @@ def test_a_gpu_torch_was_not_built_for_is_refused_at_worker_start_naming_it_and_
 def test_unsupported_gpus_lists_only_the_gpus_without_kernels(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     _fake_gpus(monkeypatch, {0: ("Tesla V100-SXM2-16GB", (7, 0)), 1: ("NVIDIA A100-SXM4-40GB", (8, 0))})
-    lines = gpus.unsupported_gpus()
+    lines = devices.unsupported_gpus()
     assert len(lines) == 1 and lines[0].startswith("GPU 0: Tesla V100-SXM2-16GB (compute capability 7.0)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert gpus.unsupported_gpus() == []                      # no CUDA here: nothing to refuse
+    assert devices.unsupported_gpus() == []                      # no CUDA here: nothing to refuse
 
 
 # -- what a waiting trial holds on its GPU (the lease's record) --------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vidtune.trainer.gpus import physical_gpu_ids
+from vidtune.trainer.devices import physical_gpu_ids
 
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
 LEAD, FOLLOW = "lead", "follow"       # a trial's GPU role (LeaseBook.take_role)
@@ -237,7 +237,7 @@ def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1, lead_slo
 
 def device_keys(device: Any) -> list[str]:
     """This worker's devices as lease keys: `<node>/gpu:<physical id>` for each GPU Ray gave it
-    (`trainer.gpus.physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
+    (`trainer.devices.physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
     ranks their own ones; simulated GPUs too), else `<node>/cpu`. `device`: the torch device it
     trains on (only its type is read, for the CPU case)."""
     node = ray.get_runtime_context().get_node_id()

@@ -23,7 +23,7 @@ from torch import nn
 from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.device_memory import free_device, held_device_mb, process_device_mb
-from vidtune.trainer.gpus import physical_gpu_ids, train_device
+from vidtune.trainer.devices import physical_gpu_ids, train_device
 from vidtune.trainer.history import write_history
 from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
 from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
@@ -239,7 +239,7 @@ def _epoch_window(start_ts: float, end_ts: float) -> tuple[float, float]:
 def _where_it_runs() -> dict[str, str]:
     """Where the run trains (a collective when distributed): `node_id`, rank 0's Ray node;
     `node_ip`, the IPs of the nodes its workers are on; `gpu_ids`, the physical ids of the GPUs
-    Ray gave its workers (`trainer.gpus`), sorted and without repeats, each prefixed with its
+    Ray gave its workers (`trainer.devices`), sorted and without repeats, each prefixed with its
     node's IP when the workers span nodes (ids are per node); "" on the CPU. Comma-separated."""
     views = _all_gather((ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
                          physical_gpu_ids()))

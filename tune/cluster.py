@@ -34,7 +34,8 @@ from vidtune.trainer.capacity import (  # noqa: F401 (some re-exported for tune.
     describe_nodes,
     read_node_types,
 )
-from vidtune.trainer.gpus import simulated_gpus, unsupported_gpus
+from vidtune.trainer.devices import unsupported_gpus
+from vidtune.trainer.gpus import simulated_gpus
 from vidtune.tune.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
 from vidtune.tune.trial import DRIVER_CPUS, TrialResources
 
@@ -194,7 +195,7 @@ def node_view(marker: str | None, weights: str | None, gpus: bool = False) -> di
     (in --storage) exists there, whether --weights is a file there, and the vidtune version it
     imports (this function is unpickled there by reference, so the node must import vidtune to
     run it at all); with `gpus`, its GPUs that the node's torch has no kernels for
-    (`trainer.gpus.unsupported_gpus`). Run on each node."""
+    (`trainer.devices.unsupported_gpus`). Run on each node."""
     view: dict[str, object] = {"node": ray.util.get_node_ip_address(),
                                "storage": marker is None or Path(marker).exists(),
                                "weights": weights is None or Path(weights).is_file(),
@@ -238,10 +239,10 @@ def check_every_node(storage: str, weights: str | None, *, views: NodeViews = vi
     import the package installed on the node they run on), see the same --storage folder (each
     trial's checkpoints are written by the node it trains on and read back by the driver) and
     the --weights file at the same path; and on any node, one machine included, every GPU must
-    be one its torch has kernels for (`trainer.gpus.unsupported_gpus`). Otherwise ConfigError,
+    be one its torch has kernels for (`trainer.devices.unsupported_gpus`). Otherwise ConfigError,
     naming the flag (--address for the code and the GPUs), the node and the fix. Checked on the
     nodes alive now; nodes the autoscaler starts later run the same setup, and their GPUs are
-    refused by the trial's workers as they start (`trainer.gpus.train_device`). `views`: how the
+    refused by the trial's workers as they start (`trainer.devices.train_device`). `views`: how the
     nodes' views are gathered (`views_of_every_node`)."""
     local_storage = "://" not in storage
     weights_file = weights if weights and weights not in ("none", "kinetics") else None

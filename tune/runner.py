@@ -28,14 +28,14 @@ from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
-from vidtune.trainer import mlflow_model
 from vidtune.trainer.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.gpus import simulated_gpus, train_device
+from vidtune.trainer.devices import train_device
+from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import cleanup, faults, kinetics, last_good, node_cache, saved_options, space
+from vidtune.tune import best_model, cleanup, faults, kinetics, last_good, node_cache, saved_options, space
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -59,8 +59,7 @@ from vidtune.tune.ray_internals import (
 )
 from vidtune.tune.results import objective_key
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
-from vidtune.tune.summary import Summary, print_summary, summarise
-from vidtune.tune.tracking import registry
+from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
 from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
@@ -246,7 +245,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         faults.uninstall()
         summary = summarise(plan, opts, results)        # with trials.csv, best_config.json, the plots
         pending = tracker.record_summary(summary)       # None once MLflow is up to date
-        model = log_best_model(plan, opts, summary, tracker) if pending is None and failure is None else []
+        finished = pending is None and failure is None
+        model = best_model.log_best_model(plan, opts, summary, tracker) if finished else []
         code = print_summary(plan, opts, summary, mlflow_links=tracker.summary_links(pending),
                              pending=pending, failed=failure is not None, model=model,
                              budget=searcher if isinstance(searcher, TimeBudget) else None)
@@ -255,61 +255,6 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     if failure is not None:
         raise_failure(plan, opts, failure)
     return code
-
-
-def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> list[str]:
-    """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
-    under --register-model (`trainer.mlflow_model`); returns the summary's lines saying how to
-    load and serve it, or the one line saying why it is not in MLflow. Never raises: the
-    search's results and exit code stand either way. Not with --no-log-model, nor for an
-    interrupted search (its --resume logs the model of the finished search)."""
-    row = summary.checkpoint
-    if row is None or summary.interrupted or not opts.tracking.log_model:
-        return []
-    run_id = tracker.child_runs.get(row.trial_id)
-    example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
-    why = (f"trial {row.name} has no MLflow run" if run_id is None else
-           "no validation video to be its input example" if example is None else None)
-    if why is None:
-        try:
-            uri, registered = opts.tracking.mlflow_uri, opts.tracking.model_name
-            with local_checkpoint(str(row.checkpoint)) as folder:
-                logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
-                                                registered_name=registered)
-            return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
-                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}") + \
-                describe_registered(plan, opts, summary, tracker, logged, run_id)
-        except Exception as e:   # the model is a convenience on top of the results: never their end
-            why = faults.one_line(e, 200)
-    return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
-
-
-def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,
-                        logged: mlflow_model.Logged, run_id: str) -> list[str]:
-    """The registered version's description, tags and alias `best` (`tune.tracking.registry`);
-    returns the line saying where `best` is. Never raises: the version stands without them."""
-    row = summary.checkpoint
-    if logged.name is None or logged.version is None or row is None:
-        return []
-    try:
-        facts = registry.VersionFacts(
-            search=plan.search_path, experiment_id=tracker.experiment_id, search_run_id=tracker.open_parent(),
-            trial_run_id=run_id, trial=row.label, epoch=row.checkpoint_epoch, epochs=opts.train.epochs,
-            val_acc=row.checkpoint_val_acc, val_clips=summary.val_clips, speed=row.clips_per_s,
-            objective=opts.objective, score=row.checkpoint_score, model=opts.train.model,
-            data=plan.base.data.root)
-        return [registry.describe_version(tracker.client, logged.name, logged.version, facts)]
-    except Exception as e:   # the registry refused a write: the version is there, undescribed
-        return [f"  the version's description and alias were not written ({faults.one_line(e, 200)})"]
-
-
-def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
-    """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
-    (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
-    block's end removes (Ray Train's own `Checkpoint.as_directory`)."""
-    if "://" not in path:
-        return contextlib.nullcontext(path)
-    return ray.train.Checkpoint(path).as_directory()
 
 
 def save_lease_record(lease: Any, log: Path) -> Path | None:

@@ -107,7 +107,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     tracker's `record_summary`). `failed`: the search ended in an exception, which the caller
     reports (no resume hint here). `budget`: the searcher's --time-budget wrapper, which says
     whether the budget ended the search. `model`: the lines saying where the best model is in
-    MLflow and how to load and serve it, or why it is not there (`tune.runner.log_best_model`)."""
+    MLflow and how to load and serve it, or why it is not there (`tune.best_model.log_best_model`)."""
     # --quiet sends everything before the summary away (tune.search.run); the summary still shows.
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
     rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips

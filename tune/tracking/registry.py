@@ -5,7 +5,7 @@ goes in and comes out, how a video is scored (`trainer.scoring_rule.SCORING_RULE
 tags (objective, model, data, the score that ranks it) and the alias `best`, which moves to a
 version that scores at least as well as the one holding it (on the same data and objective).
 
-`tune.runner.log_best_model` calls `describe_version` right after `trainer.mlflow_model` has
+`tune.best_model.log_best_model` calls `describe_version` right after `trainer.mlflow_model` has
 logged and registered the search's best checkpoint.
 """
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""The search's best checkpoint into MLflow: logged as a model in its trial's run, registered
+under --register-model with its description, tags and the alias `best`, and the summary's
+lines saying how to load and serve it."""
+from __future__ import annotations
+
+import contextlib
+
+import ray.train
+
+from vidtune.trainer import mlflow_model
+from vidtune.tune import faults
+from vidtune.tune.options import SearchOptions
+from vidtune.tune.preflight import Plan
+from vidtune.tune.summary import Summary
+from vidtune.tune.tracking import registry
+from vidtune.tune.tracking.tracker import MLflowTracker
+
+
+def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> list[str]:
+    """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
+    under --register-model (`trainer.mlflow_model`); returns the summary's lines saying how to
+    load and serve it, or the one line saying why it is not in MLflow. Never raises: the
+    search's results and exit code stand either way. Not with --no-log-model, nor for an
+    interrupted search (its --resume logs the model of the finished search)."""
+    row = summary.checkpoint
+    if row is None or summary.interrupted or not opts.tracking.log_model:
+        return []
+    run_id = tracker.child_runs.get(row.trial_id)
+    example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
+    why = (f"trial {row.name} has no MLflow run" if run_id is None else
+           "no validation video to be its input example" if example is None else None)
+    if why is None:
+        try:
+            uri, registered = opts.tracking.mlflow_uri, opts.tracking.model_name
+            with local_checkpoint(str(row.checkpoint)) as folder:
+                logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
+                                                registered_name=registered)
+            return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
+                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}") + \
+                describe_registered(plan, opts, summary, tracker, logged, run_id)
+        except Exception as e:   # the model is a convenience on top of the results: never their end
+            why = faults.one_line(e, 200)
+    return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
+
+
+def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,
+                        logged: mlflow_model.Logged, run_id: str) -> list[str]:
+    """The registered version's description, tags and alias `best` (`tune.tracking.registry`);
+    returns the line saying where `best` is. Never raises: the version stands without them."""
+    row = summary.checkpoint
+    if logged.name is None or logged.version is None or row is None:
+        return []
+    try:
+        facts = registry.VersionFacts(
+            search=plan.search_path, experiment_id=tracker.experiment_id, search_run_id=tracker.open_parent(),
+            trial_run_id=run_id, trial=row.label, epoch=row.checkpoint_epoch, epochs=opts.train.epochs,
+            val_acc=row.checkpoint_val_acc, val_clips=summary.val_clips, speed=row.clips_per_s,
+            objective=opts.objective, score=row.checkpoint_score, model=opts.train.model,
+            data=plan.base.data.root)
+        return [registry.describe_version(tracker.client, logged.name, logged.version, facts)]
+    except Exception as e:   # the registry refused a write: the version is there, undescribed
+        return [f"  the version's description and alias were not written ({faults.one_line(e, 200)})"]
+
+
+def local_checkpoint(path: str) -> contextlib.AbstractContextManager[str]:
+    """The checkpoint folder `path` on this machine for the block: itself, or, on remote storage
+    (`--storage s3://...`, gs://, the shared storage of a cluster), a download of it that the
+    block's end removes (Ray Train's own `Checkpoint.as_directory`)."""
+    if "://" not in path:
+        return contextlib.nullcontext(path)
+    return ray.train.Checkpoint(path).as_directory()
