@@ -27,19 +27,29 @@ SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, interme
              image_size=32, num_labels=5)
 
 
-def save_tiny(kind: str, folder):
-    """A random 2-layer checkpoint of `kind` with a 5-way head and its image processor."""
+def save_tiny(kind: str, folder, **config):
+    """A random 2-layer checkpoint of `kind` (videomae, timesformer, vivit) with a 5-way head and
+    its image processor (TimeSformer's hub checkpoints use VideoMAE's, with Kinetics' mean/std);
+    `config` overrides `SMALL`."""
+    config = {**SMALL, **config}
+    crop = {"height": config["image_size"], "width": config["image_size"]}
+    size = {"shortest_edge": config["image_size"]}
     if kind == "videomae":
         model = transformers.VideoMAEForVideoClassification(
-            transformers.VideoMAEConfig(patch_size=8, tubelet_size=2, **SMALL))
-        processor = transformers.VideoMAEImageProcessor(
-            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-            image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.25, 0.3])
-    else:
+            transformers.VideoMAEConfig(patch_size=8, tubelet_size=2, **config))
+        processor = transformers.VideoMAEImageProcessor(size=size, crop_size=crop, image_mean=[0.4, 0.5, 0.6],
+                                                        image_std=[0.2, 0.25, 0.3])
+    elif kind == "timesformer":
+        model = transformers.TimesformerForVideoClassification(
+            transformers.TimesformerConfig(patch_size=8, **config))
+        processor = transformers.VideoMAEImageProcessor(size=size, crop_size=crop, image_mean=[0.45] * 3,
+                                                        image_std=[0.225] * 3)
+    elif kind == "vivit":
         model = transformers.VivitForVideoClassification(
-            transformers.VivitConfig(tubelet_size=[2, 8, 8], **SMALL))
-        processor = transformers.VivitImageProcessor(size={"shortest_edge": 32},
-                                                     crop_size={"height": 32, "width": 32})
+            transformers.VivitConfig(tubelet_size=[2, 8, 8], **config))
+        processor = transformers.VivitImageProcessor(size=size, crop_size=crop)
+    else:
+        raise ValueError(kind)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
