@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint typecheck demo bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ test: install
 # .ci/run runs it before the tests.
 lint: install
 	$(VENV)/bin/ruff check .
+
+# pyright (basedpyright, configured in pyproject.toml): every `import` resolves, as an IDE or a
+# type checker sees the package. .ci/run runs it before the tests.
+typecheck: install
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
 
 # Unit tests only (no Ray session, no end-to-end search).
 test-fast: install

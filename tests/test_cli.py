@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -132,7 +133,21 @@ def test_hugging_face_datasets_and_ours_import_in_one_process(where, tmp_path):
     assert proc.returncode == 0 and Path(proc.stdout.strip()).parent == hf.parent, proc.stderr
 
 
-def test_a_bare_import_of_a_layer_from_the_root_names_the_vidtune_one():
-    proc = run([sys.executable, "-c", "import tune"], cwd=REPO_ROOT)
-    assert proc.returncode != 0
-    assert "No module named 'tune'" in proc.stderr and "import it as vidtune.tune" in proc.stderr
+def test_a_bare_import_of_a_layer_from_the_root_runs_none_of_its_code():
+    """The layer folders are namespace packages (no `__init__.py`): from the clone's root a bare
+    `import tune` finds only an empty namespace, where an installed `tune` would win."""
+    proc = run([sys.executable, "-c", "import tune, trainer; print(tune.__file__, list(tune.__path__), "
+                "hasattr(trainer, 'models'))"], cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "None" and "False" in proc.stdout      # no module file, no code ran
+
+
+def test_the_package_is_a_folder_static_tools_resolve():
+    """vidtune/datasets, /trainer and /tune are links to the top-level folders, so a type checker,
+    an IDE and Python's own import system see one package without an import hook."""
+    for layer in ("datasets", "trainer", "tune"):
+        link = REPO_ROOT / "vidtune" / layer
+        assert link.is_symlink() and link.resolve() == REPO_ROOT / layer, link
+        assert not (REPO_ROOT / layer / "__init__.py").exists()      # a namespace: HF's `datasets` wins
+    finders = list(Path(sysconfig.get_paths()["purelib"]).glob("__editable__*vidtune*finder*.py"))
+    assert not finders, f"an import-hook editable install ({finders}): run `make install` again"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Each layer, lowest first, with the folder it lives in (pyproject.toml's package-dir mapping).
+# Each layer, lowest first, with the folder it lives in (vidtune/datasets etc. link to these).
 # A layer may import only those before it.
 LAYER_FOLDERS = {"vidtune": "vidtune", "vidtune.datasets": "datasets", "vidtune.trainer": "trainer",
                  "vidtune.tune": "tune", "bench": "bench"}

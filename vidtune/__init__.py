@@ -8,7 +8,8 @@ One namespace over the repository's three layers, each kept in its own top-level
 
 Beneath them, what every layer shares: `vidtune.flags` (a config field's flag, defined once),
 `vidtune.config_file` (the one `--config` reader) and `vidtune.errors` (`DataError`). The
-`vidtune` command is `vidtune.cli`. `pyproject.toml` maps each folder to its dotted name.
+`vidtune` command is `vidtune.cli`. `vidtune/datasets`, `vidtune/trainer` and `vidtune/tune` are
+links to the top-level folders (namespace packages: they have no `__init__.py`).
 """
 from importlib.metadata import PackageNotFoundError, version
 
