@@ -3,6 +3,10 @@ model scoring videos as `vidtune predict` does, and as `save_pretrained` output
 (`vidtune export-hf`) that transformers loads without vidtune. No network: a tiny VideoMAE folder."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -22,9 +26,13 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(model name, checkpoint folder, the network): a tiny VideoMAE with a 2-way head whose
-    weights differ from the folder's (as training leaves them), saved as a trial saves them."""
-    tmp = tmp_path_factory.mktemp("hf-export")
+    return train_checkpoint(tmp_path_factory.mktemp("hf-export"))
+
+
+def train_checkpoint(tmp: Path) -> tuple[str, Path, torch.nn.Module]:
+    """(model name, checkpoint folder, the network): a tiny VideoMAE (from `tmp/source`) with a
+    2-way head whose weights differ from the folder's (as training leaves them), saved as a
+    trial saves them into `tmp/ckpt`."""
     name = f"hf:{save_tiny('videomae', tmp / 'source')}"
     torch.manual_seed(0)
     network = build_model(name)
@@ -95,3 +103,55 @@ def test_the_logged_hf_model_scores_videos_as_predict_does(trained, synthetic_ro
     expected = [mlflow_model.video_probability(predictor, Path(v), 1.0, 8) for v in videos]
     assert scored == pytest.approx(expected, abs=1e-6)
     assert len(set(round(s, 6) for s in scored)) == 2 and all(0 < s < 1 for s in scored)
+
+
+# Run in a fresh interpreter, with the hub offline and an empty HF_HOME: the logged model
+# `argv[1]` (store $MLFLOW_TRACKING_URI) loaded as a python_function model scoring videos
+# `argv[2:]`, and its checkpoint downloaded and scored as `vidtune predict --checkpoint
+# models:/...` does. Prints {"pyfunc": [...], "predict": [...]}.
+SCORE_OFFLINE = """
+import json, os, sys, tempfile
+from pathlib import Path
+import mlflow, torch
+from vidtune.trainer import mlflow_model, scoring
+uri, videos = sys.argv[1], sys.argv[2:]
+pyfunc = mlflow.pyfunc.load_model(uri).predict(videos)
+with tempfile.TemporaryDirectory() as tmp:
+    ckpt = mlflow_model.download_checkpoint(uri, os.environ["MLFLOW_TRACKING_URI"], tmp)
+    p = scoring.Predictor.from_checkpoint(ckpt, torch.device("cpu"))
+    predict = [mlflow_model.video_probability(p, Path(v), 1.0, 8) for v in videos]
+print(json.dumps({"pyfunc": pyfunc, "predict": predict}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_logged_hf_model_scores_without_its_source_folder_or_the_hub(synthetic_root, tmp_path):
+    """The model carries its config and image processor (`scoring.HF_CONFIG_FOLDER`) beside its
+    checkpoint: with the folder it was trained from gone, HF_HUB_OFFLINE=1 and an empty HF_HOME,
+    another process loads it and scores as vidtune's Predictor did with the folder there."""
+    name, ckpt, _ = train_checkpoint(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name="t01")
+    videos = sorted(str(p) for p in (synthetic_root / "val").rglob("*.mp4"))[:3]
+    logged = mlflow_model.log_model(uri, run.info.run_id, ckpt, example_video=videos[0],
+                                    registered_name="hf-alone")
+    predictor = scoring.Predictor.from_checkpoint(ckpt, torch.device("cpu"))
+    expected = [mlflow_model.video_probability(predictor, Path(v), 1.0, 8) for v in videos]
+    saved = next((tmp_path / "artifacts").rglob(scoring.HF_CONFIG_FOLDER))   # no weights beside the ckpt
+    assert sorted(f.name for f in saved.iterdir()) == ["config.json", "preprocessor_config.json"]
+
+    (tmp_path / "source").rename(tmp_path / "gone")
+    hf_home = tmp_path / "empty-hf-home"
+    hf_home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_TOKEN")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home), MLFLOW_TRACKING_URI=uri)
+    out = subprocess.run([sys.executable, "-c", SCORE_OFFLINE, logged.uri, *videos], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    scored = json.loads(out.stdout.strip().splitlines()[-1])
+    assert scored["pyfunc"] == pytest.approx(expected, abs=1e-6)
+    assert scored["predict"] == pytest.approx(expected, abs=1e-6)
+    assert len(set(round(s, 6) for s in expected)) == 3 and not any(hf_home.iterdir())

@@ -26,9 +26,11 @@ from huggingface_hub import errors as hub_errors
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForVideoClassification
 
-# What a video classifier needs from a hub repository: config, image processor, weights
-# (safetensors, or a PyTorch .bin that transformers loads with weights_only=True; sharded too).
-CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.bin")
+# A checkpoint's weights: safetensors, or a PyTorch .bin that transformers loads with
+# weights_only=True; sharded too.
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+# What a video classifier needs from a hub repository: config, image processor, weights.
+CHECKPOINT_FILES = ("*.json", *WEIGHT_FILES)
 # transformers' IMAGENET_DEFAULT_MEAN/STD: what its video processors default to, used when a
 # folder has no preprocessor_config.json (a bare `model.save_pretrained`).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -151,46 +153,69 @@ def class_labels(num_classes: int) -> dict[int, str]:
     return {i: f"class_{i}" for i in range(num_classes)}
 
 
+# Files of an image/video processor that `save_pretrained` output carries beside the model.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+
 class HFVideoClassifier(nn.Module):
     """A transformers video classifier behind vidtune's model interface: float
     `B x C x T x H x W` in, `B x num_classes` logits out (transformers takes `pixel_values`
     `B x T x C x H x W` and returns an output object). `classifier_name` names the head for
-    `trainer.models` (backbone freezing, head replacement)."""
+    `trainer.models` (backbone freezing, head replacement); `checkpoint` is the folder it was
+    built from (its image processor's)."""
 
     classifier_name = "hf.classifier"
 
-    def __init__(self, hf: nn.Module):
+    def __init__(self, hf: nn.Module, checkpoint: Path):
         super().__init__()
         self.hf = hf
+        self.checkpoint = checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hf(pixel_values=x.transpose(1, 2)).logits
 
-    def save_pretrained(self, folder: str | Path) -> None:
-        """The model as transformers writes it, for use outside vidtune."""
-        self.hf.save_pretrained(folder)
+    def save_pretrained(self, folder: str | Path, *, weights: bool = True) -> Path:
+        """The model as transformers writes it, for use outside vidtune: its config (with the
+        head's labels), its checkpoint's image processor and, unless `weights` is False, its
+        weights (without them the folder builds the architecture, `build`, and vidtune's MLflow
+        model loads its trained weights from its own checkpoint)."""
+        out = Path(folder)
+        if weights:
+            self.hf.save_pretrained(out)
+        else:
+            self.hf.config.save_pretrained(out)
+        for file in PROCESSOR_FILES:
+            if (self.checkpoint / file).is_file():
+                (out / file).write_bytes((self.checkpoint / file).read_bytes())
+        return out
+
+
+def has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
 
 
 def build(folder: Path, source: str, num_classes: int = 2) -> HFVideoClassifier:
     """The checkpoint in `folder` with a freshly initialised `num_classes`-way head (kept when
-    the checkpoint's head already has that many outputs), float32 on the CPU, in train mode."""
+    the checkpoint's head already has that many outputs), float32 on the CPU, in train mode. A
+    folder with a config and no weights (`HFVideoClassifier.save_pretrained(weights=False)`)
+    gives its architecture randomly initialised: for a caller that loads trained weights."""
     labels = class_labels(num_classes)
+    label_names = dict(id2label=labels, label2id={v: k for k, v in labels.items()})
     with _quiet():
         try:
-            hf = AutoModelForVideoClassification.from_pretrained(
-                folder, ignore_mismatched_sizes=True, id2label=labels,
-                label2id={v: k for k, v in labels.items()}, dtype=torch.float32)
+            if has_weights(folder):
+                hf = AutoModelForVideoClassification.from_pretrained(
+                    folder, ignore_mismatched_sizes=True, dtype=torch.float32, **label_names)
+            else:
+                hf = AutoModelForVideoClassification.from_config(
+                    AutoConfig.from_pretrained(folder, **label_names), dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise HFModelError(f"Hugging Face model {source!r} cannot be loaded as a video classifier: "
                                f"{str(e).splitlines()[0][:300]}") from None
     if not isinstance(getattr(hf, "classifier", None), nn.Linear):
         raise HFModelError(f"Hugging Face model {source!r} ({type(hf).__name__}) has no nn.Linear "
                            "`classifier` head")
-    return HFVideoClassifier(hf).train()
-
-
-# Files of an image/video processor that `save_pretrained` output carries beside the model.
-PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+    return HFVideoClassifier(hf, folder).train()
 
 
 def export_pretrained(weights: dict[str, torch.Tensor], source: str, folder: str | Path) -> Path:
@@ -199,12 +224,6 @@ def export_pretrained(weights: dict[str, torch.Tensor], source: str, folder: str
     head's labels, weights, and the source's image processor, so that
     `AutoModelForVideoClassification.from_pretrained(folder)` loads it outside vidtune."""
     head = weights[f"{HFVideoClassifier.classifier_name}.weight"]
-    checkpoint = local_checkpoint(source)
-    model = build(checkpoint, source, num_classes=head.shape[0])
+    model = build(local_checkpoint(source), source, num_classes=head.shape[0])
     model.load_state_dict(weights)
-    out = Path(folder)
-    model.save_pretrained(out)
-    for file in PROCESSOR_FILES:
-        if (checkpoint / file).is_file():
-            (out / file).write_bytes((checkpoint / file).read_bytes())
-    return out
+    return model.save_pretrained(folder)

@@ -12,7 +12,9 @@ One MLflow model, two flavours:
   (HTTP 400 from `mlflow models serve`, no stack trace), one line per bad path (`bad_paths`).
   Saved as MLflow's "models from code" (no pickled Python object) with the checkpoint (its
   weights and settings, not the optimizer's state) as its artifact, read back with
-  `torch.load(weights_only=True)`.
+  `torch.load(weights_only=True)`. An `hf:` model also carries its config and image processor
+  (`scoring.HF_CONFIG_FOLDER`, beside the checkpoint) and builds from them: it loads without its
+  hub id in the cache or the folder it was trained from.
 - `pytorch`: the bare network, exported with `torch.export` (MLflow's `pt2` format, no pickle):
   `mlflow.pytorch.load_model(uri)` gives a module from float32 clips `B x 3 x T x H x W`,
   normalised as `trainer.scoring.Predictor.transform` does, to logits `B x 2`. A network that
@@ -49,6 +51,7 @@ from mlflow.tracking import MlflowClient
 from vidtune import servers
 from vidtune.trainer import scoring
 from vidtune.trainer.checkpointing import FILE_NAME, checkpoint_file, load_checkpoint
+from vidtune.trainer.models import is_hf_model
 from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE
 
 MODEL_NAME = "model"               # the logged model's name in its run
@@ -142,12 +145,14 @@ def requirements() -> list[str]:
     return out
 
 
-def slim_checkpoint(source: str | Path, target: Path) -> Path:
+def slim_checkpoint(source: str | Path, target: Path) -> dict[str, Any]:
     """Copy the checkpoint `source` (file or folder) to `target`, keeping what scoring reads
-    (`KEPT`), not the optimizer's, scaler's and scheduler's state. Raises CheckpointError."""
+    (`KEPT`), not the optimizer's, scaler's and scheduler's state; returns what it kept.
+    Raises CheckpointError."""
     state = load_checkpoint(source)
-    torch.save({k: state[k] for k in KEPT if k in state}, target)
-    return target
+    kept = {k: state[k] for k in KEPT if k in state}
+    torch.save(kept, target)
+    return kept
 
 
 def save_model(path: str, mlflow_model: Model | None = None, *, checkpoint: str | Path,
@@ -156,12 +161,17 @@ def save_model(path: str, mlflow_model: Model | None = None, *, checkpoint: str 
     of `mlflow.models.Model.log`). `example_video`: a video file's path, the input example."""
     mlflow_model = mlflow_model or Model()
     with tempfile.TemporaryDirectory(prefix="vidtune-model-") as tmp:
-        slim = slim_checkpoint(checkpoint, Path(tmp) / FILE_NAME)
+        slim = Path(tmp) / FILE_NAME
+        kept = slim_checkpoint(checkpoint, slim)
         code = Path(tmp) / "vidtune_video_model.py"
         code.write_text(MODEL_CODE)
         predictor = scoring.Predictor.from_checkpoint(slim, torch.device("cpu"), "fp32")
+        artifacts = {"checkpoint": str(slim)}
+        if is_hf_model(kept["spec"]["name"]):   # its config and processor: it loads without its source
+            artifacts[scoring.HF_CONFIG_FOLDER] = str(predictor.model.save_pretrained(
+                Path(tmp) / scoring.HF_CONFIG_FOLDER, weights=False))
         mlflow.pyfunc.save_model(
-            path, mlflow_model=mlflow_model, python_model=str(code), artifacts={"checkpoint": str(slim)},
+            path, mlflow_model=mlflow_model, python_model=str(code), artifacts=artifacts,
             model_config=SCORING, input_example=([str(example_video)], PARAMS),
             pip_requirements=requirements())
         try:

@@ -23,10 +23,14 @@ from vidtune.datasets.probe import probe_video
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.datasets.video import fitting_stride, sample_indices
 from vidtune.errors import DataError
-from vidtune.trainer.checkpointing import CheckpointError, load_checkpoint
-from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.checkpointing import CheckpointError, checkpoint_file, load_checkpoint
+from vidtune.trainer.models import HF_PREFIX, build_model, get_spec, is_hf_model
 from vidtune.trainer.precision import choose_precision, default_device
 from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE, SCORING_RULE, rule_sentence  # noqa: F401 (re-exported)
+
+# Beside the checkpoint file of a vidtune MLflow model of an `hf:` model (`trainer.mlflow_model`):
+# its config and image processor, so that it loads without its hub id or source folder.
+HF_CONFIG_FOLDER = "hf_config"
 
 
 class VideoReadError(RuntimeError):
@@ -51,7 +55,10 @@ class Predictor:
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: torch.device, precision: str = "auto") -> Predictor:
         state = load_checkpoint(path)
-        spec = get_spec(state["spec"]["name"])
+        name, beside = state["spec"]["name"], checkpoint_file(path).parent / HF_CONFIG_FOLDER
+        if is_hf_model(name) and (beside / "config.json").is_file():
+            name = HF_PREFIX + str(beside)
+        spec = get_spec(name)
         data = state["config"].get("data", {})
         model = build_model(spec.name, weights="none")
         try:
