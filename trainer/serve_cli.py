@@ -25,22 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL",
                    help="models:/NAME/VERSION or models:/NAME@ALIAS (printed by a search), or a saved "
                    "model's folder")
-    g = p.add_argument_group("server")
-    g.add_argument("--mlflow-uri", metavar="URI", default=None,
-                   help="the MLflow store whose registry holds MODEL (default $MLFLOW_TRACKING_URI, else "
-                   "sqlite:///mlruns.db in this folder, a search's default)")
-    g.add_argument("--host", metavar="HOST", default=servers.HOST,
-                   help="the interface to listen on (0.0.0.0: every one; the server has no login)")
-    g.add_argument("--port", metavar="PORT", type=int, default=servers.SERVE_PORT,
-                   help="the port to listen on")
+    servers.add_server_flags(p, store="the MLflow store whose registry holds MODEL", port=servers.SERVE_PORT,
+                             port_help="the port to listen on")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     store, flag = servers.store_of(args.mlflow_uri)
-    if not 0 < args.port < 65536:
-        print(f"error: --port: got {args.port}; a port is 1..65535", file=sys.stderr)
+    if bad_port := servers.checked_port(args.port):
+        print(bad_port, file=sys.stderr)
         return 2
     model = args.model
     if model.startswith("models:/"):

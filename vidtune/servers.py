@@ -10,6 +10,7 @@ the venv's `vidtune` by its absolute path: each runs as printed in any shell.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
@@ -21,6 +22,23 @@ UI_PORT = 5000        # `mlflow ui`'s own default: the address the search's link
 SERVE_PORT = 5001     # beside the UI
 DEFAULT_STORE = "sqlite:///mlruns.db"   # a search's default --mlflow-uri
 STORE_ENV = "MLFLOW_TRACKING_URI"
+
+
+def add_server_flags(p: argparse.ArgumentParser, *, store: str, port: int, port_help: str) -> None:
+    """The flags `vidtune ui` and `vidtune serve` share, in a group "server": --mlflow-uri (what
+    the store holds: `store`), --host and --port (default `port`)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--mlflow-uri", metavar="URI", default=None,
+                   help=f"{store} (default ${STORE_ENV}, else {DEFAULT_STORE} "
+                   "in this folder, a search's default)")
+    g.add_argument("--host", metavar="HOST", default=HOST,
+                   help="the interface to listen on (0.0.0.0: every one; the server has no login)")
+    g.add_argument("--port", metavar="PORT", type=int, default=port, help=port_help)
+
+
+def checked_port(port: int) -> str | None:
+    """The one-line error for a --port outside 1..65535, or None."""
+    return None if 0 < port < 65536 else f"error: --port: got {port}; a port is 1..65535"
 
 
 def bin_dir() -> str:

@@ -17,14 +17,8 @@ from vidtune import servers
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vidtune ui", description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("server")
-    g.add_argument("--mlflow-uri", metavar="URI", default=None,
-                   help="the search's MLflow store (default $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db "
-                   "in this folder, a search's default)")
-    g.add_argument("--host", metavar="HOST", default=servers.HOST,
-                   help="the interface to listen on (0.0.0.0: every one; MLflow's UI has no login)")
-    g.add_argument("--port", metavar="PORT", type=int, default=servers.UI_PORT,
-                   help="the port to listen on (the search's printed links use 5000)")
+    servers.add_server_flags(p, store="the search's MLflow store", port=servers.UI_PORT,
+                             port_help="the port to listen on (the search's printed links use 5000)")
     return p
 
 
@@ -35,8 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {flag}: {store}: {missing}; pass the --mlflow-uri the search wrote to "
               "(its summary prints this command with it)", file=sys.stderr)
         return 2
-    if not 0 < args.port < 65536:
-        print(f"error: --port: got {args.port}; a port is 1..65535", file=sys.stderr)
+    if bad_port := servers.checked_port(args.port):
+        print(bad_port, file=sys.stderr)
         return 2
     store = servers.absolute_store(store)
     print(f"MLflow UI of {store} at http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
