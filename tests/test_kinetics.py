@@ -12,6 +12,7 @@ import urllib.error
 import pytest
 import torch
 
+from tests.fake_cluster import PRELUDE
 from vidtune.flags import ConfigError
 from vidtune.trainer import models
 from vidtune.trainer.config import TrainConfig
@@ -54,24 +55,10 @@ def test_a_prefilled_cache_is_used_offline_and_fetched_once(monkeypatch, tmp_pat
     assert calls == [] and models.classifier(model).out_features == 2
 
 
-CLUSTER = r"""
-import json, os, socket, sys
-from pathlib import Path
-from ray._private.services import get_node_ip_address
-from ray.cluster_utils import Cluster
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
+CLUSTER = PRELUDE + r"""
 driver_home, node_home = sys.argv[1], sys.argv[2]
-port = free_port()
-os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"   # not the test session's Ray
 os.environ["TORCH_HOME"] = driver_home
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 1, "gcs_server_port": port, "dashboard_port": free_port(),
-    "env_vars": {"TORCH_HOME": driver_home}})
+cluster = start_head(num_cpus=1, env_vars={"TORCH_HOME": driver_home})
 try:
     cluster.add_node(num_cpus=1, env_vars={"TORCH_HOME": node_home})
     cluster.wait_for_nodes()

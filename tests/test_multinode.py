@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fake_cluster import PRELUDE
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEARCH_TIMEOUT_S = 420
 
@@ -31,27 +33,11 @@ TRIALS = 2
 # at the new cluster, and its shutdown resets them, which would break the session's Ray that the
 # pytest process may hold (`ray_session`). Prints the address and node ids as one JSON line, then
 # keeps the cluster until its stdin closes.
-CLUSTER_PROCESS = """
-import json, os, socket, sys
+CLUSTER_PROCESS = PRELUDE + """
 # Private, but Ray has no public way to forget the "latest cluster" record (Cluster.shutdown uses it too).
 from ray._common.utils import reset_ray_address
-from ray.cluster_utils import Cluster
-from ray.util import get_node_ip_address
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-port = free_port()
-# Ray's own helpers inside the cluster (Train's placement-group cleaner) find their cluster by
-# RAY_ADDRESS or else the machine's "latest cluster" record; with other Rays on this machine (the
-# test session's) only RAY_ADDRESS is unambiguous, so every node process inherits it.
-os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
-# Its own dashboard port too: the default (8265) may belong to the session's Ray, and Train's
-# cleaner queries actor states through the dashboard.
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": NODE_CPUS, "gcs_server_port": port, "dashboard_port": free_port()})
+cluster = start_head(num_cpus=NODE_CPUS)
 # Cluster also records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which
 # any plain ray.init() here would then join; the search is given the address instead.
 reset_ray_address()

@@ -10,23 +10,11 @@ import sys
 
 import pytest
 
-CLUSTER = r"""
-import json, os, socket, sys
-from pathlib import Path
-from ray._private.services import get_node_ip_address
-from ray.cluster_utils import Cluster
+from tests.fake_cluster import PRELUDE
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
+CLUSTER = PRELUDE + r"""
 data_root, head_cache, node_cache = sys.argv[1], sys.argv[2], sys.argv[3]
-port = free_port()
-os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"   # not the test session's Ray
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 1, "gcs_server_port": port, "dashboard_port": free_port(),
-    "env_vars": {"XDG_CACHE_HOME": head_cache}})
+cluster = start_head(num_cpus=1, env_vars={"XDG_CACHE_HOME": head_cache})
 try:
     cluster.add_node(num_cpus=1, env_vars={"XDG_CACHE_HOME": node_cache})
     cluster.wait_for_nodes()

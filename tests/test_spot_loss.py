@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.fake_cluster import PRELUDE
 from vidtune.tune.tracking.schema import PARENT_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,22 +30,8 @@ WAIT_S = 300
 
 # Commands on stdin, one per line: "add" (a worker node with 2 CPUs; prints its id),
 # "remove <node id>" (kills that node's processes at once, as a reclaimed instance), "quit".
-CLUSTER_PROCESS = r"""
-import json, os, socket, sys
-from ray.cluster_utils import Cluster
-from ray._private.services import get_node_ip_address
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-port = free_port()
-# The node processes find their cluster by RAY_ADDRESS; other Rays on this machine (the test
-# session's) would make the machine's "latest cluster" record ambiguous.
-os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
-cluster = Cluster(initialize_head=True, head_node_args={
-    "num_cpus": 0, "gcs_server_port": port, "dashboard_port": free_port()})
+CLUSTER_PROCESS = PRELUDE + r"""
+cluster = start_head(num_cpus=0)
 nodes = {}
 try:
     print(json.dumps({"address": cluster.address}), flush=True)
