@@ -55,6 +55,20 @@ def save_tiny(kind: str, folder, **config):
     return folder
 
 
+def fill_hub_cache(cache: Path, repo_id: str, folder: Path) -> Path:
+    """`cache` laid out as huggingface_hub writes its hub cache, holding `folder`'s files as hub
+    model `repo_id` (models--ORG--NAME/refs/main -> snapshots/COMMIT/); returns the snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in Path(folder).iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    return snapshot
+
+
 @pytest.fixture(scope="module")
 def videomae(tmp_path_factory):
     return save_tiny("videomae", tmp_path_factory.mktemp("videomae"))
@@ -131,14 +145,8 @@ def test_a_hub_id_loads_from_a_filled_cache_offline_and_a_missing_one_is_one_lin
     (models--ORG--NAME/refs/main -> snapshots/COMMIT/), HF_HUB_OFFLINE on."""
     from huggingface_hub import constants
 
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "hub" / "models--vidtune-test--tiny-videomae"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for f in videomae.iterdir():
-        (snapshot / f.name).write_bytes(f.read_bytes())
+    fill_hub_cache(tmp_path / "hub", "vidtune-test/tiny-videomae", videomae)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)     # (cache_home reads it first)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

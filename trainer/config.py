@@ -23,6 +23,11 @@ MODEL_CHOICES_HELP = ("tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, sw
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: str = option("tiny", flag="--model", metavar="NAME", help=f"model: {MODEL_CHOICES_HELP}")
+    weights_cache: str | None = option(None, flag="--weights-cache", metavar="PATH",
+                                       help="folder the driver downloads hf: hub checkpoints into and "
+                                       "every worker loads them from (the Hugging Face hub cache, "
+                                       "HF_HUB_CACHE): on a cluster, one every node sees (default: "
+                                       "HF_HUB_CACHE, else $HF_HOME/hub)")
     weights: str = option("none", flag="--weights", metavar="W",
                           help="none (random init; an hf: model keeps its checkpoint's weights), kinetics "
                           "(torchvision's pretrained), or a state-dict / vidtune checkpoint file")

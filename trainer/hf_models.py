@@ -59,8 +59,9 @@ def is_folder(source: str) -> bool:
 
 
 def cache_home() -> str:
-    """Where hub checkpoints are cached (`HF_HUB_CACHE`, by default `$HF_HOME/hub`)."""
-    return hub_constants.HF_HUB_CACHE
+    """Where hub checkpoints are cached: `HF_HUB_CACHE` as this process has it now (`--weights-cache`
+    sets it, perhaps after huggingface_hub read it at import), else huggingface_hub's (`$HF_HOME/hub`)."""
+    return os.environ.get("HF_HUB_CACHE") or hub_constants.HF_HUB_CACHE
 
 
 def local_checkpoint(source: str) -> Path:
@@ -73,24 +74,26 @@ def local_checkpoint(source: str) -> Path:
             raise HFModelError(f"Hugging Face model folder {folder} has no config.json; pass a folder "
                                "written by save_pretrained, or a hub id (hf:MCG-NJU/videomae-base)")
         return folder
+    fetch = dict(allow_patterns=list(CHECKPOINT_FILES), cache_dir=cache_home())
     with contextlib.suppress(hub_errors.LocalEntryNotFoundError, ValueError):
-        return Path(huggingface_hub.snapshot_download(source, allow_patterns=list(CHECKPOINT_FILES),
-                                                      local_files_only=True))
+        return Path(huggingface_hub.snapshot_download(source, local_files_only=True, **fetch))
     try:
-        return Path(huggingface_hub.snapshot_download(source, allow_patterns=list(CHECKPOINT_FILES)))
+        return Path(huggingface_hub.snapshot_download(source, **fetch))
     except Exception as e:  # noqa: BLE001 - network, auth, a malformed id: all end the same way
         raise HFModelError(_fetch_failure(source, e)) from None
 
 
 def _fetch_failure(source: str, e: BaseException) -> str:
-    where = f"the cache {cache_home()} (HF_HOME={os.environ.get('HF_HOME', hub_constants.HF_HOME)})"
+    where = (f"the cache {cache_home()} (--weights-cache, else HF_HUB_CACHE or "
+             f"HF_HOME={os.environ.get('HF_HOME', hub_constants.HF_HOME)})")
     if isinstance(e, hub_errors.GatedRepoError):
         why = "it is gated: accept its terms on huggingface.co and log in (hf auth login, or HF_TOKEN)"
     elif isinstance(e, hub_errors.RepositoryNotFoundError):
         why = "no such repository, or a private one: check the id, or log in (hf auth login, or HF_TOKEN)"
     elif hub_constants.HF_HUB_OFFLINE or isinstance(e, hub_errors.LocalEntryNotFoundError):
-        why = ("the hub cannot be reached (offline, or HF_HUB_OFFLINE=1): download it "
-               "on a machine with a network and point HF_HOME at that cache, or pass hf:/path/to/folder")
+        why = ("the hub cannot be reached (offline, or HF_HUB_OFFLINE=1): download it on a machine with "
+               "a network and pass that cache with --weights-cache (or point HF_HOME at it), or pass "
+               "hf:/path/to/folder")
     else:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return f"Hugging Face model {source!r} is not in {where} and could not be downloaded; {why}"

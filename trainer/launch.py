@@ -41,6 +41,7 @@ __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", 
 # asked at all: every worker reads the same cache, offline when the driver is (never the token:
 # the driver downloads, workers only read).
 HF_CACHE_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE")
+HUB_CACHE_ENV = "HF_HUB_CACHE"   # what --weights-cache sets: the hub cache alone (HF_HOME keeps the token)
 
 
 def worker_env_vars() -> dict[str, str]:
@@ -133,9 +134,23 @@ def validate_config(cfg: TrainConfig) -> None:
     """
     check_bounds(cfg, TRAIN_FLAGS)
     _check_data(cfg)
+    use_weights_cache(cfg)
     from vidtune.trainer.model_checks import check_model  # heavy (torch: seconds), so checked last
 
     check_model(cfg)
+
+
+def use_weights_cache(cfg: TrainConfig) -> None:
+    """`--weights-cache`: a writable folder (ConfigError naming the flag otherwise), made this
+    process's Hugging Face hub cache (`HUB_CACHE_ENV`) before an hf: model is fetched into it;
+    every Ray worker then inherits it (`worker_env_vars`), so init Ray after this."""
+    if cfg.weights_cache is None:
+        return
+    if "://" in cfg.weights_cache:
+        raise ConfigError("--weights-cache", f"{cfg.weights_cache} is a URI; the Hugging Face cache is a "
+                          "folder: pass a path every node sees (a shared file system)")
+    check_writable_folder(cfg.weights_cache, "--weights-cache")
+    os.environ[HUB_CACHE_ENV] = str(Path(cfg.weights_cache).expanduser().resolve())
 
 
 def check_batch_sizes(batch_sizes: Iterable[int], train_videos: int, workers: int, *, flag: str,
