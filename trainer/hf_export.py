@@ -6,7 +6,8 @@
 its image processor with `AutoImageProcessor.from_pretrained`); the head's labels are
 `non-violent` / `violent`. The checkpoint is a folder written by `vidtune train` or a search (or
 its `checkpoint.pt`). The model's source (the hub id, in the Hugging Face cache, or the folder it
-was trained from) must be readable: its image processor is copied from there.
+was trained from) must be readable: its image processor is copied from there. For a model
+trained with `--weights-cache PATH`, run it with `HF_HUB_CACHE=PATH`.
 """
 from __future__ import annotations
 
