@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import resource
 import socket
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from vidtune.flags import option
+from vidtune.trainer.ray_reaper import ray_processes_under, start_reaper
 
 GB = 1e9
 # Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES: 75 MiB)
@@ -41,7 +41,6 @@ ADDRESS_SPACE_SHARE = 0.25
 # a 2-core machine: at 7 GB a Train worker aborts when it cannot start a thread; at 8 GB it trains.
 THREADS_HEADROOM_BYTES = int(2 * GB)
 # A Ray process's command line: its binaries and scripts under .../ray/, `ray::` workers, the raylet
-RAY_PROCESS = re.compile(r"/ray/|ray::|\braylet\b|gcs_server")
 
 
 @dataclass(frozen=True)
@@ -130,11 +129,10 @@ def kill_started_ray() -> list[int]:
     for matters more than this one."""
     killed = []
     try:
-        for child in psutil.Process().children(recursive=True):
+        for child in ray_processes_under(psutil.Process()):
             try:
-                if RAY_PROCESS.search(" ".join(child.cmdline())) or child.name().startswith(("ray", "gcs")):
-                    child.kill()
-                    killed.append(child.pid)
+                child.kill()
+                killed.append(child.pid)
             except psutil.Error:      # gone already
                 continue
         psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=10)
@@ -239,3 +237,4 @@ def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> Non
         raise RayStartError(failure_message(f"{type(e).__name__}: {reason[:200]}", options, store)) from None
     finally:
         done.set()
+    start_reaper()   # its processes end with this one, even when it is killed (trainer.ray_reaper)
