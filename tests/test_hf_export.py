@@ -141,7 +141,8 @@ def test_the_logged_hf_model_scores_without_its_source_folder_or_the_hub(synthet
     predictor = scoring.Predictor.from_checkpoint(ckpt, torch.device("cpu"))
     expected = [mlflow_model.video_probability(predictor, Path(v), 1.0, 8) for v in videos]
     saved = next((tmp_path / "artifacts").rglob(scoring.HF_CONFIG_FOLDER))   # no weights beside the ckpt
-    assert sorted(f.name for f in saved.iterdir()) == ["config.json", "preprocessor_config.json"]
+    assert sorted(f.name for f in saved.iterdir()) == ["config.json", "preprocessor_config.json",
+                                                         "vidtune_weights_elsewhere.txt"]
 
     (tmp_path / "source").rename(tmp_path / "gone")
     hf_home = tmp_path / "empty-hf-home"

@@ -112,6 +112,22 @@ def test_head_is_replaced_with_two_labels_and_freezing_leaves_it_training(videom
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_a_folder_without_weights_is_refused_unless_vidtune_wrote_it_so(videomae, tmp_path):
+    """A config alone (`config.save_pretrained`) would fine-tune random weights unawares: refused,
+    naming the folder. vidtune's own weightless copy (an MLflow model's hf_config, whose weights
+    are in its checkpoint) builds the architecture."""
+    from vidtune.trainer import hf_models
+
+    bare = tmp_path / "config-only"
+    transformers.AutoConfig.from_pretrained(videomae).save_pretrained(bare)
+    with pytest.raises(hf_models.HFModelError, match=r"config-only has a config.json but no weights"):
+        hf_models.build(bare, str(bare))
+    model = hf_models.build(videomae, str(videomae))
+    copy = model.save_pretrained(tmp_path / "hf_config", weights=False)
+    rebuilt = hf_models.build(copy, str(copy))
+    assert type(rebuilt.hf) is type(model.hf) and models.classifier(rebuilt).out_features == 2
+
+
 def test_the_checkpoints_clip_size_reaches_the_datasets_and_the_cache_key(videomae, tmp_path):
     video = tmp_path / "a.mp4"
     video.write_bytes(b"x")           # entry_key stats the file only

@@ -29,6 +29,9 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForVideoClassi
 # A checkpoint's weights: safetensors, or a PyTorch .bin that transformers loads with
 # weights_only=True; sharded too.
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+# Written by `save_pretrained(weights=False)`: this folder's weights are in the vidtune checkpoint
+# beside it, so `build` may give the bare architecture. Any other folder without weights is refused.
+WEIGHTS_ELSEWHERE = "vidtune_weights_elsewhere.txt"
 # What a video classifier needs from a hub repository: config, image processor, weights.
 CHECKPOINT_FILES = ("*.json", *WEIGHT_FILES)
 # transformers' IMAGENET_DEFAULT_MEAN/STD: what its video processors default to, used when a
@@ -187,6 +190,8 @@ class HFVideoClassifier(nn.Module):
             self.hf.save_pretrained(out)
         else:
             self.hf.config.save_pretrained(out)
+            (out / WEIGHTS_ELSEWHERE).write_text("The trained weights are in the vidtune checkpoint beside "
+                                                 "this folder (checkpoint.pt), not here.\n")
         for file in PROCESSOR_FILES:
             if (self.checkpoint / file).is_file():
                 (out / file).write_bytes((self.checkpoint / file).read_bytes())
@@ -200,13 +205,19 @@ def has_weights(folder: Path) -> bool:
 def build(folder: Path, source: str, num_classes: int = 2) -> HFVideoClassifier:
     """The checkpoint in `folder` with a freshly initialised `num_classes`-way head (kept when
     the checkpoint's head already has that many outputs), float32 on the CPU, in train mode. A
-    folder with a config and no weights (`HFVideoClassifier.save_pretrained(weights=False)`)
-    gives its architecture randomly initialised: for a caller that loads trained weights."""
+    folder that `HFVideoClassifier.save_pretrained(weights=False)` wrote gives its architecture
+    randomly initialised, for a caller that loads trained weights; any other folder without
+    weights is refused (HFModelError), rather than fine-tuned from random weights unawares."""
+    weighted = has_weights(folder)
+    if not weighted and not (folder / WEIGHTS_ELSEWHERE).is_file():
+        raise HFModelError(f"Hugging Face model {source!r}: the folder {folder} has a config.json but no "
+                           "weights (model.safetensors or pytorch_model.bin); pass the folder that "
+                           "model.save_pretrained() wrote, or a hub id")
     labels = class_labels(num_classes)
     label_names = dict(id2label=labels, label2id={v: k for k, v in labels.items()})
     with _quiet():
         try:
-            if has_weights(folder):
+            if weighted:
                 hf = AutoModelForVideoClassification.from_pretrained(
                     folder, ignore_mismatched_sizes=True, dtype=torch.float32, **label_names)
             else:
