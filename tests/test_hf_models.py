@@ -122,6 +122,9 @@ def test_a_folder_without_weights_is_refused_unless_vidtune_wrote_it_so(videomae
     transformers.AutoConfig.from_pretrained(videomae).save_pretrained(bare)
     with pytest.raises(hf_models.HFModelError, match=r"config-only has a config.json but no weights"):
         hf_models.build(bare, str(bare))
+    with pytest.raises(ConfigError) as e:                  # on the driver, before Ray starts
+        validate_config(TrainConfig(data=DataConfig(root=str(tmp_path)), model=f"hf:{bare}"))
+    assert e.value.flag == "--model" and "no weights" in str(e.value)
     model = hf_models.build(videomae, str(videomae))
     copy = model.save_pretrained(tmp_path / "hf_config", weights=False)
     rebuilt = hf_models.build(copy, str(copy))

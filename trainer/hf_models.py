@@ -76,6 +76,7 @@ def local_checkpoint(source: str) -> Path:
         if not (folder / "config.json").is_file():
             raise HFModelError(f"Hugging Face model folder {folder} has no config.json; pass a folder "
                                "written by save_pretrained, or a hub id (hf:MCG-NJU/videomae-base)")
+        check_weights(folder, source)
         return folder
     fetch = dict(allow_patterns=list(CHECKPOINT_FILES), cache_dir=cache_home())
     with contextlib.suppress(hub_errors.LocalEntryNotFoundError, ValueError):
@@ -198,6 +199,15 @@ class HFVideoClassifier(nn.Module):
         return out
 
 
+def check_weights(folder: Path, source: str) -> None:
+    """HFModelError naming `folder` when it has no weights and is not vidtune's own weightless copy
+    (`WEIGHTS_ELSEWHERE`): fine-tuning random weights unawares is worse than one line."""
+    if not has_weights(folder) and not (folder / WEIGHTS_ELSEWHERE).is_file():
+        raise HFModelError(f"Hugging Face model {source!r}: the folder {folder} has a config.json but no "
+                           "weights (model.safetensors or pytorch_model.bin); pass the folder that "
+                           "model.save_pretrained() wrote, or a hub id")
+
+
 def has_weights(folder: Path) -> bool:
     return any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
 
@@ -209,10 +219,7 @@ def build(folder: Path, source: str, num_classes: int = 2) -> HFVideoClassifier:
     randomly initialised, for a caller that loads trained weights; any other folder without
     weights is refused (HFModelError), rather than fine-tuned from random weights unawares."""
     weighted = has_weights(folder)
-    if not weighted and not (folder / WEIGHTS_ELSEWHERE).is_file():
-        raise HFModelError(f"Hugging Face model {source!r}: the folder {folder} has a config.json but no "
-                           "weights (model.safetensors or pytorch_model.bin); pass the folder that "
-                           "model.save_pretrained() wrote, or a hub id")
+    check_weights(folder, source)
     labels = class_labels(num_classes)
     label_names = dict(id2label=labels, label2id={v: k for k, v in labels.items()})
     with _quiet():
