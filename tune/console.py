@@ -33,16 +33,12 @@ from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
 from vidtune.tune.trial import short_name
 
-# The words for each status in the end block's count ("4 done, 1 stopped early").
-OUTCOME_WORDS = {"DONE": "done", "STOPPED": "stopped early", "OOM": "out of memory", "DIVERGED": "diverged",
-                 "ERROR": "failed", "UNFINISHED": "interrupted"}
-
 
 def outcome_line(rows: list[TrialRow], wall_s: float) -> str:
     """The end block's first count: `6 trials in 4m12s: 4 done, 1 stopped early, 1 diverged`
     (statuses in STATUSES order, those present only)."""
     counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
-    ended = ", ".join(f"{n} {OUTCOME_WORDS[s]}" for s, n in counts.items() if n)
+    ended = ", ".join(f"{n} {s.word}" for s, n in counts.items() if n)
     trials = f"{len(rows)} trial{'s' if len(rows) != 1 else ''}"
     return f"{trials} in {format_duration(wall_s)}{': ' + ended if ended else ''}"
 

@@ -26,11 +26,11 @@ from matplotlib.figure import Figure
 
 from vidtune.tune.plot_drawing import PLOT_DPI
 from vidtune.tune.results import TrialRow, objective_key
+from vidtune.tune.status import WITH_RESULT
 from vidtune.tune.warm_start import Space
 
 MIN_TRIALS = 8
 SEED = 0                       # the forest's: the same trials give the same shares
-FINISHED = ("DONE", "STOPPED")  # tune/results.py STATUSES with a result of their own
 METRIC_PREFIX = "importance_"   # MLflow: importance_lr, importance_batch_size, ...
 
 Trial = tuple[dict[str, Any], float]   # (params, objective value)
@@ -89,7 +89,7 @@ def finished_trials(rows: Iterable[TrialRow], objective: str = "val_acc") -> lis
     out = []
     for r in rows:
         value = getattr(r, key)
-        if r.status in FINISHED and math.isfinite(value):
+        if r.status in WITH_RESULT and math.isfinite(value):
             params = {"batch_size": r.batch_size, "lr": r.lr}
             if r.weight_decay is not None:
                 params["weight_decay"] = r.weight_decay

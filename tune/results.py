@@ -27,14 +27,15 @@ from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
 from vidtune.tune.faults import trial_unfinished
+from vidtune.tune.status import Status
 from vidtune.tune.uncertainty import accuracy_interval
 
 # What each status means: DONE ran all epochs; STOPPED was stopped early by ASHA; OOM ran out
 # of memory (infeasible); DIVERGED had its training loss become inf or NaN (infeasible: the lr
 # is too high for it); ERROR raised; UNFINISHED was interrupted (continue with --resume).
-STATUSES = ("DONE", "STOPPED", "OOM", "DIVERGED", "ERROR", "UNFINISHED")
+STATUSES = tuple(Status)
 # The statuses whose last report stands for the trial: no accuracy, no speed, never ranked.
-NO_RESULT = ("OOM", "DIVERGED")
+NO_RESULT = (Status.OOM, Status.DIVERGED)
 OBJECTIVES = ("val_acc", "val_f1", "pareto")
 
 

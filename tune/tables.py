@@ -69,17 +69,11 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int 
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
 
 
-# What each status means, as the end block says it (`column_notes`).
-STATUS_MEANING = {"DONE": "= all epochs", "STOPPED": "= stopped early by ASHA", "OOM": "= out of memory",
-                  "DIVERGED": "= loss inf/NaN (lr too high)", "ERROR": "= raised an error",
-                  "UNFINISHED": "= interrupted (--resume continues it)"}
-
-
 def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) -> list[str]:
     """What each column of `format_table` means, said once under the trials table (the statuses
     present only), wrapped to `width`."""
     interval = " [its 95% interval]" if val_clips > 0 else ""
-    statuses = ", ".join(f"{s} {STATUS_MEANING[s]}" for s in STATUSES if any(r.status == s for r in rows))
+    statuses = ", ".join(f"{s} = {s.meaning}" for s in STATUSES if any(r.status == s for r in rows))
     parts = [f"best val_acc = validation accuracy at the trial's best epoch (column epoch){interval}",
              "val_f1 = macro F1 at that epoch",
              "clips/s = training speed in steady state (median of epochs 2 and later)",

@@ -28,13 +28,13 @@ from typing import Any, Protocol
 import optuna
 
 from vidtune.flags import ConfigError
+from vidtune.tune.status import WITH_RESULT
 
 FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "
            "storage and study (sqlite:///optuna.db#study-name)")
 # trials.csv's value column per objective, newest name first (tune/tables.py CSV_COLUMNS).
 VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("val_f1",)}
-WITH_RESULT = ("DONE", "STOPPED")   # tune/results.py STATUSES whose trials have a value
 # trials.csv writes lr and weight decay to 3 significant digits: a value written at a bound may
 # read back up to half a unit of its last digit (0.5 %) outside it; such a value is clipped in.
 ROUNDING = 5e-3

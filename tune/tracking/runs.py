@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
 from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialRow, summary_metrics
+from vidtune.tune.status import word_of
 from vidtune.tune.tables import significant
 from vidtune.tune.tracking import description
 from vidtune.tune.tracking.schema import (
@@ -33,7 +34,6 @@ from vidtune.tune.tracking.schema import (
     NODE_ID_TAG,
     NODE_TAG,
     NOTE_TAG,
-    OUTCOMES,
     READER_TAG,
     RESUMED_TAG,
     SETTING_TAGS,
@@ -218,7 +218,7 @@ def trial_description(row: TrialRow, val_clips: int, epochs: int) -> str:
     """The one line at the top of a trial's run page (its MLflow description): the best epoch's
     accuracy with its 95% interval, which epoch of how many, the outcome and the speed, e.g.
     `best val_acc 0.562 [0.39, 0.72] at epoch 3 of 4; done; 45.1 clips/s`."""
-    outcome = OUTCOMES.get(row.status, row.status.lower())
+    outcome = word_of(row.status)
     summary = summary_metrics(row, val_clips)
     acc, low, high = summary["best_val_acc"], summary["best_val_acc_low"], summary["best_val_acc_high"]
     if not math.isfinite(acc):

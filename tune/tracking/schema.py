@@ -10,6 +10,8 @@ from typing import Any
 
 from ray.tune.result import AUTO_RESULT_KEYS
 
+from vidtune.tune.status import Status
+
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
 NODE_ID_TAG = "vidtune.node_id"
@@ -51,9 +53,8 @@ BEST_TAG = "vidtune.best"
 INTERVAL_TAG = "best_val_acc_95ci"
 READER_TAG = "vidtune.reader_failures"
 TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
-# OUTCOME_TAG's words for each of `tune.results.STATUSES`
-OUTCOMES = {"DONE": "done", "STOPPED": "stopped early", "OOM": "out of memory", "DIVERGED": "diverged",
-            "ERROR": "failed", "UNFINISHED": "interrupted"}
+# OUTCOME_TAG's word for each trial status (`tune.status.Status`)
+OUTCOMES = {s.value: s.word for s in Status}
 
 
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:

@@ -19,6 +19,7 @@ from typing import Any
 import optuna
 
 from vidtune.tune.results import trial_status
+from vidtune.tune.status import Status
 from vidtune.tune.tracking.schema import OUTCOMES
 from vidtune.tune.tracking.store import sqlite_path
 from vidtune.tune.trial import short_name
@@ -90,7 +91,7 @@ def trial_attrs(trial_id: str, result: dict[str, Any] | None, *, epochs: int, va
 
 def pruned(attrs: dict[str, Any]) -> bool:
     """The trial was stopped early by ASHA: Optuna's PRUNED, not COMPLETE."""
-    return attrs.get(STATUS_ATTR) == OUTCOMES["STOPPED"]
+    return attrs.get(STATUS_ATTR) == Status.STOPPED.word
 
 
 def dashboard_command() -> str:

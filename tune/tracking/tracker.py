@@ -48,6 +48,7 @@ from vidtune.tune.results import (
     live_row,
     objective_key,
 )
+from vidtune.tune.status import Status, word_of
 from vidtune.tune.summary import Summary
 from vidtune.tune.tracking import store
 from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, setting_tags, shown_config
@@ -56,7 +57,6 @@ from vidtune.tune.tracking.schema import (
     FAILURE_TAG,
     INTERRUPTED_REASON,
     OUTCOME_TAG,
-    OUTCOMES,
     PARENT_TAG,
     STEP_METRIC,
     STOP_TAG,
@@ -207,7 +207,7 @@ class MLflowTracker(RunWriter, Callback):
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         status = completed_trial_status(trial, epochs=self.epochs)
         run_status, tags = self.mlflow_status(status, trial.last_result or {})
-        tags[OUTCOME_TAG] = OUTCOMES.get(status, status.lower())
+        tags[OUTCOME_TAG] = word_of(status)
         run_id = self.child_runs.get(trial.trial_id)
         if run_id:   # shown while the search runs; `reconcile` writes the final row's at the end
             row = live_row(trial.trial_id, trial.config, self._records.get(trial.trial_id, {}), status,
@@ -221,7 +221,7 @@ class MLflowTracker(RunWriter, Callback):
         text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
         run_id = self.child_runs.get(trial.trial_id)
         reason = self.record_failure(run_id, short_name(trial), text, fallback=path) if run_id else ""
-        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: reason, OUTCOME_TAG: OUTCOMES["ERROR"]})
+        self.end_child(trial.trial_id, "FAILED", {FAILURE_TAG: reason, OUTCOME_TAG: Status.ERROR.word})
 
     # the work ------------------------------------------------------------------------------
     def start_child(self, trial_id: str, config: dict[str, Any], *, name: str | None = None) -> str:
@@ -337,7 +337,7 @@ class MLflowTracker(RunWriter, Callback):
             if row.status == "ERROR" and getattr(result, "error", None) is not None:
                 tags[FAILURE_TAG] = self.record_failure(run_id, getattr(row, "name", "") or row.trial_id,
                                                         error_text(result.error))
-            tags[OUTCOME_TAG] = OUTCOMES.get(row.status, row.status.lower())
+            tags[OUTCOME_TAG] = word_of(row.status)
             tags.update({**placement_tags(last), **setting_tags(last)})
             self.log_trial_summary(run_id, row)
             run = c.get_run(run_id)
