@@ -78,19 +78,25 @@ def test_export_hf_refuses_a_torchvision_checkpoint_and_a_used_folder_in_one_lin
     assert "not an empty folder" in capsys.readouterr().err
 
 
+def _log_in_a_new_store(tmp_path: Path, ckpt: Path, example_video: str, registered_name: str):
+    """(store URI, `mlflow_model.Logged`): `ckpt` logged in a run of a new SQLite store under
+    `tmp_path`, its artifacts in `tmp_path / "artifacts"`, registered as `registered_name`."""
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name="t01")
+    return uri, mlflow_model.log_model(uri, run.info.run_id, ckpt, example_video=example_video,
+                                       registered_name=registered_name)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_logged_hf_model_scores_videos_as_predict_does(trained, synthetic_root, tmp_path):
     """The generic path: `mlflow_model.log_model` of an hf: checkpoint, loaded back as a
     python_function model, gives each video the probability `vidtune predict`'s code gives it."""
     _, ckpt, _ = trained
-    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
-    run = client.create_run(experiment, run_name="t01")
     videos = sorted(str(p) for p in (synthetic_root / "val").rglob("*.mp4"))[:2]
-    logged = mlflow_model.log_model(uri, run.info.run_id, ckpt, example_video=videos[0],
-                                    registered_name="hf-tiny")
+    uri, logged = _log_in_a_new_store(tmp_path, ckpt, videos[0], "hf-tiny")
     assert logged.uri == "models:/hf-tiny/1"
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
@@ -131,13 +137,8 @@ def test_the_logged_hf_model_scores_without_its_source_folder_or_the_hub(synthet
     checkpoint: with the folder it was trained from gone, HF_HUB_OFFLINE=1 and an empty HF_HOME,
     another process loads it and scores as vidtune's Predictor did with the folder there."""
     name, ckpt, _ = train_checkpoint(tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("search", artifact_location=(tmp_path / "artifacts").as_uri())
-    run = client.create_run(experiment, run_name="t01")
     videos = sorted(str(p) for p in (synthetic_root / "val").rglob("*.mp4"))[:3]
-    logged = mlflow_model.log_model(uri, run.info.run_id, ckpt, example_video=videos[0],
-                                    registered_name="hf-alone")
+    uri, logged = _log_in_a_new_store(tmp_path, ckpt, videos[0], "hf-alone")
     predictor = scoring.Predictor.from_checkpoint(ckpt, torch.device("cpu"))
     expected = [mlflow_model.video_probability(predictor, Path(v), 1.0, 8) for v in videos]
     saved = next((tmp_path / "artifacts").rglob(scoring.HF_CONFIG_FOLDER))   # no weights beside the ckpt
