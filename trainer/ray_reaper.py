@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -84,14 +85,21 @@ def reap(pid: int, poll_s: float = POLL_S, first_ray_within_s: float = 30.0) -> 
                             or not seen and time.monotonic() - started > first_ray_within_s):
             return []
         time.sleep(poll_s)
-    left = [p for p in seen.values() if _running(p)]
-    for process in left:
+    return kill_all(p for p in seen.values() if _running(p))
+
+
+def kill_all(processes: Iterable[psutil.Process]) -> list[int]:
+    """SIGKILL each of `processes` and wait (10 s at most) for them to end; returns the pids the
+    signal reached (one already gone is skipped)."""
+    killed = []
+    for process in processes:
         try:
             process.kill()
-        except psutil.Error:
+            killed.append(process)
+        except psutil.Error:      # gone already
             continue
-    psutil.wait_procs(left, timeout=10)
-    return [p.pid for p in left]
+    psutil.wait_procs(killed, timeout=10)
+    return [p.pid for p in killed]
 
 
 def main(argv: list[str] | None = None) -> int:

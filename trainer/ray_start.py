@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from vidtune.flags import option
-from vidtune.trainer.ray_reaper import ray_processes_under, start_reaper
+from vidtune.trainer.ray_reaper import kill_all, ray_processes_under, start_reaper
 
 GB = 1e9
 # Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES: 75 MiB)
@@ -40,7 +40,6 @@ ADDRESS_SPACE_SHARE = 0.25
 # stacks and malloc arenas (Ray and gRPC start dozens of threads). Measured under prlimit --as on
 # a 2-core machine: at 7 GB a Train worker aborts when it cannot start a thread; at 8 GB it trains.
 THREADS_HEADROOM_BYTES = int(2 * GB)
-# A Ray process's command line: its binaries and scripts under .../ray/, `ray::` workers, the raylet
 
 
 @dataclass(frozen=True)
@@ -127,18 +126,10 @@ def kill_started_ray() -> list[int]:
     the GCS, the raylet, the dashboard and its agents, the workers. Returns their pids. Best
     effort: on a machine out of memory even listing them can fail, and the error it is called
     for matters more than this one."""
-    killed = []
     try:
-        for child in ray_processes_under(psutil.Process()):
-            try:
-                child.kill()
-                killed.append(child.pid)
-            except psutil.Error:      # gone already
-                continue
-        psutil.wait_procs([psutil.Process(pid) for pid in killed if psutil.pid_exists(pid)], timeout=10)
+        return kill_all(ray_processes_under(psutil.Process()))
     except (psutil.Error, OSError, MemoryError):
-        pass
-    return killed
+        return []
 
 
 def import_failure_message(e: ImportError) -> str:
