@@ -7,7 +7,9 @@ import math
 import pytest
 from scipy.stats import binomtest
 
-from vidtune.tune.answer import SearchedRange, answer_lines
+from vidtune.tune import searched
+from vidtune.tune.answer import answer_lines
+from vidtune.tune.options import SearchSpace
 from vidtune.tune.results import TrialRow
 from vidtune.tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
 
@@ -50,18 +52,18 @@ def test_format_accuracy():
 
 
 def row(name, bs, lr, acc, speed, status="DONE"):
-    return TrialRow(trial_id=name, batch_size=bs, lr=lr, weight_decay=None, val_acc=acc, val_f1=acc,
+    return TrialRow(trial_id=name, batch_size=bs, lr=lr, val_acc=acc, val_f1=acc,
                     clips_per_s=speed, epoch_time_s=10.0, epochs=3, status=status, checkpoint=None,
                     name=name, best_epoch=3)
 
 
-SEARCHED = SearchedRange(lr_min=1e-4, lr_max=1e-2, batch_sizes=(4, 8, 16))
+SEARCHED = searched.domains(SearchSpace(lr_min=1e-4, lr_max=1e-2, batch_sizes=(4, 8, 16)))
 
 
 def test_best_first_then_a_faster_trial_as_good_within_the_uncertainty():
     rows = [row("t1", 4, 1e-3, 0.750, 10.0), row("t2", 16, 1e-3, 0.719, 30.0), row("t3", 8, 1e-3, 0.40, 50.0),
             row("t4", 8, 1e-3, math.nan, math.nan, status="OOM")]
-    lines = answer_lines(rows, objective="val_acc", val_clips=32, searched=SEARCHED)
+    lines = answer_lines(rows, objective="val_acc", val_clips=32, domains=SEARCHED)
     assert lines[0].startswith("Best: t1 (batch 4, lr 1.00e-03), val_acc 0.750 [0.58, 0.87] at epoch 3")
     assert "t2 (batch 16" in lines[1] and "3.0x faster" in lines[1] and "giving up 0.031" in lines[1]
     assert any("32 clips: one clip is 3.1 points" in line for line in lines)
@@ -79,13 +81,24 @@ def test_a_large_validation_set_separates_the_same_accuracies():
 @pytest.mark.parametrize("lr, bs, flag", [(1.1e-4, 8, "--lr-min"), (9e-3, 8, "--lr-max"),
                                           (1e-3, 4, "--batch-sizes"), (1e-3, 16, "--batch-sizes")])
 def test_a_best_value_at_the_edge_of_its_range_says_which_flag_to_widen(lr, bs, flag):
-    lines = answer_lines([row("t1", bs, lr, 0.8, 10.0)], objective="val_acc", val_clips=32, searched=SEARCHED)
+    lines = answer_lines([row("t1", bs, lr, 0.8, 10.0)], objective="val_acc", val_clips=32, domains=SEARCHED)
     assert any(flag in line and "edge" in line or flag in line and "one searched" in line for line in lines)
+
+
+def test_a_weight_decay_at_the_edge_of_its_searched_range_names_its_flag():
+    space = SearchSpace(lr_min=1e-4, lr_max=1e-2, batch_sizes=(4, 8, 16), search_weight_decay=True,
+                        weight_decay_min=1e-4, weight_decay_max=1e-1)
+    best = dataclasses.replace(row("t1", 8, 1e-3, 0.8, 10.0), params={"weight_decay": 0.09})
+    lines = answer_lines([best], objective="val_acc", val_clips=32, domains=searched.domains(space))
+    assert [line for line in lines if "edge" in line] == [
+        "The best weight decay (9.00e-02) is at the upper edge of the searched range (1.00e-04 to 1.00e-01): "
+        "a larger one may be better; raise --weight-decay-max."]
+    assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03, wd 9.00e-02)")
 
 
 def test_a_best_value_in_the_middle_gives_no_warning():
     lines = answer_lines([row("t1", 8, 1e-3, 0.8, 10.0)], objective="val_acc", val_clips=32,
-                         searched=SEARCHED)
+                         domains=SEARCHED)
     assert not any("--lr-" in line or "--batch-sizes" in line for line in lines)
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from vidtune.trainer.history import write_history
 from vidtune.tune import console, faults, results, search_log, space, tables
-from vidtune.tune.trial import short_lr, short_name
+from vidtune.tune.searched import short_number
+from vidtune.tune.trial import short_name
 
 
 def _trial(number: int, trial_id: str = "abc123", status: str = "RUNNING", **config):
@@ -22,7 +23,8 @@ def _trial(number: int, trial_id: str = "abc123", status: str = "RUNNING", **con
 
 
 def test_short_names_are_readable_and_stable():
-    assert short_lr(2.5e-4) == "2.5e-4" and short_lr(1e-3) == "1e-3" and short_lr(0.00113873) == "1.1e-3"
+    assert short_number(2.5e-4) == "2.5e-4" and short_number(1e-3) == "1e-3"
+    assert short_number(0.00113873) == "1.1e-3"
     assert short_name(_trial(3)) == "t03-bs8-lr2.5e-4"
     assert short_name(_trial(12, weight_decay=0.01)) == "t12-bs8-lr2.5e-4-wd1e-2"
     assert short_name(SimpleNamespace(experiment_tag="", trial_id="x9", config={})) == "t-x9"
@@ -126,15 +128,15 @@ def test_the_end_block_counts_the_trials_by_outcome():
 
 
 def _row(name: str, status: str) -> results.TrialRow:
-    return results.TrialRow(trial_id=name, batch_size=8, lr=1e-3, weight_decay=None, val_acc=0.5, val_f1=0.5,
+    return results.TrialRow(trial_id=name, batch_size=8, lr=1e-3, val_acc=0.5, val_f1=0.5,
                             clips_per_s=10.0, epoch_time_s=1.0, epochs=2, status=status, checkpoint=None)
 
 
 def test_markdown_table_for_the_parent_description():
-    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, weight_decay=None, val_acc=0.8125,
+    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, val_acc=0.8125,
                            val_f1=0.8, clips_per_s=41.234, epoch_time_s=2.0, epochs=3, status="DONE",
                            checkpoint=None, name="t01-bs8-lr2.5e-4", best_epoch=2)
-    oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, weight_decay=None, val_acc=math.nan,
+    oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, val_acc=math.nan,
                            val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1,
                            status="OOM", checkpoint=None, name="t02-bs64-lr1e-3")
     lines = tables.format_markdown([row, oom], val_clips=32).splitlines()

@@ -35,7 +35,7 @@ def _tracker(uri: str, experiment: str, objective: str = "val_acc") -> MLflowTra
 
 
 def _row(trial_id: str, val_acc: float, clips_per_s: float, status: str = "DONE") -> TrialRow:
-    return TrialRow(trial_id=trial_id, batch_size=4, lr=1e-3, weight_decay=None, val_acc=val_acc,
+    return TrialRow(trial_id=trial_id, batch_size=4, lr=1e-3, val_acc=val_acc,
                     val_f1=val_acc - 0.1, clips_per_s=clips_per_s, epoch_time_s=2.0, epochs=3, status=status,
                     checkpoint=None, best_epoch=2, name=trial_id)
 
@@ -81,7 +81,8 @@ def test_the_saved_view_in_the_store_shows_the_columns_and_sorts_by_the_objectiv
 def test_an_f1_search_sorts_its_view_by_the_best_f1():
     state = view.view_state(parent_run_id="abc", objective="val_f1", tags=(OUTCOME_TAG,))
     assert state["orderByKey"] == "metrics.`best_val_f1`"
-    assert state["selectedColumns"][2:4] == ["metrics.`best_val_f1`", "metrics.`best_val_acc`"]
+    assert state["selectedColumns"][:5] == ["params.`batch_size`", "params.`lr`", "params.`weight_decay`",
+                                            "metrics.`best_val_f1`", "metrics.`best_val_acc`"]
 
 
 def test_every_link_the_tracker_builds_opens_the_model_training_ui_on_the_view(uri):

@@ -65,7 +65,7 @@ def test_pareto_front_and_best_use_the_steady_speed():
 
 def _row(trial_id: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE",
          batch: int = 8, shared: float = 1.0) -> results.TrialRow:
-    return results.TrialRow(trial_id=trial_id, batch_size=batch, lr=1e-3, weight_decay=None, val_acc=acc,
+    return results.TrialRow(trial_id=trial_id, batch_size=batch, lr=1e-3, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=3, status=status, checkpoint=None, concurrent_trainings=shared)
 
@@ -89,7 +89,8 @@ def test_a_trial_that_reported_nothing():
     result = SimpleNamespace(metrics={}, config={"batch_size": 4, "lr": 0.01, "weight_decay": 0.05},
                              error=None, metrics_dataframe=None)
     row = results.row_from_result(result, trial_id="t", epochs=3, finished=True)
-    assert (row.status, row.epochs, row.batch_size, row.lr, row.weight_decay) == ("STOPPED", 0, 4, 0.01, 0.05)
+    assert (row.status, row.epochs, row.batch_size, row.lr, row.value("weight_decay")) == \
+        ("STOPPED", 0, 4, 0.01, 0.05)
     assert math.isnan(row.val_acc) and math.isnan(row.clips_per_s) and row.checkpoint is None
     assert results.usable([row]) == []                 # no accuracy: nothing to rank
     unfinished = results.row_from_result(result, trial_id="u", epochs=3, finished=False)
@@ -154,7 +155,7 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     alone = _row("alone", 0.75, 12.34, shared=1.0)
     shared = _row("shared", 0.5, 8.0, shared=2.0)
     unknown = _row("unknown", 0.5, 8.0, shared=math.nan)
-    oom = results.TrialRow("oom", 64, 1e-3, None, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
+    oom = results.TrialRow("oom", 64, 1e-3, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
     *lines, legend = tables.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
     assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "val_f1", "clips/s",
@@ -165,8 +166,10 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     assert cells["shared"][6] == "8.0*" and cells["unknown"][6] == "8.0"
     assert cells["oom"] == ["oom", "64", "1.00e-03", "-", "-", "-", "-", "-", "1", "OOM"]
     assert len({len(line) for line in lines}) == 1                  # aligned columns
-    with_wd = tables.format_table([alone, _row("wd", 0.5, 8.0)], show_wd=True).splitlines()
+    searched_wd = dataclasses.replace(_row("wd", 0.5, 8.0), params={"weight_decay": 0.01})
+    with_wd = tables.format_table([alone, searched_wd]).splitlines()     # a row with a weight decay: a column
     assert with_wd[0].split()[3] == "wd" and with_wd[2].split()[3] == "-"
+    assert with_wd[3].split()[3] == "1.00e-02"
     assert tables.format_table([]).splitlines()[0].split()[0] == "trial"
 
 
@@ -197,16 +200,17 @@ def test_speed_measured_beside_other_work_is_marked_from_the_steady_epochs():
 def test_write_csv_round_trip(tmp_path):
     import csv
 
-    # the columns are tables.CSV_COLUMNS (name first, best_epoch for the best epoch), no longer
+    # the columns are tables.csv_columns (name first, best_epoch for the best epoch), no longer
     # TrialRow's fields in order; rows come best first and floats are rounded
-    rows = [results.TrialRow("b", 16, 3e-4, 0.05, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
-                            node_id="node-1"),
+    rows = [results.TrialRow("b", 16, 3e-4, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
+                            node_id="node-1", params={"weight_decay": 0.05}),
             _row("a", 0.75, 12.5, shared=2.0)]
     path = tables.write_csv(rows, tmp_path / "deep" / "trials.csv")
     assert path == tmp_path / "deep" / "trials.csv"
     with open(path, newline="") as f:
         read = list(csv.DictReader(f))
-    assert list(read[0]) == list(tables.CSV_COLUMNS)
+    assert list(read[0]) == list(tables.csv_columns([]))
+    assert list(read[0])[:6] == ["name", "trial_id", "status", "batch_size", "lr", "weight_decay"]
     assert [r["trial_id"] for r in read] == ["a", "b"]            # the OOM trial last
     assert [r["name"] for r in read] == ["a", "b"]                # no name given: the trial id
     assert float(read[0]["best_val_acc"]) == 0.75 and float(read[0]["speed_clips_per_s"]) == 12.5
@@ -219,10 +223,11 @@ def test_write_csv_round_trip(tmp_path):
 
 def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
            lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> results.TrialRow:
-    return results.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, weight_decay=wd, val_acc=acc,
+    return results.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=4, status=status, checkpoint=f"/ckpt/{name}/epoch_{best_epoch:04d}",
-                           name=name, best_epoch=best_epoch)
+                           name=name, best_epoch=best_epoch,
+                           params={"weight_decay": wd} if wd is not None else {})
 
 
 def _search_rows() -> list[results.TrialRow]:
@@ -459,7 +464,7 @@ def test_plot_objective_vs_params(tmp_path):
         if r.status != "ERROR":
             assert sum(r.name in t for t in texts) == 3      # labelled in every subplot
     # without weight decay searched: lr and batch size only; pareto plots val_acc
-    no_wd = [dataclasses.replace(r, weight_decay=None) for r in rows]
+    no_wd = [dataclasses.replace(r, params={}) for r in rows]
     fig = plots.params_figure(no_wd, objective="pareto")
     assert len(fig.axes) == 2 and "accuracy" in fig.axes[0].get_ylabel()
     assert plots.plot_objective_vs_params([], tmp_path / "none.png", objective="val_acc") is None
@@ -525,7 +530,7 @@ def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
     assert columns[columns.index("node_id") + 1] == "gpu_ids" and [r["gpu_ids"] for r in read] == ["2,3", ""]
     # CPU only: no GPU column anywhere
     assert "gpu" not in tables.format_table([cpu]) and "gpu" not in tables.format_markdown([cpu])
-    assert list(_read_csv(tables.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(tables.CSV_COLUMNS)
+    assert list(_read_csv(tables.write_csv([cpu], tmp_path / "cpu.csv"))[0]) == list(tables.csv_columns([]))
     # a string metric read back from a dataframe as NaN is no GPU id
     nan_ids = results.row_from_result(_result([_epoch(1, 10.0, gpu_ids=math.nan)]), trial_id="n", epochs=1,
                                      finished=True)

@@ -10,11 +10,12 @@ import pytest
 from matplotlib.image import imread
 
 from vidtune.tune import plots, results
-from vidtune.tune.answer import SearchedRange
+from vidtune.tune import searched as searched_params
+from vidtune.tune.options import SearchSpace
 
 
 def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8, lr: float = 1e-3) -> results.TrialRow:
-    return results.TrialRow(trial_id=f"id{n}", batch_size=batch, lr=lr, weight_decay=None, val_acc=acc,
+    return results.TrialRow(trial_id=f"id{n}", batch_size=batch, lr=lr, val_acc=acc,
                             val_f1=acc, clips_per_s=10.0 * batch if math.isfinite(acc) else math.nan,
                             epoch_time_s=5.0, epochs=3, status=status, checkpoint=None,
                             name=f"t{n:02d}-bs{batch}-lr1e-3", best_epoch=2 if math.isfinite(acc) else 0)
@@ -55,9 +56,9 @@ def test_params_plot_has_several_readable_lr_ticks_and_rings_the_best():
 
 
 def test_the_lr_axis_spans_the_searched_range_with_its_ends_marked():
-    searched = SearchedRange(lr_min=2e-4, lr_max=2e-3, batch_sizes=(8, 16))
+    searched = searched_params.domains(SearchSpace(lr_min=2e-4, lr_max=2e-3, batch_sizes=(8, 16)))
     rows = [_row(1, 0.70, lr=4e-4), _row(2, 0.60, lr=8e-4)]       # the data stop well inside the range
-    lr_ax = plots.params_figure(rows, objective="val_acc", searched=searched).axes[0]
+    lr_ax = plots.params_figure(rows, objective="val_acc", domains=searched).axes[0]
     lo, hi = lr_ax.get_xlim()
     assert lo < 2e-4 and hi > 2e-3                                  # the whole searched range is seen
     ends = sorted(ln.get_xdata()[0] for ln in lr_ax.get_lines() if ln.get_gid() == "searched_range")

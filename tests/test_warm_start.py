@@ -28,7 +28,7 @@ def write(folder: Path, text: str) -> Path:
 
 
 def row(trial_id: str, batch_size: int, lr: float, val_acc: float, status: str = "DONE") -> TrialRow:
-    return TrialRow(trial_id=trial_id, batch_size=batch_size, lr=lr, weight_decay=None, val_acc=val_acc,
+    return TrialRow(trial_id=trial_id, batch_size=batch_size, lr=lr, val_acc=val_acc,
                     val_f1=val_acc - 0.1, clips_per_s=10.0, epoch_time_s=2.0, epochs=3, status=status,
                     checkpoint=None, best_epoch=3)
 

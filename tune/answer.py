@@ -11,51 +11,52 @@ their last epoch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
+from vidtune.tune import searched
 from vidtune.tune.results import TrialRow, objective_key, ranked, usable
+from vidtune.tune.searched import Domain
 from vidtune.tune.uncertainty import accuracy_interval, format_accuracy
 
-# The best lr is "at the edge" within this share of the searched log-range from either end: a
-# TPE search samples the ends rarely, so a best trial this close to one says the range is cut.
-LR_EDGE_SHARE = 0.1
+# The best value is "at the edge" within this share of a searched range (log-range for a log scale)
+# from either end: a TPE search samples the ends rarely, so a best trial this close to one says the
+# range is cut.
+EDGE_SHARE = 0.1
 MIN_EPOCHS_FOR_HINT = 3   # "raise --epochs" only about trials that trained this many epochs or more
 
 
-@dataclass(frozen=True)
-class SearchedRange:
-    """What the search tried, to tell when the best value sits at an edge: the lr bounds
-    (`--lr-min`, `--lr-max`) and the batch sizes offered (`--batch-sizes`)."""
-
-    lr_min: float
-    lr_max: float
-    batch_sizes: tuple[int, ...]
-    weight_decay: tuple[float, float] | None = None    # (min, max) when searched
-
-
 def _trial(r: TrialRow) -> str:
-    return f"{r.label} (batch {r.batch_size}, lr {r.lr:.2e})"
+    """`t03 (batch 8, lr 2.50e-04)`: its name and its searched values, as the table shows them."""
+    values = ", ".join(f"{p.column} {p.cell(r.value(p.name))}" for p in searched.PARAMS
+                       if r.value(p.name) is not None)
+    return f"{r.label} ({values})"
 
 
-def _edge_warnings(best: TrialRow, searched: SearchedRange) -> list[str]:
+def _edge_warnings(best: TrialRow, domains: Mapping[str, Domain]) -> list[str]:
+    """A warning per searched parameter whose best value sits at an edge of what was searched: a
+    range's first or last EDGE_SHARE, or the smallest or largest of 3 or more choices."""
     out = []
-    if searched.lr_max > searched.lr_min > 0 and math.isfinite(best.lr) and best.lr > 0:
-        span = math.log(searched.lr_max / searched.lr_min)
-        where = math.log(best.lr / searched.lr_min) / span
-        if where <= LR_EDGE_SHARE:
-            out.append(f"The best lr ({best.lr:.2e}) is at the lower edge of the searched range "
-                       f"({searched.lr_min:.2e} to {searched.lr_max:.2e}): a smaller one may be better; "
-                       "lower --lr-min.")
-        elif where >= 1 - LR_EDGE_SHARE:
-            out.append(f"The best lr ({best.lr:.2e}) is at the upper edge of the searched range "
-                       f"({searched.lr_min:.2e} to {searched.lr_max:.2e}): a larger one may be better; "
-                       "raise --lr-max.")
-    sizes = sorted(set(searched.batch_sizes))
-    if len(sizes) >= 3 and best.batch_size in (sizes[0], sizes[-1]):
-        side = "smallest" if best.batch_size == sizes[0] else "largest"
-        out.append(f"The best batch size ({best.batch_size}) is the {side} one searched: add "
-                   f"{'smaller' if side == 'smallest' else 'larger'} sizes to --batch-sizes.")
+    for d in domains.values():
+        value, p = best.value(d.name), d.param
+        if value is None:
+            continue
+        low_flag, _, high_flag = d.flags.partition("/")
+        if p.is_choice:
+            values = sorted(d.choices)
+            if len(values) >= 3 and value in (values[0], values[-1]):
+                side, more = ("smallest", "smaller") if value == values[0] else ("largest", "larger")
+                out.append(f"The best {p.words} ({p.cell(value)}) is the {side} one searched: add {more} "
+                           f"values to {low_flag or 'its choices'}.")
+            continue
+        where = d.position(value)
+        if not math.isfinite(where) or EDGE_SHARE < where < 1 - EDGE_SHARE:
+            continue
+        lower = where <= EDGE_SHARE
+        widen = (f"lower {low_flag}" if low_flag else "lower its minimum") if lower else \
+            (f"raise {high_flag or low_flag}" if high_flag else "raise its maximum")
+        out.append(f"The best {p.words} ({value:.2e}) is at the {'lower' if lower else 'upper'} edge of the "
+                   f"searched range ({d.low:.2e} to {d.high:.2e}): a {'smaller' if lower else 'larger'} one "
+                   f"may be better; {widen}.")
     return out
 
 
@@ -74,10 +75,10 @@ def _epochs_hint(rows: Sequence[TrialRow]) -> list[str]:
 
 
 def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
-                 searched: SearchedRange | None = None) -> list[str]:
+                 domains: Mapping[str, Domain] | None = None) -> list[str]:
     """The sentences that open a search's summary, most important first ([] without a usable
-    trial). `val_clips`: the validation set's size (0 when unknown: no intervals); `searched`:
-    the searched ranges (None: no edge warning)."""
+    trial). `val_clips`: the validation set's size (0 when unknown: no intervals); `domains`:
+    what each parameter was drawn from (`tune.searched.domains`; None: no edge warning)."""
     key = objective_key(objective)
     pool = [r for r in ranked(usable(rows), objective) if math.isfinite(getattr(r, key))]
     if not pool:
@@ -106,6 +107,6 @@ def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
     if close:
         lines.append(f"The top {len(close) + 1} trials are within the best one's uncertainty: their order is "
                      "not settled by this validation set.")
-    if searched is not None:
-        lines += _edge_warnings(best, searched)
+    if domains is not None:
+        lines += _edge_warnings(best, domains)
     return lines + _epochs_hint(rows)

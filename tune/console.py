@@ -28,6 +28,7 @@ from ray.tune.experiment import Trial
 
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
+from vidtune.tune import searched
 from vidtune.tune.budget import format_duration
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
@@ -118,14 +119,13 @@ class SearchConsole(Callback):
         name = short_name(trial)
         number = name[1:].split("-", 1)[0]          # t03-... -> 03, the trial's number in the search
         cfg = trial.config or {}
-        extra = f", weight decay {cfg['weight_decay']:.3g}" if "weight_decay" in cfg else ""
         label = f"trial {int(number) if number.isdigit() else '?'}/{self.num_samples} {name}"
         why = self._retried.pop(trial.trial_id, None)
         if why is not None:   # Tune's retry (tune/trial_retry.py): its Train run goes on from its checkpoint
             self._print(f"{label} started again from its last checkpoint (its last try ended: {why})")
             return
-        self._print(f"{label} started: "
-                    f"batch size {cfg.get('batch_size')}, lr {float(cfg.get('lr', math.nan)):.3g}{extra}")
+        values = ", ".join(p.said(cfg[p.name]) for p in searched.PARAMS if p.name in cfg)
+        self._print(f"{label} started: {values}")
 
     def on_trial_recover(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         """A trial that failed and that Tune runs again (a lost node: --max-failures)."""

@@ -24,10 +24,10 @@ import optuna
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from vidtune.tune import searched
 from vidtune.tune.plot_drawing import PLOT_DPI
 from vidtune.tune.results import TrialRow, objective_key
 from vidtune.tune.status import WITH_RESULT
-from vidtune.tune.warm_start import Space
 
 MIN_TRIALS = 8
 SEED = 0                       # the forest's: the same trials give the same shares
@@ -84,24 +84,23 @@ class Importance:
 
 def finished_trials(rows: Iterable[TrialRow], objective: str = "val_acc") -> list[Trial]:
     """(params, value) of the DONE and STOPPED rows with a finite value of `objective` (pareto:
-    val_acc); weight_decay only when the search searched it (a row has one)."""
+    val_acc); the params are the searched values a row has (`tune.searched.PARAMS`)."""
     key = objective_key(objective)
     out = []
     for r in rows:
         value = getattr(r, key)
         if r.status in WITH_RESULT and math.isfinite(value):
-            params = {"batch_size": r.batch_size, "lr": r.lr}
-            if r.weight_decay is not None:
-                params["weight_decay"] = r.weight_decay
+            params = {p.name: r.value(p.name) for p in searched.PARAMS if r.value(p.name) is not None}
             out.append((params, value))
     return out
 
 
 def param_importances(trials: Iterable[TrialRow | Trial], *, objective: str = "val_acc",
-                      space: Space | None = None) -> Importance:
+                      space: Any = None) -> Importance:
     """fANOVA importance of each searched parameter (see the module docstring) from TrialRows
-    (their finished ones) or (params, value) pairs. `space`: the search space, whose bounds
-    and batch sizes the distributions take (default: the values the trials span)."""
+    (their finished ones) or (params, value) pairs. `space`: the search space
+    (`tune.options.SearchSpace`), whose bounds and choices the distributions take (default: the
+    values the trials span)."""
     trials = list(trials)
     rows = [t for t in trials if isinstance(t, TrialRow)]
     pairs = finished_trials(rows, objective) + [t for t in trials if not isinstance(t, TrialRow)]
@@ -126,20 +125,23 @@ def param_importances(trials: Iterable[TrialRow | Trial], *, objective: str = "v
     return Importance(metric, len(pairs), shares={name: float(s) for name, s in shares.items()})
 
 
-def _distributions(points: Sequence[dict[str, Any]], space: Space | None
+def _distributions(points: Sequence[dict[str, Any]], space: Any
                    ) -> dict[str, optuna.distributions.BaseDistribution]:
-    """Optuna's distribution per parameter, as Ray's OptunaSearch converts tune/space.py's
-    space: batch size categorical, lr and weight decay log-uniform."""
-    seen = {name: [p[name] for p in points] for name in points[0]}
-    choices = set(seen["batch_size"]) | set(space.batch_sizes or () if space else ())
-    dists: dict[str, optuna.distributions.BaseDistribution] = {
-        "batch_size": optuna.distributions.CategoricalDistribution(sorted(choices))}
-    bounds = {"lr": (space.lr_min, space.lr_max) if space else None,
-              "weight_decay": (space.weight_decay_min, space.weight_decay_max) if space else None}
-    for name in ("lr", "weight_decay"):
-        if name in seen:
-            lo, hi = bounds[name] or (min(seen[name]), max(seen[name]))
-            dists[name] = optuna.distributions.FloatDistribution(min(lo, min(seen[name])),
-                                                                 max(hi, max(seen[name])), log=True)
+    """Optuna's distribution per declared parameter the points hold, as Ray's OptunaSearch converts
+    tune/space.py's space: a choice categorical, a range a float range (log for a log scale),
+    widened to the values seen."""
+    domains = searched.domains(space) if space is not None else {}
+    dists: dict[str, optuna.distributions.BaseDistribution] = {}
+    for name in points[0]:
+        p, d = searched.by_name(name), domains.get(name)
+        if p is None:
+            continue
+        seen = [point[name] for point in points]
+        if p.is_choice:
+            dists[name] = optuna.distributions.CategoricalDistribution(
+                sorted(set(seen) | set(d.choices if d else ())))
+        else:
+            lo, hi = (d.low, d.high) if d else (min(seen), max(seen))
+            dists[name] = optuna.distributions.FloatDistribution(min(lo, min(seen)), max(hi, max(seen)),
+                                                                 log=p.scale == "log")
     return dists
-

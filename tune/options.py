@@ -39,6 +39,7 @@ from vidtune.flags import (
 )
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
+from vidtune.tune import searched
 from vidtune.tune.layout import STATE_FOLDER
 from vidtune.tune.option_groups import Resources, Tracking, check_resources, check_tracking
 
@@ -297,13 +298,11 @@ def validate(o: SearchOptions) -> None:
     tie two options together, then paths. Raises ConfigError naming the flag."""
     check_bounds(o, SPECS)
     s, r = o.space, o.resources
-    if s.lr_min > s.lr_max:
-        raise ConfigError("--lr-min/--lr-max", f"the bounds are inverted: --lr-min {s.lr_min:g} is above "
-                          f"--lr-max {s.lr_max:g}; pass the smaller value as --lr-min")
-    if s.search_weight_decay and s.weight_decay_min > s.weight_decay_max:
-        raise ConfigError("--weight-decay-min/--weight-decay-max", f"the bounds are inverted: "
-                          f"{s.weight_decay_min:g} > {s.weight_decay_max:g}; pass the smaller value as the "
-                          "minimum")
+    for d in searched.domains(s).values():
+        if d.low > d.high:
+            low, _, high = d.flags.partition("/")
+            raise ConfigError(d.flags, f"the bounds are inverted: {low} {d.low:g} is above {high} "
+                              f"{d.high:g}; pass the smaller value as {low}")
     if r.gpus_per_worker is not None and r.gpus_per_trial is not None and \
             abs(r.gpus_per_worker * r.workers_per_trial - r.gpus_per_trial) > 1e-9:
         raise ConfigError("--gpus-per-trial", f"{r.gpus_per_trial:g} disagrees with --gpus-per-worker "

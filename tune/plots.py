@@ -7,6 +7,7 @@ The drawing they share (colours, markers, legend, labels, saving): `tune.plot_dr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -15,7 +16,6 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from vidtune.tune.answer import SearchedRange
 from vidtune.tune.plot_drawing import (
     OOM_BAND,
     batch_colours,
@@ -32,7 +32,8 @@ from vidtune.tune.plot_drawing import (
     strip_label,
 )
 from vidtune.tune.results import NO_RESULT, TrialRow, best_trial, objective_key, pareto_front, usable
-from vidtune.tune.trial import short_lr
+from vidtune.tune.searched import Domain, Param, short_number
+from vidtune.tune.tables import shown_params
 
 
 def _oom_y(i: int) -> float:
@@ -133,61 +134,75 @@ _OBJECTIVE_LABEL = {"val_acc": "validation accuracy (best epoch)",
                     "val_f1": "validation F1 (best epoch by val_acc)"}
 
 
-def _searched_bounds(param: str, searched: SearchedRange | None) -> tuple[float, float] | None:
-    if searched is None:
+def _searched_bounds(p: Param, domains: Mapping[str, Domain] | None) -> tuple[float, float] | None:
+    d = (domains or {}).get(p.name)
+    if d is None or p.is_choice or not d.low <= d.high or (p.scale == "log" and d.low <= 0):
         return None
-    bounds = {"lr": (searched.lr_min, searched.lr_max), "weight_decay": searched.weight_decay}.get(param)
-    return bounds if bounds and 0 < bounds[0] <= bounds[1] else None
+    return d.low, d.high
 
 
-def _mark_searched_range(ax: Axes, bounds: tuple[float, float]) -> None:
-    """Widen a log axis to the searched range (and a little beyond), shade what lies outside it
-    and mark its ends: a best point at the edge of the data is then seen against the range."""
+def _mark_searched_range(ax: Axes, bounds: tuple[float, float], *, log: bool) -> None:
+    """Widen an axis to the searched range (and a little beyond), shade what lies outside it and
+    mark its ends: a best point at the edge of the data is then seen against the range."""
     lo, hi = bounds
     left, right = ax.get_xlim()
-    left, right = min(left, lo / 1.4), max(right, hi * 1.4)
+    if log:
+        left, right = min(left, lo / 1.4), max(right, hi * 1.4)
+    else:
+        pad = 0.08 * (hi - lo or abs(hi) or 1.0)
+        left, right = min(left, lo - pad), max(right, hi + pad)
     ax.set_xlim(left, right)
     for a, b in ((left, lo), (hi, right)):
         ax.axvspan(a, b, color="#e6e6e6", zorder=0, linewidth=0)
     for edge in (lo, hi):
         ax.axvline(edge, color="#777777", linestyle=":", linewidth=1.0, zorder=1, gid="searched_range")
-    ax.text(math.sqrt(lo * hi), 1.0, "searched range", transform=ax.get_xaxis_transform(), ha="center",
-            va="bottom", fontsize=7, color="#555555")
+    ax.text(math.sqrt(lo * hi) if log else (lo + hi) / 2, 1.0, "searched range",
+            transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7, color="#555555")
+
+
+def _axis_label(p: Param) -> str:
+    if p.is_choice:
+        return f"{p.axis_label}\n(trials of one {p.words} spread sideways to be seen)"
+    return f"{p.axis_label} ({p.scale} scale)"
+
+
+def _spread(groups: tuple[tuple[list[TrialRow], float], ...], p: Param, key: str) -> dict[int, float]:
+    """x of each trial on a choice parameter's axis: its value's place among the values, the
+    trials of one value spread a little apart by their objective (`groups`: (rows, step); the
+    OOM / DIVERGED ones, all on the bottom band, wider apart)."""
+    values = sorted({r.value(p.name) for rows, _ in groups for r in rows} - {None})
+    spread: dict[int, float] = {}
+    for v in values:
+        for group, step in groups:
+            same = sorted((r for r in group if r.value(p.name) == v), key=lambda r: getattr(r, key))
+            for k, r in enumerate(same):
+                spread[id(r)] = values.index(v) + (k - (len(same) - 1) / 2) * min(step, 0.7 / len(same))
+    return spread
 
 
 def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_clips: int = 0,
-                  searched: SearchedRange | None = None) -> Figure:
+                  domains: Mapping[str, Domain] | None = None) -> Figure:
     """The figure `plot_objective_vs_params` saves."""
     key = objective_key(objective)
-    params = [("lr", "learning rate (log scale)")]
-    if any(r.weight_decay is not None for r in rows):
-        params.append(("weight_decay", "weight decay (log scale)"))
-    params.append(("batch_size", "batch size\n(trials of one size spread sideways to be seen)"))
+    shown = shown_params(rows)
+    params = [p for p in shown if not p.is_choice] + [p for p in shown if p.is_choice]
     fig, axes = new_figure(3.6 * len(params) + 2.2, 4.4, ncols=len(params), sharey=True)
     colours = batch_colours(rows)
     pool = [r for r in usable(rows) if math.isfinite(getattr(r, key))]
     oom = [r for r in rows if r.status in NO_RESULT]
     best = best_trial(rows, objective)
-    sizes = sorted({r.batch_size for r in pool + oom})
-    # batch sizes are categories: spread the trials of one size a little apart, by value (the
-    # OOM / DIVERGED ones, all on the bottom band, wider apart)
-    spread: dict[int, float] = {}
-    for b in sizes:
-        for group, step in ((pool, 0.12), (oom, 0.3)):
-            same = sorted((r for r in group if r.batch_size == b), key=lambda r: getattr(r, key))
-            for k, r in enumerate(same):
-                spread[id(r)] = sizes.index(b) + (k - (len(same) - 1) / 2) * min(step, 0.7 / len(same))
+    spread = {p.name: _spread(((pool, 0.12), (oom, 0.3)), p, key) for p in params if p.is_choice}
 
-    def x_of(r: TrialRow, param: str) -> float:
-        if param == "batch_size":
-            return spread[id(r)]
-        v = getattr(r, param)
-        return float(v) if v is not None and v > 0 else math.nan
+    def x_of(r: TrialRow, p: Param) -> float:
+        if p.is_choice:
+            return spread[p.name].get(id(r), math.nan)
+        v = r.value(p.name)
+        return float(v) if v is not None and (v > 0 or p.scale != "log") else math.nan
 
     intervals = False
-    for ax, (param, label) in zip(axes, params, strict=True):
+    for ax, param in zip(axes, params, strict=True):
         ax.margins(x=0.15, y=0.15)
-        if param != "batch_size":
+        if param.scale == "log":
             ax.set_xscale("log")
         for r in pool:
             if math.isfinite(x_of(r, param)):
@@ -207,16 +222,18 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_
         for r in oom_here:
             draw_point(ax, x_of(r, param), OOM_BAND / 2, r, colours[r.batch_size],
                         transform=ax.get_xaxis_transform())
-        if param == "batch_size":
-            ax.set_xticks(range(len(sizes)), [str(b) for b in sizes])
-            if sizes:
-                ax.set_xlim(-0.6, len(sizes) - 0.4)
+        if param.is_choice:
+            values = sorted({r.value(param.name) for r in pool + oom} - {None})
+            ax.set_xticks(range(len(values)), [param.cell(v) for v in values])
+            if values:
+                ax.set_xlim(-0.6, len(values) - 0.4)
         else:
-            bounds = _searched_bounds(param, searched)
+            bounds = _searched_bounds(param, domains)
             if bounds is not None:
-                _mark_searched_range(ax, bounds)
-            _log_ticks(ax)
-        ax.set_xlabel(label)
+                _mark_searched_range(ax, bounds, log=param.scale == "log")
+            if param.scale == "log":
+                _log_ticks(ax)
+        ax.set_xlabel(_axis_label(param))
         ax.grid(alpha=0.3)
         if not pool:
             ax.set_ylim(0.0, 1.0)
@@ -232,7 +249,7 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_
                 extra=(interval_handle(),) if intervals else ())
     shown = {id(r) for r in pool + oom}
     not_plotted_note(axes[-1], [r for r in rows if id(r) not in shown])
-    for ax, (param, _) in zip(axes, params, strict=True):
+    for ax, param in zip(axes, params, strict=True):
         points = [(x_of(r, param), getattr(r, key), r.label, "data", r is best) for r in pool
                   if math.isfinite(x_of(r, param))]
         points += [(x_of(r, param), OOM_BAND / 2, r.label, ax.get_xaxis_transform(), False) for r in oom
@@ -252,23 +269,24 @@ def _log_ticks(ax: Axes) -> None:
     decades = math.log10(hi / lo) if lo > 0 else 4.0
     subs = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if decades < 1 else (1.0, 2.0, 5.0) if decades <= 3 else (1.0,)
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=30))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: short_lr(v)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: short_number(v)))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str, title: str = "",
-                             val_clips: int = 0, searched: SearchedRange | None = None) -> Path | None:
+                             val_clips: int = 0, domains: Mapping[str, Domain] | None = None
+                             ) -> Path | None:
     """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
-    against each searched parameter, one subplot each: lr and weight decay (when searched) on
-    log axes spanning the `searched` range (its ends marked, outside shaded), batch size as
-    categories. Points coloured by batch size, marked by status and labelled like
+    against each searched parameter (`tune.tables.shown_params`), one subplot each: a range on
+    a log or linear axis spanning what `domains` searched (its ends marked, outside shaded), a
+    choice (batch size) as categories. Points coloured by batch size, marked by status and labelled like
     `plot_scatter`, an accuracy's 95% interval on `val_clips` clips as a bar; OOM and DIVERGED
     trials in a band on the bottom edge. PNG at PLOT_DPI. None (nothing written) without any
     trial."""
     if not rows:
         return None
     return save_png(params_figure(rows, objective=objective, title=title, val_clips=val_clips,
-                                  searched=searched), path)
+                                  domains=domains), path)
 
 
 def _start_number(r: TrialRow, default: int) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from ray.tune.experiment import Trial
 from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
+from vidtune.tune import searched
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.status import Status
 from vidtune.tune.uncertainty import accuracy_interval
@@ -44,7 +45,6 @@ class TrialRow:
     trial_id: str
     batch_size: int
     lr: float
-    weight_decay: float | None
     val_acc: float          # at the best epoch (nan when none; OOM, DIVERGED: its report's)
     val_f1: float           # at the same epoch
     clips_per_s: float      # steady state: median over epochs 2.. (epoch 1 alone when only it ran)
@@ -65,11 +65,20 @@ class TrialRow:
     checkpoint_epoch: int = 0
     checkpoint_val_acc: float = math.nan
     checkpoint_score: float = math.nan   # the objective's metric at checkpoint_epoch (what ranks it)
+    # every searched value of its config by parameter name (`tune.searched.values_of`)
+    params: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         """The name shown in the table and plots: `name`, else the trial id."""
         return self.name or self.trial_id
+
+    def value(self, name: str) -> float | None:
+        """The trial's value of the searched parameter `name`; None when it has none. Batch size
+        and lr, which every trial trains with, are also read from their fields."""
+        if name in self.params:
+            return self.params[name]
+        return {"batch_size": self.batch_size, "lr": self.lr}.get(name)
 
 
 def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, finished: bool = True) -> str:
@@ -137,7 +146,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
         trial_id=trial_id,
         batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
         lr=_f(cfg.get("lr", m.get("lr"))),
-        weight_decay=_f(cfg["weight_decay"]) if "weight_decay" in cfg else None,
+        params=searched.values_of(cfg),
         val_acc=val_acc, val_f1=val_f1,
         clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
         epochs=max(records, default=0), status=status,
@@ -301,7 +310,7 @@ def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str,
         return steady_state({e: _f(r.get(key)) for e, r in trained.items()})
 
     return TrialRow(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
-                    lr=_f(config.get("lr")), weight_decay=config.get("weight_decay"),
+                    lr=_f(config.get("lr")), params=searched.values_of(config),
                     val_acc=_f(best.get("val_acc")), val_f1=_f(best.get("val_f1")),
                     clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
                     epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_at)

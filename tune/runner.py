@@ -35,7 +35,17 @@ from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.lease import start_lease
 from vidtune.trainer.models import get_spec
-from vidtune.tune import best_model, cleanup, faults, kinetics, last_good, node_cache, saved_options, space
+from vidtune.tune import (
+    best_model,
+    cleanup,
+    faults,
+    kinetics,
+    last_good,
+    node_cache,
+    saved_options,
+    searched,
+    space,
+)
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
@@ -212,8 +222,9 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     if fit.gpus:
         on = f" on {fit.gpus:g} GPU(s){' (simulated: training on the CPU)' if simulated_gpus() else ''}"
     print(f"search {plan.search_path}: {opts.num_samples} trial(s), {concurrency} at a time{on}"
-          f"{' (local GPU mode)' if local_gpu else ''}; batch sizes {list(opts.space.batch_sizes)}, "
-          f"lr {opts.space.lr_min:g}..{opts.space.lr_max:g}, objective {opts.objective}, "
+          f"{' (local GPU mode)' if local_gpu else ''}; "
+          f"{', '.join(d.describe() for d in searched.domains(opts.space).values())}, "
+          f"objective {opts.objective}, "
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
     if fit.note:
         print(fit.note)
@@ -363,9 +374,7 @@ def git_commit(repo: Path) -> str | None:
 
 def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     sp, res, train = opts.space, opts.resources, opts.train
-    searched = {"batch_sizes": ",".join(map(str, sp.batch_sizes)), "lr_min": sp.lr_min, "lr_max": sp.lr_max}
-    if sp.search_weight_decay:
-        searched.update(weight_decay_min=sp.weight_decay_min, weight_decay_max=sp.weight_decay_max)
+    bounds = {k: v for d in searched.domains(sp).values() for k, v in d.option_values().items()}
     commit = git_commit(SOURCE_ROOT)
     tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search", "vidtune.version": __version__}
     if commit:
@@ -376,7 +385,7 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
         artifact_location=opts.tracking.artifact_location, experiment_path=plan.search_path,
         epochs=train.epochs, parent_tags=tags,
         objective=opts.objective, val_clips=len(plan.index.val) if plan.index is not None else 0,
-        parent_params={**searched, "dataset": plan.base.data.root, "model": train.model,
+        parent_params={**bounds, "dataset": plan.base.data.root, "model": train.model,
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,
                        "num_samples": opts.num_samples, "seed": train.seed,
                        "workers_per_trial": res.workers_per_trial, "gpus_per_trial": gpus,
@@ -384,7 +393,9 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
                        # only where there is a collective to time out: trials of several workers
                        **({"collective_timeout_min": train.collective_timeout_min}
                           if res.workers_per_trial > 1 else {})},
-        child_params={"precision": train.precision, "model": train.model, "workers": res.workers_per_trial,
+        # every declared parameter, its trial's value replacing these when searched, as trials.csv has them
+        child_params={**{p.name: getattr(train, p.name) for p in searched.PARAMS},
+                      "precision": train.precision, "model": train.model, "workers": res.workers_per_trial,
                       "gpus": gpus, "dataset": plan.base.data.root, "epochs": train.epochs},
     )
 

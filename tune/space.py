@@ -21,6 +21,7 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.trainer.history import BEST_EPOCH_METRICS, best_epoch, read_history
+from vidtune.tune import searched
 from vidtune.tune.budget import TimeBudget, parse_duration
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.options import RANDOM_START_CAP, SearchOptions, SearchSpace
@@ -60,18 +61,20 @@ def objective_for(name: str) -> Objective:
 
 
 def param_space(opts: SearchOptions) -> dict[str, Any]:
-    """Tune search space: batch_size (categorical), lr (log-uniform), optionally weight_decay."""
+    """Tune search space: each parameter the search searches (`tune.searched`) as a Tune domain:
+    a choice categorical, a range log-uniform or uniform by its scale, a fixed range a constant."""
     assert opts.space.batch_sizes, \
         "batch sizes are resolved (with_defaults_for_hardware) before the space is built"
-    lo, hi = opts.space.lr_min, opts.space.lr_max
-    space: dict[str, Any] = {
-        "batch_size": tune.choice(sorted(set(opts.space.batch_sizes))),
-        "lr": tune.loguniform(lo, hi) if lo < hi else lo,
-    }
-    if opts.space.search_weight_decay:
-        lo, hi = opts.space.weight_decay_min, opts.space.weight_decay_max
-        space["weight_decay"] = tune.loguniform(lo, hi) if lo < hi else lo
-    return space
+    return {name: tune_domain(d) for name, d in searched.domains(opts.space).items()}
+
+
+def tune_domain(d: searched.Domain) -> Any:
+    """One parameter's `Domain` as Tune's space holds it."""
+    if d.param.is_choice:
+        return tune.choice(list(d.choices))
+    if d.fixed:
+        return d.low
+    return tune.loguniform(d.low, d.high) if d.param.scale == "log" else tune.uniform(d.low, d.high)
 
 
 class VidtuneOptunaSearch(OptunaSearch):

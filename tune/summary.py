@@ -23,8 +23,8 @@ from ray import tune
 
 from vidtune.atomic import atomic_path, write_atomically
 from vidtune.servers import vidtune_line
-from vidtune.tune import faults
-from vidtune.tune.answer import SearchedRange, answer_lines
+from vidtune.tune import faults, searched
+from vidtune.tune.answer import answer_lines
 from vidtune.tune.budget import TimeBudget
 from vidtune.tune.console import outcome_line
 from vidtune.tune.importance import MIN_TRIALS, Importance, param_importances
@@ -77,8 +77,8 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) 
     rows, trials, states = collect_rows(plan, opts, results)
     interrupted = results is None or faults.STATE.interrupted or any(r.status == "UNFINISHED" for r in rows)
     val_clips = len(plan.index.val) if plan.index is not None else 0
-    searched = searched_range(opts)
-    answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips, searched=searched)
+    answer = answer_lines(rows, objective=opts.objective, val_clips=val_clips,
+                          domains=searched.domains(opts.space))
     best = best_trial(rows, opts.objective)
     checkpoint = best_whole_checkpoint(rows, best) if best else None
     importance = param_importances(rows, objective=opts.objective, space=opts.space)
@@ -87,15 +87,6 @@ def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) 
     return Summary(objective=opts.objective, rows=rows, trials=trials, trial_states=states,
                    interrupted=interrupted, val_clips=val_clips, answer=answer, best=best,
                    checkpoint=checkpoint, importance=importance, files=files)
-
-
-def searched_range(opts: SearchOptions) -> SearchedRange:
-    """What the search searched: the lr range, the batch sizes, the weight-decay range when
-    searched (the answer's edge warnings and the plots' axes)."""
-    sp = opts.space
-    return SearchedRange(lr_min=sp.lr_min, lr_max=sp.lr_max, batch_sizes=tuple(sp.batch_sizes or ()),
-                         weight_decay=(sp.weight_decay_min, sp.weight_decay_max) if sp.search_weight_decay
-                         else None)
 
 
 def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_links: str,
@@ -134,12 +125,11 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
         say(f"note: the search ended with {len(rows)} of {opts.num_samples} trials; its saved state had "
             "lost the others (e.g. cut short by a full disk). Start a new search to run more.")
     if rows:
-        say("\ntrials:\n" + format_table(
-            ranked(rows, opts.objective), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
+        say("\ntrials:\n" + format_table(ranked(rows, opts.objective), val_clips=val_clips))
         say("\n".join(column_notes(rows, val_clips=val_clips)))
     if opts.objective == "pareto" and rows:
         say("\nPareto front (val_acc vs clips/s):\n" +
-            format_table(pareto_front(rows), show_wd=opts.space.search_weight_decay, val_clips=val_clips))
+            format_table(pareto_front(rows), val_clips=val_clips))
     say("")
     if best:
         say(checkpoint_line(best, summary.checkpoint))
@@ -244,22 +234,21 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
                    checkpoint: TrialRow | None) -> dict[str, Path]:
     with atomic_path(target / "trials.csv") as csv_tmp:   # a full disk leaves the old file, not a cut one
         write_csv(rows, csv_tmp, objective=opts.objective, val_clips=val_clips,
-                  weight_decay=opts.train.weight_decay)
+                  fixed={p.name: getattr(opts.train, p.name) for p in searched.PARAMS})
     files = {"trials_csv": target / "trials.csv",
              "history": plot_history(rows, target / "objective_history.png", objective=opts.objective,
                                      title=plan.name, val_clips=val_clips),
              "params": plot_objective_vs_params(rows, target / "objective_vs_params.png",
                                                 objective=opts.objective, title=plan.name,
-                                                val_clips=val_clips, searched=searched_range(opts)),
+                                                val_clips=val_clips, domains=searched.domains(opts.space)),
              "scatter": plot_scatter(rows, target / "accuracy_vs_speed.png", title=plan.name,
                                      val_clips=val_clips),
              "importance": importance.plot(target / "param_importance.png", title=plan.name)
              if importance is not None else None}
     if best:
-        wd = {"weight_decay": best.weight_decay} if best.weight_decay is not None else {}
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
-                                                        **wd).to_dict(),
+                                                        **best.params).to_dict(),
                # the search's best whole checkpoint, with its own trial, epoch and val_acc
                "checkpoint": checkpoint.checkpoint if checkpoint else None,
                "checkpoint_trial": checkpoint.name if checkpoint else None,

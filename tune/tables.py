@@ -7,8 +7,9 @@ trials, OOM, DIVERGED and ERROR, and those without a value last):
   name           the trial's short readable name (e.g. t03-bs8-lr2.5e-4)
   trial_id       Tune's trial id
   status         DONE, STOPPED, OOM, DIVERGED, ERROR or UNFINISHED (see STATUSES)
-  batch_size, lr, weight_decay   the trial's configuration (lr and weight decay to 3 significant
-                 digits; weight_decay is the one every trial trained with when it was not searched)
+  batch_size, lr, weight_decay   the trial's configuration, a column per parameter a search may
+                 search (`tune.searched.PARAMS`; numbers to 3 significant digits); a parameter this
+                 search did not search holds the value every trial trained with
   best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
   best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
                  (4 decimals; nan when none or the count is unknown)
@@ -30,9 +31,12 @@ from __future__ import annotations
 import csv
 import math
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
 
+from vidtune.tune import searched
 from vidtune.tune.results import NO_RESULT, STATUSES, TrialRow, ranked, summary_metrics
+from vidtune.tune.searched import Param
 from vidtune.tune.uncertainty import format_accuracy
 
 # Steady-state other_cpu_cores from which the table marks a trial's speed with "~": half a core
@@ -40,8 +44,15 @@ from vidtune.tune.uncertainty import format_accuracy
 OTHER_LOAD_MARK = 0.5
 
 
-def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int = 0) -> str:
-    """Plain-text table, one line per trial: trial (its name), batch size, lr, (weight decay),
+def shown_params(rows: list[TrialRow]) -> list[Param]:
+    """The searched parameters the tables show: those some row has a value of (batch size and lr
+    always; weight decay when searched), in `tune.searched.PARAMS` order."""
+    return [p for p in searched.PARAMS if any(r.value(p.name) is not None for r in rows)
+            or p.name in ("batch_size", "lr")]
+
+
+def format_table(rows: list[TrialRow], *, val_clips: int = 0) -> str:
+    """Plain-text table, one line per trial: trial (its name), each searched value (`shown_params`),
     best val_acc (`0.750 [0.58, 0.87]`: the best epoch's accuracy and its 95% interval on `val_clips`
     validation clips; no interval when 0), that epoch, val_f1 (same epoch), steady clips/s, steady
     seconds per epoch, epochs trained, (the GPUs it trained on, when some trial had one), status.
@@ -49,13 +60,13 @@ def format_table(rows: list[TrialRow], *, show_wd: bool = False, val_clips: int 
     device with another training and `~` one that trained beside other work on its machine
     (`speed_marks`), with a line saying so under the table: their speed is not the model's alone."""
     show_gpu = any(r.gpu_ids for r in rows)
-    head = ["trial", "batch", "lr"] + (["wd"] if show_wd else []) + \
+    params = shown_params(rows)
+    head = ["trial"] + [p.column for p in params] + \
         ["best val_acc", "epoch", "val_f1", "clips/s", "s/epoch", "epochs"] + \
         (["gpu"] if show_gpu else []) + ["status"]
     body = []
     for r in rows:
-        body.append([r.label, str(r.batch_size), f"{r.lr:.2e}"] +
-                    ([f"{r.weight_decay:.2e}" if r.weight_decay is not None else "-"] if show_wd else []) +
+        body.append([r.label] + [p.cell(r.value(p.name)) for p in params] +
                     [_accuracy_cell(r, val_clips), str(r.best_epoch or "-"), _num(r.val_f1, 3),
                      _num(r.clips_per_s, 1) + speed_marks(r), _num(r.epoch_time_s, 1), str(r.epochs)] +
                     ([r.gpu_ids or "-"] if show_gpu else []) + [r.status])
@@ -113,16 +124,20 @@ def speed_marks(r: TrialRow) -> str:
 
 def format_markdown(rows: list[TrialRow], val_clips: int = 0) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
-    name, batch size, lr, best val_acc (with its 95% interval on `val_clips` clips; none when 0),
-    its epoch, val_f1 (same epoch), steady clips/s, epochs, (GPUs, when some trial had one),
-    status; under it, what the marks after clips/s mean (a list, when a row carries one)."""
+    name, each searched value (`shown_params`), best val_acc (with its 95% interval on
+    `val_clips` clips; none when 0), its epoch, val_f1 (same epoch), steady clips/s, epochs, (GPUs,
+    when some trial had one), status; under it, what the marks after clips/s mean (a list, when a
+    row carries one)."""
     show_gpu = any(r.gpu_ids for r in rows)
+    params = shown_params(rows)
     gpu_head, gpu_rule = (" gpu |", "---|") if show_gpu else ("", "")
-    lines = [f"| trial | batch | lr | best val_acc | epoch | val_f1 | clips/s | epochs |{gpu_head} status |",
-             f"|---|---:|---:|---:|---:|---:|---:|---:|{gpu_rule}---|"]
+    param_head, param_rule = "".join(f" {p.column} |" for p in params), "---:|" * len(params)
+    lines = [f"| trial |{param_head} best val_acc | epoch | val_f1 | clips/s | epochs |{gpu_head} status |",
+             f"|---|{param_rule}---:|---:|---:|---:|---:|{gpu_rule}---|"]
     for r in rows:
         gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
-        lines.append(f"| {r.label} | {r.batch_size} | {r.lr:.2e} | {_accuracy_cell(r, val_clips)} | "
+        cells = "".join(f" {p.cell(r.value(p.name))} |" for p in params)
+        lines.append(f"| {r.label} |{cells} {_accuracy_cell(r, val_clips)} | "
                      f"{r.best_epoch or '-'} | {_num(r.val_f1, 3)} | "
                      f"{_num(r.clips_per_s, 1)}{speed_marks(r)} | {r.epochs} |{gpu} {r.status} |")
     legend = [f"- `{mark}`{text[len(mark):]}" for mark, text in marks_used(rows)]
@@ -133,21 +148,22 @@ def _num(x: float, digits: int) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "-"
 
 
-# trials.csv's columns, in order (see the module docstring); gpu_ids follows node_id when some
-# trial had a GPU (`csv_columns`)
-CSV_COLUMNS = ("name", "trial_id", "status", "batch_size", "lr", "weight_decay", "best_val_acc",
-               "best_val_acc_low", "best_val_acc_high", "val_f1", "best_epoch", "epochs", "speed_clips_per_s",
-               "compute_clips_per_s", "epoch_time_s", "concurrent_trainings", "other_cpu_cores", "node_id",
-               "checkpoint")
+# trials.csv's columns around the searched parameters' (one per `tune.searched.PARAMS`), in order
+# (see the module docstring); gpu_ids follows node_id when some trial had a GPU (`csv_columns`)
+CSV_HEAD = ("name", "trial_id", "status")
+CSV_RESULTS = ("best_val_acc", "best_val_acc_low", "best_val_acc_high", "val_f1", "best_epoch", "epochs",
+               "speed_clips_per_s", "compute_clips_per_s", "epoch_time_s", "concurrent_trainings",
+               "other_cpu_cores", "node_id", "checkpoint")
+
 
 def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
-    """CSV_COLUMNS, with gpu_ids after node_id when some trial trained on a GPU."""
-    if not any(r.gpu_ids for r in rows):
-        return CSV_COLUMNS
-    at = CSV_COLUMNS.index("node_id") + 1
-    return CSV_COLUMNS[:at] + ("gpu_ids",) + CSV_COLUMNS[at:]
-
-
+    """trials.csv's columns: CSV_HEAD, a column per declared parameter, CSV_RESULTS, with gpu_ids
+    after node_id when some trial trained on a GPU."""
+    results = CSV_RESULTS
+    if any(r.gpu_ids for r in rows):
+        at = CSV_RESULTS.index("node_id") + 1
+        results = CSV_RESULTS[:at] + ("gpu_ids",) + CSV_RESULTS[at:]
+    return CSV_HEAD + tuple(p.name for p in searched.PARAMS) + results
 
 
 def _fixed(x: float | None, digits: int) -> str:
@@ -163,15 +179,16 @@ def significant(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
 
 
-def csv_record(r: TrialRow, val_clips: int = 0, weight_decay: float | None = None) -> dict[str, str]:
+def csv_record(r: TrialRow, val_clips: int = 0, fixed: Mapping[str, float] | None = None) -> dict[str, str]:
     """One TrialRow as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
-    set's size, for the interval (0: unknown, nan); `weight_decay`: what the trial trained with
-    when the search did not search it (the row has none)."""
+    set's size, for the interval (0: unknown, nan); `fixed`: {parameter: value} every trial trained
+    with, for a parameter the search did not search (the row has none)."""
     summary = summary_metrics(r, val_clips)
-    wd = r.weight_decay if r.weight_decay is not None else weight_decay
+    fixed = fixed or {}
     return {
-        "name": r.label, "trial_id": r.trial_id, "status": r.status, "batch_size": str(r.batch_size),
-        "lr": significant(r.lr), "weight_decay": significant(wd),
+        "name": r.label, "trial_id": r.trial_id, "status": r.status,
+        **{p.name: p.text(r.value(p.name) if r.value(p.name) is not None else fixed.get(p.name))
+           for p in searched.PARAMS},
         **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
         "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
         "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
@@ -184,15 +201,15 @@ def csv_record(r: TrialRow, val_clips: int = 0, weight_decay: float | None = Non
 
 
 def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0,
-              weight_decay: float | None = None) -> Path:
+              fixed: Mapping[str, float] | None = None) -> Path:
     """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
     are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no
-    interval); `weight_decay`: the one every trial trained with when it was not searched. A plain
-    CSV (csv.DictReader, pandas.read_csv)."""
+    interval); `fixed`: {parameter: value} every trial trained with, for those not searched. A
+    plain CSV (csv.DictReader, pandas.read_csv)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(csv_columns(rows)), extrasaction="ignore")
         w.writeheader()
         for r in ranked(rows, objective):
-            w.writerow(csv_record(r, val_clips, weight_decay))
+            w.writerow(csv_record(r, val_clips, fixed))
     return path

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import ray
@@ -22,11 +22,11 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.lease import LEAD, LeaseSettings
+from vidtune.tune import searched
 from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
 from vidtune.tune.trial_retry import is_lost_process, note_own_error, raise_if_failed_before
 
 DRIVER_CPUS = 0.1          # the driver only waits on fit(); a full CPU would starve the workers
-SAMPLED_KEYS = ("batch_size", "lr", "weight_decay")
 REUSE_WAIT_S = 60          # how long Tune waits for a stopped trial's function before reusing its process
 
 
@@ -107,45 +107,30 @@ class TrialResources:
         return res
 
 
-def short_lr(lr: float) -> str:
-    """1e-4 -> '1e-4', 0.00025 -> '2.5e-4' (two significant digits, no exponent padding)."""
-    mantissa, exponent = f"{float(lr):.1e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
-
-
 def short_name(trial: Trial) -> str:
     """A Tune trial's one name everywhere (console, table, trials.csv, MLflow run name, trial and
-    checkpoint folders): `t03-bs8-lr2.5e-4`, the trial's number in the search, its batch size and
-    learning rate (plus `-wd1e-2` when weight decay is searched). The number comes from Tune's
+    checkpoint folders): `t03-bs8-lr2.5e-4`, the trial's number in the search, then each searched
+    value (`tune.searched`: `-wd1e-2` when weight decay is searched). The number comes from Tune's
     experiment tag (`3_batch_size=8,...`); the Tune id stays in MLflow's `vidtune.trial_id` tag.
     Tune's `trial_name_creator` and `trial_dirname_creator` (public API) call it."""
     tag = str(getattr(trial, "experiment_tag", "") or "")
     number = tag.split("_", 1)[0]
     head = f"t{int(number):02d}" if number.isdigit() else f"t-{trial.trial_id}"
     cfg = dict(getattr(trial, "config", None) or {})
-    parts = [head]
-    if "batch_size" in cfg:
-        parts.append(f"bs{int(cfg['batch_size'])}")
-    if "lr" in cfg:
-        parts.append(f"lr{short_lr(cfg['lr'])}")
-    if "weight_decay" in cfg:
-        parts.append(f"wd{short_lr(cfg['weight_decay'])}")
-    return "-".join(parts)
+    return "-".join([head] + [p.name_part(cfg[p.name]) for p in searched.PARAMS if p.name in cfg])
 
 
 def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
-    """The base configuration with the sampled values (batch_size, lr, weight_decay) put in."""
-    unknown = set(sampled) - set(SAMPLED_KEYS)
+    """The base configuration with the sampled values put in, each as its field's type (Optuna
+    and Tune may hand floats, strings or numpy scalars). By field name, so a worker needs no
+    declaration of what was searched. ValueError for a name that is no number of TrainConfig."""
+    numbers = {f.name: type(getattr(base, f.name)) for f in fields(base)
+               if type(getattr(base, f.name)) in (int, float)}
+    unknown = set(sampled) - set(numbers)
     if unknown:
-        raise ValueError(f"unexpected sampled parameter(s) {sorted(unknown)}; "
-                         f"expected some of {SAMPLED_KEYS}")
-    changes = {k: v for k, v in sampled.items()}
-    if "batch_size" in changes:
-        changes["batch_size"] = int(changes["batch_size"])
-    for key in ("lr", "weight_decay"):
-        if key in changes:
-            changes[key] = float(changes[key])
-    return base.with_overrides(**changes)
+        raise ValueError(f"unexpected sampled parameter(s) {sorted(unknown)}: not a number option of "
+                         "TrainConfig")
+    return base.with_overrides(**{k: numbers[k](float(v)) for k, v in sampled.items()})
 
 
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,

@@ -23,33 +23,20 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import optuna
 
 from vidtune.flags import ConfigError
+from vidtune.tune import searched
 from vidtune.tune.status import WITH_RESULT
 
 FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "
            "storage and study (sqlite:///optuna.db#study-name)")
-# trials.csv's value column per objective, newest name first (tune/tables.py CSV_COLUMNS).
+# trials.csv's value column per objective, newest name first (tune/tables.py csv_columns).
 VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("val_f1",)}
-# trials.csv writes lr and weight decay to 3 significant digits: a value written at a bound may
-# read back up to half a unit of its last digit (0.5 %) outside it; such a value is clipped in.
-ROUNDING = 5e-3
 CONSTRAINTS_KEY = "constraints"   # Optuna's system attribute of a trial's constraints (> 0: infeasible)
-
-
-class Space(Protocol):
-    """What the new search draws from: tune.options.SearchSpace, its batch sizes resolved."""
-
-    batch_sizes: tuple[int, ...] | None
-    lr_min: float
-    lr_max: float
-    search_weight_decay: bool
-    weight_decay_min: float
-    weight_decay_max: float
 
 
 @dataclass(frozen=True)
@@ -71,9 +58,10 @@ class WarmStart:
         return text
 
 
-def load_warm_start(source: str, space: Space, objective: str, *, own_storage: str | None = None,
+def load_warm_start(source: str, space: Any, objective: str, *, own_storage: str | None = None,
                     own_study: str | None = None) -> WarmStart:
-    """The earlier search's trials inside `space` (see the module docstring), for `objective`
+    """The earlier search's trials inside `space` (a `tune.options.SearchSpace`, its batch sizes
+    resolved; see the module docstring), for `objective`
     (val_acc or val_f1). `own_storage` / `own_study`: the new search's --optuna-storage and
     study name, which SOURCE must not be. ConfigError naming --warm-start on any problem."""
     if objective not in VALUE_COLUMNS:
@@ -126,9 +114,7 @@ def _from_folder(source: str, objective: str) -> list[Candidate]:
     candidates = []
     for i, r in enumerate(records, start=2):   # line 1 is the header
         try:
-            params = {"batch_size": int(r["batch_size"]), "lr": float(r["lr"])}
-            if (r.get("weight_decay") or "").strip():
-                params["weight_decay"] = float(r["weight_decay"])
+            params = {p.name: p.parse(r[p.name]) for p in searched.PARAMS if r.get(p.name)}
             value = float(r[value_column] or "nan")
         except (TypeError, ValueError) as e:
             raise ConfigError(FLAG, f"cannot read {csv_path} line {i}: {e}") from None
@@ -169,24 +155,19 @@ def _from_study(source: str, objective: str, *, own_storage: str | None, own_stu
     return candidates
 
 
-def _in_space(params: dict[str, Any], space: Space) -> tuple[dict[str, Any] | None, str]:
-    """(the point with the new space's searched keys, "") when `params` lie inside `space`;
-    (None, which bound they break) otherwise. A fixed lr / weight decay (min == max) is not
-    searched: the trial must match it and the point leaves it out, as Tune's space does."""
+def _in_space(params: dict[str, Any], space: Any) -> tuple[dict[str, Any] | None, str]:
+    """(the point with the new space's searched keys, "") when `params` lie inside `space`
+    (`tune.searched.domains`; a range within trials.csv's rounding, clipped in); (None, which
+    bound they break) otherwise. A fixed range (min == max) is not searched: the trial must match
+    it and the point leaves it out, as Tune's space does."""
     assert space.batch_sizes, "batch sizes are resolved before the searcher is built"
-    if params.get("batch_size") not in space.batch_sizes:
-        return None, "batch size not in --batch-sizes"
-    point: dict[str, Any] = {"batch_size": int(params["batch_size"])}
-    ranges = [("lr", space.lr_min, space.lr_max, "--lr-min/--lr-max")]
-    if space.search_weight_decay:
-        ranges.append(("weight_decay", space.weight_decay_min, space.weight_decay_max,
-                       "--weight-decay-min/--weight-decay-max"))
-    for key, lo, hi, flags in ranges:
-        value = params.get(key)
-        if value is None or not math.isfinite(value):
-            return None, f"no {key.replace('_', ' ')} (the earlier search did not search it)"
-        if not lo * (1 - ROUNDING) <= value <= hi * (1 + ROUNDING):
-            return None, f"{key.replace('_', ' ')} outside {flags}"
-        if lo < hi:
-            point[key] = min(max(value, lo), hi)
+    point: dict[str, Any] = {}
+    for name, d in searched.domains(space).items():
+        value, words = params.get(name), d.param.words
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return None, f"no {words} (the earlier search did not search it)"
+        if not d.contains(value):
+            return None, f"{words} {'not in' if d.param.is_choice else 'outside'} {d.flags}"
+        if not d.fixed:
+            point[name] = d.clip(value)
     return point, ""

@@ -40,6 +40,7 @@ from uuid import NAMESPACE_URL, uuid5
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from vidtune.tune import searched
 from vidtune.tune.results import objective_key
 from vidtune.tune.tracking.schema import INTERVAL_TAG
 
@@ -88,13 +89,14 @@ def objective_metric(objective: str) -> str:
 
 
 def view_columns(objective: str, tags: Sequence[str] = ()) -> list[str]:
-    """The view's columns, in order: batch size, lr, the objective (and the accuracy beside an
+    """The view's columns, in order: each declared parameter (`tune.searched.PARAMS`: every child
+    run has them, searched or fixed), the objective (and the accuracy beside an
     F1 objective), the accuracy's 95% interval as one column (the tag INTERVAL_TAG, "[0.58,
     0.87]", not the two unrounded bounds), the best epoch, the one speed, then `tags` (the
     trial's outcome)."""
     ranked_by = objective_metric(objective)
     accuracy = [ranked_by] + (["best_val_acc"] if ranked_by != "best_val_acc" else [])
-    return ([column("params", "batch_size"), column("params", "lr")] +
+    return ([column("params", p.name) for p in searched.PARAMS] +
             [column("metrics", m) for m in accuracy] + [column("tags", INTERVAL_TAG)] +
             [column("metrics", m) for m in ("best_epoch", "speed_clips_per_s")] +
             [column("tags", t) for t in tags])
