@@ -121,6 +121,16 @@ class Domain:
         return self.param.name
 
     @property
+    def where(self) -> str:
+        """Its options (`--lr-min/--lr-max`), or its declared range (`0.02..0.3`) when fixed numbers
+        bound it."""
+        if self.flags:
+            return self.flags
+        if self.param.is_choice:
+            return ",".join(str(int(c)) for c in self.choices)
+        return f"{self.low:g}..{self.high:g}"
+
+    @property
     def fixed(self) -> bool:
         return not self.param.is_choice and self.low == self.high
 

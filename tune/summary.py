@@ -247,8 +247,8 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
              if importance is not None else None}
     if best:
         doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
-               "train_config": plan.base.with_overrides(batch_size=best.batch_size, lr=best.lr,
-                                                        **best.params).to_dict(),
+               "train_config": plan.base.with_overrides(**{"batch_size": best.batch_size, "lr": best.lr,
+                                                           **best.params}).to_dict(),
                # the search's best whole checkpoint, with its own trial, epoch and val_acc
                "checkpoint": checkpoint.checkpoint if checkpoint else None,
                "checkpoint_trial": checkpoint.name if checkpoint else None,

@@ -167,7 +167,7 @@ def _in_space(params: dict[str, Any], space: Any) -> tuple[dict[str, Any] | None
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
             return None, f"no {words} (the earlier search did not search it)"
         if not d.contains(value):
-            return None, f"{words} {'not in' if d.param.is_choice else 'outside'} {d.flags}"
+            return None, f"{words} {'not in' if d.param.is_choice else 'outside'} {d.where}"
         if not d.fixed:
             point[name] = d.clip(value)
     return point, ""
