@@ -158,8 +158,8 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     oom = results.TrialRow("oom", 64, 1e-3, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
     *lines, legend = tables.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
-    assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "val_f1", "clips/s",
-                                "s/epoch", "epochs", "status"]
+    assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "best", "val_f1",
+                                "clips/s", "s/epoch", "epochs", "status"]
     assert set(lines[1].replace(" ", "")) == {"-"}
     cells = {line.split()[0]: line.split() for line in lines[2:]}
     assert cells["alone"][3:7] == ["0.750", "-", "0.500", "12.3"]    # no `*`: it had its device alone
@@ -218,7 +218,7 @@ def test_write_csv_round_trip(tmp_path):
     assert (read[1]["batch_size"], read[1]["status"], read[1]["checkpoint"], read[1]["node_id"]) == \
         ("16", "OOM", "/ckpt/b", "node-1")
     assert float(read[1]["lr"]) == 3e-4 and float(read[1]["weight_decay"]) == 0.05
-    assert math.isnan(float(read[1]["best_val_acc"])) and float(read[1]["val_f1"]) == 0.25
+    assert math.isnan(float(read[1]["best_val_acc"])) and float(read[1]["best_val_f1"]) == 0.25
 
 
 def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
@@ -265,7 +265,7 @@ def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
     read = _read_csv(tables.write_csv(_search_rows(), tmp_path / "trials.csv"))
     first = read[0]
     assert (first["name"], first["trial_id"]) == ("t01-bs8-lr2.5e-4", "id_t01-bs8-lr2.5e-4")
-    assert (first["best_val_acc"], first["val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
+    assert (first["best_val_acc"], first["best_val_f1"]) == ("0.8123", "0.7900")        # 4 decimals
     assert (first["speed_clips_per_s"], first["epoch_time_s"]) == ("41.23", "2.43")  # 2 decimals
     assert (first["best_epoch"], first["epochs"]) == ("2", "4")
     t06 = next(r for r in read if r["name"].startswith("t06"))
@@ -273,7 +273,7 @@ def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
     oom = next(r for r in read if r["status"] == "OOM")
     assert oom["best_epoch"] == "nan" and math.isnan(float(oom["speed_clips_per_s"]))
     assert "best_epoch" in tables.__doc__ and \
-        "best_val_acc, val_f1 and the checkpoint are from this epoch" in " ".join(tables.__doc__.split())
+        "best_val_acc, best_val_f1 and the checkpoint are from this epoch" in " ".join(tables.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
         tables.write_csv([], tmp_path / "x.csv", objective="speed")
 

@@ -60,7 +60,7 @@ def test_the_table_shows_the_best_epoch_and_the_interval_beside_val_acc():
     rows = [_row("t01", 0.75, 41.2, best_epoch=3),
             _row("t02", math.nan, math.nan, best_epoch=0, status="OOM")]
     head, _, best, oom, *_ = tables.format_table(rows, val_clips=32).splitlines()
-    assert head.split()[3:7] == ["best", "val_acc", "epoch", "val_f1"]
+    assert head.split()[3:8] == ["best", "val_acc", "epoch", "best", "val_f1"]
     assert best.split()[3:7] == ["0.750", "[0.58,", "0.87]", "3"]             # Wilson on 24 of 32 clips
     assert oom.split()[3:5] == ["-", "-"]
     assert "[0." not in tables.format_table(rows)                     # clip count unknown: no interval

@@ -95,7 +95,7 @@ def describe(loaded: ConfigFile) -> str:
     search = next((best[k] for k in SEARCH_NAME_KEYS if best.get(k)), None)
     what = "the best trial" + (f" {trial}" if trial else "")
     what += f" of search {search}" if search else " of a search"
-    acc = best.get("val_acc")
+    acc = best.get("best_val_acc", best.get("val_acc"))   # val_acc: an older search's file
     if isinstance(acc, (int, float)) and not isinstance(acc, bool) and math.isfinite(acc):
         what += f", val_acc {acc:.3f}"
     return f"config: {loaded.file} ({what})"

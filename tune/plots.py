@@ -105,8 +105,8 @@ def scatter_figure(rows: list[TrialRow], *, title: str = "", val_clips: int = 0)
     spreads = _speed_spreads(pool)
     if spreads:
         _draw_speed_spreads(ax, spreads, colours)
-    ax.set_xlabel("steady-state training throughput (clips/s)")
-    ax.set_ylabel("validation accuracy (best epoch)")
+    ax.set_xlabel("speed_clips_per_s (training clips/s, steady state)")
+    ax.set_ylabel(_OBJECTIVE_LABEL["val_acc"])
     ax.set_title(f"{title}: accuracy vs speed" if title else "trials: accuracy vs speed", fontsize=11)
     ax.grid(alpha=0.3)
     draw_legend(ax, pool + oom, colours, front=drawn, best=best is not None,
@@ -130,8 +130,9 @@ def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "", val_clips
     return save_png(scatter_figure(rows, title=title, val_clips=val_clips), path)
 
 
-_OBJECTIVE_LABEL = {"val_acc": "validation accuracy (best epoch)",
-                    "val_f1": "validation F1 (best epoch by val_acc)"}
+# the summary's names (trials.csv, MLflow) first, then what they mean
+_OBJECTIVE_LABEL = {"val_acc": "best_val_acc (validation accuracy, best epoch)",
+                    "val_f1": "best_val_f1 (validation F1, best epoch)"}
 
 
 def _searched_bounds(p: Param, domains: Mapping[str, Domain] | None) -> tuple[float, float] | None:

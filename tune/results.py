@@ -360,6 +360,16 @@ SPEED_METRIC = "speed_clips_per_s"   # the one name speed has wherever a person 
 SUMMARY_KEYS = ("best_val_acc", "best_epoch", SPEED_METRIC, "best_val_acc_low", "best_val_acc_high")
 
 
+# TrialRow's fields that are summary numbers, under their summary names: best_config.json writes a
+# row with these (`named_record`), as trials.csv and MLflow name them
+RECORD_NAMES = {"val_acc": "best_val_acc", "val_f1": "best_val_f1", "clips_per_s": SPEED_METRIC}
+
+
+def named_record(row: TrialRow) -> dict[str, Any]:
+    """A row's fields as a dict, the summary numbers under their summary names (RECORD_NAMES)."""
+    return {RECORD_NAMES.get(k, k): v for k, v in vars(row).items()}
+
+
 def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
     """A trial's SUMMARY_KEYS: its best epoch's val_acc, that epoch, its steady clips/s and the
     95% Wilson interval of the accuracy on `val_clips` validation clips; nan where there is none

@@ -36,6 +36,7 @@ from vidtune.tune.results import (
     TrialRow,
     best_trial,
     best_whole_checkpoint,
+    named_record,
     objective_key,
     pareto_front,
     ranked,
@@ -246,7 +247,7 @@ def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: 
              "importance": importance.plot(target / "param_importance.png", title=plan.name)
              if importance is not None else None}
     if best:
-        doc = {**best.__dict__, "objective": opts.objective, "search": plan.name,
+        doc = {**named_record(best), "objective": opts.objective, "search": plan.name,
                "train_config": plan.base.with_overrides(**{"batch_size": best.batch_size, "lr": best.lr,
                                                            **best.params}).to_dict(),
                # the search's best whole checkpoint, with its own trial, epoch and val_acc

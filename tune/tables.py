@@ -13,8 +13,8 @@ trials, OOM, DIVERGED and ERROR, and those without a value last):
   best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
   best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
                  (4 decimals; nan when none or the count is unknown)
-  val_f1         macro F1 of the same epoch
-  best_epoch     best_val_acc, val_f1 and the checkpoint are from this epoch; nan when none
+  best_val_f1    macro F1 of the same epoch
+  best_epoch     best_val_acc, best_val_f1 and the checkpoint are from this epoch; nan when none
   epochs         epochs trained (the last epoch reported)
   speed_clips_per_s   the one speed: steady-state clips/s end to end (2 decimals; nan for OOM
                  and DIVERGED)
@@ -54,7 +54,7 @@ def shown_params(rows: list[TrialRow]) -> list[Param]:
 def format_table(rows: list[TrialRow], *, val_clips: int = 0) -> str:
     """Plain-text table, one line per trial: trial (its name), each searched value (`shown_params`),
     best val_acc (`0.750 [0.58, 0.87]`: the best epoch's accuracy and its 95% interval on `val_clips`
-    validation clips; no interval when 0), that epoch, val_f1 (same epoch), steady clips/s, steady
+    validation clips; no interval when 0), that epoch, best val_f1 (same epoch), steady clips/s, steady
     seconds per epoch, epochs trained, (the GPUs it trained on, when some trial had one), status.
     `column_notes` says what each column means. After clips/s, `*` marks a trial that shared its
     device with another training and `~` one that trained beside other work on its machine
@@ -62,7 +62,7 @@ def format_table(rows: list[TrialRow], *, val_clips: int = 0) -> str:
     show_gpu = any(r.gpu_ids for r in rows)
     params = shown_params(rows)
     head = ["trial"] + [p.column for p in params] + \
-        ["best val_acc", "epoch", "val_f1", "clips/s", "s/epoch", "epochs"] + \
+        ["best val_acc", "epoch", "best val_f1", "clips/s", "s/epoch", "epochs"] + \
         (["gpu"] if show_gpu else []) + ["status"]
     body = []
     for r in rows:
@@ -86,8 +86,8 @@ def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) 
     interval = " [its 95% interval]" if val_clips > 0 else ""
     statuses = ", ".join(f"{s} = {s.meaning}" for s in STATUSES if any(r.status == s for r in rows))
     parts = [f"best val_acc = validation accuracy at the trial's best epoch (column epoch){interval}",
-             "val_f1 = macro F1 at that epoch",
-             "clips/s = training speed in steady state (median of epochs 2 and later)",
+             "best val_f1 = macro F1 at that epoch",
+             "clips/s = speed_clips_per_s, training speed in steady state (median of epochs 2 and later)",
              "s/epoch = seconds per training epoch (without validation), steady state",
              "epochs = epochs trained"] + ([f"status: {statuses}"] if statuses else [])
     return textwrap.wrap("; ".join(parts), width=width, initial_indent="columns: ", subsequent_indent="  ",
@@ -125,14 +125,15 @@ def speed_marks(r: TrialRow) -> str:
 def format_markdown(rows: list[TrialRow], val_clips: int = 0) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
     name, each searched value (`shown_params`), best val_acc (with its 95% interval on
-    `val_clips` clips; none when 0), its epoch, val_f1 (same epoch), steady clips/s, epochs, (GPUs,
+    `val_clips` clips; none when 0), its epoch, best val_f1 (same epoch), steady clips/s, epochs, (GPUs,
     when some trial had one), status; under it, what the marks after clips/s mean (a list, when a
     row carries one)."""
     show_gpu = any(r.gpu_ids for r in rows)
     params = shown_params(rows)
     gpu_head, gpu_rule = (" gpu |", "---|") if show_gpu else ("", "")
     param_head, param_rule = "".join(f" {p.column} |" for p in params), "---:|" * len(params)
-    lines = [f"| trial |{param_head} best val_acc | epoch | val_f1 | clips/s | epochs |{gpu_head} status |",
+    lines = [f"| trial |{param_head} best val_acc | epoch | best val_f1 | clips/s | epochs |{gpu_head}"
+             " status |",
              f"|---|{param_rule}---:|---:|---:|---:|---:|{gpu_rule}---|"]
     for r in rows:
         gpu = f" {r.gpu_ids or '-'} |" if show_gpu else ""
@@ -151,8 +152,8 @@ def _num(x: float, digits: int) -> str:
 # trials.csv's columns around the searched parameters' (one per `tune.searched.PARAMS`), in order
 # (see the module docstring); gpu_ids follows node_id when some trial had a GPU (`csv_columns`)
 CSV_HEAD = ("name", "trial_id", "status")
-CSV_RESULTS = ("best_val_acc", "best_val_acc_low", "best_val_acc_high", "val_f1", "best_epoch", "epochs",
-               "speed_clips_per_s", "compute_clips_per_s", "epoch_time_s", "concurrent_trainings",
+CSV_RESULTS = ("best_val_acc", "best_val_acc_low", "best_val_acc_high", "best_val_f1", "best_epoch",
+               "epochs", "speed_clips_per_s", "compute_clips_per_s", "epoch_time_s", "concurrent_trainings",
                "other_cpu_cores", "node_id", "checkpoint")
 
 
@@ -190,7 +191,7 @@ def csv_record(r: TrialRow, val_clips: int = 0, fixed: Mapping[str, float] | Non
         **{p.name: p.text(r.value(p.name) if r.value(p.name) is not None else fixed.get(p.name))
            for p in searched.PARAMS},
         **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
-        "val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
+        "best_val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
         "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
         "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
         "epoch_time_s": _fixed(r.epoch_time_s, 2),

@@ -12,7 +12,7 @@ among its random start trials. Nothing is rerun.
 Which trials: DONE and STOPPED (ASHA) trials with a value; out of memory, diverged, errored and
 unfinished ones carry no result and are left out, as are those outside the new space (a batch
 size not among the new choices, a learning rate or weight decay outside the new bounds). The
-value is trials.csv's objective column (`best_val_acc`, formerly `val_acc`, or `val_f1`: the
+value is trials.csv's objective column (`best_val_acc` or `best_val_f1`, formerly `val_acc` or `val_f1`: the
 trial's best epoch), or what the Optuna study recorded (Ray tells it each trial's last report).
 Single objective only: Ray's `add_evaluated_point` takes one value per trial.
 """
@@ -35,7 +35,7 @@ FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "
            "storage and study (sqlite:///optuna.db#study-name)")
 # trials.csv's value column per objective, newest name first (tune/tables.py csv_columns).
-VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("val_f1",)}
+VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("best_val_f1", "val_f1")}
 CONSTRAINTS_KEY = "constraints"   # Optuna's system attribute of a trial's constraints (> 0: infeasible)
 
 
