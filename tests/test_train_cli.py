@@ -204,7 +204,8 @@ def _best_config(path: Path, train_config: TrainConfig, **row) -> Path:
     doc = {"trial_id": "a1b2c_00003", "name": "t03-bs16-lr1.5e-4", "search": "vidtune-search-demo",
            "batch_size": train_config.batch_size,
            "lr": train_config.lr, "weight_decay": train_config.weight_decay, "best_val_acc": 0.875,
-           "best_val_f1": 0.86, "speed_clips_per_s": 41.5, "epoch_time_s": 3.2, "epochs": train_config.epochs, "status": "DONE",
+           "best_val_f1": 0.86, "speed_clips_per_s": 41.5, "epoch_time_s": 3.2, "epochs": train_config.epochs,
+           "status": "DONE",
            "checkpoint": "/tmp/ray/ckpt", "objective": "val_acc", "train_config": train_config.to_dict(),
            **row}
     path.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str))
