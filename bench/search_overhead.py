@@ -59,7 +59,7 @@ from vidtune.trainer.run import (
     run_epoch,
     save_run_checkpoint,
 )
-from vidtune.tune import layout
+from vidtune.tune import layout, searched
 from vidtune.tune.options import base_config, parse_options
 from vidtune.tune.options import build_parser as search_parser
 from vidtune.tune.runner import fill_clip_cache
@@ -145,7 +145,7 @@ def plain_process(spec_path: str) -> int:
     base = fill_clip_cache(base, index, on_gpu=is_cuda(device))
     trials = []
     for trial in spec["trials"]:
-        sampled = {k: trial[k] for k in ("batch_size", "lr", "weight_decay") if k in trial}
+        sampled = {p.name: trial[p.name] for p in searched.PARAMS if p.name in trial}
         row = _plain_trial(trial_config(base, sampled), index, device, spec["checkpoints"])
         trials.append({"trial_id": f"plain:{trial['trial_id']}", **row})
     out = {"trials": trials, "cache": base.data.clip_cache, "threads": torch.get_num_threads(),
