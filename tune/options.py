@@ -20,7 +20,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,8 @@ RANDOM_START_CAP = 6
 CPU_BATCH_SIZES = (4, 8)           # the tiny model at 64 px: larger batches gain nothing on 2 cores
 GPU_BATCH_SIZES = (8, 16, 32)      # mvit_v2_s at 16 x 224 x 224 fits 32 in bf16 on a 40 GB card
 
-# The trial's batch size and learning rate are drawn from the search space, not set.
-SEARCHED = ("train.batch_size", "train.lr")
+# What every trial draws from the search space (`tune.searched`: batch size and lr), not set.
+SEARCHED = tuple(f"train.{p.name}" for p in searched.PARAMS if p.switch is None)
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,17 @@ CONFIG_TABLES = ("search",)
 KNOWN_KEYS = ("known options are the flags of `vidtune search --help` without the leading dashes "
               "(lr-min or lr_min), at the top level or in a [search] table, or the fields' names in a table "
               "per part as --dry-run prints them ([train], [train.data], [space], [resources], [tracking])")
-# Keys of trainer.train's config that the search draws itself.
-SEARCHED_KEYS = {"batch-size": "batch-sizes", "batch_size": "batch-sizes", "lr": "lr-min and lr-max"}
+
+
+def _bound_keys(p: searched.Param) -> str:
+    """The config-file keys of a searched parameter's bound options: `lr-min and lr-max`."""
+    flag = {f.name: f.metadata["flag"] for f in fields(SearchSpace)}
+    return " and ".join(flag[b].removeprefix("--") for b in (p.low, p.high) if isinstance(b, str))
+
+
+# Keys of trainer.train's config that the search draws itself -> the keys that bound it instead.
+SEARCHED_KEYS = {key: _bound_keys(p) for p in searched.PARAMS if p.switch is None
+                 for key in (p.name, p.name.replace("_", "-"))}
 
 
 def load_config_file(path: str) -> ConfigFile:
