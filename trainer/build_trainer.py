@@ -18,6 +18,7 @@ from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.launch import worker_env_vars
 from vidtune.trainer.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig
+from vidtune.trainer.report_keys import Key
 from vidtune.trainer.torch_trainer import VidtuneTorchTrainer
 from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker
 
@@ -40,7 +41,7 @@ def build_torch_trainer(
     train_loop: Callable[[dict], None] | None = None,
     device_lease: Any = None,
     index: VideoIndex | None = None,
-    score_metric: str = "val_acc",
+    score_metric: str = Key.VAL_ACC.value,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from vidtune.trainer.report_keys import Key
+
 FILE_NAME = "epochs.json"
 
 
@@ -47,11 +49,11 @@ def latest_history(run_folder: str | Path) -> dict[int, dict[str, Any]]:
 
 # What a run's best epoch can be chosen by: the search's objective (pareto: val_acc, the front's
 # accuracy axis), and for a run without a search, val_acc.
-BEST_EPOCH_METRICS = ("val_acc", "val_f1")
+BEST_EPOCH_METRICS = (Key.VAL_ACC, Key.VAL_F1)
 
 
 def best_epoch(history: dict[int, dict[str, Any]],
-               metric: str = "val_acc") -> tuple[int, dict[str, Any]] | None:
+               metric: str = Key.VAL_ACC) -> tuple[int, dict[str, Any]] | None:
     """(epoch, report) of the best epoch of `history` by `metric` (one of BEST_EPOCH_METRICS;
     ties: the later epoch), among the epochs that trained (not an out-of-memory or diverged
     report); None when no epoch has a finite value. One rule for the results table, `trials.csv`,
@@ -62,7 +64,7 @@ def best_epoch(history: dict[int, dict[str, Any]],
     best = None
     for epoch, record in sorted(history.items()):
         value = _number(record.get(metric))
-        trained = _number(record.get("oom")) != 1 and _number(record.get("diverged")) != 1
+        trained = _number(record.get(Key.OOM)) != 1 and _number(record.get(Key.DIVERGED)) != 1
         if not (trained and math.isfinite(value)):
             continue
         if best is None or value >= _number(best[1][metric]):

@@ -39,9 +39,12 @@ import torch
 import torch.distributed as dist
 
 from vidtune.trainer import precision
+from vidtune.trainer.report_keys import Key
 
-METRIC_KEYS = ("train_loss", "val_loss", "val_acc", "val_f1", "val_recall", "val_auc",
-               "clips_per_s", "compute_clips_per_s", "epoch_time_s", "data_wait_frac", "nonfinite_steps")
+# reduce_epoch's keys, in the report's order (`trainer.report_keys`)
+METRIC_KEYS = (Key.TRAIN_LOSS, Key.VAL_LOSS, Key.VAL_ACC, Key.VAL_F1, Key.VAL_RECALL, Key.VAL_AUC,
+               Key.CLIPS_PER_S, Key.COMPUTE_CLIPS_PER_S, Key.EPOCH_TIME_S, Key.DATA_WAIT_FRAC,
+               Key.NONFINITE_STEPS)
 
 
 @dataclass
@@ -106,10 +109,10 @@ def classification_metrics(probs, labels, threshold: float = 0.5) -> dict[str, f
     fn = int(((pred == 0) & (y == 1)).sum())
     f1_den = 2 * tp + fp + fn
     return {
-        "val_acc": float((pred == y).mean()),
-        "val_f1": 2 * tp / f1_den if f1_den else 0.0,
-        "val_recall": tp / (tp + fn) if tp + fn else 0.0,
-        "val_auc": roc_auc(p, y),
+        Key.VAL_ACC: float((pred == y).mean()),
+        Key.VAL_F1: 2 * tp / f1_den if f1_den else 0.0,
+        Key.VAL_RECALL: tp / (tp + fn) if tp + fn else 0.0,
+        Key.VAL_AUC: roc_auc(p, y),
     }
 
 
@@ -145,14 +148,14 @@ def reduce_epoch(stats: EpochStats, eval_out: EvalOutputs) -> dict[str, float]:
         probs, labels = _gather_pairs(probs, labels, precision.collective_device())
     loss_sum, clips, wait, step, val_loss_sum, val_count, nonfinite = sums
     out = {
-        "train_loss": _ratio(loss_sum, clips),
-        "val_loss": _ratio(val_loss_sum, val_count),
+        Key.TRAIN_LOSS: _ratio(loss_sum, clips),
+        Key.VAL_LOSS: _ratio(val_loss_sum, val_count),
         **classification_metrics(probs, labels),
-        "clips_per_s": _ratio(clips, epoch_time) if clips else 0.0,
-        "compute_clips_per_s": _ratio(clips, slowest_step) if clips else 0.0,
-        "epoch_time_s": float(epoch_time),
-        "data_wait_frac": _ratio(wait, wait + step),
-        "nonfinite_steps": nonfinite,
+        Key.CLIPS_PER_S: _ratio(clips, epoch_time) if clips else 0.0,
+        Key.COMPUTE_CLIPS_PER_S: _ratio(clips, slowest_step) if clips else 0.0,
+        Key.EPOCH_TIME_S: float(epoch_time),
+        Key.DATA_WAIT_FRAC: _ratio(wait, wait + step),
+        Key.NONFINITE_STEPS: nonfinite,
     }
     return {k: float(out[k]) for k in METRIC_KEYS}
 

@@ -50,6 +50,9 @@ class Key(StrEnum):
         member.mlflow = mlflow if mlflow is not None else "" if role is Role.BOOKKEEPING else key
         return member
 
+    def __repr__(self) -> str:   # the plain string it equals, in a message that shows keys
+        return repr(self.value)
+
     # -- a worker's report, each epoch (`trainer.metrics.reduce_epoch`, then `trainer.worker`)
     EPOCH = "epoch", _S, _E, "the epoch the report ends (from 1): every metric point's step", "step"
     TRAIN_LOSS = "train_loss", _M, _E, "mean training cross-entropy per clip, all workers"
@@ -135,14 +138,15 @@ def declared(key: str) -> Key | None:
 
 
 def in_report_order(report: dict[str, Any]) -> dict[str, Any]:
-    """`report` with its keys in REPORT_KEYS order. Raises ValueError when its keys are not
+    """`report` with its keys in REPORT_KEYS order, as plain strings. Raises ValueError when its keys are not
     exactly REPORT_KEYS: a key added to a report without its declaration here (its role in
     MLflow unsaid), or a declared one the report lacks."""
     extra, missing = set(report) - set(REPORT_KEYS), [k for k in REPORT_KEYS if k not in report]
     if extra or missing:
         raise ValueError(f"a worker's report must hold exactly the keys of trainer/report_keys.py: "
                          f"undeclared {sorted(extra)}, missing {missing}")
-    return {key: report[key] for key in REPORT_KEYS}
+    # plain str keys: a report goes into checkpoints too, which load with weights_only=True
+    return {key.value: report[key] for key in REPORT_KEYS}
 
 
 # docs/mlflow.md holds the table between these lines

@@ -17,10 +17,7 @@ import torch
 
 from vidtune.trainer.gpus import nvml
 from vidtune.trainer.precision import PrecisionPolicy
-
-# Report keys (strings), in the order the tags show them.
-SETTING_KEYS = ("precision_used", "tf32", "cudnn_benchmark", "device_name", "compute_capability",
-                "cuda_version", "driver_version", "torch_version")
+from vidtune.trainer.report_keys import SETTING_KEYS, Key
 
 
 def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, str]:
@@ -43,14 +40,14 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
     # Plain str each: they go into checkpoints too, which load with weights_only=True, and
     # torch.__version__ is a str subclass (TorchVersion) that such a load refuses.
     return {key: str(value) for key, value in {
-        "precision_used": precision,
-        "tf32": tf32_setting() if cuda else "-",
-        "cudnn_benchmark": ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
-        "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
-        "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "",
-        "cuda_version": torch.version.cuda or "",
-        "driver_version": nvidia_driver_version() if cuda else "",
-        "torch_version": torch.__version__,
+        Key.PRECISION_USED: precision,
+        Key.TF32: tf32_setting() if cuda else "-",
+        Key.CUDNN_BENCHMARK: ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
+        Key.DEVICE_NAME: torch.cuda.get_device_name(device) if cuda else cpu_name(),
+        Key.COMPUTE_CAPABILITY: ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "",
+        Key.CUDA_VERSION: torch.version.cuda or "",
+        Key.DRIVER_VERSION: nvidia_driver_version() if cuda else "",
+        Key.TORCH_VERSION: torch.__version__,
     }.items()}
 
 

@@ -22,33 +22,34 @@ from vidtune.trainer.capacity import AUTOSCALER_CONFIG, ClusterCapacity, capacit
 from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import init_ray, joins_cluster
+from vidtune.trainer.report_keys import Key
 from vidtune.trainer.train_options import PROG, RunOptions, check_capacity
 
 
 def format_epoch(m: dict[str, Any], epochs: int) -> str:
     """One human-readable line of a worker report."""
-    head = f"epoch {m['epoch']}/{epochs}"
-    if m.get("oom"):
-        return f"{head}  OUT OF MEMORY at batch size {m['batch_size']} (peak {m['peak_mem_mb']:.0f} MB)"
-    if m.get("diverged"):
-        return f"{head}  DIVERGED: training loss {m['train_loss']}; stopped, no checkpoint"
-    return (f"{head}  train_loss {m['train_loss']:.4f}  val_loss {m['val_loss']:.4f}  "
-            f"val_acc {m['val_acc']:.3f}  val_f1 {m['val_f1']:.3f}  val_recall {m['val_recall']:.3f}  "
-            f"val_auc {m['val_auc']:.3f}  {m['clips_per_s']:.1f} clips/s  {m['epoch_time_s']:.1f} s  "
-            f"data_wait {100 * m['data_wait_frac']:.0f}%  peak_mem {m['peak_mem_mb']:.0f} MB  "
-            f"lr {m['lr']:.2e}"
-            + (f"  reader_failures {m['reader_failures']}" if m.get("reader_failures") else ""))
+    head = f"epoch {m[Key.EPOCH]}/{epochs}"
+    if m.get(Key.OOM):
+        return f"{head}  OUT OF MEMORY at batch size {m[Key.BATCH_SIZE]} (peak {m[Key.PEAK_MEM_MB]:.0f} MB)"
+    if m.get(Key.DIVERGED):
+        return f"{head}  DIVERGED: training loss {m[Key.TRAIN_LOSS]}; stopped, no checkpoint"
+    return (f"{head}  train_loss {m[Key.TRAIN_LOSS]:.4f}  val_loss {m[Key.VAL_LOSS]:.4f}  "
+            f"val_acc {m[Key.VAL_ACC]:.3f}  val_f1 {m[Key.VAL_F1]:.3f}  val_recall {m[Key.VAL_RECALL]:.3f}  "
+            f"val_auc {m[Key.VAL_AUC]:.3f}  {m[Key.CLIPS_PER_S]:.1f} clips/s  {m[Key.EPOCH_TIME_S]:.1f} s  "
+            f"data_wait {100 * m[Key.DATA_WAIT_FRAC]:.0f}%  peak_mem {m[Key.PEAK_MEM_MB]:.0f} MB  "
+            f"lr {m[Key.LR]:.2e}"
+            + (f"  reader_failures {m[Key.READER_FAILURES]}" if m.get(Key.READER_FAILURES) else ""))
 
 
 def failure_message(last: dict[str, Any], lr: float) -> str | None:
     """Why a run whose last report is `last` has no result, and what to change; None when it
     trained. `lr`: the run's --lr."""
-    if last.get("oom"):
-        return (f"out of memory at batch size {last.get('batch_size')}; lower --batch-size "
+    if last.get(Key.OOM):
+        return (f"out of memory at batch size {last.get(Key.BATCH_SIZE)}; lower --batch-size "
                 "(use --grad-accum to keep the effective batch), or try --precision bf16/fp16")
-    if last.get("diverged"):
-        return (f"training diverged in epoch {last.get('epoch')}: the training loss became "
-                f"{last.get('train_loss')} (inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. "
+    if last.get(Key.DIVERGED):
+        return (f"training diverged in epoch {last.get(Key.EPOCH)}: the training loss became "
+                f"{last.get(Key.TRAIN_LOSS)} (inf or NaN weights) at --lr {lr:g}; lower --lr (e.g. "
                 f"{lr / 10:g}), or keep --clip-grad-norm on and --warmup-frac above 0")
     return None
 
@@ -123,7 +124,7 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 1
     # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
-    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get("epoch", 0)),
+    ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get(Key.EPOCH, 0)),
                     reverse=True)
     if not ranked and result.checkpoint is not None:
         ranked = [(result.checkpoint, last)]
@@ -135,7 +136,7 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
               file=sys.stderr)
         return 1
     score = next(m for c, m in ranked if c.path == best)
-    print(f"best checkpoint (epoch {score.get('epoch')}, val_acc {score.get('val_acc', math.nan):.3f}): "
+    print(f"best checkpoint (epoch {score.get(Key.EPOCH)}, val_acc {score.get(Key.VAL_ACC, math.nan):.3f}): "
           f"{best}")
     return 0
 
@@ -147,5 +148,5 @@ def read_capacity(config: Path | None) -> ClusterCapacity:
 
 
 def _acc(metrics: dict[str, Any]) -> float:
-    acc = metrics.get("val_acc", math.nan)
+    acc = metrics.get(Key.VAL_ACC, math.nan)
     return acc if isinstance(acc, (int, float)) and math.isfinite(acc) else -math.inf

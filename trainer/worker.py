@@ -26,7 +26,6 @@ from vidtune.trainer.device_memory import free_device, held_device_mb, process_d
 from vidtune.trainer.devices import physical_gpu_ids, train_device
 from vidtune.trainer.history import write_history
 from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
-from vidtune.trainer.metrics import METRIC_KEYS as _REDUCED_KEYS
 from vidtune.trainer.metrics import (
     EpochStats,
     all_reduce_floats,
@@ -36,6 +35,7 @@ from vidtune.trainer.metrics import (
     steady_state,
 )
 from vidtune.trainer.precision import free_memory
+from vidtune.trainer.report_keys import REPORT_KEYS, SETTING_KEYS, Key, in_report_order
 from vidtune.trainer.resume import first_whole_checkpoint, resume_candidates
 from vidtune.trainer.run import (
     DIVERGED,
@@ -51,36 +51,16 @@ from vidtune.trainer.run import (
     save_run_checkpoint,
     unless_out_of_memory,
 )
-from vidtune.trainer.settings import SETTING_KEYS, merge_settings, worker_settings
+from vidtune.trainer.settings import merge_settings, worker_settings
 from vidtune.trainer.torch_trainer import quiet_report_lines
 from vidtune.trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
 
 INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
 
-# What each epoch's report holds: reduce_epoch's metrics plus what the worker adds.
-# steady_clips_per_s: median clips_per_s of epochs 2.. so far (trainer.metrics.steady_state).
-# cache_hit_frac: clip reads served by the clip cache / all clip reads, this epoch.
-# concurrent_trainings: most trainings on this trial's devices at once during the epoch (lease).
-# device_wait_s: time this run waited for its device before its first epoch (0 after).
-# epoch_start_ts / epoch_end_ts: unix time the epoch's training started / its scoring ended.
-# device_util_pct: the device's utilisation over the epoch, mean over workers (trainer.utilization).
-# resumed_from_epoch: on the first epoch after the run restarted from a checkpoint (a worker
-#   group restarted by Train's FailureConfig, or a --resume), that checkpoint's epoch; else 0.
-# damaged_checkpoints: on the first epoch after a restart, the checkpoints found damaged and skipped
-#   (`_read_checkpoint`): resumed_from_epoch is then an older one's, or 0 (from scratch); else 0.
-# cache_repairs: clip-cache entries found damaged and decoded again this epoch, all workers.
-# torch_threads: the CPU threads torch used in rank 0's training; on the CPU, clips/s follows it.
-# other_cpu_cores: cores that other processes kept busy on the worker's machine during the epoch
-#   (trainer.utilization.OtherCpuLoad; the most over the workers; NaN when unreadable).
-# oom / diverged: 1 on the run's one report without a result (`_report_worst_case`); else 0.
-# node_id, node_ip, gpu_ids: where the run trained (`_where_it_runs`); strings.
-# SETTING_KEYS: what its workers trained with (`trainer.settings`: precision used, TF32,
-#   cudnn.benchmark, device, compute capability, CUDA, driver, torch); strings, "" when unknown.
-METRIC_KEYS = ("epoch", *_REDUCED_KEYS, "steady_clips_per_s", "peak_mem_mb", "peak_allocated_mb", "lr",
-               "batch_size", "oom", "diverged", "reader_failures", "cache_hit_frac", "concurrent_trainings",
-               "device_wait_s", "epoch_start_ts", "epoch_end_ts", "node_id", "node_ip", "gpu_ids",
-               "resumed_from_epoch", "device_util_pct", "torch_threads", "other_cpu_cores",
-               "damaged_checkpoints", "cache_repairs", *SETTING_KEYS)
+# What each epoch's report holds, in order: every per-epoch key of `trainer.report_keys` (each
+# declared there with its role in MLflow and its meaning): reduce_epoch's metrics plus what the
+# worker adds. oom / diverged: 1 on the run's one report without a result (`_report_worst_case`).
+METRIC_KEYS = REPORT_KEYS
 
 
 @dataclass
@@ -245,8 +225,8 @@ def _where_it_runs() -> dict[str, str]:
                          physical_gpu_ids()))
     ips = sorted({ip for _, ip, _ in views})
     gpus = {f"{ip}:{gpu}" if len(ips) > 1 else gpu for _, ip, ids in views for gpu in ids}
-    return {"node_id": views[0][0], "node_ip": ",".join(ips),
-            "gpu_ids": ",".join(sorted(gpus, key=lambda g: (len(g), g)))}  # shorter first: "2", "10"
+    return {Key.NODE_ID: views[0][0], Key.NODE_IP: ",".join(ips),
+            Key.GPU_IDS: ",".join(sorted(gpus, key=lambda g: (len(g), g)))}  # shorter first: "2", "10"
 
 
 def _read_checkpoint(w: _Worker) -> tuple[int, dict[str, Any] | None]:
@@ -289,8 +269,8 @@ def _data_metrics(w: _Worker) -> dict[str, float | int]:
     new = [float(now - seen) for now, seen in zip(counts, w.counts_seen, strict=True)]
     w.counts_seen = counts
     reads, hits, failures, repairs = all_reduce_floats(new, dist.ReduceOp.SUM)
-    return {"reader_failures": int(failures), "cache_repairs": int(repairs),
-            "cache_hit_frac": hits / reads if reads > 0 else 0.0}
+    return {Key.READER_FAILURES: int(failures), Key.CACHE_REPAIRS: int(repairs),
+            Key.CACHE_HIT_FRAC: hits / reads if reads > 0 else 0.0}
 
 
 def _lease_metrics(w: _Worker, window: tuple[float, float], first: bool) -> dict[str, float]:
@@ -298,8 +278,8 @@ def _lease_metrics(w: _Worker, window: tuple[float, float], first: bool) -> dict
     concurrent = w.slot.concurrent(*window) if w.run.rank == 0 else 0.0
     concurrent = all_reduce_floats([concurrent], dist.ReduceOp.SUM)[0]   # rank 0's value everywhere
     wait = all_reduce_floats([w.slot.wait_s if first else 0.0], dist.ReduceOp.MAX)[0]
-    return {"concurrent_trainings": concurrent, "device_wait_s": wait,
-            "epoch_start_ts": window[0], "epoch_end_ts": window[1]}
+    return {Key.CONCURRENT_TRAININGS: concurrent, Key.DEVICE_WAIT_S: wait,
+            Key.EPOCH_START_TS: window[0], Key.EPOCH_END_TS: window[1]}
 
 
 def _other_cpu_cores(w: _Worker) -> float:
@@ -317,17 +297,16 @@ def _epoch_metrics(w: _Worker, epoch: int, metrics: dict[str, float], *, window:
     run = w.run
     peak, allocated = all_reduce_floats([peak_memory_mb(run.device), peak_allocated_mb(run.device)],
                                         dist.ReduceOp.MAX)
-    w.speed_by_epoch[epoch] = metrics["clips_per_s"]
-    metrics = dict(
-        metrics, epoch=epoch, lr=current_lr(run), batch_size=run.cfg.batch_size, oom=0, diverged=0, **w.where,
-        peak_mem_mb=float(peak), peak_allocated_mb=float(allocated),
-        steady_clips_per_s=steady_state(w.speed_by_epoch), **_data_metrics(w),
-        **_lease_metrics(w, window, first), resumed_from_epoch=w.resumed_from_epoch if first else 0,
-        damaged_checkpoints=w.damaged_checkpoints if first else 0,
-        device_util_pct=all_reduce_floats([w.device_util_pct])[0] / run.world,
-        torch_threads=torch.get_num_threads(), other_cpu_cores=_other_cpu_cores(w), **w.settings,
-    )
-    return {key: metrics[key] for key in METRIC_KEYS}
+    w.speed_by_epoch[epoch] = metrics[Key.CLIPS_PER_S]
+    return in_report_order({
+        **metrics, Key.EPOCH: epoch, Key.LR: current_lr(run), Key.BATCH_SIZE: run.cfg.batch_size, Key.OOM: 0,
+        Key.DIVERGED: 0, **w.where, Key.PEAK_MEM_MB: float(peak), Key.PEAK_ALLOCATED_MB: float(allocated),
+        Key.STEADY_CLIPS_PER_S: steady_state(w.speed_by_epoch), **_data_metrics(w),
+        **_lease_metrics(w, window, first), Key.RESUMED_FROM_EPOCH: w.resumed_from_epoch if first else 0,
+        Key.DAMAGED_CHECKPOINTS: w.damaged_checkpoints if first else 0,
+        Key.DEVICE_UTIL_PCT: all_reduce_floats([w.device_util_pct])[0] / run.world,
+        Key.TORCH_THREADS: torch.get_num_threads(), Key.OTHER_CPU_CORES: _other_cpu_cores(w), **w.settings,
+    })
 
 
 def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = False) -> None:
@@ -381,38 +360,39 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
     _hand_over(w)
     _report_worst_case(
         run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
-        diverged=diverged, train_loss=train_loss, where=w.where, **_data_metrics(w),
-        **_lease_metrics(w, window, first=True), resumed_from_epoch=w.resumed_from_epoch,
-        damaged_checkpoints=w.damaged_checkpoints, **w.settings)
+        diverged=diverged, train_loss=train_loss, measured={
+            **w.where, **_data_metrics(w), **_lease_metrics(w, window, first=True),
+            Key.RESUMED_FROM_EPOCH: w.resumed_from_epoch, Key.DAMAGED_CHECKPOINTS: w.damaged_checkpoints,
+            **w.settings})
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
     """`_report_no_result` for a run that ran out of memory before it had a model or optimiser
     (epoch 1, the configured lr; it never waited for a device)."""
     _report_worst_case(
-        train_device(), epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s,
-        where=_where_it_runs(), reader_failures=0, cache_hit_frac=0.0, cache_repairs=0,
-        concurrent_trainings=math.nan, device_wait_s=0.0, epoch_start_ts=window[0], epoch_end_ts=window[1],
-        resumed_from_epoch=0, damaged_checkpoints=0, **dict.fromkeys(SETTING_KEYS, ""))
+        train_device(), epoch=1, batch_size=cfg.batch_size, lr=cfg.lr, elapsed_s=elapsed_s, measured={
+            **_where_it_runs(), Key.READER_FAILURES: 0, Key.CACHE_HIT_FRAC: 0.0, Key.CACHE_REPAIRS: 0,
+            Key.CONCURRENT_TRAININGS: math.nan, Key.DEVICE_WAIT_S: 0.0, Key.EPOCH_START_TS: window[0],
+            Key.EPOCH_END_TS: window[1], Key.RESUMED_FROM_EPOCH: 0, Key.DAMAGED_CHECKPOINTS: 0,
+            **dict.fromkeys(SETTING_KEYS, "")})
 
 
 def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr: float, elapsed_s: float,
-                       where: dict[str, str], diverged: bool = False, train_loss: float = math.nan,
-                       **measured: Any) -> None:
+                       measured: dict[str, Any], diverged: bool = False,
+                       train_loss: float = math.nan) -> None:
     """Report the METRIC_KEYS of an epoch without a result (no checkpoint): `oom=1`, or
     `diverged=1`; no speed; an accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective
     into a failed trial that TPE ignores, where 0 with the constraint `tune.space` sets makes it an
-    infeasible one. `measured`: the keys the caller knows (reader failures, cache hits, ...)."""
+    infeasible one. `measured`: the keys the caller knows (where it ran, reader failures, cache hits, ...)."""
     peak, allocated = peak_memory_mb(device), peak_allocated_mb(device)  # peaks: kept after a release
     free_memory(device)
     peak, allocated = all_reduce_floats([peak, allocated], dist.ReduceOp.MAX)
-    metrics = {
-        "epoch": epoch, "train_loss": float(train_loss), "val_loss": math.nan, "val_acc": 0.0, "val_f1": 0.0,
-        "val_recall": 0.0, "val_auc": 0.0, "clips_per_s": 0.0, "compute_clips_per_s": 0.0,
-        "steady_clips_per_s": 0.0, "epoch_time_s": float(elapsed_s), "data_wait_frac": 0.0,
-        "peak_mem_mb": float(peak), "peak_allocated_mb": float(allocated), "nonfinite_steps": math.nan,
-        "lr": float(lr), "batch_size": batch_size, "oom": int(not diverged),
-        "diverged": int(diverged), "device_util_pct": math.nan, "torch_threads": torch.get_num_threads(),
-        "other_cpu_cores": math.nan, **where, **measured,
-    }
-    ray.train.report({key: metrics[key] for key in METRIC_KEYS})
+    ray.train.report(in_report_order({
+        Key.EPOCH: epoch, Key.TRAIN_LOSS: float(train_loss), Key.VAL_LOSS: math.nan, Key.VAL_ACC: 0.0,
+        Key.VAL_F1: 0.0, Key.VAL_RECALL: 0.0, Key.VAL_AUC: 0.0, Key.CLIPS_PER_S: 0.0,
+        Key.COMPUTE_CLIPS_PER_S: 0.0, Key.STEADY_CLIPS_PER_S: 0.0, Key.EPOCH_TIME_S: float(elapsed_s),
+        Key.DATA_WAIT_FRAC: 0.0, Key.PEAK_MEM_MB: float(peak), Key.PEAK_ALLOCATED_MB: float(allocated),
+        Key.NONFINITE_STEPS: math.nan, Key.LR: float(lr), Key.BATCH_SIZE: batch_size,
+        Key.OOM: int(not diverged), Key.DIVERGED: int(diverged), Key.DEVICE_UTIL_PCT: math.nan,
+        Key.TORCH_THREADS: torch.get_num_threads(), Key.OTHER_CPU_CORES: math.nan, **measured,
+    }))

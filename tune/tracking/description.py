@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from vidtune.servers import ui_line
+from vidtune.trainer.report_keys import Key
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, INTERVAL_TAG, NODE_TAG, OUTCOME_TAG
 from vidtune.tune.tracking.store import sqlite_path
@@ -172,13 +173,13 @@ def publish_view(client: MlflowClient, *, parent_run_id: str, child_runs: dict[s
         f"**vidtune search** `{Path(experiment_path).name}` ({experiment_path})", "",
         best_line + " " + table_line, "", spaced_table(table_markdown), "",
         *plots,
-        "Each trial's run holds its summary (`best_val_acc`, its 95% interval as the tag "
-        f"`{INTERVAL_TAG}` and as the metrics `best_val_acc_low` / `_high`, `best_epoch`, `best_val_f1`, "
-        "`speed_clips_per_s`: the steady-state clips/s) and its "
-        "history per epoch (step = epoch; `lr_current` is the schedule's learning rate, the param `lr` "
-        f"its peak). `{OUTCOME_TAG}` says how it ended: done, stopped early (by ASHA; FINISHED), out of "
-        "memory, diverged (its loss became inf or NaN), failed (FAILED; see `vidtune.failure_reason`), "
-        f"interrupted (KILLED; see `vidtune.stop_reason`). Also there: `{BEST_TAG}`, `{GPU_IDS_TAG}`, "
-        f"`{NODE_TAG}`.",
+        f"Each trial's run holds its summary (`{Key.BEST_VAL_ACC}`, its 95% interval as the tag "
+        f"`{INTERVAL_TAG}` and as the metrics `{Key.BEST_VAL_ACC_LOW}` / `_high`, `{Key.BEST_EPOCH}`, "
+        f"`{Key.BEST_VAL_F1}`, `{Key.SPEED_CLIPS_PER_S}`: the steady-state clips/s) and its "
+        f"history per epoch (step = epoch; `{Key.LR.mlflow}` is the schedule's learning rate, the param "
+        f"`{Key.LR}` its peak). `{OUTCOME_TAG}` says how it ended: done, stopped early (by ASHA; FINISHED), "
+        "out of memory, diverged (its loss became inf or NaN), failed (FAILED; see "
+        "`vidtune.failure_reason`), interrupted (KILLED; see `vidtune.stop_reason`). Also there: "
+        f"`{BEST_TAG}`, `{GPU_IDS_TAG}`, `{NODE_TAG}`.",
     ])
     c.set_tag(parent, "mlflow.note.content", note[:60000])

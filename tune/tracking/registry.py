@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from vidtune.trainer.report_keys import Key
 from vidtune.trainer.scoring_rule import SCORING_RULE
 from vidtune.tune.tracking import view
 from vidtune.tune.uncertainty import accuracy_interval, format_interval
@@ -69,7 +70,7 @@ def version_description(f: VersionFacts, name: str, scoring_rule: str = SCORING_
     if interval and math.isfinite(f.val_acc):
         acc += f" {interval} (95% interval, {f.val_clips} validation clips)"
     metric = view.objective_metric(f.objective).removeprefix("best_")
-    score = f"; {metric} {f.score:.3f}" if metric != "val_acc" and math.isfinite(f.score) else ""
+    score = f"; {metric} {f.score:.3f}" if metric != Key.VAL_ACC and math.isfinite(f.score) else ""
     fast = math.isfinite(f.speed) and f.speed > 0
     speed = f"{f.speed:.1f} clips/s (training, steady state)" if fast else "-"
     lines = [

@@ -21,6 +21,7 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
 from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialRow, summary_metrics
 from vidtune.tune.status import word_of
@@ -54,12 +55,13 @@ class RunWriter:
 
     def _tag_restart(self, run_id: str, result: dict[str, Any]) -> None:
         """Per-epoch facts kept as tags: a restart from a checkpoint, unreadable videos."""
-        failures = int(result.get("reader_failures") or 0)
+        failures = int(result.get(Key.READER_FAILURES) or 0)
         if failures > 0:
             self.client.set_tag(run_id, READER_TAG, f"{failures} clip read(s) failed in epoch "
-                                f"{result.get('epoch')}; each was replaced by another clip of the same class")
-        resumed = int(result.get("resumed_from_epoch") or 0)
-        damaged = int(result.get("damaged_checkpoints") or 0)
+                                f"{result.get(Key.EPOCH)}; each was replaced by another clip of the same "
+                                "class")
+        resumed = int(result.get(Key.RESUMED_FROM_EPOCH) or 0)
+        damaged = int(result.get(Key.DAMAGED_CHECKPOINTS) or 0)
         skipped = f"; {damaged} damaged checkpoint(s) skipped" if damaged else ""
         if resumed > 0:
             self.client.set_tag(run_id, RESUMED_TAG, f"restarted from its epoch-{resumed} checkpoint (a "
@@ -76,21 +78,21 @@ class RunWriter:
         out of memory, divergence or an error, KILLED when interrupted, else FINISHED (stopped
         early by ASHA too, with the reason in STOP_TAG)."""
         if status == "OOM":
-            peak = last.get("peak_mem_mb", float("nan"))
-            return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get('batch_size')} "
-                                           f"(epoch {last.get('epoch')}, peak {peak:.0f} MB); "
+            peak = last.get(Key.PEAK_MEM_MB, float("nan"))
+            return "FAILED", {FAILURE_TAG: f"out of memory at batch size {last.get(Key.BATCH_SIZE)} "
+                                           f"(epoch {last.get(Key.EPOCH)}, peak {peak:.0f} MB); "
                                            "recorded as infeasible, not retried"}
         if status == "DIVERGED":
-            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get('train_loss')} in "
-                                           f"epoch {last.get('epoch')} (batch size "
-                                           f"{last.get('batch_size')}); the lr is too high for it; recorded "
-                                           "as infeasible, not retried"}
+            return "FAILED", {FAILURE_TAG: f"diverged: the training loss became {last.get(Key.TRAIN_LOSS)} "
+                                           f"in epoch {last.get(Key.EPOCH)} (batch size "
+                                           f"{last.get(Key.BATCH_SIZE)}); the lr is too high for it; "
+                                           "recorded as infeasible, not retried"}
         if status == "ERROR":
             return "FAILED", {FAILURE_TAG: exception_line(error_text(error)) if error else "trial errored"}
         if status == "UNFINISHED":
             return "KILLED", {STOP_TAG: INTERRUPTED_REASON}
         if status == "STOPPED":
-            epoch = int(last.get("epoch") or 0)
+            epoch = int(last.get(Key.EPOCH) or 0)
             return "FINISHED", {STOP_TAG: f"stopped early by ASHA after epoch {epoch} of {self.epochs}"}
         return "FINISHED", {}
 
@@ -134,8 +136,8 @@ class RunWriter:
         if best is not None:
             # the best trial's accuracy and F1 (`best_val_acc`, `best_val_f1`, as on its own run)
             # and its speed under the one name speed has everywhere (SPEED_METRIC)
-            named = {"best_val_acc": best.get("val_acc"), "best_val_f1": best.get("val_f1"),
-                     SPEED_METRIC: best.get("clips_per_s")}
+            named = {Key.BEST_VAL_ACC: best.get(Key.VAL_ACC), Key.BEST_VAL_F1: best.get(Key.VAL_F1),
+                     SPEED_METRIC: best.get(Key.CLIPS_PER_S)}
             for key, value in named.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     c.log_metric(run_id, key, float(value))
@@ -202,15 +204,15 @@ def placement_tags(result: dict[str, Any]) -> dict[str, str]:
     """The tags saying where a trial trained, from one of its reports (`trainer.worker`):
     NODE_TAG (the nodes' IPs, else the Ray node id), GPU_IDS_TAG ("" on the CPU) and
     NODE_ID_TAG; only those the report holds as strings."""
-    text = {k: result.get(k) for k in ("node_id", "node_ip", "gpu_ids")}
+    text = {k: result.get(k) for k in (Key.NODE_ID, Key.NODE_IP, Key.GPU_IDS)}
     text = {k: v for k, v in text.items() if isinstance(v, str)}
     tags = {}
-    if text.get("node_id"):
-        tags[NODE_ID_TAG] = text["node_id"]
-    if text.get("node_ip") or text.get("node_id"):
-        tags[NODE_TAG] = text.get("node_ip") or text["node_id"]
-    if "gpu_ids" in text:
-        tags[GPU_IDS_TAG] = text["gpu_ids"]
+    if text.get(Key.NODE_ID):
+        tags[NODE_ID_TAG] = text[Key.NODE_ID]
+    if text.get(Key.NODE_IP) or text.get(Key.NODE_ID):
+        tags[NODE_TAG] = text.get(Key.NODE_IP) or text[Key.NODE_ID]
+    if Key.GPU_IDS in text:
+        tags[GPU_IDS_TAG] = text[Key.GPU_IDS]
     return tags
 
 
@@ -248,7 +250,8 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
 def from_scratch(result: dict[str, Any]) -> bool:
     """The report is the first epoch of a run that found every checkpoint damaged and started
     again from epoch 1 (`trainer.worker._read_checkpoint`)."""
-    return int(result.get("damaged_checkpoints") or 0) > 0 and int(result.get("resumed_from_epoch") or 0) == 0
+    damaged, resumed = (int(result.get(k) or 0) for k in (Key.DAMAGED_CHECKPOINTS, Key.RESUMED_FROM_EPOCH))
+    return damaged > 0 and resumed == 0
 
 
 def _number(x: Any) -> float:

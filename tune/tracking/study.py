@@ -18,6 +18,7 @@ from typing import Any
 
 import optuna
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune.results import trial_status
 from vidtune.tune.status import Status
 from vidtune.tune.tracking.schema import OUTCOMES
@@ -71,19 +72,19 @@ def trial_attrs(trial_id: str, result: dict[str, Any] | None, *, epochs: int, va
     and MLFLOW_RUN_KEY, each when known. `result`: the trial's last (flattened) Tune result."""
     last = result or {}
     # a result without an epoch (no report of the trainer) says nothing of a stop
-    status = trial_status(last, epochs=epochs if last.get("epoch") is not None else 0, error=error,
+    status = trial_status(last, epochs=epochs if last.get(Key.EPOCH) is not None else 0, error=error,
                           finished=finished)
     attrs: dict[str, Any] = {NAME_ATTR: trial_name(trial_id, result),
                              STATUS_ATTR: OUTCOMES.get(status, status)}
-    acc = _number((best or last).get("val_acc"))
+    acc = _number((best or last).get(Key.VAL_ACC))
     if math.isfinite(acc) and status not in ("OOM", "ERROR"):
-        attrs["val_acc"] = round(acc, 4)
+        attrs[Key.VAL_ACC.value] = round(acc, 4)
         interval = format_interval(*accuracy_interval(acc, val_clips))
         if interval:
             attrs["val_acc_95ci"] = interval
-    speed = _number(last.get("steady_clips_per_s"))
+    speed = _number(last.get(Key.STEADY_CLIPS_PER_S))
     if math.isfinite(speed) and speed > 0:
-        attrs["speed_clips_per_s"] = round(speed, 1)
+        attrs[Key.SPEED_CLIPS_PER_S.value] = round(speed, 1)
     if isinstance(last.get(MLFLOW_RUN_KEY), str):
         attrs[MLFLOW_RUN_KEY] = last[MLFLOW_RUN_KEY]
     return attrs

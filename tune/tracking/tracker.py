@@ -39,6 +39,7 @@ from mlflow.tracking import MlflowClient
 from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import (
     SUMMARY_INPUTS,
@@ -102,7 +103,8 @@ class MLflowTracker(RunWriter, Callback):
 
     def __init__(self, *, tracking_uri: str, experiment: str, experiment_path: str, epochs: int,
                  parent_params: dict[str, Any], parent_tags: dict[str, str], child_params: dict[str, Any],
-                 objective: str = "val_acc", val_clips: int = 0, artifact_location: str | None = None):
+                 objective: str = Key.VAL_ACC.value, val_clips: int = 0,
+                 artifact_location: str | None = None):
         self.tracking_uri = tracking_uri
         self.artifact_location = artifact_location   # --artifact-location (a new experiment's)
         self.objective = objective     # what the saved view sorts by (`tune.tracking.view.objective_metric`)
@@ -132,8 +134,8 @@ class MLflowTracker(RunWriter, Callback):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # a tracker pickled by an older vidtune lacks the later attributes
-        self.__dict__.update({"down_reason": None, "_failed_at": 0.0, "objective": "val_acc", "val_clips": 0,
-                              "_records": {}, "view_id": None,
+        self.__dict__.update({"down_reason": None, "_failed_at": 0.0, "objective": Key.VAL_ACC.value,
+                              "val_clips": 0, "_records": {}, "view_id": None,
                               "artifact_location": None, **state})
 
     def _store_failed(self, e: BaseException) -> None:
@@ -245,10 +247,10 @@ class MLflowTracker(RunWriter, Callback):
 
     def log_result(self, trial_id: str, result: dict[str, Any]) -> None:
         run_id = self.child_runs.get(trial_id) or self.start_child(trial_id, result.get("config", {}))
-        step = int(result.get("epoch") or result.get("training_iteration") or 0)
+        step = int(result.get(Key.EPOCH) or result.get("training_iteration") or 0)
         # every report, also one MLflow has: a restarted epoch's later report is the one that counts
         self._records.setdefault(trial_id, {})[step] = {k: result[k] for k in SUMMARY_INPUTS if k in result}
-        if int(result.get("resumed_from_epoch") or 0) > 0 or from_scratch(result):
+        if int(result.get(Key.RESUMED_FROM_EPOCH) or 0) > 0 or from_scratch(result):
             # The first report since the run restarted from a checkpoint (or from scratch, its
             # checkpoints damaged): the epochs after that checkpoint are trained, and logged,
             # again. A later checkpoint than this one was damaged, or the report of the epoch
