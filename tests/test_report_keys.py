@@ -95,13 +95,14 @@ def test_mlflow_gets_the_metrics_the_hand_list_gave(reports, kind):
 
 
 def test_a_row_of_tunes_dataframe_gives_the_reports_metrics(reports):
-    """What Tune adds (its own keys, the config's columns, the tracker's run id) is no metric, and
-    where it ran stays a tag when the dataframe reads the GPU id "0" back as the number 0."""
+    """What Tune adds (its own keys, the config's columns, the tracker's run id, NaN in a row
+    without one) is no metric, and where it ran stays a tag when the dataframe reads the GPU id "0"
+    back as the number 0."""
     report = reports["trained"]
     row = {**report, "gpu_ids": 0, "timestamp": 1_700_000_000, "checkpoint_dir_name": "epoch_0001",
            "done": False, "training_iteration": 1, "trial_id": "x", "date": "2026-12-05",
            "time_this_iter_s": 2.0, "time_total_s": 2.0, "pid": 123, "hostname": "h",
-           "time_since_restore": 2.0, "iterations_since_restore": 1, "mlflow_run_id": "abc",
+           "time_since_restore": 2.0, "iterations_since_restore": 1, "mlflow_run_id": math.nan,
            "checkpoint_path": "/c", "experiment_tag": "1", "config/lr": 1e-3, "config/batch_size": 8}
     assert schema.numeric_metrics(row) == schema.numeric_metrics(report)
 

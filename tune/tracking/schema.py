@@ -29,10 +29,11 @@ STOP_TAG = "vidtune.stop_reason"
 RESUMED_TAG = Key.RESUMED_FROM_EPOCH.mlflow   # the run restarted from a checkpoint (worker died, or --resume)
 PARENT_TAG = "mlflow.parentRunId"
 INTERRUPTED_REASON = "search interrupted; continue it with --resume"
-# What Tune adds to a trial's results (its bookkeeping; its dataframe also flattens the config
-# into `config/<name>` columns): not the trainer's, never metrics.
+MLFLOW_RUN_KEY = "mlflow_run_id"  # the result key the tracker adds; the Optuna trial's attribute
+# What Tune and the tracker add to a trial's results (its dataframe also flattens the config into
+# `config/<name>` columns): not the trainer's, never metrics (a missing run id reads back as NaN).
 TUNE_KEYS = frozenset(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "checkpoint_path",
-                                           "should_checkpoint"}
+                                           "should_checkpoint", MLFLOW_RUN_KEY}
 STEP_METRIC = Key.CLIPS_PER_S    # logged for every epoch (0 for out of memory): which steps a run has
 OUTCOME_TAG = "vidtune.outcome"  # done | stopped early | out of memory | diverged | failed | interrupted
 BEST_TAG = "vidtune.best"

@@ -21,13 +21,12 @@ import optuna
 from vidtune.trainer.report_keys import Key
 from vidtune.tune.results import trial_status
 from vidtune.tune.status import Status
-from vidtune.tune.tracking.schema import OUTCOMES
+from vidtune.tune.tracking.schema import MLFLOW_RUN_KEY, OUTCOMES
 from vidtune.tune.tracking.store import sqlite_path
 from vidtune.tune.trial import short_name
 from vidtune.tune.uncertainty import accuracy_interval, format_interval
 
 STUDY_FILE = "optuna.db"          # the study's SQLite file, beside mlruns.db by default
-MLFLOW_RUN_KEY = "mlflow_run_id"  # the result key the tracker adds; the Optuna trial's attribute
 NAME_ATTR, STATUS_ATTR = "vidtune_trial", "status"
 RUNNING = "running"               # STATUS_ATTR until the trial ends
 DASHBOARD_EXTRA = "pip install 'vidtune[dashboard]'"
