@@ -91,6 +91,12 @@ def test_a_resume_keeps_the_weights_cache_of_the_search(synthetic_root, tmp_path
     doc = json.loads(out.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
     assert doc["train"]["weights_cache"] == str(cache)
     assert os.environ["HF_HUB_CACHE"] == str(cache)        # and the resumed driver uses it
+    # the cache mounted elsewhere (another cluster): a resume line may give its new place
+    moved = tmp_path / "mounted-elsewhere"
+    assert search.main([*argv, "--weights-cache", str(moved)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    doc = json.loads(out.split("resolved configuration:\n", 1)[1].rsplit("\ndry run:", 1)[0])
+    assert doc["train"]["weights_cache"] == str(moved) and os.environ["HF_HUB_CACHE"] == str(moved)
 
 
 @pytest.mark.slow

@@ -34,7 +34,8 @@ RUN_ONLY = frozenset({"resume", "trust_state", "config", "dry_run", "verbose", "
 # May differ on the resume line (the given value wins; not given, the saved one holds): where the
 # search runs, what starts Ray there, and where it is recorded. docs/troubleshooting.md lists them.
 CHANGEABLE = frozenset({"tracking.mlflow_uri", "resources.address", "resources.cluster_config",
-                        "resources.ray_start.object_store_gb", "resources.ray_start.start_timeout_s"})
+                        "resources.ray_start.object_store_gb", "resources.ray_start.start_timeout_s",
+                        "train.weights_cache"})   # the same weights, mounted elsewhere on another cluster
 DATA_ROOT = "train.data.root"
 
 
