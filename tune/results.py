@@ -26,6 +26,7 @@ from ray.tune.experiment import Trial
 from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.status import Status
@@ -355,14 +356,17 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
 
 
 # A trial's summary, under the same names in trials.csv, the tables and each MLflow child run:
-# the best epoch's val_acc, that epoch, the steady clips/s, the accuracy's 95% interval.
-SPEED_METRIC = "speed_clips_per_s"   # the one name speed has wherever a person reads it
-SUMMARY_KEYS = ("best_val_acc", "best_epoch", SPEED_METRIC, "best_val_acc_low", "best_val_acc_high")
+# the best epoch's val_acc, that epoch, the steady clips/s, the accuracy's 95% interval. The names
+# are trainer.report_keys' summary keys (plain strings here).
+SPEED_METRIC = Key.SPEED_CLIPS_PER_S.value   # the one name speed has wherever a person reads it
+SUMMARY_KEYS = tuple(k.value for k in (Key.BEST_VAL_ACC, Key.BEST_EPOCH, Key.SPEED_CLIPS_PER_S,
+                                       Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH))
 
 
 # TrialRow's fields that are summary numbers, under their summary names: best_config.json writes a
 # row with these (`named_record`), as trials.csv and MLflow name them
-RECORD_NAMES = {"val_acc": "best_val_acc", "val_f1": "best_val_f1", "clips_per_s": SPEED_METRIC}
+RECORD_NAMES = {Key.VAL_ACC.value: Key.BEST_VAL_ACC.value, Key.VAL_F1.value: Key.BEST_VAL_F1.value,
+                Key.CLIPS_PER_S.value: SPEED_METRIC}
 
 
 def named_record(row: TrialRow) -> dict[str, Any]:
