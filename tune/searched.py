@@ -24,6 +24,13 @@ Scale = Literal["choice", "log", "linear"]
 ROUNDING = 5e-3
 
 
+def significant(x: float | None, digits: int = 3) -> str:
+    """`x` to `digits` significant digits as trials.csv writes it ("" for None, "nan" if not finite)."""
+    if x is None:
+        return ""
+    return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
+
+
 def short_number(x: float) -> str:
     """1e-4 -> '1e-4', 0.00025 -> '2.5e-4' (two significant digits, no exponent padding)."""
     mantissa, exponent = f"{float(x):.1e}".split("e")
@@ -78,11 +85,9 @@ class Param:
     def text(self, value: float | None) -> str:
         """The value in trials.csv: a whole number for a choice, else 3 significant digits ("" for
         none, "nan" when not finite)."""
-        if value is None:
-            return ""
-        if not math.isfinite(value):
-            return "nan"
-        return str(int(value)) if self.is_choice else f"{value:.3g}"
+        if self.is_choice and value is not None and math.isfinite(value):
+            return str(int(value))
+        return significant(value)
 
     def parse(self, text: str) -> float | int | None:
         """A trials.csv cell back to a value (None for an empty cell). ValueError when unreadable."""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from vidtune.tune import searched
 from vidtune.tune.results import NO_RESULT, STATUSES, TrialRow, ranked, summary_metrics
-from vidtune.tune.searched import Param
+from vidtune.tune.searched import Param, significant
 from vidtune.tune.uncertainty import format_accuracy
 
 # Steady-state other_cpu_cores from which the table marks a trial's speed with "~": half a core
@@ -171,13 +171,6 @@ def _fixed(x: float | None, digits: int) -> str:
     if x is None:
         return ""
     return f"{x:.{digits}f}" if math.isfinite(x) else "nan"
-
-
-def significant(x: float | None, digits: int = 3) -> str:
-    """`x` to `digits` significant digits as trials.csv writes it ("" for None, "nan" if not finite)."""
-    if x is None:
-        return ""
-    return f"{x:.{digits}g}" if math.isfinite(x) else "nan"
 
 
 def csv_record(r: TrialRow, val_clips: int = 0, fixed: Mapping[str, float] | None = None) -> dict[str, str]:
