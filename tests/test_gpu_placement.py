@@ -82,7 +82,8 @@ TWO_WORKER_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray.train, torch.distributed as dist
     from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.devices import physical_gpu_ids, train_device
+    from vidtune.trainer.devices import train_device
+    from vidtune.trainer.lease import physical_gpu_ids
     from vidtune.trainer.build_trainer import build_torch_trainer
     from vidtune.trainer.launch import init_ray
     from vidtune.trainer.lease import device_keys

@@ -13,14 +13,14 @@ from typing import Any
 import ray.train
 
 from vidtune.datasets.index import VideoIndex
-from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.config import INDEX_CONFIG_KEY, TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
 from vidtune.trainer.launch import worker_env_vars
 from vidtune.trainer.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig
 from vidtune.trainer.report_keys import Key
 from vidtune.trainer.torch_trainer import VidtuneTorchTrainer
-from vidtune.trainer.worker import INDEX_CONFIG_KEY, train_loop_per_worker
+from vidtune.trainer.worker_entry import train_loop_per_worker
 
 
 def collective_timeout_s(cfg: TrainConfig) -> int:
@@ -53,7 +53,7 @@ def build_torch_trainer(
     (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
     A rank left waiting in a collective by another (failed, stuck) fails after
     `cfg.collective_timeout_min` (`--collective-timeout-min`, `TorchConfig(timeout_s=...)`).
-    `train_loop`: the per-worker function, `trainer.worker.train_loop_per_worker` by default
+    `train_loop`: the per-worker function, `trainer.worker_entry.train_loop_per_worker` by default
     (pass a wrapper of it to, e.g., register extra models in the worker process first).
     `device_lease`: a `trainer.lease.LeaseSettings` (a search's trials): the workers wait for
     their devices before the first epoch and give them back after the last (`trainer.lease`).

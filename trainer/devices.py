@@ -23,12 +23,7 @@ import ray
 import torch
 
 from vidtune.trainer.gpus import SIMULATE_ENV, gpu_supported, simulated_gpus
-
-
-def physical_gpu_ids() -> list[str]:
-    """The physical ids (on this worker's node) of the GPUs Ray gave this worker; [] for none."""
-    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
-    return [str(i) for i in ids]
+from vidtune.trainer.lease import physical_gpu_ids
 
 
 def train_device() -> torch.device:

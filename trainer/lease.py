@@ -34,8 +34,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from vidtune.trainer.devices import physical_gpu_ids
-
 LEASE_CONFIG_KEY = "device_lease"     # key of the lease settings in a worker's train_loop_config
 LEAD, FOLLOW = "lead", "follow"       # a trial's GPU role (LeaseBook.take_role)
 
@@ -235,9 +233,16 @@ def start_lease(name: str, *, capacity: int = 1, cpu_capacity: int = 1, lead_slo
         capacity, cpu_capacity, lead_slots=lead_slots)
 
 
+def physical_gpu_ids() -> list[str]:
+    """The physical ids (on this worker's node) of the GPUs Ray gave this worker; [] for none.
+    Here rather than in `trainer.devices`, which imports torch: the lease actor needs none."""
+    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
+    return [str(i) for i in ids]
+
+
 def device_keys(device: Any) -> list[str]:
     """This worker's devices as lease keys: `<node>/gpu:<physical id>` for each GPU Ray gave it
-    (`trainer.devices.physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
+    (`physical_gpu_ids`: two trials sharing a GPU see the same id, and a trial's
     ranks their own ones; simulated GPUs too), else `<node>/cpu`. `device`: the torch device it
     trains on (only its type is read, for the CPU case)."""
     node = ray.get_runtime_context().get_node_id()

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
-from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.config import INDEX_CONFIG_KEY, TrainConfig
 from vidtune.trainer.device_memory import free_device, held_device_mb, process_device_mb
-from vidtune.trainer.devices import physical_gpu_ids, train_device
+from vidtune.trainer.devices import train_device
 from vidtune.trainer.history import write_history
-from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys
+from vidtune.trainer.lease import LEASE_CONFIG_KEY, LeaseSettings, TrainingSlot, device_keys, physical_gpu_ids
 from vidtune.trainer.metrics import (
     EpochStats,
     all_reduce_floats,
@@ -54,8 +54,6 @@ from vidtune.trainer.run import (
 from vidtune.trainer.settings import merge_settings, worker_settings
 from vidtune.trainer.torch_trainer import quiet_report_lines
 from vidtune.trainer.utilization import CpuWindow, DeviceUtilization, OtherCpuLoad, other_cores
-
-INDEX_CONFIG_KEY = "video_index"   # key of the driver's VideoIndex in a worker's train_loop_config
 
 # What each epoch's report holds, in order: every per-epoch key of `trainer.report_keys` (each
 # declared there with its role in MLflow and its meaning): reduce_epoch's metrics plus what the
