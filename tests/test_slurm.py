@@ -203,8 +203,8 @@ EPOCH = re.compile(r"epoch \d+/3\b")
 
 def _wait_for_an_epoch(env: dict, job: str, out_file: Path, wait_s: float) -> str:
     """Waits (while the job runs) for an "epoch N/3" line in the job's own output: an epoch this job
-    trained (a trial reports, and prints the line, after saving the epoch's checkpoint). Fails with
-    the output if the job ends first or the deadline passes; returns the line."""
+    trained (the search prints one per trial report; a --resume's restored epochs print none).
+    Fails with the output if the job ends first or the deadline passes; returns the line."""
     deadline = time.monotonic() + wait_s
     while True:
         output = out_file.read_text() if out_file.exists() else ""
@@ -236,7 +236,9 @@ def test_a_search_stopped_cleanly_then_scancelled_then_resumed_completes(slurm, 
     RUNNING), but the job ends CANCELLED and no Ray process outlives it. Job 3 (`--resume` again)
     finishes the search to COMPLETED in the same MLflow runs: the sweep's parent run and its 2 trial
     runs (--smoke-test's --num-samples 2), all FINISHED, none added; Ray stopped, none of it left.
-    The script's path to COMPLETED is job 3's: a fresh search's is the same lines of the script."""
+    (Job 3 continues from the state the search last saved, which a plain scancel may leave from
+    before job 2's epoch: seen here, it trains that epoch again.) The script's path to COMPLETED is
+    job 3's: a fresh search's takes the same lines of the script."""
     env, _ = slurm
     uri = f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}"
     search = ["--data", str(synthetic_root), *SEARCH, "--epochs", "3", "--name", "cancelled"]
