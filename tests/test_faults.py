@@ -1,6 +1,7 @@
 """Faults injected on purpose into a real search (a subprocess, as a user runs it): Ctrl-C,
 SIGTERM, a tracking server that dies mid-search. Each says so, loses nothing, and `--resume`
-leaves MLflow with exactly one point per epoch trained and the final status of every trial.
+leaves MLflow with exactly one point per epoch trained and the final status of every trial. The
+Ctrl-C search is resumed by the line it printed, run as printed (the search's saved options hold).
 
 The searches join the test session's Ray (`--address`, as on a cluster), except the one whose
 Train worker is killed: it finds that worker among its own Ray's processes. Slow and bounded:
@@ -11,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
+VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # what the printed lines start with
 # Ctrl-C: 4 epochs, interrupted once a trial's second checkpoint is Ray's, so that the trial is
 # still training and its resume can fall back to an older checkpoint than the truncated latest
 # one. The others need one epoch before the fault and one after: 2 (--epochs after SMALL wins).
@@ -87,6 +90,20 @@ def _finish(proc: subprocess.Popen, log: Path) -> str:
     return log.read_text(errors="replace")
 
 
+def _run_line(command: list[str], cwd: Path, log: Path) -> tuple[int, str]:
+    """`command` run to its end (as _start runs a search): its exit status and its console."""
+    proc = subprocess.Popen(command, cwd=cwd, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    out = _finish(proc, log)
+    return proc.returncode, out
+
+
+def _result_files(folder: Path) -> tuple[list[dict], dict]:
+    rows = sorted(csv.DictReader((folder / "trials.csv").open()), key=lambda r: r["name"])
+    best = json.loads((folder / "best_config.json").read_text())
+    return rows, best
+
+
 def _runs(uri: str):
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("vidtune")
@@ -113,7 +130,17 @@ def _assert_complete(uri: str, retrained: str | None = None, epochs: int = EPOCH
 
 
 @pytest.mark.slow
-def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, synthetic_root, tmp_path):
+def test_ctrl_c_says_interrupted_then_its_printed_line_resumes_and_backfills_every_epoch(
+        shared_ray, synthetic_root, tmp_path, own_key):
+    """Ctrl-C once a trial has checkpointed 2 epochs: the search says so (exit 130, MLflow's runs
+    KILLED with the interrupted tag) and prints how to continue it: the installed vidtune's absolute
+    path, no --data, no --epochs. That line plus another --epochs or --data is refused naming both
+    values; run as printed (from the user's folder) it finishes the search with its own data, epochs
+    and trial count, from an older checkpoint where the latest was cut short, keeping every epoch
+    in MLflow, trials.csv and Optuna. Run again on the finished search it changes nothing (it used
+    to rerun it on the demo's data: DONE trials became STOPPED, best_config.json named the demo's
+    folder), and --no-log-model holds on every resume. own_key: the state is signed with a key of
+    this test's own, which the resume line checks."""
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     storage = tmp_path / "results"
     args = ["--data", str(synthetic_root), *SMALL, "--storage", str(storage), "--mlflow-uri", uri,
@@ -136,6 +163,10 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     interrupted = [r for r in children if r.data.tags.get(STOP_TAG) == INTERRUPTED_REASON]
     assert interrupted and all(r.info.status == "KILLED" for r in interrupted)
     assert not any("ASHA" in r.data.tags.get(STOP_TAG, "") for r in children)
+    line = out.split("continue it with:\n  ", 1)[1].splitlines()[0]
+    # by the installed command's absolute path, so it runs without an activated venv
+    assert "--data" not in line and "--epochs" not in line and line.startswith(f"{VIDTUNE} search "), line
+    command = shlex.split(line)                         # as printed
 
     # The interrupted trial's latest checkpoint (the one Ray hands back) is cut short (a full
     # disk, a killed copy): the resume goes on from an older one and must keep every epoch trained.
@@ -149,15 +180,23 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     checkpoint = storage / "s" / "ray" / "train_runs" / name / registered[-1] / "checkpoint.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[: checkpoint.stat().st_size // 2])
 
-    log2 = tmp_path / "resume.log"
-    proc = _start([*args, "--resume"], tmp_path, log2, shared_ray)
-    out = _finish(proc, log2)
-    assert proc.returncode == 0, out[-3000:]
+    # a line that asks for other epochs or other data is refused, naming both values (in seconds)
+    other = f"--data: {tmp_path} on this line, {synthetic_root} when"
+    for extra, says in ((["--epochs", "6"], f"--epochs: 6 on this line, {EPOCHS} when the search at"),
+                        (["--data", str(tmp_path)], other)):
+        refused = subprocess.run([*command, *extra], cwd=tmp_path, env=_env(), capture_output=True,
+                                 text=True, timeout=120)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
+
+    returncode, out = _run_line(command, tmp_path, tmp_path / "resume.log")
+    assert returncode == 0, out[-3000:]
+    assert "demo:" not in out, out[-3000:]
     _assert_complete(uri, retrained=name)
     # Every epoch counts, those before the interruption too: each trial's table row is the best
     # of its whole MLflow history (the later point of a step retrained after the resume)
     c, _, children = _runs(uri)
     rows = {r["name"]: r for r in csv.DictReader((storage / "s" / "trials.csv").open())}
+    assert [r["status"] for r in rows.values()] == ["DONE", "DONE"], rows
     for run in children:
         final: dict[int, float] = {}
         points = c.get_metric_history(run.info.run_id, "val_acc")
@@ -174,6 +213,17 @@ def test_ctrl_c_says_interrupted_then_resume_backfills_every_epoch(shared_ray, s
     searcher.restore_from_dir(str(storage / "s" / "ray"))    # Tune's state: the search's ray/
     told = sorted(round(t.value, 4) for t in optuna_study(searcher).trials)
     assert told == sorted(float(r["best_val_acc"]) for r in rows.values()), (told, rows)
+    # ... with the search's own data and epochs (the line gave neither)
+    results = _result_files(storage / "s")
+    best_config = results[1]["train_config"]
+    assert best_config["data"]["root"] == str(synthetic_root) and best_config["epochs"] == EPOCHS
+
+    returncode, again = _run_line(command, tmp_path, tmp_path / "again.log")   # on the finished search
+    assert returncode == 0, again[-3000:]
+    assert "demo:" not in again and "lost the others" not in again, again[-3000:]
+    assert _result_files(storage / "s") == results
+    _assert_complete(uri, retrained=name)
+    assert not MlflowClient(uri).search_registered_models()      # --no-log-model holds on every resume
 
 
 @pytest.mark.slow

@@ -1,31 +1,20 @@
 """A search's settings are its own (tune/saved_options.py): saved once when it starts, read back by
 --resume, and an option on the resume line that differs from the saved one refused naming both
-values. Without Ray: a planted, signed search folder (as tests/test_driver_integrity.py plants)."""
+values. Without Ray: a planted, signed search folder (as tests/test_driver_integrity.py plants); the
+printed resume line run verbatim on a real search is tests/test_faults.py's Ctrl-C test."""
 from __future__ import annotations
 
-import csv
 import json
-import os
 import pickle
-import re
-import shlex
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from vidtune import atomic
 from vidtune.flags import ConfigError
 from vidtune.tune import saved_options, search, trust
 from vidtune.tune.options import SPECS, given_options, parse_options
 from vidtune.tune.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
-
-VIDTUNE = str(Path(sys.executable).parent / "vidtune")     # what the printed lines start with
-
 
 # A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
 pytestmark = pytest.mark.usefixtures("own_key")
@@ -168,66 +157,4 @@ def test_given_options_are_the_flags_and_the_config_file_only(tmp_path):
         "train.epochs": 3, "resume": True, "config": str(config), "space.lr_min": 1e-4}
 
 
-def _result_files(folder: Path) -> tuple[list[dict], dict]:
-    rows = sorted(csv.DictReader((folder / "trials.csv").open()), key=lambda r: r["name"])
-    best = json.loads((folder / "best_config.json").read_text())
-    return rows, best
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_the_printed_resume_line_run_verbatim_keeps_the_search_as_it_was(shared_ray, synthetic_root,
-                                                                         tmp_path):
-    """Ctrl-C after the first trial: the printed line, run as printed (no --data, no --epochs),
-    finishes the search with its own data, epochs and trial count; run again on the finished
-    search it changes nothing (it used to rerun it on the demo's data: DONE trials became STOPPED,
-    best_config.json named the demo's folder). A differing --epochs or --data is refused."""
-    storage, uri = tmp_path / "results", f"sqlite:///{tmp_path / 'mlruns.db'}"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    args = [VIDTUNE, "search", "--data", str(synthetic_root), "--num-samples", "2", "--max-concurrent-trials",
-            "1", "--epochs", "1", "--batch-sizes", "4", "--loader-workers", "0", "--no-log-model",
-            "--name", "kept", "--storage", str(storage), "--mlflow-uri", uri, "--address", shared_ray]
-    log = tmp_path / "first.log"
-    proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None and \
-                not re.search(r"^t\d\d-\S+ done: ", log.read_text(errors="replace"), re.M):
-            time.sleep(0.5)
-        assert proc.poll() is None, "ended before its Ctrl-C:\n" + log.read_text()[-3000:]
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=180) == 130, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    first = log.read_text(errors="replace")
-    line = first.split("continue it with:\n  ", 1)[1].splitlines()[0]
-    # by the installed command's absolute path, so it runs without an activated venv
-    assert "--data" not in line and "--epochs" not in line and line.startswith(f"{VIDTUNE} search "), line
-    command = shlex.split(line)                         # as printed
-
-    # a line that asks for other data or other epochs is refused, naming both values (in seconds)
-    other = f"--data: {tmp_path} on this line, {synthetic_root} when"
-    for extra, says in ((["--epochs", "6"], "--epochs: 6 on this line, 1 when the search at"),
-                        (["--data", str(tmp_path)], other)):
-        refused = subprocess.run([*command, *extra], cwd=tmp_path, env=env, capture_output=True,
-                                 text=True, timeout=120)
-        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-2000:]
-
-    def run_line() -> str:
-        out = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        return out.stdout
-
-    assert "demo:" not in run_line()
-    rows, best = _result_files(storage / "kept")
-    assert [r["status"] for r in rows] == ["DONE", "DONE"] and {r["epochs"] for r in rows} == {"1"}, rows
-    assert best["train_config"]["data"]["root"] == str(synthetic_root) and best["train_config"]["epochs"] == 1
-
-    again = run_line()                               # the same line on the finished search
-    assert "demo:" not in again and "lost the others" not in again, again[-3000:]
-    assert _result_files(storage / "kept") == (rows, best)
-    client = MlflowClient(uri)
-    assert not client.search_registered_models()      # --no-log-model holds on every resume
+# The printed resume line, run verbatim on a real search, is checked in tests/test_faults.py's Ctrl-C test
