@@ -232,10 +232,11 @@ def test_a_search_stopped_cleanly_then_scancelled_then_resumed_completes(slurm, 
     Ray still runs, then stops Ray): it ends COMPLETED or FAILED, no MLflow run is left RUNNING, no Ray
     process of it outlives it. Job 2 (`--resume`) is cancelled with a plain `scancel` once it has
     trained an epoch of its own: SLURM signals every process of the job at once, Ray's included, and
-    SIGKILLs them KillWait later; the search cannot close its runs (seen here: parent and trial left
-    RUNNING), but the job ends CANCELLED and no Ray process outlives it. Job 3 (`--resume` again)
-    finishes the search to COMPLETED in the same MLflow runs: the sweep's parent run and its 2 trial
-    runs (--smoke-test's --num-samples 2), all FINISHED, none added; Ray stopped, none of it left.
+    SIGKILLs them KillWait later; the search cannot close its runs (seen here: the parent's left
+    RUNNING, and the trial's when mid-epoch), but the job ends CANCELLED and no Ray process outlives
+    it. Job 3 (`--resume` again) finishes the search to COMPLETED in the sweep's MLflow run that job
+    1 made: that parent run and its 2 trial runs (--smoke-test's --num-samples 2), all FINISHED,
+    nothing else; Ray stopped, none of it left.
     (Job 3 continues from the state the search last saved, which a plain scancel may leave from
     before job 2's epoch: seen here, it trains that epoch again.) The script's path to COMPLETED is
     job 3's: a fresh search's takes the same lines of the script."""
