@@ -1,6 +1,7 @@
 """Shared fixtures: one generated dataset and one Ray for the whole test run."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -130,6 +131,15 @@ def pytest_configure(config):
     _CONFIG = config
 
 
+def pytest_collection_finish(session):
+    """Moves what exists once every test module is imported (torch, Ray, MLflow, ...: ~600,000
+    objects) out of the garbage collector's reach. Each full collection otherwise walks them all:
+    0.2-0.5 s here, paid by every `gc.collect()` the code under test calls (the batch-size probe,
+    one per size it tries) and by the collector's own full passes. Objects the tests make later
+    are collected as before."""
+    gc.freeze()
+
+
 _EXIT_STATUS: int | None = None
 
 
@@ -147,7 +157,7 @@ def pytest_unconfigure(config):
     then make's "Segmentation fault"; Ray's issue #31145 is one such crash). The results are
     printed by then and every Ray it used is shut down (`ray_session`, `shared_ray`); a crash
     during the tests still shows, with a traceback (the Makefile sets PYTHONFAULTHANDLER)."""
-    if _EXIT_STATUS is None:
+    if _EXIT_STATUS in (None, pytest.ExitCode.USAGE_ERROR):   # nothing ran; pytest prints why after this
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -247,9 +257,19 @@ def smoke_search(shared_ray, synthetic_root, tmp_path_factory):
                            else None, checkpoint=best.get("checkpoint"), trial=best.get("checkpoint_trial"))
 
 
+RAY_FIXTURES = {"shared_ray", "ray_session", "smoke_search"}   # each starts Ray or a search: slow
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run where torch sees a CUDA device (`pytest -m gpu` on a GPU machine)
-    and are skipped, saying why, everywhere else."""
+    """A test that uses the session's Ray or search must be marked `slow` (else `make test-fast`
+    starts Ray: a mark once landed on a helper function above its test instead). Tests marked `gpu`
+    run where torch sees a CUDA device (`pytest -m gpu` on a GPU machine) and are skipped, saying
+    why, everywhere else."""
+    unmarked = [item.nodeid for item in items if RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and not item.get_closest_marker("slow")]
+    if unmarked:
+        raise pytest.UsageError(f"these tests use {sorted(RAY_FIXTURES)} but are not marked "
+                                f"@pytest.mark.slow: {', '.join(unmarked)}")
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -289,7 +289,6 @@ def test_ray_workers_import_vidtune_from_the_installed_package_beside_hugging_fa
     assert str(REPO_ROOT) not in pythonpath.split(os.pathsep)
 
 
-@pytest.mark.slow
 def _dataset_managers() -> int:
     """Ray Data `DatasetManager` actors this Ray has had, alive or dead."""
     from ray.util.state import list_actors
@@ -298,6 +297,7 @@ def _dataset_managers() -> int:
                            filters=[("class_name", "=", "DatasetManager")], limit=10_000))
 
 
+@pytest.mark.slow
 def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synthetic_root, tmp_path):
     """A 1-epoch fit reports every metric key and a checkpoint; rerun under the same name with
     epochs=2, the worker restores it and runs epoch 2 only; with that latest checkpoint damaged,
