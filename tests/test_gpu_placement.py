@@ -83,10 +83,9 @@ TWO_WORKER_SCRIPT = textwrap.dedent("""
     import ray.train, torch.distributed as dist
     from vidtune.trainer.config import TrainConfig
     from vidtune.trainer.devices import train_device
-    from vidtune.trainer.lease import physical_gpu_ids
     from vidtune.trainer.build_trainer import build_torch_trainer
     from vidtune.trainer.launch import init_ray
-    from vidtune.trainer.lease import device_keys
+    from vidtune.trainer.lease import device_keys, physical_gpu_ids
 
     OUT = sys.argv[1]   # captured with `loop` (pickled by value: it is defined in __main__)
 
