@@ -2,9 +2,6 @@
 ViViT checkpoints written with `save_pretrained` into a temporary folder."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -177,22 +174,6 @@ def test_a_hub_id_loads_from_a_filled_cache_offline_and_a_missing_one_is_one_lin
     line = str(refused.value)
     assert "\n" not in line and line.startswith("--model: Hugging Face model 'vidtune-test/missing'")
     assert str(tmp_path / "hub") in line and "HF_HOME" in line and "HF_HUB_OFFLINE=1" in line
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_a_smoke_search_trains_a_videomae_folder(videomae, shared_ray, synthetic_root, tmp_path):
-    """`vidtune search --smoke-test --model hf:FOLDER`: 2 trials x 1 epoch of the tiny VideoMAE
-    through Ray Train, the real loop and MLflow, as a user runs it (joined to the session's Ray)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "tune" / "search.py"),
-                          "--smoke-test", "--data", str(synthetic_root), "--address", shared_ray,
-                          "--model", f"hf:{videomae}", "--no-log-model"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=230)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    table = out.stdout.split("\ntrials:\n", 1)[1]
-    assert sum(line.rstrip().endswith(" DONE") for line in table.splitlines()) == 2, table
 
 
 def test_workers_read_the_drivers_hub_cache_offline_as_it_does_and_never_get_the_token(monkeypatch, tmp_path):

@@ -1,6 +1,8 @@
 """An hf: search interrupted mid-trial resumes from the trial's checkpoint and finishes: the
 same checkpoint, resume and MLflow path as a torchvision model (tests/test_faults.py), with the
-tiny VideoMAE folder of tests/test_hf_models.py. Joined to the session's Ray; bounded."""
+tiny VideoMAE folder of tests/test_hf_models.py. This is also the suite's search of an hf: model
+from start to end (Ray Train, the real loop, MLflow, the console's table), as a user runs it.
+Joined to the session's Ray; bounded."""
 from __future__ import annotations
 
 import csv
@@ -46,6 +48,8 @@ def test_an_interrupted_hf_search_resumes_from_its_checkpoint_and_finishes(share
     assert proc.returncode == 0, out[-3000:]
     [row] = list(csv.DictReader((storage / "h" / "trials.csv").open()))
     assert row["status"] == "DONE" and int(row["epochs"]) == EPOCHS, row
+    table = out.split("\ntrials:\n", 1)[1]                       # the console's table says so too
+    assert sum(line.rstrip().endswith(" DONE") for line in table.splitlines()) == 1, table
     client, _, [child] = _runs(uri)
     steps = sorted({m.step for m in client.get_metric_history(child.info.run_id, "val_acc")})
     assert steps == list(range(1, EPOCHS + 1))
