@@ -1,10 +1,14 @@
-"""A search on a two-node Ray cluster (both nodes on this machine): trials land on both nodes and
-every result comes back to the driver's MLflow store.
+"""One two-node Ray cluster (both nodes on this machine) for two checks: the clip cache is filled
+on every other training node before the first trial (tune/node_cache.py), and a search's trials
+land on both nodes with every result coming back to the driver's MLflow store.
 
-The cluster comes from `ray.cluster_utils.Cluster`, made and shut down in a helper process; the
-search runs as a subprocess joined to it with `--address`, as `ray job submit ... python
-tune/search.py --address auto` does on a real cluster. The pytest process stays out of it: it
-may hold the session's local Ray (`ray_session`), and a process can be connected to only one.
+The cluster comes from `ray.cluster_utils.Cluster`, made and shut down in a helper process, once
+for this module; each node has a cache folder of its own ($XDG_CACHE_HOME per node, as two
+machines' disks). The cache fill runs in that process as the cluster starts, before any search
+(the search's trials would write to the head's cache too); the search runs as a subprocess joined
+to the cluster with `--address`, as `ray job submit ... python tune/search.py --address auto`
+does on a real cluster. The pytest process stays out of it: it may hold the session's local Ray
+(`ray_session`), and a process can be connected to only one.
 """
 from __future__ import annotations
 
@@ -31,22 +35,40 @@ TRIALS = 2
 
 # Runs in its own process: making a `Cluster` points this process's Ray internals (internal KV)
 # at the new cluster, and its shutdown resets them, which would break the session's Ray that the
-# pytest process may hold (`ray_session`). Prints the address and node ids as one JSON line, then
-# keeps the cluster until its stdin closes.
-CLUSTER_PROCESS = PRELUDE + """
+# pytest process may hold (`ray_session`). Fills the clip caches as a search's driver on the head
+# would (`fill_every_node` skips the driver's node, which fills its own), twice; then prints the
+# address, node ids and what the fills did as one JSON line, and keeps the cluster until its
+# stdin closes.
+CLUSTER_PROCESS = PRELUDE + r"""
 # Private, but Ray has no public way to forget the "latest cluster" record (Cluster.shutdown uses it too).
 from ray._common.utils import reset_ray_address
 
-cluster = start_head(num_cpus=NODE_CPUS)
+data_root, head_cache, node_cache = sys.argv[1], sys.argv[2], sys.argv[3]
+cluster = start_head(num_cpus=NODE_CPUS, env_vars={"XDG_CACHE_HOME": head_cache})
 # Cluster also records itself as the machine's latest Ray (/tmp/ray/ray_current_cluster), which
 # any plain ray.init() here would then join; the search is given the address instead.
 reset_ray_address()
 try:
-    cluster.add_node(num_cpus=NODE_CPUS)
+    cluster.add_node(num_cpus=NODE_CPUS, env_vars={"XDG_CACHE_HOME": node_cache})
     cluster.wait_for_nodes()
     assert cluster.address == os.environ["RAY_ADDRESS"], (cluster.address, os.environ["RAY_ADDRESS"])
     nodes = [n.node_id for n in cluster.list_all_nodes()]
-    print(json.dumps({"address": cluster.address, "node_ids": nodes}), flush=True)
+    import ray
+    ray.init(address=cluster.address)
+    from vidtune.datasets.config import DataConfig
+    from vidtune.datasets.index import build_index
+    from vidtune.tune.node_cache import fill_every_node
+    data = DataConfig(root=data_root)
+    index = build_index(data)
+    videos = list(index.train) + list(index.val)
+    skip = ray.get_runtime_context().get_node_id()
+    first = fill_every_node(data, videos, height=32, width=32, on_gpu=False, skip=skip)
+    second = fill_every_node(data, videos, height=32, width=32, on_gpu=False, skip=skip)
+    ray.shutdown()
+    files = sum(1 for _ in (Path(node_cache) / "vidtune" / "clips").rglob("*"))
+    print(json.dumps({"address": cluster.address, "node_ids": nodes, "videos": len(videos),
+                      "first": first, "second": second, "head_cache_made": Path(head_cache).exists(),
+                      "node_cache_files": files}), flush=True)
     sys.stdin.read()
 finally:
     cluster.shutdown()
@@ -64,19 +86,26 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def two_node_cluster(tmp_path):
-    """(address, node ids) of a head + one worker node, each with NODE_CPUS CPUs."""
-    log_path = tmp_path / "cluster.log"
+@pytest.fixture(scope="module")
+def two_node_cluster(synthetic_root, tmp_path_factory):
+    """A head + one worker node, each with NODE_CPUS CPUs and a cache folder of its own: the
+    cluster process's JSON line (address, node ids, the two cache fills) and its folder."""
+    folder = tmp_path_factory.mktemp("two-node")
+    log_path = folder / "cluster.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-c", CLUSTER_PROCESS], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env(), cwd=tmp_path)
+    argv = [sys.executable, "-c", CLUSTER_PROCESS, str(synthetic_root), str(folder / "head-cache"),
+            str(folder / "node-cache")]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env=_child_env(), cwd=folder)
     try:
-        line = proc.stdout.readline()
-        if not line:
+        lines = []          # Ray's own lines to the driver (the fills' progress) come before the JSON
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("{"):
+                break
+        if not lines or not lines[-1].startswith("{"):
             pytest.fail(f"the two-node cluster did not start:\n{log_path.read_text()[-3000:]}")
-        info = json.loads(line)
-        yield info["address"], set(info["node_ids"])
+        yield {**json.loads(lines[-1]), "output": "".join(lines), "folder": folder}
     finally:
         proc.stdin.close()          # the process shuts its cluster down
         try:
@@ -88,11 +117,28 @@ def two_node_cluster(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_other_training_node_fills_its_own_cache_before_the_first_trial(two_node_cluster):
+    """Made as the cluster started (before any search): the head is the driver's node, skipped."""
+    result = two_node_cluster
+    head_cache, node_cache = result["folder"] / "head-cache", result["folder"] / "node-cache"
+    (first,), (second,) = result["first"].values(), result["second"].values()
+    n = result["videos"]
+    # The worker node decoded every video into its own cache; the head's (skipped) is untouched.
+    assert f"wrote {n} entries" in first and str(node_cache) in first, first
+    assert "wrote 0 entries" in second and f"{n} already cached" in second, second
+    assert result["node_cache_files"] > 0 and not result["head_cache_made"], (result, head_cache)
+    output = result["output"]
+    assert "clip cache on node" in output and "filling it on 1 other node(s)" in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_search_spreads_trials_over_both_nodes_and_collects_every_result(two_node_cluster, synthetic_root,
                                                                           tmp_path):
     from mlflow.tracking import MlflowClient
 
-    address, node_ids = two_node_cluster
+    address, node_ids = two_node_cluster["address"], set(two_node_cluster["node_ids"])
     assert len(node_ids) == 2
     db = tmp_path / "mlruns.db"
     cmd = [
