@@ -86,16 +86,18 @@ def test_the_wheel_installs_beside_hugging_face_datasets_and_leaves_it_whole(tmp
     assert Path(both[0]).parent == site / "datasets"                # Hugging Face's, whole
     assert Path(both[1]).parent == site / "vidtune" / "datasets"    # ours, from the wheel
 
-    # A search end to end on generated videos, MLflow in SQLite: one parent run, two children.
+    # A search end to end on generated videos, MLflow in SQLite: one parent run, one trial's child
+    # (one is enough to show the installed code trains through Ray; each trial costs ~15 s here).
     run([str(vidtune), "synth", str(work / "data"), "--videos", "16"], cwd=work)
     db = work / "m.db"
-    run([str(vidtune), "search", "--smoke-test", "--no-log-model", "--data", str(work / "data"),
-         "--mlflow-uri", f"sqlite:///{db}", "--storage", str(work / "results")], cwd=work, timeout=600)
+    run([str(vidtune), "search", "--smoke-test", "--num-samples", "1", "--no-log-model", "--data",
+         str(work / "data"), "--mlflow-uri", f"sqlite:///{db}", "--storage", str(work / "results")],
+        cwd=work, timeout=600)
     with sqlite3.connect(db) as con:
         runs = con.execute("SELECT run_uuid, status FROM runs").fetchall()
         parents = con.execute("SELECT run_uuid FROM runs WHERE run_uuid NOT IN "
                               "(SELECT run_uuid FROM tags WHERE key = 'mlflow.parentRunId')").fetchall()
-    assert len(runs) == 3 and len(parents) == 1, runs
+    assert len(runs) == 2 and len(parents) == 1, runs
     assert {status for _, status in runs} == {"FINISHED"}
 
     # One training run, no search, from the same folder.
