@@ -6,6 +6,12 @@ head has little memory for Ray's tasks (4.6 GiB): a trial's Tune driver and Ray 
 (~0.9 GB) may land there, so the search runs only the trials the head holds, and says so; where
 each driver, controller and training worker ran is read back from Ray's record of its actors.
 
+It also stands for a search spread over a multi-node cluster (it was tests/test_multinode.py's
+own search, on a second cluster): the trials' rank 0 ran on both GPU nodes, each tag naming a
+real node, and every trial's result came back to the driver's MLflow store under the search's
+parent run. As there, the nodes' processes do not inherit the repository on PYTHONPATH: the
+workers get the code as on a real cluster.
+
 This is what `ray.cluster_utils.AutoscalingCluster` sets up, without its `ray stop --force`
 (which would end every Ray on the machine, the test session's too): the cluster gets its own
 ports and is ended by killing the processes that name its GCS address.
@@ -65,6 +71,10 @@ def cluster_env() -> dict[str, str]:
            "RAY_AUTH_MODE": "disabled",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)
+    # Nor may the nodes' processes inherit the repository on their path: as on a real cluster,
+    # the workers must get it from init_ray's runtime_env (else `import datasets` finds Hugging
+    # Face's package, which is installed too).
+    env.pop("PYTHONPATH", None)
     return env
 
 
@@ -146,6 +156,17 @@ def test_a_search_waits_for_gpu_nodes_and_trains_on_two_at_once(synthetic_root, 
     experiment = client.get_experiment_by_name("vidtune")
     runs = client.search_runs([experiment.experiment_id], "tags.`mlflow.parentRunId` != ''")
     assert len(runs) == 3 and all(r.info.status == "FINISHED" for r in runs), [r.info.status for r in runs]
+    # Every trial's result in the driver's store, under the search's one parent run.
+    parents = [r for r in client.search_runs([experiment.experiment_id])
+               if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED", [p.info for p in parents]
+    for run in runs:
+        assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id, run.data.tags
+        assert run.data.tags.get("vidtune.trial_id"), run.data.tags
+        for key in ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "data_wait_frac"):
+            assert key in run.data.metrics, (key, run.data.metrics)
+        assert 0.0 <= run.data.metrics["val_acc"] <= 1.0
+        assert run.data.metrics["clips_per_s"] > 0
     assert all(r.data.tags.get("node") for r in runs)                    # where it ran (the node's IP)
     nodes = {r.data.tags.get("vidtune.node_id") for r in runs}           # the fake nodes share one IP
     assert nodes == by_class["RayTrainWorker"], nodes                    # trials on both GPU nodes

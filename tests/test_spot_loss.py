@@ -5,7 +5,9 @@ of ending it in ERROR (Tune's FailureConfig, --max-failures).
 Ray's fake cluster (`ray.cluster_utils.Cluster`) runs in a subprocess that adds and removes
 nodes on command. Its head has no CPUs, as a cluster.yaml head running only the search: the
 trial can only go to a worker node, and the search's own actors (lease, registry) stay on the
-head. Slow, and bounded: every wait has a deadline.
+head. Its GCS declares a node dead after 3 missed health checks 1 s apart (Ray's defaults: 5,
+3 s apart), so the lost trial waits ~3 s rather than ~15 s for its node to be written off; and
+it has no dashboard, which nothing here reads. Slow, and bounded: every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ from tests.fake_cluster import PRELUDE
 from vidtune.tune.tracking.schema import PARENT_TAG
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCHS = 6
+EPOCHS = 4
 WAIT_S = 300
 
 # Commands on stdin, one per line: "add" (a worker node with 2 CPUs; prints its id),
 # "remove <node id>" (kills that node's processes at once, as a reclaimed instance), "quit".
 CLUSTER_PROCESS = PRELUDE + r"""
-cluster = start_head(num_cpus=0)
+cluster = start_head(num_cpus=0, include_dashboard=False,
+                     _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3})
 nodes = {}
 try:
     print(json.dumps({"address": cluster.address}), flush=True)
@@ -104,17 +107,18 @@ def test_a_trial_whose_node_is_reclaimed_finishes_on_another_node(synthetic_root
              "--batch-sizes", "4", "--no-early-stop", "--loader-workers", "0", "--no-log-model",
              "--storage", str(storage), "--mlflow-uri", uri, "--name", "spot"],
             cwd=tmp_path, env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        # Two epochs checkpointed (a folder is Train's once the next one appears), then the
-        # replacement node joins and the trial's node goes, as an autoscaler replaces a spot node.
+        # An epoch checkpointed (a folder is Train's once the next one appears), then the trial's
+        # node goes and a replacement joins, as an autoscaler replaces a reclaimed spot node. The
+        # node goes at once (2 epochs left to train meanwhile); the trial waits for the new one.
         runs = storage / "spot" / "ray" / "train_runs"
         deadline = time.monotonic() + WAIT_S
-        while not list(runs.glob("*/epoch_0003")):
+        while not list(runs.glob("*/epoch_0002")):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "no epoch was trained in time"
             time.sleep(0.5)
         assert not list(runs.glob(f"*/epoch_{EPOCHS:04d}")), "the trial ended before the node went"
-        second = cluster.command("add")["node_id"]
         cluster.command(f"remove {first}")
+        second = cluster.command("add")["node_id"]
         try:
             proc.wait(timeout=WAIT_S)
         except subprocess.TimeoutExpired:
