@@ -86,7 +86,7 @@ class Preset:
 # slows 2 threads far more than it slows 1 (OpenMP spin-waits): up to 3x seen. Re-measure with
 # --plain-only.
 PRESETS = {
-    "quick": Preset(videos=24, size=112, epochs=1, batch_size=4, trials=2, target_ratio=None),
+    "quick": Preset(videos=16, size=64, epochs=1, batch_size=4, trials=2, target_ratio=None),
     "10": Preset(videos=160, size=112, epochs=6, batch_size=8, trials=4, target_ratio=1.5),
     "60": Preset(videos=480, size=112, epochs=13, batch_size=8, trials=4, target_ratio=1.10),
 }
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trial-seconds", choices=("10", "60"), default="10",
                    help="preset: dataset size and epochs for ~10 s or ~60 s per plain training (default 10)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny preset (2 trials x 1 epoch, 24 videos) to check the script runs")
+                   help="tiny preset (2 trials x 1 epoch, 16 videos of 64 px) to check the script runs")
     p.add_argument("--trials", type=int, default=None,
                    help="trainings on each side (default: the preset's, 4)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per training (default: the preset's)")
