@@ -183,11 +183,13 @@ def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
     return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
 
 
-def driver_node_gpus() -> float:
-    """GPUs of the node this process (the search driver) runs on."""
+def driver_node_has(resource: str) -> bool:
+    """Whether the node this process (the search driver) runs on has any of Ray's `resource`
+    ("GPU", "CPU"): a trial that needs it can train there. A cluster's head is often started with
+    none of either (`ray start --head --num-cpus 0`), to keep trials off it."""
     me = ray.get_runtime_context().get_node_id()
-    return next((float((n.get("Resources") or {}).get("GPU", 0.0)) for n in ray.nodes()
-                 if n.get("NodeID") == me), 0.0)
+    return next((float((n.get("Resources") or {}).get(resource, 0.0)) > 0 for n in ray.nodes()
+                 if n.get("NodeID") == me), False)
 
 
 def node_view(marker: str | None, weights: str | None, gpus: bool = False) -> dict[str, object]:

@@ -51,7 +51,7 @@ from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
     check_every_node,
-    driver_node_gpus,
+    driver_node_has,
     fit_to_cluster,
     read_capacity,
     trial_resources,
@@ -175,9 +175,10 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
                     trains_here: bool = True) -> TrainConfig:
     """Decode every indexed video once into the clip cache of each node that trains, before the
     first trial, so no trial's epoch 1 pays for decoding: this node's here (not when no trial
-    trains on it, `trains_here` False: the CPU head of a GPU cluster), the other nodes' by a task
-    on each (`tune.node_cache`). Returns `base` with the cache format resolved (auto: jpeg when
-    trials train on GPUs, else raw), so every worker reads the same format."""
+    trains on it, `trains_here` False: a head without the GPUs, or the CPUs, trials train on),
+    the other nodes' by a task on each (`tune.node_cache`). Returns `base` with the cache format
+    resolved (auto: jpeg when trials train on GPUs, else raw), so every worker reads the same
+    format."""
     d = base.data
     cache = FrameCache.from_config(d, on_gpu=on_gpu)
     if cache is None:
@@ -216,7 +217,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     if opts.train.weights == "kinetics":
         kinetics.share_kinetics(opts.train.model)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,
-                           trains_here=not resources.use_gpu or driver_node_gpus() > 0)
+                           trains_here=driver_node_has("GPU" if resources.use_gpu else "CPU"))
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
     on = ""
     if fit.gpus:
