@@ -128,7 +128,7 @@ def test_a_trial_whose_node_is_reclaimed_finishes_on_another_node(synthetic_root
         assert proc.returncode == 0, out[-3000:]
         assert "started again from its last checkpoint (its last try ended: " in out, out[-3000:]
         # No trial can train on the CPU-less head, so the driver filled no clip cache of its own
-        # (it did, 9-37 s, until tune.cluster.driver_node_has), only the worker node's.
+        # (it did, 9-37 s, until tune.node_cache.this_node_trains), only the worker node's.
         # The worker node's fill prints "clip cache on node ADDRESS: Clip cache ..."; the driver's
         # own would be a line of its own.
         assert not [line for line in out.splitlines() if line.startswith("Clip cache ")], out[-3000:]

@@ -183,15 +183,6 @@ def leaves_cores_free(opts: SearchOptions, node_cpus: float) -> bool:
     return threads is not None and threads * opts.resources.workers_per_trial < node_cpus
 
 
-def driver_node_has(resource: str) -> bool:
-    """Whether the node this process (the search driver) runs on has any of Ray's `resource`
-    ("GPU", "CPU"): a trial that needs it can train there. A cluster's head is often started with
-    none of either (`ray start --head --num-cpus 0`), to keep trials off it."""
-    me = ray.get_runtime_context().get_node_id()
-    return next((float((n.get("Resources") or {}).get(resource, 0.0)) > 0 for n in ray.nodes()
-                 if n.get("NodeID") == me), False)
-
-
 def node_view(marker: str | None, weights: str | None, gpus: bool = False) -> dict[str, object]:
     """What one node sees of the driver's paths and code: its address, whether the `marker` file
     (in --storage) exists there, whether --weights is a file there, and the vidtune version it

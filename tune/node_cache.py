@@ -36,6 +36,13 @@ def training_nodes(on_gpu: bool, skip: str | None) -> list[dict]:
             and float((n.get("Resources") or {}).get(kind, 0.0)) > 0]
 
 
+def this_node_trains(on_gpu: bool) -> bool:
+    """Whether this process's node is one of `training_nodes` (False on a head started without
+    the GPUs, or the CPUs, trials train on: `ray start --head --num-cpus 0`)."""
+    me = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == me for n in training_nodes(on_gpu, skip=None))
+
+
 def fill_every_node(data: DataConfig, videos: list[VideoInfo], *, height: int, width: int, on_gpu: bool,
                     skip: str | None) -> dict[str, str]:
     """Fill the clip cache of every training node but `skip` (the driver's, filled already), all

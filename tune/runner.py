@@ -51,7 +51,6 @@ from vidtune.tune.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
     check_every_node,
-    driver_node_has,
     fit_to_cluster,
     read_capacity,
     trial_resources,
@@ -217,7 +216,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     if opts.train.weights == "kinetics":
         kinetics.share_kinetics(opts.train.model)
     base = fill_clip_cache(plan.base, plan.index, on_gpu=resources.use_gpu,
-                           trains_here=driver_node_has("GPU" if resources.use_gpu else "CPU"))
+                           trains_here=node_cache.this_node_trains(resources.use_gpu))
     base = base.with_overrides(batch_size=opts.space.batch_sizes[0])
     on = ""
     if fit.gpus:
