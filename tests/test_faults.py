@@ -58,13 +58,21 @@ def _start(args: list[str], cwd: Path, log: Path, address: str | None = None) ->
                             start_new_session=True)   # its own process group, as a terminal's job
 
 
+def _wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.2):
+    """`condition()`'s first true value, while the search at `proc` runs, within WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while not (value := condition()):
+        assert proc.poll() is None, f"the search ended early with {proc.returncode}, before {what}"
+        assert time.monotonic() < deadline, f"not in time: {what}"
+        time.sleep(poll_s)
+    return value
+
+
 def _wait_for_first_epoch(proc: subprocess.Popen, storage: Path, name: str, epoch: int = 1) -> None:
     """Until some trial has checkpointed `epoch` (its Train run's `epoch_NNNN` folder)."""
-    deadline = time.monotonic() + WAIT_S
-    while not list((storage / name / "ray" / "train_runs").glob(f"*/epoch_{epoch:04d}")):
-        assert proc.poll() is None, f"the search ended early with {proc.returncode}"
-        assert time.monotonic() < deadline, "no epoch was trained in time"
-        time.sleep(0.5)
+    runs = storage / name / "ray" / "train_runs"
+    _wait_for(lambda: list(runs.glob(f"*/epoch_{epoch:04d}")), proc, f"a trial checkpointed epoch {epoch}",
+              poll_s=0.5)
 
 
 def _registered_checkpoints(storage: Path, name: str) -> dict[str, list[str]]:
@@ -237,16 +245,6 @@ def _train_worker_pids(address: str) -> list[int]:
     return [a.pid for a in actors if a.pid]
 
 
-def _wait_for(condition, proc: subprocess.Popen, what: str, poll_s: float = 0.2):
-    """`condition()`'s first true value, while the search at `proc` runs, within WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while not (value := condition()):
-        assert proc.poll() is None, f"the search ended early with {proc.returncode}, before {what}"
-        assert time.monotonic() < deadline, f"not in time: {what}"
-        time.sleep(poll_s)
-    return value
-
-
 @pytest.mark.slow
 def test_a_killed_worker_restarts_then_a_killed_and_a_sigtermed_driver_resume_one_run_per_trial(
         shared_ray, synthetic_root, tmp_path):
@@ -271,7 +269,7 @@ def test_a_killed_worker_restarts_then_a_killed_and_a_sigtermed_driver_resume_on
     try:
         # 1. the worker: found while its first epoch trains, killed once that epoch's checkpoint
         # is registered with Train's checkpoint manager (a restart resumes from Train's latest)
-        _wait_for(lambda: list(runs.glob("*/epoch_0001")), proc, "trial 1 trained an epoch")
+        _wait_for_first_epoch(proc, storage, "k")
         workers = _wait_for(lambda: _train_worker_pids(shared_ray), proc, "a RayTrainWorker")
         (name,) = _wait_for(lambda: [t for t, kept in _registered_checkpoints(storage, "k").items() if kept],
                             proc, "trial 1's epoch-1 checkpoint registered")
