@@ -127,10 +127,9 @@ def test_a_trial_whose_node_is_reclaimed_finishes_on_another_node(synthetic_root
         out = log.read_text(errors="replace")
         assert proc.returncode == 0, out[-3000:]
         assert "started again from its last checkpoint (its last try ended: " in out, out[-3000:]
-        # No trial can train on the CPU-less head, so the driver filled no clip cache of its own
-        # (it did, 9-37 s, until tune.node_cache.this_node_trains), only the worker node's.
-        # The worker node's fill prints "clip cache on node ADDRESS: Clip cache ..."; the driver's
-        # own would be a line of its own.
+        # No trial can train on the CPU-less head, so the driver fills no clip cache of its own,
+        # only the worker node's (printed as "clip cache on node ADDRESS: Clip cache ..."; the
+        # driver's own fill prints its "Clip cache ..." lines bare).
         assert not [line for line in out.splitlines() if line.startswith("Clip cache ")], out[-3000:]
         assert "filling it on 1 other node(s)" in out, out[-3000:]
 
