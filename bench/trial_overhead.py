@@ -36,7 +36,7 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from vidtune.trainer.launch import LOCAL_ADDRESS, init_ray
+from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, LOCAL_ADDRESS, init_ray
 from vidtune.tune.trial import DRIVER_CPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trial-cpus", type=float, default=DRIVER_CPUS,
                    help=f"CPU share of the Tune trial function itself (default {DRIVER_CPUS}, what vidtune "
                    "gives it)")
-    p.add_argument("--health-check-interval-s", type=float, default=0.5,
-                   help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (vidtune sets 0.5; Ray's default is 2)")
+    p.add_argument("--health-check-interval-s", type=float, default=float(DEFAULT_HEALTH_CHECK_INTERVAL_S),
+                   help=f"{HEALTH_CHECK_ENV} (vidtune sets {DEFAULT_HEALTH_CHECK_INTERVAL_S}; "
+                   "Ray's default is 2)")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster instead of starting one (e.g. auto); without it the bench "
                    "starts a Ray of its own even where RAY_ADDRESS names one")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = 1
     _check_args(args)
     # Read by Train's controller when it starts, so set before Ray does.
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.health_check_interval_s)
+    os.environ[HEALTH_CHECK_ENV] = str(args.health_check_interval_s)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     # (label, seconds per repetition), in print order.
     rows: dict[str, list[float]] = {}

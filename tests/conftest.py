@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
+
 REPO_ROOT = Path(__file__).resolve().parents[1]   # first on sys.path: pyproject's pytest `pythonpath`
 
-# Train polls its workers every 2 s by default; each report and the end of fit() wait on it.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# Train's poll of its workers as vidtune sets it (trainer.launch), for the Rays the tests start
+os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
 # torch's OpenMP threads (GNU libgomp) spin ~300,000 times before they sleep; with more runnable
 # threads than cores (two trainings at once, a trial starting beside one, anything else on a CI
 # machine) the spinning crowds out the work. 15 steps of `tiny` on 2 threads beside one busy

@@ -24,6 +24,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from vidtune import servers
+from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
 from vidtune.tune.ray_internals import optuna_study
 from vidtune.tune.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG, TRIAL_ID_TAG
@@ -46,7 +47,7 @@ WAIT_S = 300
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+    env[HEALTH_CHECK_ENV] = DEFAULT_HEALTH_CHECK_INTERVAL_S
     return env
 
 

@@ -19,7 +19,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from vidtune.trainer import train
-from vidtune.trainer.launch import validate_config
+from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, validate_config
 from vidtune.trainer.precision import choose_precision
 from vidtune.tune.tracking.description import CELL_PAD
 from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
@@ -40,7 +40,7 @@ CONSTANTS = {"epoch", "batch_size", "oom", "reader_failures", "lr", "steady_clip
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)          # the subprocess joins the Ray given by --address
-    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.5"
+    env[HEALTH_CHECK_ENV] = DEFAULT_HEALTH_CHECK_INTERVAL_S
     return env
 
 

@@ -32,6 +32,7 @@ DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "sco
 PARENT_TAG = "mlflow.parentRunId"
 # This machine's share for the job, given on sbatch's command line as a user overrides #SBATCH lines
 JOB_OPTIONS = ["--cpus-per-task=2", "--mem=0", "--time=00:15:00"]
+POLL_S = 1          # seconds between two looks at a job's state or output
 SEARCH = ["--smoke-test", "--gpus-per-worker", "0", "--no-log-model", "--no-cache"]
 
 
@@ -55,10 +56,10 @@ def _exe(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-# KillWait=10 (SLURM's default is 30): how long a plain `scancel` waits between its SIGTERM to every
+# KillWait=3 (SLURM's default is 30): how long a plain `scancel` waits between its SIGTERM to every
 # process of the job and its SIGKILL. Ray's processes ignore SIGTERM for about 30 s, so under either
 # value the SIGKILL is what ends them, and the test asserts the same things (job CANCELLED, no Ray
-# process of it left); 10 s only makes the wait shorter.
+# process of it left); 3 s only makes the wait shorter.
 CONFIG = """\
 ClusterName=vidtune-test
 SlurmctldHost={host}(127.0.0.1)
@@ -76,7 +77,7 @@ SelectTypeParameters=CR_Core
 GresTypes=gpu
 MpiDefault=none
 ReturnToService=2
-KillWait=10
+KillWait=3
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
 SlurmctldPidFile={root}/slurmctld.pid
@@ -154,7 +155,7 @@ def job_state(env: dict, job: str) -> str:
 def wait_for(env: dict, job: str, states: set[str], wait_s: float) -> str:
     deadline = time.monotonic() + wait_s
     while (state := job_state(env, job)) not in states and time.monotonic() < deadline:
-        time.sleep(2)
+        time.sleep(POLL_S)
     return state
 
 
@@ -214,13 +215,13 @@ def _wait_for_an_epoch(env: dict, job: str, out_file: Path, wait_s: float) -> st
         state = job_state(env, job)
         assert state in ALIVE, (f"job {job} ended ({state}) before training an epoch", output[-3000:])
         assert time.monotonic() < deadline, (f"job {job}: no epoch in {wait_s:.0f} s", output[-3000:])
-        time.sleep(2)
+        time.sleep(POLL_S)
 
 
 def _no_ray_left(job: str, wait_s: float = 60) -> None:
     deadline = time.monotonic() + wait_s
     while ray_processes(f"/tmp/ray-{job}") and time.monotonic() < deadline:
-        time.sleep(2)
+        time.sleep(POLL_S)
     assert not ray_processes(f"/tmp/ray-{job}"), f"Ray outlived job {job}"
 
 
@@ -252,7 +253,7 @@ def test_a_search_stopped_cleanly_then_scancelled_then_resumed_completes(slurm, 
     while time.monotonic() < deadline and "epoch 1/3" not in (out_file.read_text() if out_file.exists()
                                                               else ""):
         assert job_state(env, job) in ALIVE, out_file.read_text()[-3000:]
-        time.sleep(2)
+        time.sleep(POLL_S)
     assert "epoch 1/3" in out_file.read_text(), out_file.read_text()[-3000:]
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
     state = wait_for(env, job, ENDED, 180)
