@@ -9,7 +9,8 @@ Measures, with N repetitions each:
     line of the worker function (controller, worker actors, process group), last line of the
     worker function to `fit()` returning (mostly Train's health-check poll), `fit()` total;
     once with Ray's own `TorchTrainer` and once with vidtune's (`trainer.torch_trainer`, which
-    starts no Ray Data `DatasetManager`), alternating, so the two are compared side by side.
+    starts no Ray Data `DatasetManager` and no `PlacementGroupCleaner`), alternating, so the two
+    are compared side by side.
 
 Compare the last numbers with a trial's epoch time to see how much of a short search is overhead.
 
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plain = "plain Tune function trial"
     trainers = {"ray": f"Ray's TorchTrainer trial, empty loop, {args.train_workers} worker(s)",
-                "vidtune": f"vidtune's TorchTrainer trial (no DatasetManager), {args.train_workers} "
-                           "worker(s)"}
+                "vidtune": "vidtune's TorchTrainer trial (no DatasetManager, no PlacementGroupCleaner), "
+                           f"{args.train_workers} worker(s)"}
     with tempfile.TemporaryDirectory(prefix="vidtune-overhead-") as tmp:
         storage = args.storage or tmp
         config = {"train_workers": args.train_workers, "cpus_per_worker": args.cpus_per_worker,

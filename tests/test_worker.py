@@ -289,12 +289,15 @@ def test_ray_workers_import_vidtune_from_the_installed_package_beside_hugging_fa
     assert str(REPO_ROOT) not in pythonpath.split(os.pathsep)
 
 
-def _dataset_managers() -> int:
-    """Ray Data `DatasetManager` actors this Ray has had, alive or dead."""
+def _actors_had(class_name: str) -> int:
+    """Actors of `class_name` this Ray has had, alive or dead."""
     from ray.util.state import list_actors
 
     return len(list_actors(address=ray.get_runtime_context().gcs_address,
-                           filters=[("class_name", "=", "DatasetManager")], limit=10_000))
+                           filters=[("class_name", "=", class_name)], limit=10_000))
+
+
+UNUSED_ACTORS = ("DatasetManager", "PlacementGroupCleaner")   # Ray Train's; trainer.torch_trainer
 
 
 @pytest.mark.slow
@@ -303,11 +306,11 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
     epochs=2, the worker restores it and runs epoch 2 only; with that latest checkpoint damaged,
     a third run falls back to epoch 1's."""
     callback, drain = _collecting_callback()
-    managers_before = _dataset_managers()
+    unused_before = [_actors_had(name) for name in UNUSED_ACTORS]
     first = build_torch_trainer(_small(synthetic_root, epochs=1, batch_size=8, cpu_threads=2), name="resume",
                                 storage_path=str(tmp_path), callbacks=[callback]).fit()
     reports = drain()
-    assert _dataset_managers() == managers_before   # no Ray Data process: trainer.torch_trainer
+    assert [_actors_had(name) for name in UNUSED_ACTORS] == unused_before
     assert [m["epoch"] for m, _ in reports] == [1]
     metrics, ckpt_path = reports[0]
     assert set(metrics) == set(METRIC_KEYS)

@@ -1,16 +1,22 @@
-"""vidtune's Ray Train `TorchTrainer`: Ray's own, less one process per run that vidtune never uses.
+"""vidtune's Ray Train `TorchTrainer`: Ray's, less two processes per run that vidtune never uses.
 
-Ray Train (2.60) starts a `DatasetManager` actor for every run, whether or not the run was given
-Ray Data datasets: a fresh Ray worker process that imports Ray Data (~1 s of CPU, ~170 MB), on
-the node of the run's controller (on a cluster, the head, beside the search), and the workers
-wait for it before their training function starts. vidtune feeds its workers with its own
-decord/torch DataLoader (`trainer.worker`) and passes no datasets, so a trial spent ~1.5 s of its
-start-up and a process on the head on nothing (`bench/trial_overhead.py`). Given datasets, this
-is Ray's trainer unchanged.
+Ray Train (2.60) starts, for every run:
+- a `DatasetManager` actor, whether or not the run was given Ray Data datasets: a fresh Ray
+  worker process that imports Ray Data (~1 s of CPU, ~170 MB) on the node of the run's
+  controller, which the workers wait for before their training function starts. vidtune feeds
+  its workers with its own decord/torch DataLoader (`trainer.worker`) and passes no datasets.
+- a detached `PlacementGroupCleaner` actor on the head node, which polls the State API every
+  second to remove the run's placement group should its controller die without removing it.
+  vidtune removes them itself: a search's `tune.cleanup.ReleaseTrialResources` ends each trial's
+  controller and placement groups when Tune ends the trial (Ray's cleaner fails there on a loaded
+  machine, or with two Rays on one); `vidtune train`'s groups belong to its job and go with it.
+  Stopping the cleaner also held the end of every `fit()` for ~0.45 s.
+`bench/trial_overhead.py` measures both. Given datasets, the `DatasetManager` is kept.
 
-This is the trainer layer's one home for Ray internals (`DatasetsCallback`, the callback that
-starts the actor, and `_create_default_callbacks`, where Train lists its callbacks; Train has no
-public switch for either; and the logger of a worker's reports, `quiet_report_lines`). Like
+This is the trainer layer's one home for Ray internals (`DatasetsCallback` and
+`PlacementGroupCleanerCallback`, the callbacks that start the actors, and
+`_create_default_callbacks`, where Train lists its callbacks; Train has no public switch for
+either; and the logger of a worker's reports, `quiet_report_lines`). Like
 `vidtune.tune.ray_internals`, it checks the Ray minor on import.
 """
 from __future__ import annotations
@@ -27,6 +33,11 @@ try:
 except ImportError as e:  # only reachable on another Ray with VIDTUNE_ALLOW_UNTESTED_RAY=1
     raise moved_internal("ray.train.v2._internal.callbacks.datasets.DatasetsCallback", e) from e
 try:
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+except ImportError as e:
+    raise moved_internal(
+        "ray.train.v2._internal.callbacks.placement_group_callback.PlacementGroupCleanerCallback", e) from e
+try:
     from ray.train.v2._internal.execution import context as _train_context
 except ImportError as e:
     raise moved_internal("ray.train.v2._internal.execution.context", e) from e
@@ -42,10 +53,10 @@ def quiet_report_lines() -> None:
 
 
 class VidtuneTorchTrainer(TorchTrainer):
-    """`ray.train.torch.TorchTrainer` whose runs without `datasets` start no `DatasetManager`."""
+    """`ray.train.torch.TorchTrainer` that starts no `PlacementGroupCleaner`, nor a
+    `DatasetManager` for a run without `datasets`."""
 
     def _create_default_callbacks(self):
-        callbacks = super()._create_default_callbacks()
-        if self.datasets:
-            return callbacks
-        return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+        unused = (PlacementGroupCleanerCallback,) if self.datasets else \
+            (PlacementGroupCleanerCallback, DatasetsCallback)
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]

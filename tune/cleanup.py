@@ -65,9 +65,11 @@ class _PlacementGroupRegistry:
         if controller is not None:
             self._controllers.setdefault(trial_id, []).append(controller)
 
-    def pop(self, trial_id: str) -> tuple[list[str], list[ActorHandle]]:
-        """(placement groups, controllers) of the trial, forgotten here; the trial counts as released."""
-        self._released.add(trial_id)
+    def pop(self, trial_id: str, released: bool = True) -> tuple[list[str], list[ActorHandle]]:
+        """(placement groups, controllers) of the trial, forgotten here; the trial counts as
+        released unless `released` is False (its failed try's, before Tune runs it again)."""
+        if released:
+            self._released.add(trial_id)
         return self._groups.pop(trial_id, []), self._controllers.pop(trial_id, [])
 
     def pop_all(self) -> tuple[list[str], list[ActorHandle]]:
@@ -155,19 +157,26 @@ class ReleaseTrialResources(Callback):
     controller, remove the placement groups it left behind and give back its device lease
     (`trainer.lease`; a worker killed while training never releases it itself; the lease waits
     for the killed workers to exit), so the next trial can start at once, in a fresh process or
-    in this trial's (Tune's `reuse_actors`)."""
+    in this trial's (Tune's `reuse_actors`). When Tune runs a failed trial again (its process or
+    node was lost), the failed try's controller and placement groups go first: a group whose
+    node was lost would otherwise be rescheduled onto the nodes left and hold the resources the
+    new try asks for. (vidtune's `VidtuneTorchTrainer` starts no Ray `PlacementGroupCleaner`:
+    this is the only cleanup.)"""
 
     def __init__(self, registry_name: str, lease_name: str | None = None):
         self.registry_name = registry_name
         self.lease_name = lease_name
         self.removed = 0
 
-    def _release(self, trial_id: str) -> None:
+    def _end_runs(self, trial_id: str, *, released: bool) -> None:
         try:
             registry = ray.get_actor(self.registry_name)
-            self.removed += end_runs(*ray.get(registry.pop.remote(trial_id), timeout=30))
+            self.removed += end_runs(*ray.get(registry.pop.remote(trial_id, released), timeout=30))
         except Exception as e:
             log.warning("vidtune: could not release the resources of trial %s: %s", trial_id, e)
+
+    def _release(self, trial_id: str) -> None:
+        self._end_runs(trial_id, released=True)
         if self.lease_name:
             try:
                 # Not waited for: the lease gives a trial's devices back once its workers, which
@@ -181,6 +190,11 @@ class ReleaseTrialResources(Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
         self._release(trial.trial_id)
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Trial, **info: Any) -> None:
+        # Not released: the new try's fit() failing must still count as its own failure
+        # (`was_released`), and its device lease is the same trial's.
+        self._end_runs(trial.trial_id, released=False)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         try:
