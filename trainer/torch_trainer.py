@@ -8,7 +8,7 @@ Ray Train (2.60) starts, for every run:
 - a detached `PlacementGroupCleaner` actor on the head node, which polls the State API every
   second to remove the run's placement group should its controller die without removing it.
   vidtune removes them itself: a search's `tune.cleanup.ReleaseTrialResources` ends each trial's
-  controller and placement groups when Tune ends the trial (Ray's cleaner fails there on a loaded
+  controller and placement groups when Tune ends or retries the trial (Ray's cleaner fails on a loaded
   machine, or with two Rays on one); `vidtune train`'s groups belong to its job and go with it.
   Stopping the cleaner also held the end of every `fit()` for ~0.45 s.
 `bench/trial_overhead.py` measures both. Given datasets, the `DatasetManager` is kept.

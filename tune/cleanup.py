@@ -1,4 +1,4 @@
-"""Release the resources of trials that Tune stops (ASHA, errors, Ctrl-C).
+"""Release the resources of trials that Tune stops (ASHA, errors, Ctrl-C) or runs again.
 
 Why this exists (measured on Ray 2.60, Train V2, 2 CPUs): when Tune stops a trial, it ends the
 trial's actor; the Train controller and its workers die with it (they are owned by it), but the
@@ -12,10 +12,12 @@ trial's worker group waits for CPUs that never free up (`WorkerGroupStartupTimeo
 
 The fix: each trial's Train run records its placement group and its controller actor in a small
 registry actor owned by the search process (`PlacementGroupRecorder`, a Train worker-group
-callback running in the controller); when Tune completes, stops or fails a trial,
+callback running in the controller); when Tune completes, stops, fails or retries a trial,
 `ReleaseTrialResources` (a Tune callback in the search process) ends that trial's controller
 (its workers die with it) and removes its placement groups at once. A trial that finished
 normally has already ended both (Train does that at the end of `fit()`), so this is a no-op there.
+This being the whole cleanup, vidtune's trainer starts no `PlacementGroupCleaner`
+(`trainer.torch_trainer`).
 
 Ending the controller is what lets Tune reuse a trial driver's process for the next trial
 (`reuse_actors`, which saves the ~3 s start of a Python process with Ray, Tune and torch per
@@ -160,8 +162,7 @@ class ReleaseTrialResources(Callback):
     in this trial's (Tune's `reuse_actors`). When Tune runs a failed trial again (its process or
     node was lost), the failed try's controller and placement groups go first: a group whose
     node was lost would otherwise be rescheduled onto the nodes left and hold the resources the
-    new try asks for. (vidtune's `VidtuneTorchTrainer` starts no Ray `PlacementGroupCleaner`:
-    this is the only cleanup.)"""
+    new try asks for."""
 
     def __init__(self, registry_name: str, lease_name: str | None = None):
         self.registry_name = registry_name
