@@ -71,8 +71,9 @@ def _env(home: Path) -> dict[str, str]:
 @contextlib.contextmanager
 def ray_head(home: Path, temp_dir: str):
     """`ray start --head` as docs/launch.md writes it, on free 127.0.0.1 ports; yields the
-    dashboard's URL (the Jobs API) once it answers. RAY_JOB_STOP_WAIT_TIME_S as the docs set it:
-    `ray job stop` gives the search that long to close its runs before Ray kills it."""
+    dashboard's URL (the Jobs API) once it answers, and the GCS address (what `--address` joins).
+    RAY_JOB_STOP_WAIT_TIME_S as the docs set it: `ray job stop` gives the search that long to
+    close its runs before Ray kills it."""
     dashboard = _free_port()
     env = {**_env(home), "RAY_JOB_STOP_WAIT_TIME_S": "60"}
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True,
@@ -97,7 +98,7 @@ def ray_head(home: Path, temp_dir: str):
             time.sleep(2)
         assert head.poll() is None and probe.returncode == 0, \
             f"the head did not start (exit {head.poll()}): {probe.stderr[-1500:]}"
-        yield url
+        yield url, f"127.0.0.1:{ports['--port']}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGTERM)
@@ -127,16 +128,16 @@ def _runs(uri: str) -> tuple[list, list]:
 
 @pytest.fixture(scope="module")
 def jobs_head():
-    """One token-auth head for this module's jobs (a head takes 15-30 s to start here): its HOME
-    (holding its token) and its dashboard's URL. Its HOME and temp dir are a short temp folder
-    (Ray's socket paths must fit 107 bytes)."""
+    """One token-auth head for this module's tests (a head takes 15-30 s to start here): its HOME
+    (holding its token), its dashboard's URL and its GCS address. Its HOME and temp dir are a
+    short temp folder (Ray's socket paths must fit 107 bytes)."""
     root = Path(tempfile.mkdtemp(prefix="vt-j-", dir="/tmp"))
     (root / "home").mkdir()
     started = time.monotonic()
     try:
-        with ray_head(root / "home", str(root / "t")) as url:
+        with ray_head(root / "home", str(root / "t")) as (url, gcs):
             print(f"head up in {time.monotonic() - started:.0f} s")
-            yield root / "home", url
+            yield root / "home", url, gcs
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -153,7 +154,7 @@ def test_a_token_auth_job_stopped_by_ray_job_stop_closes_its_runs_and_resumes_to
        closed its parent run, left RUNNING: hence the 60 s the docs set);
     3. the same line submitted again with --resume: the job SUCCEEDS, in the same parent run, with
        both trials' runs FINISHED."""
-    home, url = jobs_head
+    home, url, _ = jobs_head
     mlflow_uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     refused = subprocess.run([sys.executable, "-c", CLIENT, url, "list"], env=_env(tmp_path),
                              capture_output=True, text=True, timeout=60)
@@ -183,3 +184,25 @@ def test_a_token_auth_job_stopped_by_ray_job_stop_closes_its_runs_and_resumes_to
     assert [r.info.status for r in parents] == ["FINISHED"], result["logs"]
     assert sorted(r.info.status for r in children) == ["FINISHED", "FINISHED"], result["logs"]
     assert (tmp_path / "results" / "jobs").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_search_joining_the_head_by_address_without_the_mode_says_what_to_set(synthetic_root, tmp_path,
+                                                                                jobs_head):
+    """`vidtune search --address <head>:<port>` from the head's HOME (its token in ~/.ray) with
+    RAY_AUTH_MODE unset: Ray sends no token to an address given explicitly, so the head refuses
+    it; the search ends with exit 2 and a line that says to set RAY_AUTH_MODE=token (a token that
+    is not the head's: tests/test_ray_auth.py). Ray retries the join for ~20 s before giving up;
+    RAY_gcs_server_port_wait_time_s (Ray's own setting) makes it 2."""
+    home, _, gcs = jobs_head
+    argv = [str(BIN / "vidtune"), "search", "--address", gcs, "--data", str(synthetic_root), "--smoke-test",
+            "--storage", str(tmp_path / "results"), "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
+    env = {k: v for k, v in _env(home).items() if k != "RAY_AUTH_MODE"}
+    env["RAY_gcs_server_port_wait_time_s"] = "2"
+    unset = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert unset.returncode == 2, unset.stdout[-2000:] + unset.stderr[-2000:]
+    last = unset.stderr.strip().splitlines()[-1]      # after Ray's own warnings while it retried
+    assert last.startswith(f"vidtune search: error: --address: the Ray cluster at {gcs} uses token "
+                           "authentication and Ray sent it no token") and "RAY_AUTH_MODE=token" in last, last
+

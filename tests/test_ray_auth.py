@@ -52,6 +52,50 @@ def test_other_errors_of_the_join_pass_through(monkeypatch, no_token):
         launch.init_ray(address="auto")
 
 
+def _refusal_after_retries() -> ConnectionError:
+    """What ray.init raises, after ~20 s of retries, when a cluster's GCS refuses this process's
+    token or its lack of one (Ray 2.60: a RuntimeError holding the gRPC status, then this)."""
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback ...\n"
+                               "ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: "
+                               "Authentication token is missing or incorrect.")
+        except RuntimeError as cause:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379") from cause
+    except ConnectionError as error:
+        return error
+
+
+def test_a_join_refused_after_retries_is_one_line_saying_what_to_set(monkeypatch, no_token):
+    """A token in ~/.ray (a local search wrote it) and RAY_AUTH_MODE unset: Ray sends no token to
+    an address given explicitly, the cluster refuses, and the line says to set the mode."""
+    (no_token / ".ray").mkdir()
+    (no_token / ".ray" / "auth_token").write_text("t" * 32)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+    def init(**kw):
+        raise _refusal_after_retries()
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ConfigError) as caught:
+        launch.init_ray(address="10.0.0.5:6379")
+    message = str(caught.value)
+    assert "\n" not in message and "Ray sent it no token" in message and "RAY_AUTH_MODE=token" in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    monkeypatch.setenv(ray_auth.AUTH_MODE_ENV, "token")      # sent, and refused: the token is the wrong one
+    with pytest.raises(ConfigError, match="refused the token found here: set RAY_AUTH_TOKEN"):
+        launch.init_ray(address="10.0.0.5:6379")
+
+
+def test_only_a_refusal_is_recognised_in_rays_connection_errors():
+    assert ray_auth.refused_for_token(_refusal_after_retries())
+    assert not ray_auth.refused_for_token(ConnectionError("Failed to connect to Ray cluster at 10.0.0.5"))
+    try:
+        raise ConnectionError("Failed to connect") from RuntimeError("GCS is not reachable: timed out")
+    except ConnectionError as error:
+        assert not ray_auth.refused_for_token(error)
+
+
 def test_no_token_anywhere_and_no_mode_gets_a_note_before_the_join(no_token, monkeypatch):
     note = ray_auth.no_token_note("auto")
     assert note and note.startswith("note: no Ray token here") and "RAY_AUTH_MODE=token" in note
