@@ -45,16 +45,16 @@ def refusal_message(address: str | None) -> str:
     """The one line for a cluster that refused this process: what is missing, what to set. Read
     after the refusal: ray.init sets RAY_AUTH_MODE=token itself when it used a token it found."""
     where = f"the Ray cluster at {address}" if address else "the Ray cluster"
+    set_token = (f"set {TOKEN_ENV} to the cluster's token (`ray get-auth-token` on its head prints it) or "
+                 f"{TOKEN_PATH_ENV} to a file holding it ({DOCS})")
     if not token_found():
         return (f"{where} uses token authentication ({AUTH_MODE_ENV}=token) and no token was found here: "
-                f"set {TOKEN_ENV} to the cluster's token (`ray get-auth-token` on its head prints it) or "
-                f"{TOKEN_PATH_ENV} to a file holding it ({DOCS})")
+                f"{set_token}")
     if os.environ.get(AUTH_MODE_ENV, "").strip().lower() != "token":
         return (f"{where} uses token authentication and Ray sent it no token: Ray sends the token found "
                 f"here to an address given explicitly only when {AUTH_MODE_ENV}=token; set it (and "
                 f"{TOKEN_ENV} to the cluster's token, if that is not the one here) ({DOCS})")
-    return (f"{where} refused the token found here: set {TOKEN_ENV} to the cluster's token "
-            f"(`ray get-auth-token` on its head prints it) or {TOKEN_PATH_ENV} to a file holding it ({DOCS})")
+    return f"{where} refused the token found here: {set_token}"
 
 
 def refused_for_token(error: BaseException) -> bool:
