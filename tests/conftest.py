@@ -3,13 +3,25 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
+# A HOME of the test run's own, set before anything reads it: what the code under test keeps in a
+# user's home stays out of the real one. Ray writes ~/.ray/auth_token on a local ray.init, and a
+# later `ray start --head` on the machine then turns token authentication on; searches fill the
+# clip cache (~/.cache/vidtune/clips) and sign their state with ~/.config/vidtune/state.key.
+# Every Ray, search and CLI the tests start inherits it; it is removed when the run ends.
+TEST_HOME = Path(tempfile.mkdtemp(prefix="vidtune-tests-home-"))
+os.environ["HOME"] = str(TEST_HOME)
+os.environ["XDG_CACHE_HOME"] = str(TEST_HOME / ".cache")
+os.environ["XDG_CONFIG_HOME"] = str(TEST_HOME / ".config")
+
+from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]   # first on sys.path: pyproject's pytest `pythonpath`
 
@@ -129,8 +141,45 @@ _NOTES: list[str] = []     # lines for the terminal from fixtures, whose output 
 
 
 def pytest_configure(config):
-    global _CONFIG
+    global _CONFIG, _CPU_AT_START
     _CONFIG = config
+    _CPU_AT_START = machine_cpu_seconds()
+
+
+_CPU_AT_START: tuple[float, float] | None = None
+
+
+def machine_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, summed over its cores, from
+    Linux's /proc/stat (None elsewhere). Busy is everything but idle and iowait: this process,
+    its Rays, searches and helpers, and whatever else runs beside them."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]     # user nice system idle iowait irq softirq steal
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """One line on how busy the machine's cores were during the run. A suite whose cores were
+    mostly busy is shortened only by doing less work (fewer searches, processes, imports); one
+    whose cores idled has time in waits, which running tests side by side could fill."""
+    now = machine_cpu_seconds()
+    if _CPU_AT_START is None or now is None:
+        return
+    busy, total = now[0] - _CPU_AT_START[0], now[1] - _CPU_AT_START[1]
+    if total <= 0:
+        return
+    cores = os.cpu_count() or 1
+    share = 100 * busy / total
+    terminalreporter.write_line(f"CPU: {busy:.0f} of {total:.0f} core-seconds busy ({share:.0f}%) on {cores} "
+                                f"core(s): this much work takes at least {busy / cores / 60:.1f} min here, "
+                                "however the tests are arranged")
 
 
 def pytest_collection_finish(session):
@@ -148,6 +197,7 @@ _EXIT_STATUS: int | None = None
 def pytest_sessionfinish(session, exitstatus):
     global _EXIT_STATUS
     _EXIT_STATUS = int(exitstatus)
+    shutil.rmtree(TEST_HOME, ignore_errors=True)     # every fixture, Ray included, has ended by now
 
 
 @pytest.hookimpl(trylast=True)
