@@ -150,9 +150,18 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
     (["--name", ""], ["--name:", "'' is not a folder name"]),
     (["--epochs", "3", "--grace-period", "4"], ["--grace-period:", "4 is above --epochs 3"]),
     (["--trust-state"], ["--trust-state:", "only with --resume"]),
+    (["--mlflow-uri", "http://127.0.0.1:9"], ["--mlflow-uri:", "cannot reach http://127.0.0.1:9"]),
+    (["--time-budget", "2 hours"], ["--time-budget:", "'2 hours'"]),
 ])
 def test_bad_options_fail_before_anything_runs(capsys, argv, needles):
-    _fails(capsys, argv + ["--dry-run"], *needles)
+    """Refused before the dataset is read: without --data, before the demo's videos are made or
+    indexed (a bad --cache-dir or --storage was refused only after them: 18 s on a new machine)."""
+    assert search.main(argv + ["--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("vidtune search: error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+    assert "demo:" not in out and "Probed" not in out, out
 
 
 def test_bad_stores_fail_fast(capsys, synthetic_root, tmp_path):

@@ -35,7 +35,7 @@ PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 TRAIN_FLAGS = tuple(flag_specs(TrainConfig))
 
 __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", "check_writable_folder",
-           "init_ray", "worker_env_vars"]
+           "check_output_folders", "init_ray", "worker_env_vars"]
 
 
 # Where the driver fetched an hf: model's checkpoint (trainer.hf_models), and whether the hub may be
@@ -195,11 +195,8 @@ def check_training_inputs(cfg: TrainConfig, *, batch_sizes: Iterable[int] | None
     known) against the training videos each of `workers` workers gets. `show` is handed the index
     before the checks that read it, so a refusal follows the data report. Returns the index (the
     workers get it). ConfigError / DataError naming the flag or file at fault."""
+    check_output_folders(cfg, storage)
     validate_config(cfg)
-    if storage:
-        check_writable_folder(storage, "--storage")   # a URI (s3://...) is not checked
-    if cfg.data.clip_cache and cfg.data.clip_cache_dir is not None:
-        check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
     index = build_index(cfg.data)
     if show is not None:
         show(index)
@@ -207,6 +204,17 @@ def check_training_inputs(cfg: TrainConfig, *, batch_sizes: Iterable[int] | None
     if batch_sizes is not None:
         check_batch_sizes(batch_sizes, len(index.train), workers, flag=batch_flag, workers_flag=workers_flag)
     return index
+
+
+def check_output_folders(cfg: TrainConfig, storage: str | None) -> None:
+    """The folders a training writes: `storage` (--storage) and, with the clip cache on,
+    --cache-dir, each writable or creatable (URIs such as s3://... are not checked). Cheap: run
+    before anything slow (the model check, indexing, generating the demo's videos), so that a
+    bad folder is refused in a second."""
+    if storage:
+        check_writable_folder(storage, "--storage")
+    if cfg.data.clip_cache and cfg.data.clip_cache_dir is not None:
+        check_writable_folder(cfg.data.clip_cache_dir, "--cache-dir")
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:

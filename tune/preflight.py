@@ -19,7 +19,7 @@ from ray import tune
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import check_training_inputs, check_writable_folder
+from vidtune.trainer.launch import check_output_folders, check_training_inputs
 from vidtune.tune import faults, last_good, layout, saved_options, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
@@ -72,22 +72,13 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
     storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
-        check_writable_folder(storage, "--storage")
+    check_output_folders(opts.train, storage)
     if opts.name:   # first: a second driver on a running search stops in seconds, not after the checks
         check_not_running(layout.search_path(storage, opts.name), "--resume" if opts.resume else "--name")
     name = None
     if opts.resume:   # the search's own options, before anything reads them (the dataset, the stores)
         name = experiment_name(opts, storage)
         opts = saved_options.resumed_options(opts, given or {}, layout.search_path(storage, name))
-    demo = opts.demo
-    if demo:
-        root, made = ensure_demo_data()
-        print(f"demo: {'generated' if made else 'using'} the synthetic dataset in {root}"
-              " (pass --data PATH for your own videos)")
-    else:
-        root = Path(opts.train.data.root).expanduser().resolve()
-    opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
-    base = base_config(opts)
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
     if opts.tracking.artifact_location:
         opts = replace(opts, tracking=replace(
@@ -111,6 +102,16 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
             opts.space, batch_sizes=tuple(sorted({*CPU_BATCH_SIZES, *GPU_BATCH_SIZES})))
         load_warm_start(opts.warm_start, space, opts.objective, own_storage=opts.optuna_storage,
                         own_study=opts.study_name or name)
+    # The dataset last, after every check that needs none: the demo's videos take seconds to make
+    demo = opts.demo
+    if demo:
+        root, made = ensure_demo_data()
+        print(f"demo: {'generated' if made else 'using'} the synthetic dataset in {root}"
+              " (pass --data PATH for your own videos)")
+    else:
+        root = Path(opts.train.data.root).expanduser().resolve()
+    opts = replace(opts, train=opts.train.with_overrides(data=replace(opts.train.data, root=str(root))))
+    base = base_config(opts)
     # The batch-size defaults depend on the cluster: checked once it is up (tune.runner)
     index = check_training_inputs(base, batch_sizes=opts.space.batch_sizes,
                                   workers=opts.resources.workers_per_trial, batch_flag="--batch-sizes",
