@@ -161,6 +161,20 @@ def test_a_full_disk_is_recognised_along_the_exception_chain(tmp_path):
     assert faults.disk_full(RuntimeError("a bug"), str(tmp_path)) is None      # tmp_path has room
 
 
+def test_a_trial_that_failed_on_a_full_disk_stops_the_search_as_tune_would(tmp_path):
+    """The race the disk-full fault test lost once: the trial's checkpoint copy (pyarrow) met the
+    full disk before Tune's own state did, so the Tuner returned and the search ended as "no
+    trial produced a usable result (1 ERROR)" instead of "disk full at PATH"."""
+    from types import SimpleNamespace
+
+    copy = RuntimeError("OSError: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space left "
+                        "on device")
+    results = [SimpleNamespace(error=None), SimpleNamespace(error=RuntimeError("a bug")),
+               SimpleNamespace(error=copy)]
+    assert faults.trial_disk_full(results, str(tmp_path)) is copy
+    assert faults.trial_disk_full(results[:2], str(tmp_path)) is None     # tmp_path has room
+
+
 def test_rays_lines_go_to_the_log_and_ours_to_the_console():
     screen, log = io.StringIO(), io.StringIO()
     out = search_log.RayLinesToLog(screen, log)

@@ -22,6 +22,7 @@ import shutil
 import signal
 import threading
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import FrameType
@@ -127,6 +128,18 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
                 return f"{storage} has less than 1 MB free"
         except OSError:
             pass
+    return None
+
+
+def trial_disk_full(results: Iterable[Any], storage: str) -> BaseException | None:
+    """The error of the first trial in `results` (Tune's ResultGrid, or any Results with an
+    `error`) that failed on a full disk (`disk_full`), or None. A trial's checkpoint can fill the
+    disk before Tune's own state does: the Tuner then returns instead of raising, and the search
+    must still stop on the full disk rather than end as an errored trial."""
+    for result in results:
+        error = getattr(result, "error", None)
+        if error is not None and disk_full(error, storage):
+            return error
     return None
 
 

@@ -250,6 +250,9 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
     try:
         results = tuner.fit()
+        full = faults.trial_disk_full(results, plan.storage)
+        if full is not None:   # a checkpoint filled the disk before Tune's state did: as if Tune raised
+            results, failure = None, full
     except Exception as e:
         failure = e
     finally:
