@@ -211,6 +211,8 @@ def pytest_unconfigure(config):
     during the tests still shows, with a traceback (the Makefile sets PYTHONFAULTHANDLER)."""
     if _EXIT_STATUS in (None, pytest.ExitCode.USAGE_ERROR):   # nothing ran; pytest prints why after this
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # `make test-fast`'s workers (no Ray) end as pytest-xdist
+        return                                  # expects: their channel to the controller closes first
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_STATUS)
