@@ -24,12 +24,16 @@ from vidtune.tune.options import SEARCHED, SMOKE_TEST, SearchOptions, base_confi
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> str:
+def _fails(capsys, argv: list[str], *needles: str, before_data: bool = False) -> str:
+    """`vidtune search ARGV` exits 2 with one error naming every needle; `before_data`: refused
+    before the dataset was read (no demo videos made, nothing indexed)."""
     assert search.main(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("vidtune search: error: ") and "Traceback" not in err
     for needle in needles:
         assert needle in err, err
+    if before_data:
+        assert "demo:" not in out and "Probed" not in out, out
     return err
 
 
@@ -156,12 +160,7 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path, capsys):
 def test_bad_options_fail_before_anything_runs(capsys, argv, needles):
     """Refused before the dataset is read: without --data, before the demo's videos are made or
     indexed (a bad --cache-dir or --storage was refused only after them: 18 s on a new machine)."""
-    assert search.main(argv + ["--dry-run"]) == 2
-    out, err = capsys.readouterr()
-    assert err.startswith("vidtune search: error: ") and "Traceback" not in err
-    for needle in needles:
-        assert needle in err, err
-    assert "demo:" not in out and "Probed" not in out, out
+    _fails(capsys, argv + ["--dry-run"], *needles, before_data=True)
 
 
 def test_bad_stores_fail_fast(capsys, synthetic_root, tmp_path):
