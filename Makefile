@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# The whole suite in TEST_WORKERS processes (pytest-xdist): the tests that use the session's Ray
+# and smoke search in one of them (tests/conftest.py), everything else beside them; then the tests
+# marked `alone`, one at a time. One process keeps the 2 cores of a CI machine ~69% busy: the CPU
+# line at the end of each run says how busy they were.
+TEST_WORKERS ?= 2
 test: install
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -m "not alone" -n $(TEST_WORKERS) --dist loadgroup
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -m alone
 
 # ruff (configured in pyproject.toml): pyflakes, pycodestyle, isort, pyupgrade, bugbear.
 # .ci/run runs it before the tests.

@@ -164,6 +164,23 @@ def machine_cpu_seconds() -> tuple[float, float] | None:
     return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz
 
 
+_CPU_BY_TEST: dict[str, float] = {}     # machine core-seconds busy while each test ran (setup to teardown)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Counts the machine's busy core-seconds while each test runs, for the summary's list of the
+    tests that cost the most CPU: wall time (`--durations`) does not say whether a test is slow
+    for its work (only sharing or doing less helps) or for its waits (running beside another helps)."""
+    before = machine_cpu_seconds()
+    try:
+        return (yield)
+    finally:
+        after = machine_cpu_seconds()
+        if before and after:
+            _CPU_BY_TEST[item.nodeid] = after[0] - before[0]
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     """One line on how busy the machine's cores were during the run. A suite whose cores were
@@ -177,6 +194,12 @@ def pytest_terminal_summary(terminalreporter):
         return
     cores = os.cpu_count() or 1
     share = 100 * busy / total
+    shown = terminalreporter.config.getoption("durations", None)    # as many as --durations (0: all)
+    if _CPU_BY_TEST and shown is not None:
+        ranked = sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:shown or None]
+        terminalreporter.write_sep("=", f"{len(ranked)} tests that kept the cores busiest (core-seconds)")
+        for nodeid, seconds in ranked:
+            terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
     terminalreporter.write_line(f"CPU: {busy:.0f} of {total:.0f} core-seconds busy ({share:.0f}%) on {cores} "
                                 f"core(s): this much work takes at least {busy / cores / 60:.1f} min here, "
                                 "however the tests are arranged")
@@ -211,8 +234,8 @@ def pytest_unconfigure(config):
     during the tests still shows, with a traceback (the Makefile sets PYTHONFAULTHANDLER)."""
     if _EXIT_STATUS in (None, pytest.ExitCode.USAGE_ERROR):   # nothing ran; pytest prints why after this
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):   # `make test-fast`'s workers (no Ray) end as pytest-xdist
-        return                                  # expects: their channel to the controller closes first
+    if hasattr(config, "workerinput"):   # a pytest-xdist worker ends as xdist expects: its channel to
+        return                           # the controller closes first (not env: a test's pytest inherits it)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_EXIT_STATUS)
@@ -312,6 +335,11 @@ def smoke_search(shared_ray, synthetic_root, tmp_path_factory):
 
 
 RAY_FIXTURES = {"shared_ray", "ray_session", "smoke_search"}   # each starts Ray or a search: slow
+# Under pytest-xdist (`make test`), the tests that use the session's Ray or search all run in one
+# process, one after another (`--dist loadgroup`): one Ray and one smoke search for them all, as
+# when the suite runs in one process. The other process takes the rest: unit tests, and the tests
+# that start Rays, clusters, SLURM jobs or benchmarks of their own.
+SHARED_RAY_GROUP = "shared-ray"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -324,6 +352,10 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError(f"these tests use {sorted(RAY_FIXTURES)} but are not marked "
                                 f"@pytest.mark.slow: {', '.join(unmarked)}")
+    if config.getoption("dist", "no") != "no":      # side by side in pytest-xdist's processes
+        for item in items:
+            if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+                item.add_marker(pytest.mark.xdist_group(SHARED_RAY_GROUP))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

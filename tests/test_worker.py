@@ -352,6 +352,7 @@ def test_fit_reports_checkpoints_and_resumes_at_the_next_epoch(ray_session, synt
 
 
 @pytest.mark.slow
+@pytest.mark.alone     # asserts the CPU load of processes other than its own workers
 def test_two_worker_ddp_matches_one_worker(ray_session, synthetic_root, tmp_path):
     """Same global batch (8 = 2 x 4), same data order, same init: the 2-worker DDP run ends where
     the 1-worker run does, within augmentation/dropout noise (each rank draws its own)."""
