@@ -226,7 +226,6 @@ def _no_ray_left(job: str, wait_s: float = 60) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.alone     # beside another test's Ray, its driver once found the wrong node (192.0.2.2)
 @pytest.mark.timeout(1200)
 def test_a_search_stopped_cleanly_then_scancelled_then_resumed_completes(slurm, synthetic_root, tmp_path):
     """One search folder through three jobs. Job 1 (a 3-epoch search) is stopped the clean way
@@ -292,3 +291,27 @@ def test_a_search_stopped_cleanly_then_scancelled_then_resumed_completes(slurm, 
     assert sorted(r.info.run_id for r in runs if PARENT_TAG not in r.data.tags) == parents
     assert "vidtune.sbatch: Ray stopped" in output
     _no_ray_left(job, 0)
+
+
+def _head_wait() -> str:
+    """The script's Python that waits for the Ray head and nodes (its `<< 'PY'` here-document)."""
+    text = SCRIPT.read_text()
+    return text.split("<< 'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+
+
+def test_a_head_that_never_answers_fails_the_job_naming_it_and_its_logs(tmp_path):
+    """Nothing listens at the head's address for VIDTUNE_HEAD_WAIT_S: the wait gives up with one
+    line naming the address and the head's log folder, and a non-zero status (`set -e` ends the
+    job there, and its EXIT trap stops Ray). Beside another test's Ray the head once took 20 s to
+    start, so the first tries to join it failing is not an error."""
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "VIDTUNE_HEAD_WAIT_S": "3"}
+    env.pop("RAY_ADDRESS", None)
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-", address, "1", "/tmp/ray-123"], input=_head_wait(), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vidtune.sbatch: the Ray head at {address} did not start within 3 s"), last
+    assert last.endswith("its logs: /tmp/ray-123/session_latest/logs"), last
+    assert time.monotonic() - started < 60
