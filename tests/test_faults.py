@@ -370,10 +370,9 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         pytest.skip("needs root to mount a 3 MB tmpfs as the full disk")
     try:
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-        # --max-failures 0: a trial that hits the full disk is not restarted from its checkpoint
-        # only to hit it again (2 restarts of ~10 s each; a worker's restart has its own test).
-        # One trial: its second checkpoint (1.7 MB each) fills the disk.
-        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--num-samples", "1", "--max-failures", "0",
+        # One trial: its second checkpoint (1.7 MB each) fills the disk. --max-failures is left at
+        # its default (1): a full disk is not retried (trainer.torch_trainer.DiskFullNotRetried).
+        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--num-samples", "1",
                 "--storage", str(full), "--mlflow-uri", uri, "--name", "f"]
         log = tmp_path / "full.log"
         out = _finish(_start(args, tmp_path, log, shared_ray), log)

@@ -64,7 +64,8 @@ class TrainConfig:
     max_failures: int = option(1, flag="--max-failures", metavar="N", ge=0,
                                help="times a run restarts from its last checkpoint after a worker dies "
                                "(Ray Train's FailureConfig), and times a search reruns a trial whose node "
-                               "was lost (Tune's); a trial's own error or out of memory is never retried")
+                               "was lost (Tune's); a trial's own error, out of memory or a full disk is "
+                               "never retried")
     # How long a rank of a multi-worker run waits in a collective (all-reduce, broadcast) before
     # its run fails. NCCL's own default, 30 minutes, is how long the other ranks hang when one
     # fails mid-step (out of memory inside DDP's backward, a lost node). 10 minutes stays far

@@ -13,18 +13,25 @@ Ray Train (2.60) starts, for every run:
   Stopping the cleaner also held the end of every `fit()` for ~0.45 s.
 `bench/trial_overhead.py` measures both. Given datasets, the `DatasetManager` is kept.
 
+It also restarts no worker group that failed on a full disk (`DiskFullNotRetried`): Ray's policy
+restarts any worker failure up to `--max-failures` times, and a restart from the last checkpoint
+only fills the same disk again (~10 s a restart, and the message the user needs comes later).
+
 This is the trainer layer's one home for Ray internals (`DatasetsCallback` and
 `PlacementGroupCleanerCallback`, the callbacks that start the actors, and
 `_create_default_callbacks`, where Train lists its callbacks; Train has no public switch for
-either; and the logger of a worker's reports, `quiet_report_lines`). Like
+either; its failure policy, `_initialize_and_run_controller`'s `failure_policy`; and the logger of
+a worker's reports, `quiet_report_lines`). Like
 `vidtune.tune.ray_internals`, it checks the Ray minor on import.
 """
 from __future__ import annotations
 
 import logging
 
+from ray.train import WorkerGroupError
 from ray.train.torch import TorchTrainer
 
+from vidtune.errors import no_space_left
 from vidtune.ray_version import check_ray_version, moved_internal
 
 check_ray_version()
@@ -41,8 +48,12 @@ try:
     from ray.train.v2._internal.execution import context as _train_context
 except ImportError as e:
     raise moved_internal("ray.train.v2._internal.execution.context", e) from e
+try:
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
+except ImportError as e:
+    raise moved_internal("ray.train.v2._internal.execution.failure_handling.DefaultFailurePolicy", e) from e
 
-__all__ = ["TorchTrainer", "VidtuneTorchTrainer", "quiet_report_lines"]
+__all__ = ["DiskFullNotRetried", "TorchTrainer", "VidtuneTorchTrainer", "quiet_report_lines"]
 
 
 def quiet_report_lines() -> None:
@@ -52,11 +63,28 @@ def quiet_report_lines() -> None:
     logging.getLogger(_train_context.__file__).setLevel(logging.WARNING)
 
 
+class DiskFullNotRetried(DefaultFailurePolicy):
+    """Ray Train's failure policy, except that a worker group that failed on a full disk (errno
+    28 in any worker's error) ends the run at once instead of restarting from its checkpoint."""
+
+    def make_decision(self, training_failed_error):
+        error = training_failed_error
+        if isinstance(error, WorkerGroupError) and any(
+                no_space_left(e) for e in (error, *error.worker_failures.values())):
+            self._log_decision(FailureDecision.RAISE, error, 1, 0)
+            return FailureDecision.RAISE
+        return super().make_decision(training_failed_error)
+
+
 class VidtuneTorchTrainer(TorchTrainer):
     """`ray.train.torch.TorchTrainer` that starts no `PlacementGroupCleaner`, nor a
-    `DatasetManager` for a run without `datasets`."""
+    `DatasetManager` for a run without `datasets`, and does not restart a full disk's failure."""
 
     def _create_default_callbacks(self):
         unused = (PlacementGroupCleanerCallback,) if self.datasets else \
             (PlacementGroupCleanerCallback, DatasetsCallback)
         return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unused)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["failure_policy"] = DiskFullNotRetried(self.run_config.failure_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)

@@ -15,7 +15,6 @@ search made, and both must see the same record.
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ from ray.tune import Callback
 from ray.tune.experiment import Trial
 
 from vidtune.atomic import write_atomically
+from vidtune.errors import no_space_left
 from vidtune.trainer.checkpointing import checkpoint_problem
 from vidtune.tune import layout
 
@@ -112,16 +112,9 @@ def disk_full(error: BaseException | None, storage: str) -> str | None:
     """Why `error` (an exception out of Tune, or a trial's error text) is a full disk, or None.
     Looks for errno 28 (ENOSPC) along the exception's chain and in its text (trial errors arrive
     as text from the workers), and at the free space left under a local `storage`."""
-    seen = 0
-    e = error
-    while e is not None and seen < 20:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return str(e)
-        e = e.__cause__ or e.__context__
-        seen += 1
-    text = str(error or "")
-    if "No space left on device" in text or "[Errno 28]" in text or "errno 28" in text:
-        return "No space left on device"
+    said = no_space_left(error)
+    if said:
+        return said
     if error is not None and "://" not in storage:
         try:
             if shutil.disk_usage(storage).free < 1 << 20:

@@ -1,4 +1,6 @@
-"""The one error type of the data layer, and the one way a decoder's exception is shortened for it."""
+"""The one error type of the data layer, the one way a decoder's exception is shortened for it,
+and how a full disk is told from an exception, wherever it was raised."""
+import errno
 
 
 class DataError(ValueError):
@@ -13,3 +15,19 @@ def decoder_reason(e: BaseException) -> str:
     text = lines[-1].split("] ", 1)[-1]
     text = text.split(": ", 1)[-1] if ".cc:" in text else text
     return text[:160]
+
+
+def no_space_left(error: BaseException | None) -> str | None:
+    """The message that says `error` is a full disk (errno 28, ENOSPC), or None: an OSError with
+    that errno along its cause/context chain, or that error's text in its message (an error raised
+    in a Ray worker reaches the driver and Train's controller as text)."""
+    e, seen = error, 0
+    while e is not None and seen < 20:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return str(e)
+        e = e.__cause__ or e.__context__
+        seen += 1
+    text = str(error or "")
+    if "No space left on device" in text or "[Errno 28]" in text or "errno 28" in text:
+        return "No space left on device"
+    return None
