@@ -10,7 +10,7 @@ from scipy.stats import binomtest
 from vidtune.tune import searched
 from vidtune.tune.answer import answer_lines
 from vidtune.tune.options import SearchSpace
-from vidtune.tune.results import TrialRow
+from vidtune.tune.results import TrialResult
 from vidtune.tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
 
 
@@ -52,7 +52,7 @@ def test_format_accuracy():
 
 
 def row(name, bs, lr, acc, speed, status="DONE"):
-    return TrialRow(trial_id=name, batch_size=bs, lr=lr, val_acc=acc, val_f1=acc,
+    return TrialResult(trial_id=name, batch_size=bs, lr=lr, val_acc=acc, val_f1=acc,
                     clips_per_s=speed, epoch_time_s=10.0, epochs=3, status=status, checkpoint=None,
                     name=name, best_epoch=3)
 
@@ -112,7 +112,7 @@ def test_an_f1_objective_names_f1_and_keeps_the_accuracy_interval():
     assert lines[0].startswith("Best: t1 (batch 8, lr 1.00e-03), val_f1 0.800, val_acc 0.800 [0.65, 0.91]")
 
 
-def _at(name: str, best_epoch: int, *, status: str = "DONE", epochs: int = 6) -> TrialRow:
+def _at(name: str, best_epoch: int, *, status: str = "DONE", epochs: int = 6) -> TrialResult:
     r = row(name, 8, 1e-3, 0.7 + 0.01 * best_epoch, 10.0, status=status)
     return dataclasses.replace(r, best_epoch=best_epoch, epochs=epochs)
 

@@ -127,16 +127,16 @@ def test_the_end_block_counts_the_trials_by_outcome():
         "3 trials in 1h01m: 1 out of memory, 1 failed, 1 interrupted"
 
 
-def _row(name: str, status: str) -> results.TrialRow:
-    return results.TrialRow(trial_id=name, batch_size=8, lr=1e-3, val_acc=0.5, val_f1=0.5,
+def _row(name: str, status: str) -> results.TrialResult:
+    return results.TrialResult(trial_id=name, batch_size=8, lr=1e-3, val_acc=0.5, val_f1=0.5,
                             clips_per_s=10.0, epoch_time_s=1.0, epochs=2, status=status, checkpoint=None)
 
 
 def test_markdown_table_for_the_parent_description():
-    row = results.TrialRow(trial_id="a", batch_size=8, lr=2.5e-4, val_acc=0.8125,
+    row = results.TrialResult(trial_id="a", batch_size=8, lr=2.5e-4, val_acc=0.8125,
                            val_f1=0.8, clips_per_s=41.234, epoch_time_s=2.0, epochs=3, status="DONE",
                            checkpoint=None, name="t01-bs8-lr2.5e-4", best_epoch=2)
-    oom = results.TrialRow(trial_id="b", batch_size=64, lr=1e-3, val_acc=math.nan,
+    oom = results.TrialResult(trial_id="b", batch_size=64, lr=1e-3, val_acc=math.nan,
                            val_f1=math.nan, clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1,
                            status="OOM", checkpoint=None, name="t02-bs64-lr1e-3")
     lines = tables.format_markdown([row, oom], val_clips=32).splitlines()

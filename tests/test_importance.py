@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.tune.importance import MIN_TRIALS, finished_trials, param_importances
 from vidtune.tune.options import SearchSpace
-from vidtune.tune.results import TrialRow
+from vidtune.tune.results import TrialResult
 from vidtune.tune.tracking.tracker import MLflowTracker
 
 SPACE = SearchSpace(batch_sizes=(4, 8, 16), lr_min=1e-4, lr_max=3e-3)
@@ -27,8 +27,8 @@ def trials(value, n: int = 16, seed: int = 1) -> list[tuple[dict, float]]:
 
 
 def row(i: int, batch_size: int, lr: float, val_acc: float, status: str = "DONE",
-        weight_decay: float | None = None) -> TrialRow:
-    return TrialRow(trial_id=f"t{i}", batch_size=batch_size, lr=lr,
+        weight_decay: float | None = None) -> TrialResult:
+    return TrialResult(trial_id=f"t{i}", batch_size=batch_size, lr=lr,
                     params={"weight_decay": weight_decay} if weight_decay is not None else {},
                     val_acc=val_acc, val_f1=val_acc / 2, clips_per_s=10.0, epoch_time_s=1.0, epochs=3,
                     status=status, checkpoint=None)

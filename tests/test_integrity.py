@@ -152,7 +152,7 @@ def test_the_best_checkpoint_is_ranked_by_the_objective(run_folder, tmp_path, mo
     assert results.best_checkpoint(str(folder), result, "t")[:2] == (str(folder / "epoch_0002"), 2)
     assert results.best_checkpoint(str(folder), result, "t", metric="val_f1") == \
         (str(folder / "epoch_0003"), 3, 0.7)           # its epoch, and that epoch's val_acc
-    t01 = results.TrialRow("a_00001", 4, 1e-3, 0.8, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
+    t01 = results.TrialResult("a_00001", 4, 1e-3, 0.8, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
                            name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.8,
                            checkpoint_score=0.5)
     t02 = dataclasses.replace(t01, trial_id="a_00002", name="t02", checkpoint="/r/t02/epoch_0002",
@@ -166,7 +166,7 @@ def test_the_best_checkpoint_is_the_best_whole_one_of_the_search():
     checkpoint is t02's, named with t02's own epoch and val_acc on every line, best_config too."""
     from vidtune.tune.summary import checkpoint_line
 
-    t01 = results.TrialRow("a_00001", 4, 1e-3, 0.5, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
+    t01 = results.TrialResult("a_00001", 4, 1e-3, 0.5, 0.5, 10.0, 1.0, 4, "DONE", "/r/t01/epoch_0004",
                            name="t01", best_epoch=1, checkpoint_epoch=4, checkpoint_val_acc=0.375,
                            checkpoint_score=0.375)
     t02 = dataclasses.replace(t01, trial_id="a_00002", name="t02", checkpoint="/r/t02/epoch_0002",

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.results import SUMMARY_KEYS, TrialRow, live_row, row_from_result, summary_metrics
+from vidtune.tune.results import SUMMARY_KEYS, TrialResult, live_row, row_from_result, summary_metrics
 from vidtune.tune.tables import csv_record
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, OUTCOME_TAG, STOP_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
@@ -50,7 +50,7 @@ def _summary(c: MlflowClient, run_id: str) -> dict[str, float]:
     return {k: v for k, v in c.get_run(run_id).data.metrics.items() if k in SUMMARY_KEYS}
 
 
-def _in_csv(row: TrialRow) -> dict[str, float]:
+def _in_csv(row: TrialResult) -> dict[str, float]:
     """The row's SUMMARY_KEYS as trials.csv writes them, read back as numbers."""
     record = csv_record(row, VAL_CLIPS)
     return {k: float(record[k]) for k in SUMMARY_KEYS}

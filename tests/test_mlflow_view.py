@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from vidtune.tune.results import TrialRow
+from vidtune.tune.results import TrialResult
 from vidtune.tune.tables import format_markdown
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.description import CELL_PAD, spaced_table
@@ -34,20 +34,20 @@ def _tracker(uri: str, experiment: str, objective: str = "val_acc") -> MLflowTra
                          val_clips=32)
 
 
-def _row(trial_id: str, val_acc: float, clips_per_s: float, status: str = "DONE") -> TrialRow:
-    return TrialRow(trial_id=trial_id, batch_size=4, lr=1e-3, val_acc=val_acc,
+def _row(trial_id: str, val_acc: float, clips_per_s: float, status: str = "DONE") -> TrialResult:
+    return TrialResult(trial_id=trial_id, batch_size=4, lr=1e-3, val_acc=val_acc,
                     val_f1=val_acc - 0.1, clips_per_s=clips_per_s, epoch_time_s=2.0, epochs=3, status=status,
                     checkpoint=None, best_epoch=2, name=trial_id)
 
 
-def _result(row: TrialRow):
+def _result(row: TrialResult):
     """What `reconcile` reads of a Tune Result: the config and the last report (no dataframe)."""
     last = {"epoch": row.epochs, "val_acc": row.val_acc, "clips_per_s": row.clips_per_s}
     return SimpleNamespace(config={"batch_size": row.batch_size, "lr": row.lr}, metrics=last,
                            metrics_dataframe=None, error=None)
 
 
-def _search(uri: str, experiment: str, rows: list[TrialRow], objective: str = "val_acc") -> MLflowTracker:
+def _search(uri: str, experiment: str, rows: list[TrialResult], objective: str = "val_acc") -> MLflowTracker:
     t = _tracker(uri, experiment, objective)
     t.setup()
     t.reconcile([(r, _result(r), None) for r in rows])

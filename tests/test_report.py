@@ -64,8 +64,8 @@ def test_pareto_front_and_best_use_the_steady_speed():
 
 
 def _row(trial_id: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE",
-         batch: int = 8, shared: float = 1.0) -> results.TrialRow:
-    return results.TrialRow(trial_id=trial_id, batch_size=batch, lr=1e-3, val_acc=acc,
+         batch: int = 8, shared: float = 1.0) -> results.TrialResult:
+    return results.TrialResult(trial_id=trial_id, batch_size=batch, lr=1e-3, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=3, status=status, checkpoint=None, concurrent_trainings=shared)
 
@@ -155,7 +155,7 @@ def test_format_table_marks_shared_speed_and_missing_numbers():
     alone = _row("alone", 0.75, 12.34, shared=1.0)
     shared = _row("shared", 0.5, 8.0, shared=2.0)
     unknown = _row("unknown", 0.5, 8.0, shared=math.nan)
-    oom = results.TrialRow("oom", 64, 1e-3, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
+    oom = results.TrialResult("oom", 64, 1e-3, math.nan, math.nan, math.nan, math.nan, 1, "OOM", None)
     *lines, legend = tables.format_table([alone, shared, unknown, oom]).splitlines()
     assert legend.startswith("* shared its device")                   # what the mark means, once
     assert lines[0].split() == ["trial", "batch", "lr", "best", "val_acc", "epoch", "best", "val_f1",
@@ -201,8 +201,8 @@ def test_write_csv_round_trip(tmp_path):
     import csv
 
     # the columns are tables.csv_columns (name first, best_epoch for the best epoch), no longer
-    # TrialRow's fields in order; rows come best first and floats are rounded
-    rows = [results.TrialRow("b", 16, 3e-4, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
+    # TrialResult's fields in order; rows come best first and floats are rounded
+    rows = [results.TrialResult("b", 16, 3e-4, math.nan, 0.25, math.nan, math.nan, 1, "OOM", "/ckpt/b",
                             node_id="node-1", params={"weight_decay": 0.05}),
             _row("a", 0.75, 12.5, shared=2.0)]
     path = tables.write_csv(rows, tmp_path / "deep" / "trials.csv")
@@ -222,15 +222,15 @@ def test_write_csv_round_trip(tmp_path):
 
 
 def _named(name: str, acc: float, speed: float, *, f1: float = 0.5, status: str = "DONE", batch: int = 8,
-           lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> results.TrialRow:
-    return results.TrialRow(trial_id=f"id_{name}", batch_size=batch, lr=lr, val_acc=acc,
+           lr: float = 2.5e-4, wd: float | None = None, best_epoch: int = 2) -> results.TrialResult:
+    return results.TrialResult(trial_id=f"id_{name}", batch_size=batch, lr=lr, val_acc=acc,
                            val_f1=f1, clips_per_s=speed, epoch_time_s=100.0 / speed if speed else math.nan,
                            epochs=4, status=status, checkpoint=f"/ckpt/{name}/epoch_{best_epoch:04d}",
                            name=name, best_epoch=best_epoch,
                            params={"weight_decay": wd} if wd is not None else {})
 
 
-def _search_rows() -> list[results.TrialRow]:
+def _search_rows() -> list[results.TrialResult]:
     """A realistic search: DONE, STOPPED, OOM, ERROR, two batch sizes, a front of 2."""
     return [
         _named("t01-bs8-lr2.5e-4", 0.81234567, 41.2345, f1=0.79, wd=0.05),

@@ -15,8 +15,8 @@ from vidtune.tune.uncertainty import wilson_interval
 
 
 def _row(name: str, acc: float, speed: float, *, best_epoch: int = 2, status: str = "DONE",
-         batch: int = 8, lr: float = 1e-3) -> results.TrialRow:
-    return results.TrialRow(trial_id=name, batch_size=batch, lr=lr, val_acc=acc,
+         batch: int = 8, lr: float = 1e-3) -> results.TrialResult:
+    return results.TrialResult(trial_id=name, batch_size=batch, lr=lr, val_acc=acc,
                             val_f1=0.5, clips_per_s=speed, epoch_time_s=10.0, epochs=3, status=status,
                             checkpoint=None, name=name, best_epoch=best_epoch)
 

@@ -14,8 +14,9 @@ from vidtune.tune import searched as searched_params
 from vidtune.tune.options import SearchSpace
 
 
-def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8, lr: float = 1e-3) -> results.TrialRow:
-    return results.TrialRow(trial_id=f"id{n}", batch_size=batch, lr=lr, val_acc=acc,
+def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8,
+         lr: float = 1e-3) -> results.TrialResult:
+    return results.TrialResult(trial_id=f"id{n}", batch_size=batch, lr=lr, val_acc=acc,
                             val_f1=acc, clips_per_s=10.0 * batch if math.isfinite(acc) else math.nan,
                             epoch_time_s=5.0, epochs=3, status=status, checkpoint=None,
                             name=f"t{n:02d}-bs{batch}-lr1e-3", best_epoch=2 if math.isfinite(acc) else 0)

@@ -30,7 +30,7 @@ from vidtune.tune.console import SearchConsole
 from vidtune.tune.importance import MIN_TRIALS, param_importances
 from vidtune.tune.options import SearchOptions, SearchSpace
 from vidtune.tune.plots import params_figure
-from vidtune.tune.results import TrialRow
+from vidtune.tune.results import TrialResult
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import PARENT_TAG
 from vidtune.tune.trial import short_name, trial_config
@@ -49,8 +49,8 @@ def with_warmup(monkeypatch):
     monkeypatch.setattr(searched, "PARAMS", searched.PARAMS + (WARMUP,))
 
 
-def _row(i: int, *, warmup: float, acc: float, batch: int = 8, lr: float = 1e-3) -> TrialRow:
-    return TrialRow(trial_id=f"id{i}", batch_size=batch, lr=lr, val_acc=acc, val_f1=acc,
+def _row(i: int, *, warmup: float, acc: float, batch: int = 8, lr: float = 1e-3) -> TrialResult:
+    return TrialResult(trial_id=f"id{i}", batch_size=batch, lr=lr, val_acc=acc, val_f1=acc,
                     clips_per_s=10.0, epoch_time_s=1.0, epochs=3, status="DONE", checkpoint=None,
                     name=f"t{i:02d}", best_epoch=3,
                     params={"batch_size": batch, "lr": lr, "warmup_frac": warmup})

@@ -328,17 +328,17 @@ def test_tracking_server_health_is_checked(status, ok):
 
 
 def test_each_trial_run_opens_with_one_line_saying_how_it_did():
-    from vidtune.tune.results import TrialRow
+    from vidtune.tune.results import TrialResult
     from vidtune.tune.tracking.runs import trial_description
     from vidtune.tune.uncertainty import accuracy_interval
 
-    row = TrialRow(trial_id="a", batch_size=4, lr=1e-3, val_acc=0.5625, val_f1=0.6,
+    row = TrialResult(trial_id="a", batch_size=4, lr=1e-3, val_acc=0.5625, val_f1=0.6,
                    clips_per_s=45.12, epoch_time_s=2.0, epochs=4, status="DONE", checkpoint=None,
                    best_epoch=3)
     low, high = accuracy_interval(0.5625, 32)
     assert trial_description(row, 32, 4) == \
         f"best val_acc 0.562 [{low:.2f}, {high:.2f}] at epoch 3 of 4; done; 45.1 clips/s"
     assert low < 0.5625 - 0.1 and high > 0.5625 + 0.1                 # the interval, not a point
-    oom = TrialRow(trial_id="b", batch_size=64, lr=1e-3, val_acc=0.0, val_f1=0.0,
+    oom = TrialResult(trial_id="b", batch_size=64, lr=1e-3, val_acc=0.0, val_f1=0.0,
                    clips_per_s=0.0, epoch_time_s=0.0, epochs=1, status="OOM", checkpoint=None)
     assert trial_description(oom, 32, 4) == "no accuracy (out of memory) after 1 of 4 epochs"

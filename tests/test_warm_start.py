@@ -12,7 +12,7 @@ from ray.tune.search.optuna import OptunaSearch
 from vidtune.flags import ConfigError
 from vidtune.tune.options import SearchOptions, SearchSpace
 from vidtune.tune.ray_internals import optuna_study
-from vidtune.tune.results import TrialRow
+from vidtune.tune.results import TrialResult
 from vidtune.tune.space import param_space
 from vidtune.tune.tables import write_csv
 from vidtune.tune.warm_start import load_warm_start
@@ -27,8 +27,8 @@ def write(folder: Path, text: str) -> Path:
     return folder
 
 
-def row(trial_id: str, batch_size: int, lr: float, val_acc: float, status: str = "DONE") -> TrialRow:
-    return TrialRow(trial_id=trial_id, batch_size=batch_size, lr=lr, val_acc=val_acc,
+def row(trial_id: str, batch_size: int, lr: float, val_acc: float, status: str = "DONE") -> TrialResult:
+    return TrialResult(trial_id=trial_id, batch_size=batch_size, lr=lr, val_acc=val_acc,
                     val_f1=val_acc - 0.1, clips_per_s=10.0, epoch_time_s=2.0, epochs=3, status=status,
                     checkpoint=None, best_epoch=3)
 

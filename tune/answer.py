@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from vidtune.tune import searched
-from vidtune.tune.results import TrialRow, objective_key, ranked, usable
+from vidtune.tune.results import TrialResult, objective_key, ranked, usable
 from vidtune.tune.searched import Domain
 from vidtune.tune.uncertainty import accuracy_interval, format_accuracy
 
@@ -25,14 +25,14 @@ EDGE_SHARE = 0.1
 MIN_EPOCHS_FOR_HINT = 3   # "raise --epochs" only about trials that trained this many epochs or more
 
 
-def _trial(r: TrialRow) -> str:
+def _trial(r: TrialResult) -> str:
     """`t03 (batch 8, lr 2.50e-04)`: its name and its searched values, as the table shows them."""
     values = ", ".join(f"{p.column} {p.cell(r.value(p.name))}" for p in searched.PARAMS
                        if r.value(p.name) is not None)
     return f"{r.label} ({values})"
 
 
-def _edge_warnings(best: TrialRow, domains: Mapping[str, Domain]) -> list[str]:
+def _edge_warnings(best: TrialResult, domains: Mapping[str, Domain]) -> list[str]:
     """A warning per searched parameter whose best value sits at an edge of what was searched: a
     range's first or last EDGE_SHARE, or the smallest or largest of 3 or more choices."""
     out = []
@@ -60,7 +60,7 @@ def _edge_warnings(best: TrialRow, domains: Mapping[str, Domain]) -> list[str]:
     return out
 
 
-def _epochs_hint(rows: Sequence[TrialRow]) -> list[str]:
+def _epochs_hint(rows: Sequence[TrialResult]) -> list[str]:
     """A hint to train longer when most trials that ran every epoch (DONE) were best at their last
     one: their accuracy was still rising when training stopped (at least 2 such trials, so one
     lucky last epoch does not speak for the search, and 3 epochs or more: with 1 or 2 the last is
@@ -74,7 +74,7 @@ def _epochs_hint(rows: Sequence[TrialRow]) -> list[str]:
             "one: their accuracy was still rising; raise --epochs for a better model."]
 
 
-def answer_lines(rows: Sequence[TrialRow], *, objective: str, val_clips: int,
+def answer_lines(rows: Sequence[TrialResult], *, objective: str, val_clips: int,
                  domains: Mapping[str, Domain] | None = None) -> list[str]:
     """The sentences that open a search's summary, most important first ([] without a usable
     trial). `val_clips`: the validation set's size (0 when unknown: no intervals); `domains`:

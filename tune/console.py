@@ -31,11 +31,11 @@ from vidtune.trainer.metrics import steady_state
 from vidtune.tune import searched
 from vidtune.tune.budget import format_duration
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
-from vidtune.tune.results import STATUSES, TrialRow, completed_trial_status
+from vidtune.tune.results import STATUSES, TrialResult, completed_trial_status
 from vidtune.tune.trial import short_name
 
 
-def outcome_line(rows: list[TrialRow], wall_s: float) -> str:
+def outcome_line(rows: list[TrialResult], wall_s: float) -> str:
     """The end block's first count: `6 trials in 4m12s: 4 done, 1 stopped early, 1 diverged`
     (statuses in STATUSES order, those present only)."""
     counts = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}

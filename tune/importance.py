@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 
 from vidtune.tune import searched
 from vidtune.tune.plot_drawing import PLOT_DPI
-from vidtune.tune.results import TrialRow, objective_key
+from vidtune.tune.results import TrialResult, objective_key
 from vidtune.tune.status import WITH_RESULT
 
 MIN_TRIALS = 8
@@ -82,7 +82,7 @@ class Importance:
         return path
 
 
-def finished_trials(rows: Iterable[TrialRow], objective: str = "val_acc") -> list[Trial]:
+def finished_trials(rows: Iterable[TrialResult], objective: str = "val_acc") -> list[Trial]:
     """(params, value) of the DONE and STOPPED rows with a finite value of `objective` (pareto:
     val_acc); the params are the searched values a row has (`tune.searched.PARAMS`)."""
     key = objective_key(objective)
@@ -95,15 +95,15 @@ def finished_trials(rows: Iterable[TrialRow], objective: str = "val_acc") -> lis
     return out
 
 
-def param_importances(trials: Iterable[TrialRow | Trial], *, objective: str = "val_acc",
+def param_importances(trials: Iterable[TrialResult | Trial], *, objective: str = "val_acc",
                       space: Any = None) -> Importance:
     """fANOVA importance of each searched parameter (see the module docstring) from TrialRows
     (their finished ones) or (params, value) pairs. `space`: the search space
     (`tune.options.SearchSpace`), whose bounds and choices the distributions take (default: the
     values the trials span)."""
     trials = list(trials)
-    rows = [t for t in trials if isinstance(t, TrialRow)]
-    pairs = finished_trials(rows, objective) + [t for t in trials if not isinstance(t, TrialRow)]
+    rows = [t for t in trials if isinstance(t, TrialResult)]
+    pairs = finished_trials(rows, objective) + [t for t in trials if not isinstance(t, TrialResult)]
     metric = objective_key(objective)
     if len(pairs) < MIN_TRIALS:
         return Importance(metric, len(pairs), reason=f"{len(pairs)} finished trial(s); it needs at least "

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.transforms import Bbox, Transform
 
-from vidtune.tune.results import NO_RESULT, TrialRow
+from vidtune.tune.results import NO_RESULT, TrialResult
 from vidtune.tune.uncertainty import accuracy_interval
 
 PLOT_DPI = 150
@@ -38,7 +38,7 @@ OOM_BAND = 0.12         # params plot: the bottom band (axes fraction) that hold
 _MARKER_S = 42          # scatter marker area (points^2)
 
 
-def batch_colours(rows: Iterable[TrialRow]) -> dict[int, str]:
+def batch_colours(rows: Iterable[TrialResult]) -> dict[int, str]:
     sizes = sorted({r.batch_size for r in rows})
     return {b: _PALETTE[i % len(_PALETTE)] for i, b in enumerate(sizes)}
 
@@ -52,7 +52,7 @@ def new_figure(width: float, height: float, ncols: int = 1,
     return fig, list(axes)
 
 
-def draw_point(ax: Axes, x: float, y: float, r: TrialRow, colour: str,
+def draw_point(ax: Axes, x: float, y: float, r: TrialResult, colour: str,
                 transform: Transform | None = None) -> None:
     style = _STATUS_STYLE.get(r.status, _STATUS_STYLE["DONE"])
     kw: dict[str, Any] = dict(marker=style["marker"], s=_MARKER_S, zorder=3, clip_on=False)
@@ -92,7 +92,7 @@ def ring_best(ax: Axes, x: float, y: float) -> None:
                linewidths=1.4, zorder=4, clip_on=False, gid="best_trial")
 
 
-def draw_legend(ax: Axes, rows: list[TrialRow], colours: dict[int, str], *, front: bool,
+def draw_legend(ax: Axes, rows: list[TrialResult], colours: dict[int, str], *, front: bool,
             best: bool = False, extra: tuple[Line2D, ...] = ()) -> None:
     """Colour = batch size, marker = status (those present), the front when drawn, the ring
     around the best trial when drawn, then `extra`."""
@@ -116,7 +116,7 @@ def draw_legend(ax: Axes, rows: list[TrialRow], colours: dict[int, str], *, fron
                   frameon=False, borderaxespad=0.0)
 
 
-def not_plotted_note(ax: Axes, rows: list[TrialRow]) -> None:
+def not_plotted_note(ax: Axes, rows: list[TrialResult]) -> None:
     """Say which trials the plot leaves out (errored, or no value to plot), under the legend."""
     if rows:
         names = ", ".join(f"{r.label} ({r.status})" for r in rows)
@@ -203,6 +203,6 @@ def save_png(fig: Figure, path: Path) -> Path:
     return path
 
 
-def strip_label(rows: list[TrialRow]) -> str:
+def strip_label(rows: list[TrialResult]) -> str:
     """The label of the strip holding the trials without a result: the statuses among them."""
     return " / ".join(s for s in NO_RESULT if any(r.status == s for r in rows))

@@ -1,4 +1,4 @@
-"""The three plots of a search's trials (`tune.results.TrialRow`), PNG on matplotlib's Agg canvas
+"""The three plots of a search's trials (`tune.results.TrialResult`), PNG on matplotlib's Agg canvas
 (no display, no pyplot state): accuracy against speed with the Pareto front (`plot_scatter`),
 the objective against each searched parameter (`plot_objective_vs_params`), and the objective
 of each trial in start order with the best so far (`plot_history`). Every accuracy is the
@@ -31,7 +31,7 @@ from vidtune.tune.plot_drawing import (
     save_png,
     strip_label,
 )
-from vidtune.tune.results import NO_RESULT, TrialRow, best_trial, objective_key, pareto_front, usable
+from vidtune.tune.results import NO_RESULT, TrialResult, best_trial, objective_key, pareto_front, usable
 from vidtune.tune.searched import Domain, Param, short_number
 from vidtune.tune.tables import shown_params
 
@@ -41,7 +41,7 @@ def _oom_y(i: int) -> float:
     return max(0.9 - 0.07 * i, 0.05)
 
 
-def _speed_spreads(pool: list[TrialRow]) -> dict[int, tuple[float, float]]:
+def _speed_spreads(pool: list[TrialResult]) -> dict[int, tuple[float, float]]:
     """{batch size: (slowest, fastest) steady clips/s} over its trials, for sizes with 2 or more:
     one model at one batch size has one speed, so the spread is what the machine added (other
     trainings, other processes), the noise any speed difference must beat."""
@@ -70,7 +70,7 @@ def _draw_speed_spreads(ax: Axes, spreads: dict[int, tuple[float, float]], colou
                 ha="left" if room_right else "right", va="center", fontsize=6.5, color="#333333")
 
 
-def scatter_figure(rows: list[TrialRow], *, title: str = "", val_clips: int = 0) -> Figure:
+def scatter_figure(rows: list[TrialResult], *, title: str = "", val_clips: int = 0) -> Figure:
     """The figure `plot_scatter` saves (a matplotlib Figure on an Agg canvas)."""
     fig, (ax,) = new_figure(8.6, 5.2)
     colours = batch_colours(rows)
@@ -120,7 +120,7 @@ def scatter_figure(rows: list[TrialRow], *, title: str = "", val_clips: int = 0)
     return fig
 
 
-def plot_scatter(rows: list[TrialRow], path: Path, *, title: str = "", val_clips: int = 0) -> Path | None:
+def plot_scatter(rows: list[TrialResult], path: Path, *, title: str = "", val_clips: int = 0) -> Path | None:
     """Validation accuracy (best epoch) against steady clips/s, one labelled point per trial:
     colour = batch size, marker = status (DONE filled, STOPPED hollow, UNFINISHED triangle; OOM
     an x and DIVERGED a hollow diamond, at 0 clips/s in a shaded strip), each accuracy's 95%
@@ -167,7 +167,7 @@ def _axis_label(p: Param) -> str:
     return f"{p.axis_label} ({p.scale} scale)"
 
 
-def _spread(groups: tuple[tuple[list[TrialRow], float], ...], p: Param, key: str) -> dict[int, float]:
+def _spread(groups: tuple[tuple[list[TrialResult], float], ...], p: Param, key: str) -> dict[int, float]:
     """x of each trial on a choice parameter's axis: its value's place among the values, the
     trials of one value spread a little apart by their objective (`groups`: (rows, step); the
     OOM / DIVERGED ones, all on the bottom band, wider apart)."""
@@ -181,7 +181,7 @@ def _spread(groups: tuple[tuple[list[TrialRow], float], ...], p: Param, key: str
     return spread
 
 
-def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_clips: int = 0,
+def params_figure(rows: list[TrialResult], *, objective: str, title: str = "", val_clips: int = 0,
                   domains: Mapping[str, Domain] | None = None) -> Figure:
     """The figure `plot_objective_vs_params` saves."""
     key = objective_key(objective)
@@ -194,7 +194,7 @@ def params_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_
     best = best_trial(rows, objective)
     spread = {p.name: _spread(((pool, 0.12), (oom, 0.3)), p, key) for p in params if p.is_choice}
 
-    def x_of(r: TrialRow, p: Param) -> float:
+    def x_of(r: TrialResult, p: Param) -> float:
         if p.is_choice:
             return spread[p.name].get(id(r), math.nan)
         v = r.value(p.name)
@@ -274,7 +274,7 @@ def _log_ticks(ax: Axes) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str, title: str = "",
+def plot_objective_vs_params(rows: list[TrialResult], path: Path, *, objective: str, title: str = "",
                              val_clips: int = 0, domains: Mapping[str, Domain] | None = None
                              ) -> Path | None:
     """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
@@ -290,13 +290,13 @@ def plot_objective_vs_params(rows: list[TrialRow], path: Path, *, objective: str
                                   domains=domains), path)
 
 
-def _start_number(r: TrialRow, default: int) -> int:
+def _start_number(r: TrialResult, default: int) -> int:
     """The trial's number in the search from its name (t03-... -> 3); `default` without one."""
     head = r.label.split("-", 1)[0]
     return int(head[1:]) if head[:1] == "t" and head[1:].isdigit() else default
 
 
-def history_figure(rows: list[TrialRow], *, objective: str, title: str = "", val_clips: int = 0) -> Figure:
+def history_figure(rows: list[TrialResult], *, objective: str, title: str = "", val_clips: int = 0) -> Figure:
     """The figure `plot_history` saves."""
     key = objective_key(objective)
     fig, (ax,) = new_figure(8.6, 4.4)
@@ -352,7 +352,7 @@ def history_figure(rows: list[TrialRow], *, objective: str, title: str = "", val
     return fig
 
 
-def plot_history(rows: list[TrialRow], path: Path, *, objective: str, title: str = "",
+def plot_history(rows: list[TrialResult], path: Path, *, objective: str, title: str = "",
                  val_clips: int = 0) -> Path | None:
     """The objective (at each trial's best epoch by val_acc; pareto: val_acc) of each trial in the
     order trials started (their number, t03 -> 3), as points marked like `plot_scatter`; the best

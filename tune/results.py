@@ -42,7 +42,7 @@ OBJECTIVES = ("val_acc", "val_f1", "pareto")
 
 
 @dataclass(frozen=True)
-class TrialRow:
+class TrialResult:
     trial_id: str
     batch_size: int
     lr: float
@@ -119,8 +119,8 @@ def _epoch_of(x: Any) -> int:
 
 def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: bool,
                     train_run: str | None = None, name: str | None = None,
-                    metric: str = "val_acc") -> TrialRow:
-    """One Tune `Result` -> TrialRow. `finished`: Tune ended the trial (not interrupted).
+                    metric: str = "val_acc") -> TrialResult:
+    """One Tune `Result` -> TrialResult. `finished`: Tune ended the trial (not interrupted).
     `train_run`: the folder of the trial's Ray Train run (its checkpoints). `name`: the trial's
     short readable name (default: the trial id). `metric`: what picks the best epoch, the
     search's `objective_key`.
@@ -143,7 +143,7 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
     checkpoint, checkpoint_epoch, checkpoint_val_acc = best_checkpoint(train_run, result, name or trial_id,
                                                                        metric=metric)
     checkpoint_score = _f(records.get(checkpoint_epoch, {}).get(metric))
-    return TrialRow(
+    return TrialResult(
         trial_id=trial_id,
         batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
         lr=_f(cfg.get("lr", m.get("lr"))),
@@ -259,7 +259,7 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "", *,
     return found, _epoch_of(metrics.get("epoch")), _f(metrics.get("val_acc"))
 
 
-def best_whole_checkpoint(rows: list[TrialRow], best: TrialRow | None) -> TrialRow | None:
+def best_whole_checkpoint(rows: list[TrialResult], best: TrialResult | None) -> TrialResult | None:
     """The row whose checkpoint is the search's best whole one: the best trial's, when it is of
     its best epoch (the table's answer); else, since that one is damaged or gone, the whole
     checkpoint of highest score (`checkpoint_score`, the objective's metric) among all trials
@@ -297,7 +297,7 @@ SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "di
 
 
 def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
-             status: str, metric: str = "val_acc") -> TrialRow:
+             status: str, metric: str = "val_acc") -> TrialResult:
     """A trial's row from the epochs seen while it ran (epoch -> its report's SUMMARY_INPUTS;
     `tune.tracking.tracker` keeps them), by the rules of `row_from_result`: the best epoch by
     `metric` (ties: the later) among those that trained, the steady-state speeds
@@ -310,14 +310,14 @@ def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str,
     def steady(key: str) -> float:
         return steady_state({e: _f(r.get(key)) for e, r in trained.items()})
 
-    return TrialRow(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
+    return TrialResult(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
                     lr=_f(config.get("lr")), params=searched.values_of(config),
                     val_acc=_f(best.get("val_acc")), val_f1=_f(best.get("val_f1")),
                     clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
                     epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_at)
 
 
-def usable(rows: Iterable[TrialRow]) -> list[TrialRow]:
+def usable(rows: Iterable[TrialResult]) -> list[TrialResult]:
     """Trials with results worth ranking (not OOM, not diverged, not errored, with a finite
     accuracy)."""
     return [r for r in rows if r.status in ("DONE", "STOPPED", "UNFINISHED") and math.isfinite(r.val_acc)]
@@ -329,11 +329,11 @@ def objective_key(objective: str) -> str:
     return "val_acc" if objective == "pareto" else objective
 
 
-def _speed_rank(r: TrialRow) -> float:
+def _speed_rank(r: TrialResult) -> float:
     return r.clips_per_s if math.isfinite(r.clips_per_s) else -1.0
 
 
-def best_trial(rows: list[TrialRow], objective: str) -> TrialRow | None:
+def best_trial(rows: list[TrialResult], objective: str) -> TrialResult | None:
     """Highest objective (at each trial's best epoch by it) among usable trials; pareto: the
     most accurate trial on the front. Ties go to the faster trial (clips/s)."""
     key = objective_key(objective)
@@ -344,11 +344,11 @@ def best_trial(rows: list[TrialRow], objective: str) -> TrialRow | None:
     return max(pool, key=lambda r: (getattr(r, key), _speed_rank(r)))
 
 
-def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
+def pareto_front(rows: list[TrialResult]) -> list[TrialResult]:
     """Trials no other trial beats on both val_acc and clips_per_s (both maximised), by accuracy."""
     pool = [r for r in usable(rows) if math.isfinite(r.clips_per_s)]
 
-    def dominated(a: TrialRow) -> bool:
+    def dominated(a: TrialResult) -> bool:
         return any(b.val_acc >= a.val_acc and b.clips_per_s >= a.clips_per_s and
                    (b.val_acc > a.val_acc or b.clips_per_s > a.clips_per_s) for b in pool)
 
@@ -363,18 +363,18 @@ SUMMARY_KEYS = tuple(k.value for k in (Key.BEST_VAL_ACC, Key.BEST_EPOCH, Key.SPE
                                        Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH))
 
 
-# TrialRow's fields that are summary numbers, under their summary names: best_config.json writes a
+# TrialResult's fields that are summary numbers, under their summary names: best_config.json writes a
 # row with these (`named_record`), as trials.csv and MLflow name them
 RECORD_NAMES = {Key.VAL_ACC.value: Key.BEST_VAL_ACC.value, Key.VAL_F1.value: Key.BEST_VAL_F1.value,
                 Key.CLIPS_PER_S.value: SPEED_METRIC}
 
 
-def named_record(row: TrialRow) -> dict[str, Any]:
+def named_record(row: TrialResult) -> dict[str, Any]:
     """A row's fields as a dict, the summary numbers under their summary names (RECORD_NAMES)."""
     return {RECORD_NAMES.get(k, k): v for k, v in vars(row).items()}
 
 
-def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
+def summary_metrics(row: TrialResult, val_clips: int) -> dict[str, float]:
     """A trial's SUMMARY_KEYS: its best epoch's val_acc, that epoch, its steady clips/s and the
     95% Wilson interval of the accuracy on `val_clips` validation clips; nan where there is none
     (no accuracy, no epoch, no speed, or val_clips 0: no interval)."""
@@ -384,7 +384,7 @@ def summary_metrics(row: TrialRow, val_clips: int) -> dict[str, float]:
             "speed_clips_per_s": row.clips_per_s, "best_val_acc_low": low, "best_val_acc_high": high}
 
 
-def ranked(rows: list[TrialRow], objective: str = "val_acc") -> list[TrialRow]:
+def ranked(rows: list[TrialResult], objective: str = "val_acc") -> list[TrialResult]:
     """Rows best first by `objective` (val_acc or val_f1 descending; pareto: by val_acc), ties to
     the faster trial; then the unusable ones (OOM, DIVERGED, ERROR, no value) in the order given."""
     key = objective_key(objective)

@@ -33,7 +33,7 @@ from vidtune.tune.plots import plot_history, plot_objective_vs_params, plot_scat
 from vidtune.tune.preflight import Plan
 from vidtune.tune.ray_internals import FINISHED_STATES, trial_states
 from vidtune.tune.results import (
-    TrialRow,
+    TrialResult,
     best_trial,
     best_whole_checkpoint,
     named_record,
@@ -52,17 +52,17 @@ class Summary:
     tracker records in MLflow. The files in `files` are written when it is made."""
 
     objective: str                 # the search's --objective: ranks the rows, chose `best`
-    rows: list[TrialRow]           # one per trial, in the Results' order
+    rows: list[TrialResult]           # one per trial, in the Results' order
     # (row, Tune result, Train run folder) per trial: what MLflow's reconcile writes epochs from
-    trials: list[tuple[TrialRow, tune.Result, str]]
+    trials: list[tuple[TrialResult, tune.Result, str]]
     trial_states: list[tuple[str, str]]   # Tune's (trial id, status) of every trial it knows
     interrupted: bool              # Ctrl-C / SIGTERM, or no results at all: continue with --resume
     val_clips: int                 # the validation set's size: the accuracies' 95% intervals (0: none)
     answer: list[str]              # the sentences a person acts on (`tune.answer.answer_lines`)
-    best: TrialRow | None          # by the objective; None without a usable trial
+    best: TrialResult | None          # by the objective; None without a usable trial
     # The row whose checkpoint is the search's best whole one (`best_whole_checkpoint`): `best`,
     # unless its best epoch's checkpoint is damaged or gone
-    checkpoint: TrialRow | None
+    checkpoint: TrialResult | None
     importance: Importance         # the searched parameters' shares (fANOVA), or why there are none
     files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
 
@@ -151,7 +151,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     return 0 if best else 1
 
 
-def checkpoint_line(best: TrialRow, checkpoint: TrialRow | None) -> str:
+def checkpoint_line(best: TrialResult, checkpoint: TrialResult | None) -> str:
     """The summary's line naming the search's best whole checkpoint with its own trial, epoch and
     val_acc (and, when it is not the best trial's best epoch, why)."""
     if checkpoint is None:
@@ -164,12 +164,12 @@ def checkpoint_line(best: TrialRow, checkpoint: TrialRow | None) -> str:
             f"the best whole one of the search: {own}")
 
 
-def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None
-                 ) -> tuple[list[TrialRow], list[tuple[TrialRow, tune.Result, str]], list[tuple[str, str]]]:
-    """One TrialRow per trial of `results`, with its (row, Tune result, Train run folder) for
+def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) -> tuple[
+        list[TrialResult], list[tuple[TrialResult, tune.Result, str]], list[tuple[str, str]]]:
+    """One TrialResult per trial of `results`, with its (row, Tune result, Train run folder) for
     MLflow and Tune's (trial id, status) pairs, in the Results' order."""
-    rows: list[TrialRow] = []
-    pairs: list[tuple[TrialRow, tune.Result, str]] = []
+    rows: list[TrialResult] = []
+    pairs: list[tuple[TrialResult, tune.Result, str]] = []
     states: list[tuple[str, str]] = []
     if results is None:
         return rows, pairs, states
@@ -192,7 +192,7 @@ NEXT_STEP = {"DIVERGED": "lower --lr-max (the loss became inf or NaN)",
              "ERROR": "see each run's vidtune.failure_reason tag in MLflow and the search's log"}
 
 
-def no_usable_trial(opts: SearchOptions, rows: list[TrialRow]) -> str:
+def no_usable_trial(opts: SearchOptions, rows: list[TrialResult]) -> str:
     """Why a search ended without a best trial, and what to change: one line."""
     counts: dict[str, int] = {}
     for row in rows:
@@ -211,9 +211,9 @@ def results_folder(plan: Plan) -> Path | None:
     return folder if folder.is_dir() else None
 
 
-def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
+def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialResult], best: TrialResult | None,
                   folder: Path | None, *, val_clips: int = 0, importance: Importance | None = None,
-                  checkpoint: TrialRow | None = None) -> dict[str, Path]:
+                  checkpoint: TrialResult | None = None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
     (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
     the three plots. In `folder`, or a temporary folder when None or when `folder` cannot take
@@ -230,9 +230,9 @@ def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: T
     return _write_results(plan, opts, rows, best, temporary, val_clips, importance, checkpoint)
 
 
-def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialRow], best: TrialRow | None,
+def _write_results(plan: Plan, opts: SearchOptions, rows: list[TrialResult], best: TrialResult | None,
                    target: Path, val_clips: int, importance: Importance | None,
-                   checkpoint: TrialRow | None) -> dict[str, Path]:
+                   checkpoint: TrialResult | None) -> dict[str, Path]:
     with atomic_path(target / "trials.csv") as csv_tmp:   # a full disk leaves the old file, not a cut one
         write_csv(rows, csv_tmp, objective=opts.objective, val_clips=val_clips,
                   fixed={p.name: getattr(opts.train, p.name) for p in searched.PARAMS})

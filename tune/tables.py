@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vidtune.tune import searched
-from vidtune.tune.results import NO_RESULT, STATUSES, TrialRow, ranked, summary_metrics
+from vidtune.tune.results import NO_RESULT, STATUSES, TrialResult, ranked, summary_metrics
 from vidtune.tune.searched import Param, significant
 from vidtune.tune.uncertainty import format_accuracy
 
@@ -44,14 +44,14 @@ from vidtune.tune.uncertainty import format_accuracy
 OTHER_LOAD_MARK = 0.5
 
 
-def shown_params(rows: list[TrialRow]) -> list[Param]:
+def shown_params(rows: list[TrialResult]) -> list[Param]:
     """The searched parameters the tables show: those some row has a value of (batch size and lr
     always; weight decay when searched), in `tune.searched.PARAMS` order."""
     return [p for p in searched.PARAMS if any(r.value(p.name) is not None for r in rows)
             or p.name in ("batch_size", "lr")]
 
 
-def format_table(rows: list[TrialRow], *, val_clips: int = 0) -> str:
+def format_table(rows: list[TrialResult], *, val_clips: int = 0) -> str:
     """Plain-text table, one line per trial: trial (its name), each searched value (`shown_params`),
     best val_acc (`0.750 [0.58, 0.87]`: the best epoch's accuracy and its 95% interval on `val_clips`
     validation clips; no interval when 0), that epoch, best val_f1 (same epoch), steady clips/s, steady
@@ -80,7 +80,7 @@ def format_table(rows: list[TrialRow], *, val_clips: int = 0) -> str:
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body] + legend)
 
 
-def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) -> list[str]:
+def column_notes(rows: list[TrialResult], *, val_clips: int = 0, width: int = 100) -> list[str]:
     """What each column of `format_table` means, said once under the trials table (the statuses
     present only), wrapped to `width`."""
     interval = " [its 95% interval]" if val_clips > 0 else ""
@@ -94,7 +94,7 @@ def column_notes(rows: list[TrialRow], *, val_clips: int = 0, width: int = 100) 
                          break_on_hyphens=False)
 
 
-def _accuracy_cell(r: TrialRow, val_clips: int) -> str:
+def _accuracy_cell(r: TrialResult, val_clips: int) -> str:
     """`0.750 [0.58, 0.87]` (`tune.uncertainty.format_accuracy`); `-` for none (an OOM / DIVERGED
     trial's)."""
     return format_accuracy(math.nan if r.status in NO_RESULT else r.val_acc, val_clips)
@@ -107,13 +107,13 @@ MARK_LEGEND = (
 )
 
 
-def marks_used(rows: list[TrialRow]) -> list[tuple[str, str]]:
+def marks_used(rows: list[TrialResult]) -> list[tuple[str, str]]:
     """The (mark, what it means) of MARK_LEGEND that some row's clips/s carries."""
     marks = "".join(speed_marks(r) for r in rows)
     return [(mark, text) for mark, text in MARK_LEGEND if mark in marks]
 
 
-def speed_marks(r: TrialRow) -> str:
+def speed_marks(r: TrialResult) -> str:
     """What follows a trial's clips/s in the tables: `*` when it shared its device with another
     training in some epoch (packed trials), `~` when other processes kept at least
     OTHER_LOAD_MARK cores busy on its machine over its steady-state epochs."""
@@ -122,7 +122,7 @@ def speed_marks(r: TrialRow) -> str:
     return shared + busy
 
 
-def format_markdown(rows: list[TrialRow], val_clips: int = 0) -> str:
+def format_markdown(rows: list[TrialResult], val_clips: int = 0) -> str:
     """The trials table in markdown (MLflow shows the parent run's description as markdown):
     name, each searched value (`shown_params`), best val_acc (with its 95% interval on
     `val_clips` clips; none when 0), its epoch, best val_f1 (same epoch), steady clips/s, epochs, (GPUs,
@@ -157,7 +157,7 @@ CSV_RESULTS = ("best_val_acc", "best_val_acc_low", "best_val_acc_high", "best_va
                "other_cpu_cores", "node_id", "checkpoint")
 
 
-def csv_columns(rows: list[TrialRow]) -> tuple[str, ...]:
+def csv_columns(rows: list[TrialResult]) -> tuple[str, ...]:
     """trials.csv's columns: CSV_HEAD, a column per declared parameter, CSV_RESULTS, with gpu_ids
     after node_id when some trial trained on a GPU."""
     results = CSV_RESULTS
@@ -173,8 +173,9 @@ def _fixed(x: float | None, digits: int) -> str:
     return f"{x:.{digits}f}" if math.isfinite(x) else "nan"
 
 
-def csv_record(r: TrialRow, val_clips: int = 0, fixed: Mapping[str, float] | None = None) -> dict[str, str]:
-    """One TrialRow as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
+def csv_record(r: TrialResult, val_clips: int = 0,
+               fixed: Mapping[str, float] | None = None) -> dict[str, str]:
+    """One TrialResult as trials.csv writes it (rounded, `csv_columns`); `val_clips`: the validation
     set's size, for the interval (0: unknown, nan); `fixed`: {parameter: value} every trial trained
     with, for a parameter the search did not search (the row has none)."""
     summary = summary_metrics(r, val_clips)
@@ -194,7 +195,7 @@ def csv_record(r: TrialRow, val_clips: int = 0, fixed: Mapping[str, float] | Non
     }
 
 
-def write_csv(rows: list[TrialRow], path: Path, objective: str = "val_acc", val_clips: int = 0,
+def write_csv(rows: list[TrialResult], path: Path, objective: str = "val_acc", val_clips: int = 0,
               fixed: Mapping[str, float] | None = None) -> Path:
     """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
     are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no

@@ -23,7 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.trainer.report_keys import Key
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialRow, summary_metrics
+from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialResult, summary_metrics
 from vidtune.tune.status import word_of
 from vidtune.tune.tables import significant
 from vidtune.tune.tracking import description
@@ -147,7 +147,7 @@ class RunWriter:
         if local and Path(best_checkpoint).is_dir():
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
 
-    def log_trial_summary(self, run_id: str, row: TrialRow) -> None:
+    def log_trial_summary(self, run_id: str, row: TrialResult) -> None:
         """A child run's summary, the values of its row in trials.csv unrounded (trials.csv rounds
         what it shows; MLflow keeps what was measured, 21/32 as 0.65625): SUMMARY_KEYS and
         best_val_f1 (the same epoch's F1), at step 0. A key without a value (no accuracy, no speed)
@@ -216,7 +216,7 @@ def placement_tags(result: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
-def trial_description(row: TrialRow, val_clips: int, epochs: int) -> str:
+def trial_description(row: TrialResult, val_clips: int, epochs: int) -> str:
     """The one line at the top of a trial's run page (its MLflow description): the best epoch's
     accuracy with its 95% interval, which epoch of how many, the outcome and the speed, e.g.
     `best val_acc 0.562 [0.39, 0.72] at epoch 3 of 4; done; 45.1 clips/s`."""

@@ -13,7 +13,7 @@ resumed search finds its parent run by the tag `vidtune.experiment_path` and its
 Each child run holds its per-epoch history (step = epoch) and the summary the trials table shows,
 under `tune.results.SUMMARY_KEYS` (best_val_acc, its 95% interval, best_epoch, speed_clips_per_s),
 plus best_val_f1, rounded as trials.csv writes them: from the tracker's own epoch records when the
-trial ends, then from its final `TrialRow` in `reconcile`, so the numbers equal trials.csv's.
+trial ends, then from its final `TrialResult` in `reconcile`, so the numbers equal trials.csv's.
 This module decides which runs exist and when to write; what goes into a run is
 `tune.tracking.runs`' (the parent's view, links and description: `tune.tracking.description`'s),
 the names of the tags and metrics `tune.tracking.schema`'s. At the end, the search's summary is
@@ -43,7 +43,7 @@ from vidtune.trainer.report_keys import Key
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import (
     SUMMARY_INPUTS,
-    TrialRow,
+    TrialResult,
     completed_trial_status,
     epoch_records,
     live_row,
@@ -308,9 +308,9 @@ class MLflowTracker(RunWriter, Callback):
             return f"{self.tracking_uri} failed ({one_line(e)})"
         return None
 
-    def reconcile(self, trials: list[tuple[TrialRow, Result, str | None]]) -> int:
+    def reconcile(self, trials: list[tuple[TrialResult, Result, str | None]]) -> int:
         """Bring every child run up to date with what its trial did. Each `(row, result,
-        train_run)` holds a `tune.results.TrialRow` (final status), the trial's Tune `Result`
+        train_run)` holds a `tune.results.TrialResult` (final status), the trial's Tune `Result`
         (every epoch Tune received, `metrics_dataframe`) and its Train run folder, whose latest
         checkpoint keeps every epoch the run reported (`trainer.history`, which covers an epoch
         checkpointed just before an interruption, one Tune never received). Logs each epoch
