@@ -202,18 +202,19 @@ def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, 
                       importance=SimpleNamespace(shares={}, sentence=lambda: ""), files={})
     tracker = SimpleNamespace(child_runs={"t1": "run-1"})
     no_log = parse_options(["--smoke-test", "--storage", str(tmp_path), "--name", "s", "--no-log-model"])
-    assert best_model.log_best_model(plan, no_log, summary, tracker) == []     # nothing tried, nothing said
+    # nothing tried, nothing said
+    assert best_model.log_best_model(plan, no_log, summary, tracker) == best_model.BestModel()
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(mlflow_model, "log_model", full_disk)
-    lines = best_model.log_best_model(plan, opts, summary, tracker)
+    lines = best_model.log_best_model(plan, opts, summary, tracker).lines
     assert lines == ["best model: not logged in MLflow ([Errno 28] No space left on device); the results and "
                      "the best checkpoint above stand"]
     # a trial without a run (the store lost it): said the same way, nothing tried
     assert "trial t01-bs4-lr1e-3 has no MLflow run" in best_model.log_best_model(
-        plan, opts, summary, SimpleNamespace(child_runs={}))[0]
+        plan, opts, summary, SimpleNamespace(child_runs={})).lines[0]
     # the summary prints the line and exits as it would have without it
     codes = [print_summary(plan, opts, summary, mlflow_links="", pending=None, model=m) for m in ([], lines)]
     assert codes[0] == codes[1]
@@ -242,7 +243,9 @@ def test_a_best_checkpoint_on_remote_storage_is_downloaded_and_logged(tmp_path, 
 
     monkeypatch.setattr(mlflow_model, "log_model", log_model)
     monkeypatch.setattr(mlflow_model, "usage_lines", lambda logged, uri, trial: [f"best model: {trial}"])
-    lines = best_model.log_best_model(plan, opts, summary, SimpleNamespace(child_runs={"t1": "run-1"}))
+    logged = best_model.log_best_model(plan, opts, summary, SimpleNamespace(child_runs={"t1": "run-1"}))
+    assert logged == best_model.BestModel(["best model: t01's epoch 2"], "models:/m-1")
+    lines = logged.lines
     assert lines == ["best model: t01's epoch 2"] and seen["files"] == ["checkpoint.pt"]
     assert "://" not in seen["folder"]
 

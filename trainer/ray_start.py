@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 
+from vidtune.errors import VidtuneError
 from vidtune.flags import option
 from vidtune.trainer.ray_reaper import kill_all, ray_processes_under, start_reaper
 
@@ -56,7 +57,7 @@ class RayStart:
         "ending with one line and leaving no Ray process behind")
 
 
-class RayStartError(RuntimeError):
+class RayStartError(VidtuneError, RuntimeError):
     """Ray could not start here; the message names the cause and the flags to change."""
 
 

@@ -9,6 +9,7 @@ import queue as stdlib_queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import ray.train
 from ray.util.queue import Empty, Queue
 
 from vidtune.datasets.index import VideoIndex
+from vidtune.errors import VidtuneError
 from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.capacity import AUTOSCALER_CONFIG, ClusterCapacity, capacity_of
 from vidtune.trainer.checkpointing import first_whole
@@ -57,7 +59,7 @@ def failure_message(last: dict[str, Any], lr: float) -> str | None:
 def _epoch_printer(epochs: int):
     """A Ray Train callback (runs in the Train controller) that sends rank 0's metrics to a
     queue, and a driver thread that prints them as they come, unprefixed by Ray's log tags.
-    Its `close()` returns the last metrics reported (None without any): Train's `Result.metrics`
+    Its `close()` returns every report, in order (empty without any): Train's `Result.metrics`
     holds only reports that came with a checkpoint, which out of memory and divergence do not."""
     q = Queue(actor_options={"num_cpus": 0})
 
@@ -69,7 +71,7 @@ def _epoch_printer(epochs: int):
             self.queue.put(dict(metrics[0]))
 
     stop = threading.Event()
-    last: list[dict[str, Any]] = []
+    reports: list[dict[str, Any]] = []
 
     def pump():
         while True:
@@ -79,24 +81,62 @@ def _epoch_printer(epochs: int):
                 if stop.is_set():
                     return
                 continue
-            last[:] = [metrics]
+            reports.append(metrics)
             print(format_epoch(metrics, epochs), flush=True)
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
 
-    def close() -> dict[str, Any] | None:
+    def close() -> list[dict[str, Any]]:
         stop.set()
         thread.join(timeout=10)
         q.shutdown()
-        return last[0] if last else None
+        return reports
 
     return EpochQueue(q), close
 
 
+class TrainingError(VidtuneError, RuntimeError):
+    """The run trained but left no result to use (it failed, ran out of memory, diverged, or left
+    no whole checkpoint); the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    """A run that trained: its best whole `checkpoint` (by val_acc, ties to the later epoch) with
+    that `epoch` and `val_acc`, and every report rank 0 made (`reports`, one per epoch)."""
+
+    name: str
+    path: str                     # the run's folder: <storage>/<name> (Ray Train's Result.path)
+    checkpoint: str
+    epoch: int
+    val_acc: float
+    reports: list[dict[str, Any]]
+
+
 def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) -> int:
-    """Start Ray, fit, print the best checkpoint. Inputs must have been checked."""
-    init_ray(address=where.address, ray_start=where.ray_start)
+    """`fit`, then print the best checkpoint: the command's exit code (1 when it has no result)."""
+    try:
+        outcome = fit(cfg, where, index)
+    except TrainingError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    print(f"best checkpoint (epoch {outcome.epoch}, val_acc {outcome.val_acc:.3f}): {outcome.checkpoint}")
+    return 0
+
+
+def fit(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) -> TrainOutcome:
+    """Start Ray (shut down again at the end when this call started it), fit, and return the
+    best whole checkpoint. Inputs must have been checked. TrainingError when there is no result."""
+    started = init_ray(address=where.address, ray_start=where.ray_start)
+    try:
+        return _fit(cfg, where, index)
+    finally:
+        if started:   # a notebook's second run, or the caller's own Ray, starts clean
+            ray.shutdown()
+
+
+def _fit(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None) -> TrainOutcome:
     # Again on what Ray has, on a cluster the nodes its autoscaler may start (the config `ray up`
     # leaves on the head): Train would wait without end for workers that cannot be placed.
     capacity = read_capacity(AUTOSCALER_CONFIG if joins_cluster(where.address) else None)
@@ -116,13 +156,12 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
         result = trainer.fit()
     except Exception as e:  # TrainingFailedError wraps the worker's exception
         close()
-        print(f"{PROG}: error: training failed: {e}", file=sys.stderr)
-        return 1
-    last = close() or result.metrics or {}
+        raise TrainingError(f"training failed: {e}") from None
+    reports = close()
+    last = reports[-1] if reports else result.metrics or {}
     problem = failure_message(last, cfg.lr)
     if problem:
-        print(f"{PROG}: error: {problem}", file=sys.stderr)
-        return 1
+        raise TrainingError(problem)
     # Best first by val_acc (ties: the later epoch); a damaged one is skipped with a line.
     ranked = sorted(result.best_checkpoints or [], key=lambda cm: (_acc(cm[1]), cm[1].get(Key.EPOCH, 0)),
                     reverse=True)
@@ -132,13 +171,11 @@ def run(cfg: TrainConfig, where: RunOptions, index: VideoIndex | None = None) ->
     for why in skipped:
         print(f"{PROG}: warning: {why}; not named best", file=sys.stderr)
     if best is None:
-        print(f"{PROG}: error: training reported no " + ("whole checkpoint" if skipped else "checkpoint"),
-              file=sys.stderr)
-        return 1
+        raise TrainingError("training reported no " + ("whole checkpoint" if skipped else "checkpoint"))
     score = next(m for c, m in ranked if c.path == best)
-    print(f"best checkpoint (epoch {score.get(Key.EPOCH)}, val_acc {score.get(Key.VAL_ACC, math.nan):.3f}): "
-          f"{best}")
-    return 0
+    acc = _acc(score)
+    return TrainOutcome(name=name, path=str(result.path), checkpoint=best, epoch=int(score.get(Key.EPOCH, 0)),
+                        val_acc=acc if math.isfinite(acc) else math.nan, reports=reports)
 
 
 def read_capacity(config: Path | None) -> ClusterCapacity:

@@ -4,6 +4,7 @@ lines saying how to load and serve it."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import ray.train
 
@@ -16,15 +17,24 @@ from vidtune.tune.tracking import registry
 from vidtune.tune.tracking.tracker import MLflowTracker
 
 
-def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> list[str]:
+@dataclass(frozen=True)
+class BestModel:
+    """What `log_best_model` did: `lines` for the summary; `uri` loads the model (`models:/NAME/
+    VERSION` when registered), None when it was not logged."""
+
+    lines: list[str] = field(default_factory=list)
+    uri: str | None = None
+
+
+def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> BestModel:
     """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
-    under --register-model (`trainer.mlflow_model`); returns the summary's lines saying how to
-    load and serve it, or the one line saying why it is not in MLflow. Never raises: the
+    under --register-model (`trainer.mlflow_model`); returns its URI and the summary's lines saying
+    how to load and serve it, or the one line saying why it is not in MLflow. Never raises: the
     search's results and exit code stand either way. Not with --no-log-model, nor for an
     interrupted search (its --resume logs the model of the finished search)."""
     row = summary.checkpoint
     if row is None or summary.interrupted or not opts.tracking.log_model:
-        return []
+        return BestModel()
     run_id = tracker.child_runs.get(row.trial_id)
     example = plan.index.val[0].path if plan.index is not None and plan.index.val else None
     why = (f"trial {row.name} has no MLflow run" if run_id is None else
@@ -35,12 +45,14 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
             with local_checkpoint(str(row.checkpoint)) as folder:
                 logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
                                                 registered_name=registered)
-            return mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
-                                            trial=f"{row.name}'s epoch {row.checkpoint_epoch}") + \
-                describe_registered(plan, opts, summary, tracker, logged, run_id)
+            lines = mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
+                                             trial=f"{row.name}'s epoch {row.checkpoint_epoch}")
+            return BestModel(lines + describe_registered(plan, opts, summary, tracker, logged, run_id),
+                             logged.uri)
         except Exception as e:   # the model is a convenience on top of the results: never their end
             why = faults.one_line(e, 200)
-    return [f"best model: not logged in MLflow ({why}); the results and the best checkpoint above stand"]
+    return BestModel([f"best model: not logged in MLflow ({why}); the results and the best checkpoint above "
+                      "stand"])
 
 
 def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,

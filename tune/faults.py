@@ -31,7 +31,7 @@ from ray.tune import Callback
 from ray.tune.experiment import Trial
 
 from vidtune.atomic import write_atomically
-from vidtune.errors import no_space_left
+from vidtune.errors import VidtuneError, no_space_left
 from vidtune.trainer.checkpointing import checkpoint_problem
 from vidtune.tune import layout
 
@@ -104,7 +104,7 @@ def one_line(error: BaseException, limit: int = 300) -> str:
 
 # -- the disk under --storage -------------------------------------------------------------------
 
-class DiskFullError(RuntimeError):
+class DiskFullError(VidtuneError, RuntimeError):
     """The search's storage (or the disk of a file it writes) has no space left."""
 
 

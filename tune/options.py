@@ -281,6 +281,13 @@ def parse_options(argv: Sequence[str] | None) -> SearchOptions:
     """Flags + config file + preset -> validated SearchOptions (ConfigError on bad input; a check
     failed by a value the file set names the file and key)."""
     given, loaded = _read_given(argv)
+    return resolve(given, loaded)
+
+
+def resolve(given: dict[str, Any], loaded: ConfigFile | None = None) -> SearchOptions:
+    """{dotted path: value} set by the caller (flags, or `vidtune.search`'s keywords) + the config
+    file they name + the preset -> validated SearchOptions. The one place the precedence is applied
+    (defaults < preset < config file < given) and the checks run: the CLI and the Python API share it."""
     merged: dict[str, Any] = {}
     if given.get("smoke_test"):
         merged.update(SMOKE_TEST)

@@ -27,11 +27,15 @@ if __name__ == "__main__" and not __package__:
 import contextlib
 import io
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from vidtune.errors import DataError
 from vidtune.flags import ConfigError
 from vidtune.trainer.ray_start import RayStartError, import_failure_message
 from vidtune.tune.options import SearchOptions, build_parser, given_options, parse_options
+
+if TYPE_CHECKING:
+    from vidtune.tune.preflight import Plan
 
 __all__ = ["build_parser", "main"]
 
@@ -58,12 +62,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
+    """`run_search`, its full disk said in one line: the command's exit code."""
+    from vidtune.tune import faults  # heavy (Ray): not before the flags are checked
+
+    try:
+        return run_search(opts, given)[0]
+    except faults.DiskFullError as e:
+        print(f"vidtune search: error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> tuple[int, Plan | None]:
     """Check everything on the driver (`tune.preflight.prepare`), then run the search
-    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration. `given`: the
-    options the command line set (`tune.options.given_options`), which a --resume checks against
-    the search's saved ones."""
+    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration. Returns the exit
+    code and the plan run (None for a dry run). `given`: the options the caller set
+    (`tune.options.given_options`), which a --resume checks against the search's saved ones.
+    The command (`main`) and the Python API (`vidtune.search`) both run a search through here."""
     from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
-        faults,
         preflight,
         runner,
     )
@@ -76,12 +91,8 @@ def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
             print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "
                   "nothing ran.")
-            return 0
-        try:
-            return runner.execute(plan)
-        except faults.DiskFullError as e:
-            print(f"vidtune search: error: {e}", file=sys.stderr)
-            return 1
+            return 0, None
+        return runner.execute(plan), plan
 
 
 if __name__ == "__main__":

@@ -1,10 +1,45 @@
-"""The one error type of the data layer, the one way a decoder's exception is shortened for it,
-and how a full disk is told from an exception, wherever it was raised."""
+"""The errors vidtune raises to a person, the one way a decoder's exception is shortened for the
+data layer, and how a full disk is told from an exception, wherever it was raised.
+
+Every error a user can act on derives from `VidtuneError`: `ConfigError` (an option: a flag, a
+config file's key, a keyword of `vidtune.search`), `DataError` (the videos), and, where they are
+raised, `RayStartError` (Ray cannot start here) and `DiskFullError` (the search's storage is full).
+`SearchInterrupted` is a KeyboardInterrupt: Ctrl-C (or a notebook kernel's interrupt) stopped a
+search from Python, which keeps what it had and continues with `resume=True`.
+"""
+from __future__ import annotations
+
 import errno
+from typing import Any
 
 
-class DataError(ValueError):
+class VidtuneError(Exception):
+    """An error whose message names what is at fault (a flag, option, file or folder) and says what
+    to do. The `vidtune` command prints it in one line; the Python API raises it."""
+
+
+class ConfigError(VidtuneError, ValueError):
+    """An option cannot be used. `flag` names it as the user gave it: a CLI flag, a config file's
+    key and file, or a keyword of the Python API; the message says what to do."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+class DataError(VidtuneError, ValueError):
     """Input data cannot be used. The message names the file or folder at fault and says what to do."""
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """A search run from Python was interrupted (Ctrl-C, a notebook kernel's interrupt, SIGTERM)
+    and stopped as the command does: its trials' checkpoints, trials.csv and MLflow runs are kept.
+    `result`: the search as it stood (`vidtune.SearchResult`, or None when it had written
+    nothing yet); `vidtune.search(..., resume=True)` with the same name and storage continues it."""
+
+    def __init__(self, message: str, result: Any = None):
+        super().__init__(message)
+        self.result = result
 
 
 def decoder_reason(e: BaseException) -> str:

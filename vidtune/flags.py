@@ -13,7 +13,8 @@ and bounds. From that one definition come
 - the range checks, whose errors name the flag (`check_bounds`, raising `ConfigError`).
 
 Lives on the floor under the three layers (`vidtune`, beside `config_file` and `errors`), so the
-data, training and search configurations all use it; it imports nothing of this project.
+data, training and search configurations all use it; it imports nothing of this project but
+`vidtune.errors` (its `ConfigError`).
 """
 from __future__ import annotations
 
@@ -26,16 +27,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from vidtune.errors import ConfigError  # declared there; the configurations import it from here too
+
 NO_PREFIX = "--no-"
-
-
-class ConfigError(ValueError):
-    """An option cannot be used. `flag` names it as the user gave it: a CLI flag, or a config
-    file's key and file; the message says what to do."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(f"{flag}: {message}")
-        self.flag = flag
 
 
 def option(default: Any = MISSING, *, flag: str, help: str, metavar: str | None = None,
