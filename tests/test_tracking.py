@@ -194,6 +194,14 @@ def test_a_trial_resumed_from_an_older_checkpoint_logs_its_epochs_again_and_says
     assert "1 damaged checkpoint(s) skipped" in run.data.tags[RESUMED_TAG]
 
 
+def _best(val_acc: float):
+    """A best trial with an accuracy only: its F1 and speed are unknown (NaN, not logged)."""
+    from vidtune.tune.results import TrialResult
+
+    return TrialResult(trial_id="a", batch_size=8, lr=1e-3, val_acc=val_acc, val_f1=math.nan,
+                       clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1, status="DONE", checkpoint=None)
+
+
 def test_summary_artifacts_on_the_parent(uri, tmp_path):
     t = _tracker(uri, "summary")
     t.setup()
@@ -202,14 +210,16 @@ def test_summary_artifacts_on_the_parent(uri, tmp_path):
     (tmp_path / "trials.csv").write_text("trial_id,val_acc\na,0.7\n")
     (tmp_path / "best_config.json").write_text('{"trial_id": "a"}')
     t.log_summary(files=[tmp_path / "trials.csv", tmp_path / "best_config.json"],
-                  best={"trial_id": "a", "val_acc": 0.7, "lr": 1e-3}, best_checkpoint=str(tmp_path / "ckpt"))
+                  best=_best(0.7), best_checkpoint=str(tmp_path / "ckpt"))
     t.close(interrupted=False)
     c = MlflowClient(uri)
     run_id = t.parent_run_id
     names = {a.path for a in c.list_artifacts(run_id)}
     assert {"trials.csv", "best_config.json", "best_checkpoint"} <= names
     assert [a.path for a in c.list_artifacts(run_id, "best_checkpoint")] == ["best_checkpoint/model.pt"]
-    assert c.get_run(run_id).data.metrics["best_val_acc"] == 0.7
+    metrics = c.get_run(run_id).data.metrics
+    assert metrics["best_val_acc"] == 0.7
+    assert "best_val_f1" not in metrics and "speed_clips_per_s" not in metrics   # unknown: not logged
 
 
 def test_a_sqlite_stores_artifacts_go_beside_its_file_not_where_the_search_started(tmp_path, monkeypatch):
@@ -221,7 +231,7 @@ def test_a_sqlite_stores_artifacts_go_beside_its_file_not_where_the_search_start
     t = _tracker(uri, "beside")
     t.setup()
     (tmp_path / "trials.csv").write_text("trial_id,val_acc\na,0.7\n")
-    t.log_summary(files=[tmp_path / "trials.csv"], best={"trial_id": "a", "val_acc": 0.7},
+    t.log_summary(files=[tmp_path / "trials.csv"], best=_best(0.7),
                   best_checkpoint=None)
     t.close(interrupted=False)
     experiment = MlflowClient(uri).get_experiment_by_name("beside")

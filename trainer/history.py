@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.report_keys import Key, number
 
 FILE_NAME = "epochs.json"
 
@@ -63,20 +63,13 @@ def best_epoch(history: dict[int, dict[str, Any]],
         raise ValueError(f"a best epoch is chosen by one of {BEST_EPOCH_METRICS}, not {metric!r}")
     best = None
     for epoch, record in sorted(history.items()):
-        value = _number(record.get(metric))
-        trained = _number(record.get(Key.OOM)) != 1 and _number(record.get(Key.DIVERGED)) != 1
+        value = number(record.get(metric))
+        trained = number(record.get(Key.OOM)) != 1 and number(record.get(Key.DIVERGED)) != 1
         if not (trained and math.isfinite(value)):
             continue
-        if best is None or value >= _number(best[1][metric]):
+        if best is None or value >= number(best[1][metric]):
             best = (epoch, record)
     return best
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _plain(value: Any) -> Any:

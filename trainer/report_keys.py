@@ -11,6 +11,7 @@ table is `markdown_table()`'s (`python -m vidtune.trainer.report_keys` rewrites 
 """
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,18 @@ SETTING_KEYS = (Key.PRECISION_USED, Key.TF32, Key.CUDNN_BENCHMARK, Key.DEVICE_NA
                 Key.CUDA_VERSION, Key.DRIVER_VERSION, Key.TORCH_VERSION)
 # report key -> its MLflow metric name, for the metrics of a report
 EPOCH_METRICS = {k: k.mlflow for k in REPORT_KEYS if k.role is Role.METRIC}
+
+
+def number(value: Any) -> float:
+    """A report's value as a float, NaN where it holds none: None, a missing key, a string that
+    is no number, anything float() refuses. Numbers stay themselves (NaN and inf too), numpy and
+    torch scalars become floats, a bool flag (`oom`, `diverged`) 1.0 or 0.0, and a number written
+    as text (a trials.csv cell, "0.75") is read. The one reader of a report's numbers: results,
+    console, tracking, the study and the history all take a value through it."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def declared(key: str) -> Key | None:

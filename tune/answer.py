@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.results import TrialResult, objective_key, ranked, usable
 from vidtune.tune.searched import Domain
@@ -86,7 +87,7 @@ def answer_lines(rows: Sequence[TrialResult], *, objective: str, val_clips: int,
     best = pool[0]
     speed = f", {best.clips_per_s:.1f} clips/s" if math.isfinite(best.clips_per_s) else ""
     score = f"val_acc {format_accuracy(best.val_acc, val_clips)}"
-    if key != "val_acc":   # the interval is an accuracy's (a proportion of clips); F1 has none here
+    if key != Key.VAL_ACC:   # the interval is an accuracy's (a proportion of clips); F1 has none here
         score = f"{key} {getattr(best, key):.3f}, {score}"
     lines = [f"Best: {_trial(best)}, {score} at epoch {best.best_epoch or best.epochs}{speed}."]
     low, _ = accuracy_interval(best.val_acc, val_clips)

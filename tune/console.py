@@ -28,6 +28,7 @@ from ray.tune.experiment import Trial
 
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
+from vidtune.trainer.report_keys import Key, number
 from vidtune.tune import searched
 from vidtune.tune.budget import format_duration
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
@@ -45,15 +46,8 @@ def outcome_line(rows: list[TrialResult], wall_s: float) -> str:
 
 
 # What the console keeps of each epoch's report (`SearchConsole._history`), beside the objective.
-HISTORY_KEYS = ("val_acc", "clips_per_s", "oom", "diverged")
+HISTORY_KEYS = tuple(k.value for k in (Key.VAL_ACC, Key.CLIPS_PER_S, Key.OOM, Key.DIVERGED))
 TRAIN_RUNS = "train_runs"    # the trials' Train runs, in the experiment folder (tune.runner)
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _median(values: list[float]) -> float:
@@ -74,7 +68,7 @@ class SearchConsole(Callback):
         self.epochs = epochs
         self.rungs = rungs
         self.reduction_factor = reduction_factor
-        self.metric = "val_acc" if objective == "pareto" else objective
+        self.metric = Key.VAL_ACC.value if objective == "pareto" else objective
         self.quiet = quiet
         self.concurrency = concurrency
         self.tty = tty
@@ -105,7 +99,7 @@ class SearchConsole(Callback):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         fresh = SearchConsole(num_samples=state.get("num_samples", 1), epochs=state.get("epochs", 1),
-                              objective=state.get("metric", "val_acc"))
+                              objective=state.get("metric", Key.VAL_ACC.value))
         self.__dict__.update({**fresh.__dict__, **state})   # a callback saved before a field existed
         self._reset_process_state()
 
@@ -135,7 +129,7 @@ class SearchConsole(Callback):
     def on_trial_result(self, iteration: int, trials: list[Trial], trial: Trial, result: dict,
                         **info: Any) -> None:
         self._started_at = self._started_at or time.monotonic()
-        epoch = int(result.get("epoch") or 0)
+        epoch = int(result.get(Key.EPOCH) or 0)
         if epoch < 1:
             return
         name = short_name(trial)
@@ -143,37 +137,37 @@ class SearchConsole(Callback):
         self._measure(trial.trial_id, epoch, result)
         self._epochs_done[trial.trial_id] = epoch
         self._history.setdefault(trial.trial_id, {})[epoch] = {
-            k: _number(result.get(k)) for k in {*HISTORY_KEYS, self.metric}}
+            k: number(result.get(k)) for k in {*HISTORY_KEYS, self.metric}}
         self._note_running(trials)
         restart = restart_line(name, result, worker_died=trial.trial_id in self._reported)
         if restart:
             self._print(restart)
         self._reported.add(trial.trial_id)
-        repairs = int(result.get("cache_repairs", 0) or 0)
+        repairs = int(result.get(Key.CACHE_REPAIRS, 0) or 0)
         if repairs > 0:
             entries = "entry" if repairs == 1 else "entries"
             self._print(f"{name}: {repairs} damaged clip-cache {entries} decoded again")
-        if int(result.get("oom", 0) or 0):
+        if int(result.get(Key.OOM, 0) or 0):
             self._print(f"{name}  epoch {epoch}/{self.epochs}  OUT OF MEMORY at batch size "
-                        f"{result.get('batch_size')} (peak {float(result.get('peak_mem_mb', 0)):.0f} MB)")
+                        f"{result.get(Key.BATCH_SIZE)} (peak {float(result.get(Key.PEAK_MEM_MB, 0)):.0f} MB)")
             self._progress_line(self.overall(trials))
-        elif int(result.get("diverged", 0) or 0):
+        elif int(result.get(Key.DIVERGED, 0) or 0):
             # the trial's lr: the report's is the schedule's, ~0 at its end
             lr = float((trial.config or {}).get("lr", math.nan))
             self._print(f"{name}  epoch {epoch}/{self.epochs}  DIVERGED: training loss "
-                        f"{float(result.get('train_loss', math.nan))} at lr {lr:.3g}")
+                        f"{float(result.get(Key.TRAIN_LOSS, math.nan))} at lr {lr:.3g}")
             self._progress_line(self.overall(trials))
         else:
             value = float(result.get(self.metric, math.nan))
             this = (f"{name}  epoch {epoch}/{self.epochs}  {self.metric} {value:.3f}  "
-                    f"{float(result.get('clips_per_s', 0)):.1f} clips/s  "
-                    f"data wait {100 * float(result.get('data_wait_frac', 0)):.0f}%")
+                    f"{float(result.get(Key.CLIPS_PER_S, 0)):.1f} clips/s  "
+                    f"data wait {100 * float(result.get(Key.DATA_WAIT_FRAC, 0)):.0f}%")
             self._progress_line(self.overall(trials, latest=this))
 
     def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
         self._seed(trial)
         last = getattr(trial, "last_result", None) or {}
-        epoch = int(last.get("epoch") or 0)
+        epoch = int(last.get(Key.EPOCH) or 0)
         status = completed_trial_status(trial, epochs=self.epochs)
         how = {"UNFINISHED": f"interrupted after epoch {epoch}",
                "OOM": "ended: out of memory (recorded as infeasible)",
@@ -212,7 +206,7 @@ class SearchConsole(Callback):
         else:
             self._epoch_s.setdefault(epoch, []).append(now - since)
         # the epoch's own span (no start-up), as the worker measured it
-        span = float(result.get("epoch_end_ts", math.nan)) - float(result.get("epoch_start_ts", math.nan))
+        span = float(result.get(Key.EPOCH_END_TS, math.nan)) - float(result.get(Key.EPOCH_START_TS, math.nan))
         if trial_id not in self._reported and math.isfinite(span) and span > 0:
             self._epoch_s.setdefault(epoch, []).append(span)
 
@@ -232,7 +226,7 @@ class SearchConsole(Callback):
         saved = latest_history(f"{experiment.rstrip('/')}/{TRAIN_RUNS}/{short_name(trial)}")
         mine = self._history.setdefault(trial.trial_id, {})
         for epoch, record in saved.items():
-            mine.setdefault(epoch, {k: _number(record.get(k)) for k in {*HISTORY_KEYS, self.metric}})
+            mine.setdefault(epoch, {k: number(record.get(k)) for k in {*HISTORY_KEYS, self.metric}})
 
     def best_of(self, trial_id: str) -> tuple[int, float, float] | None:
         """(epoch, val_acc, objective) of the trial's best epoch (`trainer.history.best_epoch`:
@@ -242,19 +236,19 @@ class SearchConsole(Callback):
         if best is None:
             return None
         epoch, record = best
-        return epoch, record["val_acc"], record.get(self.metric, math.nan)
+        return epoch, record[Key.VAL_ACC], record.get(self.metric, math.nan)
 
     def trial_result(self, trial_id: str, last: dict[str, Any]) -> str:
         """`best val_acc 0.719 at epoch 3, 41.2 clips/s`: the trial's best epoch by the objective and its
         steady speed over every epoch it trained, as its row in the table (from the last report
         when none was seen)."""
         epoch, acc, value = self.best_of(trial_id) or (
-            int(last.get("epoch") or 0), float(last.get("val_acc", math.nan)),
+            int(last.get(Key.EPOCH) or 0), float(last.get(Key.VAL_ACC, math.nan)),
             float(last.get(self.metric, math.nan)))
-        trained = {e: r["clips_per_s"] for e, r in self._history.get(trial_id, {}).items()
-                   if not (r.get("oom") == 1 or r.get("diverged") == 1)}
-        speed = steady_state(trained or {epoch: float(last.get("clips_per_s", math.nan))})
-        other = f" ({self.metric} {value:.3f})" if self.metric != "val_acc" else ""
+        trained = {e: r[Key.CLIPS_PER_S] for e, r in self._history.get(trial_id, {}).items()
+                   if not (r.get(Key.OOM) == 1 or r.get(Key.DIVERGED) == 1)}
+        speed = steady_state(trained or {epoch: float(last.get(Key.CLIPS_PER_S, math.nan))})
+        other = f" ({self.metric} {value:.3f})" if self.metric != Key.VAL_ACC else ""
         clips = f", {speed:.1f} clips/s" if math.isfinite(speed) else ""
         return f"best val_acc {acc:.3f}{other} at epoch {epoch}{clips}"
 
@@ -367,8 +361,8 @@ def restart_line(name: str, result: dict[str, Any], *, worker_died: bool) -> str
     `damaged_checkpoints` > 0: see `trainer.worker.METRIC_KEYS`), else None. `worker_died`: the
     trial had reported before in this search process, so Train restarted its worker group (not a
     --resume)."""
-    resumed = int(result.get("resumed_from_epoch", 0) or 0)
-    damaged = int(result.get("damaged_checkpoints", 0) or 0)
+    resumed = int(result.get(Key.RESUMED_FROM_EPOCH, 0) or 0)
+    damaged = int(result.get(Key.DAMAGED_CHECKPOINTS, 0) or 0)
     if resumed <= 0 and damaged <= 0:
         return None
     why = "worker died; " if worker_died else ""

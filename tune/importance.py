@@ -24,6 +24,7 @@ import optuna
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.plot_drawing import PLOT_DPI
 from vidtune.tune.results import TrialResult, objective_key
@@ -82,7 +83,7 @@ class Importance:
         return path
 
 
-def finished_trials(rows: Iterable[TrialResult], objective: str = "val_acc") -> list[Trial]:
+def finished_trials(rows: Iterable[TrialResult], objective: str = Key.VAL_ACC) -> list[Trial]:
     """(params, value) of the DONE and STOPPED rows with a finite value of `objective` (pareto:
     val_acc); the params are the searched values a row has (`tune.searched.PARAMS`)."""
     key = objective_key(objective)
@@ -95,7 +96,7 @@ def finished_trials(rows: Iterable[TrialResult], objective: str = "val_acc") -> 
     return out
 
 
-def param_importances(trials: Iterable[TrialResult | Trial], *, objective: str = "val_acc",
+def param_importances(trials: Iterable[TrialResult | Trial], *, objective: str = Key.VAL_ACC,
                       space: Any = None) -> Importance:
     """fANOVA importance of each searched parameter (see the module docstring) from TrialRows
     (their finished ones) or (params, value) pairs. `space`: the search space

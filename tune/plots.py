@@ -16,6 +16,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune.plot_drawing import (
     OOM_BAND,
     batch_colours,
@@ -83,7 +84,7 @@ def scatter_figure(rows: list[TrialResult], *, title: str = "", val_clips: int =
     for r in pool:
         draw_point(ax, r.clips_per_s, r.val_acc, r, colours[r.batch_size])
         intervals |= draw_interval(ax, r.clips_per_s, r.val_acc, val_clips, colours[r.batch_size])
-    best = best_trial(pool, "val_acc")
+    best = best_trial(pool, Key.VAL_ACC)
     if best is not None:
         ring_best(ax, best.clips_per_s, best.val_acc)
     drawn = len(front) >= 2
@@ -106,7 +107,7 @@ def scatter_figure(rows: list[TrialResult], *, title: str = "", val_clips: int =
     if spreads:
         _draw_speed_spreads(ax, spreads, colours)
     ax.set_xlabel("speed_clips_per_s (training clips/s, steady state)")
-    ax.set_ylabel(_OBJECTIVE_LABEL["val_acc"])
+    ax.set_ylabel(_OBJECTIVE_LABEL[Key.VAL_ACC])
     ax.set_title(f"{title}: accuracy vs speed" if title else "trials: accuracy vs speed", fontsize=11)
     ax.grid(alpha=0.3)
     draw_legend(ax, pool + oom, colours, front=drawn, best=best is not None,
@@ -131,8 +132,8 @@ def plot_scatter(rows: list[TrialResult], path: Path, *, title: str = "", val_cl
 
 
 # the summary's names (trials.csv, MLflow) first, then what they mean
-_OBJECTIVE_LABEL = {"val_acc": "best_val_acc (validation accuracy, best epoch)",
-                    "val_f1": "best_val_f1 (validation F1, best epoch)"}
+_OBJECTIVE_LABEL = {Key.VAL_ACC.value: f"{Key.BEST_VAL_ACC} (validation accuracy, best epoch)",
+                    Key.VAL_F1.value: f"{Key.BEST_VAL_F1} (validation F1, best epoch)"}
 
 
 def _searched_bounds(p: Param, domains: Mapping[str, Domain] | None) -> tuple[float, float] | None:
@@ -208,7 +209,7 @@ def params_figure(rows: list[TrialResult], *, objective: str, title: str = "", v
         for r in pool:
             if math.isfinite(x_of(r, param)):
                 draw_point(ax, x_of(r, param), getattr(r, key), r, colours[r.batch_size])
-                if key == "val_acc":   # F1 is no proportion of clips: no Wilson interval
+                if key == Key.VAL_ACC:   # F1 is no proportion of clips: no Wilson interval
                     intervals |= draw_interval(ax, x_of(r, param), r.val_acc, val_clips,
                                                colours[r.batch_size])
         if best is not None and math.isfinite(x_of(best, param)):
@@ -309,7 +310,7 @@ def history_figure(rows: list[TrialResult], *, objective: str, title: str = "", 
     for r in order:
         if id(r) in pool:
             draw_point(ax, number[id(r)], getattr(r, key), r, colours[r.batch_size])
-            if key == "val_acc":   # F1 is no proportion of clips: no Wilson interval
+            if key == Key.VAL_ACC:   # F1 is no proportion of clips: no Wilson interval
                 intervals |= draw_interval(ax, number[id(r)], r.val_acc, val_clips, colours[r.batch_size])
             running = max(running, getattr(r, key))
         steps.append((number[id(r)], running))

@@ -26,9 +26,10 @@ from ray.tune.experiment import Trial
 from vidtune.trainer.checkpointing import first_whole
 from vidtune.trainer.history import best_epoch, latest_history
 from vidtune.trainer.metrics import steady_state
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.report_keys import Key, number
 from vidtune.tune import searched
 from vidtune.tune.faults import trial_unfinished
+from vidtune.tune.options import OBJECTIVES
 from vidtune.tune.status import Status
 from vidtune.tune.uncertainty import accuracy_interval
 
@@ -38,7 +39,6 @@ from vidtune.tune.uncertainty import accuracy_interval
 STATUSES = tuple(Status)
 # The statuses whose last report stands for the trial: no accuracy, no speed, never ranked.
 NO_RESULT = (Status.OOM, Status.DIVERGED)
-OBJECTIVES = ("val_acc", "val_f1", "pareto")
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,13 @@ def trial_status(last: dict[str, Any], *, epochs: int, error: bool = False, fini
     `error`: the trial raised; `finished`: Tune ended it (False: the search was interrupted)."""
     if error:
         return "ERROR"
-    if int(last.get("oom", 0) or 0) == 1:
+    if int(last.get(Key.OOM, 0) or 0) == 1:
         return "OOM"
-    if int(last.get("diverged", 0) or 0) == 1:
+    if int(last.get(Key.DIVERGED, 0) or 0) == 1:
         return "DIVERGED"
     if not finished:
         return "UNFINISHED"
-    if int(last.get("epoch") or 0) < epochs:
+    if int(last.get(Key.EPOCH) or 0) < epochs:
         return "STOPPED"
     return "DONE"
 
@@ -105,21 +105,14 @@ def completed_trial_status(trial: Trial, *, epochs: int) -> str:
     return trial_status(trial.last_result or {}, epochs=epochs, finished=not trial_unfinished(trial.trial_id))
 
 
-def _f(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _epoch_of(x: Any) -> int:
-    e = _f(x)
+    e = number(x)
     return int(e) if math.isfinite(e) else 0
 
 
 def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: bool,
                     train_run: str | None = None, name: str | None = None,
-                    metric: str = "val_acc") -> TrialResult:
+                    metric: str = Key.VAL_ACC) -> TrialResult:
     """One Tune `Result` -> TrialResult. `finished`: Tune ended the trial (not interrupted).
     `train_run`: the folder of the trial's Ray Train run (its checkpoints). `name`: the trial's
     short readable name (default: the trial id). `metric`: what picks the best epoch, the
@@ -134,28 +127,28 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
     status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
     records = epoch_records(result, train_run)
     speed = steady_speeds(result, records)
-    val_acc, val_f1, best_epoch = _f(m.get("val_acc")), _f(m.get("val_f1")), 0
+    val_acc, val_f1, best_epoch = number(m.get(Key.VAL_ACC)), number(m.get(Key.VAL_F1)), 0
     if status not in NO_RESULT:
         best = best_epoch_record(result, records, metric)
         if best is not None:
             best_epoch, record = best
-            val_acc, val_f1 = _f(record.get("val_acc")), _f(record.get("val_f1"))
+            val_acc, val_f1 = number(record.get(Key.VAL_ACC)), number(record.get(Key.VAL_F1))
     checkpoint, checkpoint_epoch, checkpoint_val_acc = best_checkpoint(train_run, result, name or trial_id,
                                                                        metric=metric)
-    checkpoint_score = _f(records.get(checkpoint_epoch, {}).get(metric))
+    checkpoint_score = number(records.get(checkpoint_epoch, {}).get(metric))
     return TrialResult(
         trial_id=trial_id,
-        batch_size=int(cfg.get("batch_size", m.get("batch_size", 0)) or 0),
-        lr=_f(cfg.get("lr", m.get("lr"))),
+        batch_size=int(cfg.get("batch_size", m.get(Key.BATCH_SIZE, 0)) or 0),
+        lr=number(cfg.get("lr", m.get(Key.LR))),
         params=searched.values_of(cfg),
         val_acc=val_acc, val_f1=val_f1,
-        clips_per_s=speed["clips_per_s"], epoch_time_s=speed["epoch_time_s"],
+        clips_per_s=speed[Key.CLIPS_PER_S], epoch_time_s=speed[Key.EPOCH_TIME_S],
         epochs=max(records, default=0), status=status,
         checkpoint=checkpoint, checkpoint_epoch=checkpoint_epoch, checkpoint_val_acc=checkpoint_val_acc,
         checkpoint_score=checkpoint_score,
-        node_id=m.get("node_id"), compute_clips_per_s=speed["compute_clips_per_s"],
-        concurrent_trainings=speed["concurrent_trainings"], name=name or trial_id, best_epoch=best_epoch,
-        other_cpu_cores=speed["other_cpu_cores"], gpu_ids=_text(m.get("gpu_ids")),
+        node_id=m.get(Key.NODE_ID), compute_clips_per_s=speed[Key.COMPUTE_CLIPS_PER_S],
+        concurrent_trainings=speed[Key.CONCURRENT_TRAININGS], name=name or trial_id, best_epoch=best_epoch,
+        other_cpu_cores=speed[Key.OTHER_CPU_CORES], gpu_ids=_text(m.get(Key.GPU_IDS)),
     )
 
 
@@ -180,27 +173,27 @@ def epoch_records(result: Result, train_run: str | None = None) -> dict[int, dic
     whose weights the next epoch continues from."""
     out: dict[int, dict[str, Any]] = {}
     df = getattr(result, "metrics_dataframe", None)
-    if df is not None and "epoch" in getattr(df, "columns", ()):
+    if df is not None and Key.EPOCH in getattr(df, "columns", ()):
         for record in df.to_dict("records"):
-            epoch = _epoch_of(record.get("epoch"))
+            epoch = _epoch_of(record.get(Key.EPOCH))
             if epoch >= 1:
                 out[epoch] = record
     m = dict(getattr(result, "metrics", None) or {})
-    last = _epoch_of(m.get("epoch"))
+    last = _epoch_of(m.get(Key.EPOCH))
     if last >= 1:
         out[last] = {**m, **out.get(last, {})}
     return {**(latest_history(train_run) if train_run else {}), **out}
 
 
 def best_epoch_record(result: Result, records: dict[int, dict[str, Any]] | None = None,
-                      metric: str = "val_acc") -> tuple[int, dict[str, Any]] | None:
+                      metric: str = Key.VAL_ACC) -> tuple[int, dict[str, Any]] | None:
     """(epoch, report) of the trial's best epoch (`trainer.history.best_epoch`: by `metric`, ties
     to the later epoch, among the epochs that trained); None when no epoch has one.
     `records`: `epoch_records(result, train_run)` where already read."""
     return best_epoch(records if records is not None else epoch_records(result), metric)
 
 
-SPEED_KEYS = ("clips_per_s", "compute_clips_per_s", "epoch_time_s")
+SPEED_KEYS = (Key.CLIPS_PER_S.value, Key.COMPUTE_CLIPS_PER_S.value, Key.EPOCH_TIME_S.value)
 
 
 def steady_speeds(result: Result, records: dict[int, dict[str, Any]] | None = None) -> dict[str, float]:
@@ -212,20 +205,20 @@ def steady_speeds(result: Result, records: dict[int, dict[str, Any]] | None = No
     default: Tune's alone). An out-of-memory or diverged trial reports 0 clips/s: it has no
     speed (NaN)."""
     m = dict(result.metrics or {})
-    if int(m.get("oom", 0) or 0) == 1 or int(m.get("diverged", 0) or 0) == 1:
+    if int(m.get(Key.OOM, 0) or 0) == 1 or int(m.get(Key.DIVERGED, 0) or 0) == 1:
         return {**{k: math.nan for k in SPEED_KEYS},
-                "concurrent_trainings": _f(m.get("concurrent_trainings")),
-                "other_cpu_cores": math.nan}
+                Key.CONCURRENT_TRAININGS.value: number(m.get(Key.CONCURRENT_TRAININGS)),
+                Key.OTHER_CPU_CORES.value: math.nan}
     records = records if records is not None else epoch_records(result)
-    by_epoch = {k: {e: _f(rec[k]) for e, rec in records.items() if k in rec}
-                for k in (*SPEED_KEYS, "other_cpu_cores", "concurrent_trainings")}
-    shared = [v for v in by_epoch["concurrent_trainings"].values() if math.isfinite(v)]
-    return {**{k: steady_state(by_epoch[k]) for k in (*SPEED_KEYS, "other_cpu_cores")},
-            "concurrent_trainings": max(shared) if shared else math.nan}
+    by_epoch = {k: {e: number(rec[k]) for e, rec in records.items() if k in rec}
+                for k in (*SPEED_KEYS, Key.OTHER_CPU_CORES.value, Key.CONCURRENT_TRAININGS.value)}
+    shared = [v for v in by_epoch[Key.CONCURRENT_TRAININGS].values() if math.isfinite(v)]
+    return {**{k: steady_state(by_epoch[k]) for k in (*SPEED_KEYS, Key.OTHER_CPU_CORES.value)},
+            Key.CONCURRENT_TRAININGS.value: max(shared) if shared else math.nan}
 
 
 def best_checkpoint(train_run: str | None, result: Result, name: str = "", *,
-                    metric: str = "val_acc") -> tuple[str | None, int, float]:
+                    metric: str = Key.VAL_ACC) -> tuple[str | None, int, float]:
     """(path, epoch, val_acc) of the trial's best whole checkpoint by `metric`: the best of the
     checkpoints its Ray Train run kept (`ray.train.Result.from_path(train_run).best_checkpoints`)
     that `checkpoint_problem` finds whole, else the next best (ties: the later epoch). Without a
@@ -240,7 +233,8 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "", *,
         try:
             run = ray.train.Result.from_path(train_run)
             # Later epochs first, so that the stable sort keeps the later of equal scores.
-            by_epoch = sorted(run.best_checkpoints or [], key=lambda cm: _f(cm[1].get("epoch")), reverse=True)
+            by_epoch = sorted(run.best_checkpoints or [], key=lambda cm: number(cm[1].get(Key.EPOCH)),
+                              reverse=True)
             ranked = sorted(by_epoch, key=lambda cm: _sort_score(cm[1], metric), reverse=True)
             candidates = [(c.path, m) for c, m in ranked]
         except (RuntimeError, OSError, ValueError):
@@ -256,7 +250,7 @@ def best_checkpoint(train_run: str | None, result: Result, name: str = "", *,
     if found is None:
         return None, 0, math.nan
     metrics = next(m for path, m in candidates if path == found)
-    return found, _epoch_of(metrics.get("epoch")), _f(metrics.get("val_acc"))
+    return found, _epoch_of(metrics.get(Key.EPOCH)), number(metrics.get(Key.VAL_ACC))
 
 
 def best_whole_checkpoint(rows: list[TrialResult], best: TrialResult | None) -> TrialResult | None:
@@ -276,7 +270,7 @@ def best_whole_checkpoint(rows: list[TrialResult], best: TrialResult | None) -> 
 
 
 def _sort_score(metrics: dict[str, Any], metric: str) -> float:
-    value = _f(metrics.get(metric))
+    value = number(metrics.get(metric))
     return value if math.isfinite(value) else -math.inf
 
 
@@ -293,27 +287,28 @@ def _first_whole(paths: list[str], name: str) -> str | None:
 
 
 # What a trial's summary is computed from, kept per epoch while it runs (`live_row`)
-SUMMARY_INPUTS = ("val_acc", "val_f1", "clips_per_s", "epoch_time_s", "oom", "diverged")
+SUMMARY_INPUTS = tuple(k.value for k in (Key.VAL_ACC, Key.VAL_F1, Key.CLIPS_PER_S, Key.EPOCH_TIME_S, Key.OOM,
+                                          Key.DIVERGED))
 
 
 def live_row(trial_id: str, config: dict[str, Any], records: dict[int, dict[str, Any]],
-             status: str, metric: str = "val_acc") -> TrialResult:
+             status: str, metric: str = Key.VAL_ACC) -> TrialResult:
     """A trial's row from the epochs seen while it ran (epoch -> its report's SUMMARY_INPUTS;
     `tune.tracking.tracker` keeps them), by the rules of `row_from_result`: the best epoch by
     `metric` (ties: the later) among those that trained, the steady-state speeds
     (`trainer.metrics.steady_state`), none of either for out of memory or diverged (`status` in
     NO_RESULT). No checkpoint: the final row (`row_from_result`) has it."""
-    trained = {e: r for e, r in records.items()
-               if status not in NO_RESULT and not (_f(r.get("oom")) == 1 or _f(r.get("diverged")) == 1)}
+    trained = {e: r for e, r in records.items() if status not in NO_RESULT
+               and not (number(r.get(Key.OOM)) == 1 or number(r.get(Key.DIVERGED)) == 1)}
     best_at, best = best_epoch(trained, metric) or (0, {})
 
     def steady(key: str) -> float:
-        return steady_state({e: _f(r.get(key)) for e, r in trained.items()})
+        return steady_state({e: number(r.get(key)) for e, r in trained.items()})
 
     return TrialResult(trial_id=trial_id, batch_size=int(config.get("batch_size") or 0),
-                    lr=_f(config.get("lr")), params=searched.values_of(config),
-                    val_acc=_f(best.get("val_acc")), val_f1=_f(best.get("val_f1")),
-                    clips_per_s=steady("clips_per_s"), epoch_time_s=steady("epoch_time_s"),
+                    lr=number(config.get("lr")), params=searched.values_of(config),
+                    val_acc=number(best.get(Key.VAL_ACC)), val_f1=number(best.get(Key.VAL_F1)),
+                    clips_per_s=steady(Key.CLIPS_PER_S), epoch_time_s=steady(Key.EPOCH_TIME_S),
                     epochs=max(records, default=0), status=status, checkpoint=None, best_epoch=best_at)
 
 
@@ -326,7 +321,7 @@ def usable(rows: Iterable[TrialResult]) -> list[TrialResult]:
 def objective_key(objective: str) -> str:
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
-    return "val_acc" if objective == "pareto" else objective
+    return Key.VAL_ACC.value if objective == "pareto" else objective
 
 
 def _speed_rank(r: TrialResult) -> float:
@@ -380,11 +375,13 @@ def summary_metrics(row: TrialResult, val_clips: int) -> dict[str, float]:
     (no accuracy, no epoch, no speed, or val_clips 0: no interval)."""
     acc = math.nan if row.status in NO_RESULT else row.val_acc   # an OOM / DIVERGED report's 0 is no accuracy
     low, high = accuracy_interval(acc, val_clips)
-    return {"best_val_acc": acc, "best_epoch": float(row.best_epoch) if row.best_epoch else math.nan,
-            "speed_clips_per_s": row.clips_per_s, "best_val_acc_low": low, "best_val_acc_high": high}
+    return {Key.BEST_VAL_ACC.value: acc,
+            Key.BEST_EPOCH.value: float(row.best_epoch) if row.best_epoch else math.nan,
+            Key.SPEED_CLIPS_PER_S.value: row.clips_per_s, Key.BEST_VAL_ACC_LOW.value: low,
+            Key.BEST_VAL_ACC_HIGH.value: high}
 
 
-def ranked(rows: list[TrialResult], objective: str = "val_acc") -> list[TrialResult]:
+def ranked(rows: list[TrialResult], objective: str = Key.VAL_ACC) -> list[TrialResult]:
     """Rows best first by `objective` (val_acc or val_f1 descending; pareto: by val_acc), ties to
     the faster trial; then the unusable ones (OOM, DIVERGED, ERROR, no value) in the order given."""
     key = objective_key(objective)

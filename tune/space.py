@@ -21,18 +21,20 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.trainer.history import BEST_EPOCH_METRICS, best_epoch, read_history
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.budget import TimeBudget, parse_duration
 from vidtune.tune.faults import trial_unfinished
 from vidtune.tune.options import RANDOM_START_CAP, SearchOptions, SearchSpace
 from vidtune.tune.ray_internals import optuna_pending_trial, optuna_study
+from vidtune.tune.status import Status
 from vidtune.tune.tracking import study
 from vidtune.tune.warm_start import load_warm_start
 
 # Both maximised. The speed is the steady state (median of epochs 2..; trainer.metrics.steady_state),
 # which every epoch's report carries, so Optuna ranks the same speed the table shows.
-PARETO_METRICS = ("val_acc", "steady_clips_per_s")
-TIME_ATTR = "epoch"                         # the worker reports a 1-based epoch every epoch
+PARETO_METRICS = (Key.VAL_ACC.value, Key.STEADY_CLIPS_PER_S.value)
+TIME_ATTR = Key.EPOCH.value                 # the worker reports a 1-based epoch every epoch
 # Optuna constraints (> 0 = infeasible), one per way a trial can fail to give a result; every
 # trial with a result gets both, feasible ones 0.
 OOM_CONSTRAINT = "out_of_memory"
@@ -148,8 +150,8 @@ class VidtuneOptunaSearch(OptunaSearch):
             return
         ot_trial = optuna_pending_trial(self, trial_id)   # Ray keeps it private: see tune/ray_internals.py
         if ot_trial is not None and result:
-            for key, constraint, reason in (("oom", OOM_CONSTRAINT, "out of memory"),
-                                            ("diverged", DIVERGED_CONSTRAINT, "diverged")):
+            for key, constraint, reason in ((Key.OOM, OOM_CONSTRAINT, Status.OOM.word),
+                                            (Key.DIVERGED, DIVERGED_CONSTRAINT, Status.DIVERGED.word)):
                 failed = int(result.get(key, 0) or 0) == 1
                 ot_trial.set_constraint(constraint, 1.0 if failed else 0.0)
                 if failed:
@@ -169,7 +171,7 @@ class VidtuneOptunaSearch(OptunaSearch):
             # intermediate value; Ray did not report the epoch ASHA stopped it at, so that epoch is
             # reported with the trial's best epoch's value, the number the table and MLflow give it
             # (as a completed trial is told). Ray tells PRUNED for a result without the metric.
-            step = int(result.get(TRAINING_ITERATION) or result.get("epoch") or 0)
+            step = int(result.get(TRAINING_ITERATION) or result.get(Key.EPOCH) or 0)
             if step > self._reported.get(trial_id, 0):
                 ot_trial.report(float(result[self.metric]), step)
             result = {k: v for k, v in result.items() if k != self.metric}
@@ -198,7 +200,7 @@ def best_of_history(result: dict[str, Any], metric: str) -> tuple[int, dict[str,
     remote storage); None when no epoch trained."""
     path = result.get(CHECKPOINT_PATH_KEY)
     history = read_history(path) if path and "://" not in str(path) else {}
-    epoch = int(result.get("epoch") or 0)
+    epoch = int(result.get(Key.EPOCH) or 0)
     if epoch >= 1:
         history[epoch] = {**history.get(epoch, {}), **result}
     return best_epoch(history, metric)
@@ -207,7 +209,7 @@ def best_of_history(result: dict[str, Any], metric: str) -> tuple[int, dict[str,
 def history_metric(metric: str | list[str] | None) -> str:
     """The metric a trial's best epoch is chosen by for the searcher's `metric`: itself (val_acc,
     val_f1), val_acc for pareto (a list) as the results table does."""
-    return metric if isinstance(metric, str) and metric in BEST_EPOCH_METRICS else "val_acc"
+    return metric if isinstance(metric, str) and metric in BEST_EPOCH_METRICS else Key.VAL_ACC.value
 
 
 def reference_batch(space: SearchSpace) -> int | None:

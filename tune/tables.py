@@ -34,6 +34,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.results import NO_RESULT, STATUSES, TrialResult, ranked, summary_metrics
 from vidtune.tune.searched import Param, significant
@@ -152,9 +153,10 @@ def _num(x: float, digits: int) -> str:
 # trials.csv's columns around the searched parameters' (one per `tune.searched.PARAMS`), in order
 # (see the module docstring); gpu_ids follows node_id when some trial had a GPU (`csv_columns`)
 CSV_HEAD = ("name", "trial_id", "status")
-CSV_RESULTS = ("best_val_acc", "best_val_acc_low", "best_val_acc_high", "best_val_f1", "best_epoch",
-               "epochs", "speed_clips_per_s", "compute_clips_per_s", "epoch_time_s", "concurrent_trainings",
-               "other_cpu_cores", "node_id", "checkpoint")
+CSV_RESULTS = tuple(str(c) for c in (   # str: the columns are plain strings, the report keys' names
+    Key.BEST_VAL_ACC, Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH, Key.BEST_VAL_F1, Key.BEST_EPOCH, "epochs",
+    Key.SPEED_CLIPS_PER_S, Key.COMPUTE_CLIPS_PER_S, Key.EPOCH_TIME_S, Key.CONCURRENT_TRAININGS,
+    Key.OTHER_CPU_CORES, Key.NODE_ID, "checkpoint"))
 
 
 def csv_columns(rows: list[TrialResult]) -> tuple[str, ...]:
@@ -162,8 +164,8 @@ def csv_columns(rows: list[TrialResult]) -> tuple[str, ...]:
     after node_id when some trial trained on a GPU."""
     results = CSV_RESULTS
     if any(r.gpu_ids for r in rows):
-        at = CSV_RESULTS.index("node_id") + 1
-        results = CSV_RESULTS[:at] + ("gpu_ids",) + CSV_RESULTS[at:]
+        at = CSV_RESULTS.index(Key.NODE_ID) + 1
+        results = CSV_RESULTS[:at] + (Key.GPU_IDS.value,) + CSV_RESULTS[at:]
     return CSV_HEAD + tuple(p.name for p in searched.PARAMS) + results
 
 
@@ -184,18 +186,19 @@ def csv_record(r: TrialResult, val_clips: int = 0,
         "name": r.label, "trial_id": r.trial_id, "status": r.status,
         **{p.name: p.text(r.value(p.name) if r.value(p.name) is not None else fixed.get(p.name))
            for p in searched.PARAMS},
-        **{k: _fixed(summary[k], 4) for k in ("best_val_acc", "best_val_acc_low", "best_val_acc_high")},
-        "best_val_f1": _fixed(r.val_f1, 4), "best_epoch": _fixed(summary["best_epoch"], 0),
-        "epochs": str(r.epochs), "speed_clips_per_s": _fixed(summary["speed_clips_per_s"], 2),
-        "compute_clips_per_s": _fixed(r.compute_clips_per_s, 2),
-        "epoch_time_s": _fixed(r.epoch_time_s, 2),
-        "concurrent_trainings": significant(r.concurrent_trainings),
-        "other_cpu_cores": _fixed(r.other_cpu_cores, 2),
-        "node_id": r.node_id or "", "gpu_ids": r.gpu_ids, "checkpoint": r.checkpoint or "",
+        **{k.value: _fixed(summary[k], 4)
+           for k in (Key.BEST_VAL_ACC, Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH)},
+        Key.BEST_VAL_F1.value: _fixed(r.val_f1, 4), Key.BEST_EPOCH.value: _fixed(summary[Key.BEST_EPOCH], 0),
+        "epochs": str(r.epochs), Key.SPEED_CLIPS_PER_S.value: _fixed(summary[Key.SPEED_CLIPS_PER_S], 2),
+        Key.COMPUTE_CLIPS_PER_S.value: _fixed(r.compute_clips_per_s, 2),
+        Key.EPOCH_TIME_S.value: _fixed(r.epoch_time_s, 2),
+        Key.CONCURRENT_TRAININGS.value: significant(r.concurrent_trainings),
+        Key.OTHER_CPU_CORES.value: _fixed(r.other_cpu_cores, 2),
+        Key.NODE_ID.value: r.node_id or "", Key.GPU_IDS.value: r.gpu_ids, "checkpoint": r.checkpoint or "",
     }
 
 
-def write_csv(rows: list[TrialResult], path: Path, objective: str = "val_acc", val_clips: int = 0,
+def write_csv(rows: list[TrialResult], path: Path, objective: str = Key.VAL_ACC, val_clips: int = 0,
               fixed: Mapping[str, float] | None = None) -> Path:
     """trials.csv: one row per trial, best first by `objective` (`ranked`), rounded; its columns
     are described in the module docstring. `val_clips`: the validation set's size (0: unknown, no

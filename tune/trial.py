@@ -22,6 +22,7 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.build_trainer import build_torch_trainer
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.lease import LEAD, LeaseSettings
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.cleanup import PlacementGroupRecorder, was_released
 from vidtune.tune.trial_retry import is_lost_process, note_own_error, raise_if_failed_before
@@ -136,7 +137,7 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
                       index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None,
-                      score_metric: str = "val_acc") -> Callable[[dict], None]:
+                      score_metric: str = Key.VAL_ACC.value) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
@@ -207,7 +208,7 @@ def finished_run_metrics(run_path: str, epochs: int) -> dict | None:
     except Exception:       # no such run yet, or not a finished Train run folder
         return None
     metrics = dict(previous.metrics or {})
-    if int(metrics.get("epoch", 0) or 0) < epochs:
+    if int(metrics.get(Key.EPOCH, 0) or 0) < epochs:
         return None
     if previous.checkpoint is not None:
         metrics["checkpoint_path"] = previous.checkpoint.path

@@ -28,6 +28,7 @@ from typing import Any
 import optuna
 
 from vidtune.flags import ConfigError
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.status import WITH_RESULT
 
@@ -35,7 +36,8 @@ FLAG = "--warm-start"
 SOURCES = ("give an earlier search's folder (<storage>/<name>, holding its trials.csv) or its Optuna "
            "storage and study (sqlite:///optuna.db#study-name)")
 # trials.csv's value column per objective, newest name first (tune/tables.py csv_columns).
-VALUE_COLUMNS = {"val_acc": ("best_val_acc", "val_acc"), "val_f1": ("best_val_f1", "val_f1")}
+VALUE_COLUMNS = {Key.VAL_ACC.value: (Key.BEST_VAL_ACC.value, Key.VAL_ACC.value),
+                 Key.VAL_F1.value: (Key.BEST_VAL_F1.value, Key.VAL_F1.value)}
 CONSTRAINTS_KEY = "constraints"   # Optuna's system attribute of a trial's constraints (> 0: infeasible)
 
 

@@ -21,9 +21,9 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.report_keys import Key, number
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import NO_RESULT, SPEED_METRIC, TrialResult, summary_metrics
+from vidtune.tune.results import NO_RESULT, RECORD_NAMES, TrialResult, summary_metrics
 from vidtune.tune.status import word_of
 from vidtune.tune.tables import significant
 from vidtune.tune.tracking import description
@@ -120,7 +120,7 @@ class RunWriter:
             self.client.set_tag(run_id, k, v[:5000])
         self.client.set_terminated(run_id, status=status)
 
-    def log_summary(self, *, files: list[Path] = (), best: dict[str, Any] | None = None,
+    def log_summary(self, *, files: list[Path] = (), best: TrialResult | None = None,
                     best_checkpoint: str | None = None, metrics: dict[str, float] | None = None) -> None:
         """Summary on the parent run: the result files as artifacts (trials.csv, best_config.json,
         the plots, and the plots' narrow copies the description shows), the best trial's metrics
@@ -134,13 +134,12 @@ class RunWriter:
             if description.write_previews([Path(p) for p in files if p], Path(tmp)):
                 c.log_artifacts(run_id, tmp, artifact_path=description.PREVIEW_FOLDER)
         if best is not None:
-            # the best trial's accuracy and F1 (`best_val_acc`, `best_val_f1`, as on its own run)
-            # and its speed under the one name speed has everywhere (SPEED_METRIC)
-            named = {Key.BEST_VAL_ACC: best.get(Key.VAL_ACC), Key.BEST_VAL_F1: best.get(Key.VAL_F1),
-                     SPEED_METRIC: best.get(Key.CLIPS_PER_S)}
-            for key, value in named.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    c.log_metric(run_id, key, float(value))
+            # the best trial's accuracy, F1 and speed under their summary names (RECORD_NAMES:
+            # best_val_acc, best_val_f1, speed_clips_per_s), as on its own run and in trials.csv
+            for field_name, key in RECORD_NAMES.items():
+                value = number(getattr(best, field_name))
+                if math.isfinite(value):
+                    c.log_metric(run_id, key, value)
         for key, value in (metrics or {}).items():
             c.log_metric(run_id, key, float(value))
         local = best_checkpoint and not best_checkpoint.startswith(("s3://", "gs://"))
@@ -153,7 +152,7 @@ class RunWriter:
         best_val_f1 (the same epoch's F1), at step 0. A key without a value (no accuracy, no speed)
         is left out, one MLflow already has is not written again."""
         values = summary_metrics(row, self.val_clips)
-        values["best_val_f1"] = math.nan if row.status in NO_RESULT else _number(row.val_f1)
+        values[Key.BEST_VAL_F1.value] = math.nan if row.status in NO_RESULT else number(row.val_f1)
         have = self.client.get_run(run_id).data.metrics
         ts = int(time.time() * 1000)
         metrics = [Metric(k, float(v), ts, 0) for k, v in values.items()
@@ -161,7 +160,7 @@ class RunWriter:
         if metrics:
             self.client.log_batch(run_id, metrics=metrics)
         self.client.set_tag(run_id, NOTE_TAG, trial_description(row, self.val_clips, self.epochs))
-        interval = format_interval(values["best_val_acc_low"], values["best_val_acc_high"])
+        interval = format_interval(values[Key.BEST_VAL_ACC_LOW], values[Key.BEST_VAL_ACC_HIGH])
         if interval:   # the runs table's one readable interval column
             self.client.set_tag(run_id, INTERVAL_TAG, interval)
 
@@ -222,7 +221,7 @@ def trial_description(row: TrialResult, val_clips: int, epochs: int) -> str:
     `best val_acc 0.562 [0.39, 0.72] at epoch 3 of 4; done; 45.1 clips/s`."""
     outcome = word_of(row.status)
     summary = summary_metrics(row, val_clips)
-    acc, low, high = summary["best_val_acc"], summary["best_val_acc_low"], summary["best_val_acc_high"]
+    acc, low, high = (summary[k] for k in (Key.BEST_VAL_ACC, Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH))
     if not math.isfinite(acc):
         return f"no accuracy ({outcome}) after {row.epochs} of {epochs} epochs"
     interval = f" {format_interval(low, high)}" if format_interval(low, high) else ""
@@ -252,10 +251,3 @@ def from_scratch(result: dict[str, Any]) -> bool:
     again from epoch 1 (`trainer.worker._read_checkpoint`)."""
     damaged, resumed = (int(result.get(k) or 0) for k in (Key.DAMAGED_CHECKPOINTS, Key.RESUMED_FROM_EPOCH))
     return damaged > 0 and resumed == 0
-
-
-def _number(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan

@@ -18,7 +18,7 @@ from typing import Any
 
 import optuna
 
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.report_keys import Key, number
 from vidtune.tune.results import trial_status
 from vidtune.tune.status import Status
 from vidtune.tune.tracking.schema import MLFLOW_RUN_KEY, OUTCOMES
@@ -75,13 +75,13 @@ def trial_attrs(trial_id: str, result: dict[str, Any] | None, *, epochs: int, va
                           finished=finished)
     attrs: dict[str, Any] = {NAME_ATTR: trial_name(trial_id, result),
                              STATUS_ATTR: OUTCOMES.get(status, status)}
-    acc = _number((best or last).get(Key.VAL_ACC))
+    acc = number((best or last).get(Key.VAL_ACC))
     if math.isfinite(acc) and status not in ("OOM", "ERROR"):
         attrs[Key.VAL_ACC.value] = round(acc, 4)
         interval = format_interval(*accuracy_interval(acc, val_clips))
         if interval:
             attrs["val_acc_95ci"] = interval
-    speed = _number(last.get(Key.STEADY_CLIPS_PER_S))
+    speed = number(last.get(Key.STEADY_CLIPS_PER_S))
     if math.isfinite(speed) and speed > 0:
         attrs[Key.SPEED_CLIPS_PER_S.value] = round(speed, 1)
     if isinstance(last.get(MLFLOW_RUN_KEY), str):
@@ -118,10 +118,3 @@ def dashboard_line(storage: str | None, study_name: str) -> str:
     missing = "" if Path(command).is_file() else f" (install it: {DASHBOARD_EXTRA})"
     return (f"the Optuna study {study_name!r} in optuna-dashboard: {command} {storage} --host 127.0.0.1 "
             f"--port 8080{missing}")
-
-
-def _number(x: Any) -> float:
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan

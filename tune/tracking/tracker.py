@@ -298,7 +298,7 @@ class MLflowTracker(RunWriter, Callback):
             written = self.reconcile(summary.trials)
             if written:
                 print(f"MLflow: wrote {written} epoch(s) it had missed (from the search's saved results)")
-            self.log_summary(files=list(summary.files.values()), best=best.__dict__ if best else None,
+            self.log_summary(files=list(summary.files.values()), best=best,
                              best_checkpoint=summary.checkpoint.checkpoint if summary.checkpoint else None,
                              metrics=summary.importance.metrics())
             self.publish_view(table_markdown=summary.table_markdown, objective=summary.objective,

@@ -40,6 +40,7 @@ from uuid import NAMESPACE_URL, uuid5
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.results import objective_key
 from vidtune.tune.tracking.schema import INTERVAL_TAG
@@ -53,27 +54,34 @@ VERIFIED_UI = ("3.17",)          # MLflow UI versions (major.minor) whose saved-
 MODE_PARAM, CHART_MODE = "compareRunsMode", "CHART"   # a runs link's query that opens the Charts tab
 ALL_RUNS = 100                   # a chart's `runsCountToCompare`: every trial of a search, not the UI's 10
 
+
+def _mlflow(*keys: Key) -> tuple[str, ...]:
+    """The names MLflow logs `keys` under (`lr` as lr_current: trainer/report_keys.py)."""
+    return tuple(k.mlflow for k in keys)
+
+
 # The Charts tab's sections, in order: (name, open, the metrics charted there). The first holds
 # the three comparison charts (`comparison_cards`); "Model metrics" is MLflow's own name, where a
 # metric not placed here lands. Summary metrics (one value a trial, step 0) are bars; the rest
 # are one line a trial over the epochs.
 COMPARE_SECTION = "Compare the trials"
 MODEL_SECTION = "Model metrics"
+SUMMARY_BARS = _mlflow(Key.BEST_VAL_ACC, Key.BEST_VAL_F1, Key.BEST_EPOCH, Key.SPEED_CLIPS_PER_S)
 SECTIONS = (
     (COMPARE_SECTION, True, ()),
-    (MODEL_SECTION, True, ("val_acc", "val_f1", "val_recall", "val_auc", "val_loss", "train_loss",
-                           "lr_current")),
-    ("Trial summary", True, ("best_val_acc", "best_val_f1", "best_epoch", "speed_clips_per_s")),
-    ("Speed and memory per epoch", False, ("clips_per_s", "epoch_time_s", "peak_mem_mb",
-                                           "compute_clips_per_s", "data_wait_frac")),
-    ("Operations: cache, threads, waits", False, ("cache_hit_frac", "cache_repairs", "concurrent_trainings",
-                                                  "device_wait_s", "device_util_pct", "torch_threads",
-                                                  "other_cpu_cores", "peak_allocated_mb", "nonfinite_steps")),
+    (MODEL_SECTION, True, _mlflow(Key.VAL_ACC, Key.VAL_F1, Key.VAL_RECALL, Key.VAL_AUC, Key.VAL_LOSS,
+                                  Key.TRAIN_LOSS, Key.LR)),
+    ("Trial summary", True, SUMMARY_BARS),
+    ("Speed and memory per epoch", False, _mlflow(Key.CLIPS_PER_S, Key.EPOCH_TIME_S, Key.PEAK_MEM_MB,
+                                                  Key.COMPUTE_CLIPS_PER_S, Key.DATA_WAIT_FRAC)),
+    ("Operations: cache, threads, waits", False, _mlflow(
+        Key.CACHE_HIT_FRAC, Key.CACHE_REPAIRS, Key.CONCURRENT_TRAININGS, Key.DEVICE_WAIT_S,
+        Key.DEVICE_UTIL_PCT, Key.TORCH_THREADS, Key.OTHER_CPU_CORES, Key.PEAK_ALLOCATED_MB,
+        Key.NONFINITE_STEPS)),
     ("System metrics", False, ()),
 )
-SUMMARY_BARS = ("best_val_acc", "best_val_f1", "best_epoch", "speed_clips_per_s")
 # Logged, and not charted: the accuracy's interval bounds (columns of the table, beside it)
-HIDDEN = ("best_val_acc_low", "best_val_acc_high")
+HIDDEN = _mlflow(Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH)
 VERSION_TIMEOUT_S = 3.0
 
 
@@ -85,7 +93,7 @@ def column(kind: str, key: str) -> str:
 def objective_metric(objective: str) -> str:
     """The child runs' summary metric that ranks them: best_val_f1 for val_f1, else best_val_acc
     (pareto ranks by accuracy)."""
-    return "best_val_f1" if objective_key(objective) == "val_f1" else "best_val_acc"
+    return Key.BEST_VAL_F1.mlflow if objective_key(objective) == Key.VAL_F1 else Key.BEST_VAL_ACC.mlflow
 
 
 def view_columns(objective: str, tags: Sequence[str] = ()) -> list[str]:
@@ -95,10 +103,10 @@ def view_columns(objective: str, tags: Sequence[str] = ()) -> list[str]:
     0.87]", not the two unrounded bounds), the best epoch, the one speed, then `tags` (the
     trial's outcome)."""
     ranked_by = objective_metric(objective)
-    accuracy = [ranked_by] + (["best_val_acc"] if ranked_by != "best_val_acc" else [])
+    accuracy = [ranked_by] + ([Key.BEST_VAL_ACC.mlflow] if ranked_by != Key.BEST_VAL_ACC else [])
     return ([column("params", p.name) for p in searched.PARAMS] +
             [column("metrics", m) for m in accuracy] + [column("tags", INTERVAL_TAG)] +
-            [column("metrics", m) for m in ("best_epoch", "speed_clips_per_s")] +
+            [column("metrics", m) for m in _mlflow(Key.BEST_EPOCH, Key.SPEED_CLIPS_PER_S)] +
             [column("tags", t) for t in tags])
 
 
@@ -141,8 +149,8 @@ def comparison_cards(view: str, objective: str) -> list[dict[str, Any]]:
     and the best objective, and the objective per epoch, one line a trial. The parallel chart
     colours its lines by its last metric (MLflow 3.17's bundle, chunk 7417: `S=h[h.length-1]`
     over the selected metrics), so the objective comes last."""
-    best, speed = objective_metric(objective), "speed_clips_per_s"
-    per_epoch = objective_key(objective) if objective_key(objective) == "val_f1" else "val_acc"
+    best, speed = objective_metric(objective), Key.SPEED_CLIPS_PER_S.mlflow
+    per_epoch = Key.VAL_F1.mlflow if objective_key(objective) == Key.VAL_F1 else Key.VAL_ACC.mlflow
     return [
         _card(view, "scatter", COMPARE_SECTION, "SCATTER", displayName=f"{best} against {speed}",
               xaxis={"key": speed, "type": "METRIC"}, yaxis={"key": best, "type": "METRIC"}),
