@@ -16,9 +16,10 @@ from vidtune.flags import option
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 # Beside `to_dict()`'s keys in a worker's train_loop_config: the driver's datasets.index.VideoIndex.
 INDEX_CONFIG_KEY = "video_index"
-MODEL_CHOICES_HELP = ("tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b, or a "
+MODEL_CHOICES_HELP = ("tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b, a "
                       "Hugging Face video classifier (VideoMAE, TimeSformer, ViViT): hf:HUB_ID or "
-                      "hf:/path/to/folder")
+                      "hf:/path/to/folder, or your own: package.module:function or path/to/file.py:function "
+                      "(a factory with an input spec, docs/own-model.md)")
 
 
 @dataclass(frozen=True)

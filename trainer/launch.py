@@ -18,6 +18,7 @@ from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
 from vidtune.trainer.config import PRECISIONS, TrainConfig
 from vidtune.trainer.gpus import SIMULATE_ENV, simulated_gpus
+from vidtune.trainer.own_models import modules_to_ship
 from vidtune.trainer.ray_auth import token_refusal_explained
 from vidtune.trainer.ray_start import RayStart, start_local_ray
 
@@ -35,7 +36,7 @@ PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 TRAIN_FLAGS = tuple(flag_specs(TrainConfig))
 
 __all__ = ["ConfigError", "PRECISIONS", "validate_config", "check_batch_sizes", "check_writable_folder",
-           "check_output_folders", "init_ray", "worker_env_vars"]
+           "check_output_folders", "init_ray", "worker_env_vars", "worker_runtime_env"]
 
 
 # Where the driver fetched an hf: model's checkpoint (trainer.hf_models), and whether the hub may be
@@ -55,6 +56,17 @@ def worker_env_vars() -> dict[str, str]:
     """
     env = {name: os.environ[name] for name in HF_CACHE_ENV if name in os.environ}
     return {**env, SIMULATE_ENV: os.environ[SIMULATE_ENV]} if simulated_gpus() else env
+
+
+def worker_runtime_env() -> dict[str, Any]:
+    """Ray's `runtime_env` for every worker of this driver: `worker_env_vars()`, and the code of the
+    own models (`--model module:function`) this process loaded that a worker could not import
+    otherwise (`trainer.own_models.modules_to_ship`: a file, or a package's folder), as
+    `py_modules`, which Ray uploads once and puts on each worker's sys.path."""
+    env: dict[str, Any] = {"env_vars": worker_env_vars()}
+    if shipped := modules_to_ship():
+        env["py_modules"] = shipped
+    return env
 
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"   # Ray's token authentication: on unless this says otherwise
@@ -79,8 +91,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     `address`: None or "local" starts a local Ray (never the machine's last `ray start`; RAY_ADDRESS
     joins one unless it says "local"), "auto" or "ray://host:10001" joins a cluster, whose nodes
     must have vidtune installed (`cluster.yaml`'s setup does it). Extra keyword arguments go to
-    `ray.init`; a `runtime_env` given there is merged with `worker_env_vars()` (its own env_vars
-    win). A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`),
+    `ray.init`; a `runtime_env` given there is merged with `worker_runtime_env()` (its own env_vars
+    win), so the own model checked on the driver reaches every worker, of a Ray started or joined.
+    A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.gpus`),
     and starts as `ray_start` says (`vidtune.trainer.ray_start`: object store, time limit;
     RayStartError when it cannot).
     Returns True when this call started or connected Ray, False when it was already running.
@@ -99,9 +112,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
         if simulated_gpus():
             kw["num_gpus"] = simulated_gpus()
     runtime_env = dict(kw.pop("runtime_env", None) or {})
-    env_vars = {**worker_env_vars(), **(runtime_env.get("env_vars") or {})}
+    ours = worker_runtime_env()
+    env_vars = {**ours["env_vars"], **(runtime_env.get("env_vars") or {})}
     if env_vars:
         runtime_env["env_vars"] = env_vars
+    py_modules = list(dict.fromkeys([*(runtime_env.get("py_modules") or []), *ours.get("py_modules", [])]))
+    if py_modules:
+        runtime_env["py_modules"] = py_modules
     if local:
         start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
                         **kw)

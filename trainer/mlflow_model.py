@@ -14,7 +14,9 @@ One MLflow model, two flavours:
   weights and settings, not the optimizer's state) as its artifact, read back with
   `torch.load(weights_only=True)`. An `hf:` model also carries its config and image processor
   (`scoring.HF_CONFIG_FOLDER`, beside the checkpoint) and builds from them: it loads without its
-  hub id in the cache or the folder it was trained from.
+  hub id in the cache or the folder it was trained from. An own model (`--model module:function`,
+  `trainer.own_models`) carries its module's file or package folder (MLflow's `code_paths`, put
+  on `sys.path` as the model loads): it loads where that module is not importable.
 - `pytorch`: the bare network, exported with `torch.export` (MLflow's `pt2` format, no pickle):
   `mlflow.pytorch.load_model(uri)` gives a module from float32 clips `B x 3 x T x H x W`,
   normalised as `trainer.scoring.Predictor.transform` does, to logits `B x 2`. A network that
@@ -49,9 +51,9 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from mlflow.tracking import MlflowClient
 
 from vidtune import servers
-from vidtune.trainer import scoring
+from vidtune.trainer import own_models, scoring
 from vidtune.trainer.checkpointing import FILE_NAME, checkpoint_file, load_checkpoint
-from vidtune.trainer.models import is_hf_model
+from vidtune.trainer.models import is_hf_model, is_own_model
 from vidtune.trainer.scoring_rule import AGGREGATIONS, CENTRE
 
 MODEL_NAME = "model"               # the logged model's name in its run
@@ -166,14 +168,15 @@ def save_model(path: str, mlflow_model: Model | None = None, *, checkpoint: str 
         code = Path(tmp) / "vidtune_video_model.py"
         code.write_text(MODEL_CODE)
         predictor = scoring.Predictor.from_checkpoint(slim, torch.device("cpu"), "fp32")
-        artifacts = {"checkpoint": str(slim)}
-        if is_hf_model(kept["spec"]["name"]):   # its config and processor: it loads without its source
+        artifacts, name = {"checkpoint": str(slim)}, kept["spec"]["name"]
+        if is_hf_model(name):   # its config and processor: it loads without its source
             artifacts[scoring.HF_CONFIG_FOLDER] = str(predictor.model.save_pretrained(
                 Path(tmp) / scoring.HF_CONFIG_FOLDER, weights=False))
         mlflow.pyfunc.save_model(
             path, mlflow_model=mlflow_model, python_model=str(code), artifacts=artifacts,
             model_config=SCORING, input_example=([str(example_video)], PARAMS),
-            pip_requirements=requirements())
+            pip_requirements=requirements(),
+            code_paths=(own_models.code_paths(name) or None) if is_own_model(name) else None)
         try:
             add_torch_flavour(mlflow_model, Path(path), predictor, Path(tmp) / "torch")
         except Exception as e:   # a network torch.export cannot trace: the video model still serves
@@ -317,4 +320,14 @@ def download_checkpoint(uri: str, tracking_uri: str, folder: str | Path) -> Path
     if not found:
         raise ModelURIError(f"the registered model {uri} holds no {FILE_NAME}: it was not logged by a "
                             "vidtune search")
+    add_model_code(local)
     return checkpoint_file(found[0])
+
+
+def add_model_code(folder: Path) -> None:
+    """The code an own model's MLflow model carries (`code_paths`), first on this process's
+    sys.path, as `mlflow.pyfunc.load_model` does: the checkpoint's `module:function` imports from it."""
+    for mlmodel in folder.rglob("MLmodel"):
+        code = Model.load(str(mlmodel)).flavors.get("python_function", {}).get("code")
+        if code and (mlmodel.parent / code).is_dir() and str(mlmodel.parent / code) not in sys.path:
+            sys.path.insert(0, str(mlmodel.parent / code))

@@ -1,5 +1,5 @@
-"""Model registry: torchvision video transformers, a `tiny` MViT for the CPU, and Hugging Face
-video classifiers by name (`hf:HUB_ID` or `hf:/path/to/folder`, `trainer.hf_models`).
+"""Model registry: torchvision video transformers, a `tiny` MViT for the CPU, Hugging Face video
+classifiers (`hf:HUB_ID`, `trainer.hf_models`) and your own (`module:function`, `trainer.own_models`).
 
 Every model takes `float B x C x T x H x W` (C = 3, normalised with its spec's mean/std) and
 returns `B x num_classes` logits. Weights are `none` (random init), `kinetics` (torchvision's
@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torchvision.models import video as tvv
 from torchvision.models.video.mvit import MSBlockConfig, MViT
+
+from vidtune.trainer import own_models
 
 KINETICS_MEAN = (0.45, 0.45, 0.45)          # torchvision's MViT Kinetics-400 presets
 KINETICS_STD = (0.225, 0.225, 0.225)
@@ -89,7 +91,7 @@ class _Entry:
     fixed_size: bool                            # MViT: positional embeddings sized for the spec only
 
 
-def _build_tiny(num_classes: int = 2) -> nn.Module:
+def _build_tiny(num_classes: int = 2, last_blocks: int = 1) -> nn.Module:
     """~0.1M-parameter MViT-v2-style model for 8 x 64 x 64 clips: trains in seconds on a CPU.
 
     The patch embedding turns 8x64x64 into 4x16x16 tokens; three multiscale blocks pool the
@@ -98,33 +100,18 @@ def _build_tiny(num_classes: int = 2) -> nn.Module:
     blocks = [
         MSBlockConfig(1, 32, 32, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
         MSBlockConfig(2, 32, 64, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2]),
-        MSBlockConfig(2, 64, 64, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]),
+        *[MSBlockConfig(2, 64, 64, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]) for _ in range(last_blocks)],
     ]
-    return MViT(
-        spatial_size=(64, 64),
-        temporal_size=8,
-        block_setting=blocks,
-        residual_pool=True,
-        residual_with_cls_embed=False,
-        rel_pos_embed=True,
-        proj_after_attn=True,
-        dropout=0.1,
-        num_classes=num_classes,
-    )
+    return MViT(spatial_size=(64, 64), temporal_size=8, block_setting=blocks, residual_pool=True,
+                residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, dropout=0.1,
+                num_classes=num_classes)
 
 
 def _build_tiny_deep(num_classes: int = 2) -> nn.Module:
     """`tiny` with two more blocks on the 4x8x8 grid (~0.24M parameters, about 1.5x its step time
     on a CPU): a second CPU model whose learning curves differ from tiny's, for the search-quality
     tables (BENCHMARKS.md "Search quality")."""
-    blocks = [
-        MSBlockConfig(1, 32, 32, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 4, 4]),
-        MSBlockConfig(2, 32, 64, [3, 3, 3], [3, 3, 3], [1, 2, 2], [1, 2, 2]),
-        *[MSBlockConfig(2, 64, 64, [3, 3, 3], [3, 3, 3], [1, 1, 1], [1, 2, 2]) for _ in range(3)],
-    ]
-    return MViT(spatial_size=(64, 64), temporal_size=8, block_setting=blocks, residual_pool=True,
-                residual_with_cls_embed=False, rel_pos_embed=True, proj_after_attn=True, dropout=0.1,
-                num_classes=num_classes)
+    return _build_tiny(num_classes, last_blocks=3)
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -151,15 +138,22 @@ def is_hf_model(name: str) -> bool:
     return name.startswith(HF_PREFIX)
 
 
+def is_own_model(name: str) -> bool:
+    return not is_hf_model(name) and own_models.is_factory_name(name)
+
+
 def _entry(name: str) -> _Entry:
     if is_hf_model(name):
         return _hf_entry(name)
+    if is_own_model(name):   # imported (once: sys.modules); OwnModelError is a ValueError
+        factory, spec = own_models.load(name)
+        return _Entry(ModelSpec(name, **spec), factory, kinetics=None, fixed_size=False)
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}, or "
-                         f"{HF_PREFIX}HUB_ID / {HF_PREFIX}FOLDER for a Hugging Face video classifier"
-                         ) from None
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}, "
+                         f"{HF_PREFIX}HUB_ID / {HF_PREFIX}FOLDER for a Hugging Face video classifier, or "
+                         f"package.module:function for your own (docs/own-model.md)") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -267,8 +261,6 @@ def _kinetics_state_dict(name: str, entry: _Entry) -> dict[str, torch.Tensor]:
 
 _WRAPPER_KEYS = ("model", "state_dict", "model_state_dict", "module")
 _KEY_PREFIXES = ("module.", "_orig_mod.")    # DistributedDataParallel, torch.compile
-
-
 # torch.save writes a zip archive (PK..) since torch 1.6; before, a pickle (protocol opcode 0x80).
 _TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
 
@@ -330,7 +322,7 @@ def load_state_dict_file(path: str | Path) -> dict[str, torch.Tensor]:
 def _load_into_fresh_model(name: str, entry: _Entry, state: dict[str, torch.Tensor], source: str,
                            num_classes: int) -> nn.Module:
     probe = entry.builder(num_classes=num_classes)
-    head_name = _classifier_name(probe)
+    head_name = _classifier_name(probe, missing_ok=True)   # an own model's may have no nn.Linear
     head_weight = state.get(f"{head_name}.weight")
     saved_classes = head_weight.shape[0] if head_weight is not None and head_weight.dim() == 2 else None
     model = probe if saved_classes in (None, num_classes) else entry.builder(num_classes=saved_classes)
@@ -347,7 +339,7 @@ def _load_into_fresh_model(name: str, entry: _Entry, state: dict[str, torch.Tens
             f"{source} does not fit model {name!r}: {len(missing)} missing key(s) "
             f"{missing[:5]}, {len(result.unexpected_keys)} unexpected key(s) "
             f"{result.unexpected_keys[:5]}; was it saved from another model?")
-    if saved_classes != num_classes:
+    if head_name and saved_classes != num_classes:
         replace_head(model, num_classes)
     return model
 
@@ -368,9 +360,10 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def _classifier_name(model: nn.Module) -> str:
-    """Dotted name of the final nn.Linear: `head` (Swin3D), `head.1` (MViT), or the model's own
-    `classifier_name` (`hf.classifier`: trainer.hf_models.HFVideoClassifier)."""
+def _classifier_name(model: nn.Module, missing_ok: bool = False) -> str:
+    """Dotted name of the final nn.Linear: `head` (Swin3D), `head.1` (MViT), the model's own
+    `classifier_name` (`hf.classifier`: trainer.hf_models.HFVideoClassifier), else (an own model)
+    its last nn.Linear; TypeError, or "" when `missing_ok`, for a model with none."""
     named = getattr(model, "classifier_name", None)
     if isinstance(named, str):
         return named
@@ -379,7 +372,9 @@ def _classifier_name(model: nn.Module) -> str:
         return "head"
     if isinstance(head, nn.Sequential) and isinstance(head[-1], nn.Linear):
         return f"head.{len(head) - 1}"
-    raise TypeError(f"{type(model).__name__} has no `head` ending in nn.Linear")
+    if (linears := [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]) or missing_ok:
+        return linears[-1] if linears else ""
+    raise TypeError(f"{type(model).__name__} has no `head` ending in nn.Linear, and no nn.Linear at all")
 
 
 def classifier(model: nn.Module) -> nn.Linear:
@@ -430,8 +425,11 @@ class ChannelsLast3d(nn.Module):
 
 
 def prepare_model_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
-    """Model in channels_last_3d layout when asked (in place; returns the model)."""
-    return model.to(memory_format=torch.channels_last_3d) if channels_last else model
+    """Model's Conv3d layers in channels_last_3d layout when asked (in place; returns the model): the
+    layout is for 5-D tensors only, `model.to` raises on any 4-D weight (a Conv2d patch embedding)."""
+    for conv in (m for m in model.modules() if channels_last and isinstance(m, nn.Conv3d)):
+        conv.to(memory_format=torch.channels_last_3d)
+    return model
 
 
 def prepare_input_transform(transform: nn.Module, channels_last: bool) -> nn.Module:
