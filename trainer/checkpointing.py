@@ -203,4 +203,10 @@ def restore_training_state(
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["epoch"]) + 1
+    return saved_epoch(state) + 1
+
+
+def saved_epoch(state: dict[str, Any]) -> int:
+    """The epoch a loaded checkpoint ends (1-based: the epochs it completed), from its state
+    (`load_checkpoint`)."""
+    return int(state["epoch"])

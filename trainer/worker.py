@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.trainer.checkpointing import saved_epoch
 from vidtune.trainer.config import INDEX_CONFIG_KEY, TrainConfig
 from vidtune.trainer.device_memory import free_device, held_device_mb, process_device_mb
 from vidtune.trainer.devices import train_device
@@ -252,12 +253,12 @@ def _read_checkpoint(w: _Worker) -> tuple[int, dict[str, Any] | None]:
         return 1, None
     path, state, history = found
     if damaged and w.run.rank == 0:
-        print(f"vidtune: {'; '.join(damaged)}; resuming from the epoch-{int(state['epoch'])} checkpoint "
+        print(f"vidtune: {'; '.join(damaged)}; resuming from the epoch-{saved_epoch(state)} checkpoint "
               f"{path} instead", flush=True)
     w.history = history
     speeds = (state.get("metrics") or {}).get("speed_by_epoch") or {}
     w.speed_by_epoch = {int(e): float(v) for e, v in speeds.items()}
-    w.resumed_from_epoch = int(state["epoch"])
+    w.resumed_from_epoch = saved_epoch(state)
     return w.resumed_from_epoch + 1, state
 
 
