@@ -8,6 +8,10 @@ tag, the step of every point, or bookkeeping MLflow does not get), the name MLfl
 under (`lr` is logged as `lr_current`: the param `lr` is the trial's peak) and one line saying
 what it is. `tune.tracking.schema.numeric_metrics` logs the metrics from here; docs/mlflow.md's
 table is `markdown_table()`'s (`python -m vidtune.trainer.report_keys` rewrites it).
+
+No other library file spells a key: each reads and writes `Key.X` (`Key.X.value` where a plain
+string is stored), and takes a report's value as a float through `number` (tests/test_report_keys.py
+holds both rules).
 """
 from __future__ import annotations
 

@@ -321,7 +321,7 @@ class MLflowTracker(RunWriter, Callback):
         written = 0
         for row, result, train_run in trials:
             run_id = self.child_runs.get(row.trial_id) or self.start_child(
-                row.trial_id, dict(result.config or {}), name=getattr(row, "name", "") or None)
+                row.trial_id, dict(result.config or {}), name=row.name or None)
             have = {m.step for m in c.get_metric_history(run_id, STEP_METRIC)}
             records = epoch_records(result, train_run)
             for epoch, record in sorted(records.items()):
@@ -337,8 +337,7 @@ class MLflowTracker(RunWriter, Callback):
             last = dict(result.metrics or {})
             status, tags = self.mlflow_status(row.status, last, getattr(result, "error", None))
             if row.status == "ERROR" and getattr(result, "error", None) is not None:
-                tags[FAILURE_TAG] = self.record_failure(run_id, getattr(row, "name", "") or row.trial_id,
-                                                        error_text(result.error))
+                tags[FAILURE_TAG] = self.record_failure(run_id, row.label, error_text(result.error))
             tags[OUTCOME_TAG] = word_of(row.status)
             tags.update({**placement_tags(last), **setting_tags(last)})
             self.log_trial_summary(run_id, row)
