@@ -38,6 +38,7 @@ from vidtune.trainer.capacity import check_gpus_per_worker, local_capacity
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.launch import TRAIN_FLAGS, check_training_inputs, joins_cluster
 from vidtune.trainer.ray_start import RayStartError, import_failure_message
+from vidtune.trainer.report_keys import Key
 from vidtune.trainer.train_options import PROG, RUN_FLAGS, RunOptions, check_capacity
 
 GROUPS = {TrainConfig: "model and training", DataConfig: "data"}
@@ -95,7 +96,7 @@ def describe(loaded: ConfigFile) -> str:
     search = next((best[k] for k in SEARCH_NAME_KEYS if best.get(k)), None)
     what = "the best trial" + (f" {trial}" if trial else "")
     what += f" of search {search}" if search else " of a search"
-    acc = best.get("best_val_acc", best.get("val_acc"))   # val_acc: an older search's file
+    acc = best.get(Key.BEST_VAL_ACC, best.get(Key.VAL_ACC))   # val_acc: an older search's file
     if isinstance(acc, (int, float)) and not isinstance(acc, bool) and math.isfinite(acc):
         what += f", val_acc {acc:.3f}"
     return f"config: {loaded.file} ({what})"

@@ -39,11 +39,12 @@ from vidtune.flags import (
 )
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
 from vidtune.tune.layout import STATE_FOLDER
 from vidtune.tune.option_groups import Resources, Tracking, check_resources, check_tracking
 
-OBJECTIVES = ("val_acc", "val_f1", "pareto")
+OBJECTIVES = (Key.VAL_ACC.value, Key.VAL_F1.value, "pareto")   # declared here only (tune.results reads it)
 LR_SCALINGS = ("none", "linear", "sqrt")
 TPE_KINDS = ("univariate", "multivariate")
 SAMPLERS = ("tpe", "gp")
@@ -99,7 +100,7 @@ class SearchOptions:
     # 20 trials: more reach a narrow top, and ASHA stops the weak ones (docs/search-defaults.md)
     num_samples: int = option(20, flag="--num-samples", metavar="N", ge=1, group="search",
                               help="number of trials")
-    objective: str = option("val_acc", flag="--objective", choices=OBJECTIVES, group="search",
+    objective: str = option(Key.VAL_ACC.value, flag="--objective", choices=OBJECTIVES, group="search",
                             help="what to maximise: val_acc, val_f1, or pareto (accuracy and clips/s "
                             "together, reports the Pareto front) (default val_acc)")
     early_stop: bool = option(True, flag="--no-early-stop", group="search", help="never stop trials early "
