@@ -305,22 +305,6 @@ def test_config_prints_the_trial_and_blames_the_file_for_its_values(tmp_path, ca
     assert "--batch-size: got -1" in err and str(file) not in err, err
 
 
-@pytest.mark.slow
-def test_cli_retrains_the_best_trial_from_best_config(ray_session, synthetic_root, tmp_path, capsys):
-    """`--config best_config.json` alone (plus where it runs) retrains the search's best trial."""
-    searched = TrainConfig(data=DataConfig(root=str(synthetic_root), loader_workers=1), model="tiny",
-                           epochs=1, batch_size=8, lr=1e-3, precision="fp32")
-    file = _best_config(tmp_path / "best_config.json", searched)
-    code = train.main(["--config", str(file), "--storage", str(tmp_path), "--name", "again",
-                       "--loader-workers", "0"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert out.startswith(f"config: {file} (the best trial t03-bs16-lr1.5e-4 of search "
-                          "vidtune-search-demo"), out
-    assert re.search(r"^epoch 1/1  train_loss ", out, flags=re.M), out
-    assert re.search(r"^best checkpoint \(epoch 1, val_acc [0-9.]+\): \S+$", out, flags=re.M), out
-
-
 # -- the search's resource checks, shared (trainer.capacity), before Ray starts -----------------
 
 def _no_ray(monkeypatch, machine=(8.0, 1.0)):

@@ -29,9 +29,9 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vidtune.errors import DataError
+from vidtune.errors import DataError, VidtuneError
 from vidtune.flags import ConfigError
-from vidtune.trainer.ray_start import RayStartError, import_failure_message
+from vidtune.trainer.ray_start import import_failure_message
 from vidtune.tune.options import SearchOptions, build_parser, given_options, parse_options
 
 if TYPE_CHECKING:
@@ -45,31 +45,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         opts = parse_options(argv)
         # a resume runs with the search's saved options; what this line sets is checked against them
-        return run(opts, given=given_options(argv) if opts.resume else None)
+        return run_search(opts, given=given_options(argv) if opts.resume else None)[0]
     except (ConfigError, DataError) as e:
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:      # torch or Ray cannot load: most often a memory limit (ulimit -v)
         print(f"vidtune search: error: {import_failure_message(e)}", file=sys.stderr)
         return 1
-    except RayStartError as e:
+    except VidtuneError as e:   # Ray cannot start here (RayStartError), the storage is full (DiskFullError)
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("vidtune search: interrupted; every MLflow run was closed (KILLED). Continue with --resume.",
               file=sys.stderr)
         return 130
-
-
-def run(opts: SearchOptions, given: dict[str, object] | None = None) -> int:
-    """`run_search`, its full disk said in one line: the command's exit code."""
-    from vidtune.tune import faults  # heavy (Ray): not before the flags are checked
-
-    try:
-        return run_search(opts, given)[0]
-    except faults.DiskFullError as e:
-        print(f"vidtune search: error: {e}", file=sys.stderr)
-        return 1
 
 
 def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> tuple[int, Plan | None]:

@@ -1,6 +1,6 @@
 """vidtune: find the fastest and most accurate way to fine-tune a video transformer.
 
-From Python (`vidtune.api`; docs/python.md):
+From Python (`vidtune.api`, the layer above the search; docs/python.md):
 
     import vidtune
     result = vidtune.search(data="/data/rwf2000", model="mvit_v2_s", num_samples=12, epochs=5)
@@ -21,6 +21,7 @@ on). The
 `vidtune` command is `vidtune.cli`. `vidtune/datasets`, `vidtune/trainer` and `vidtune/tune` are
 links to the top-level folders (namespace packages: they have no `__init__.py`).
 """
+import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 try:
@@ -32,13 +33,15 @@ except PackageNotFoundError:   # a clone imported without being installed
 # The API's names, imported on first use: `import vidtune` (and so `vidtune --help`) loads no torch,
 # Ray or pandas. name -> "module:attribute"
 _API = {
-    "search": "vidtune.api:search",
-    "train": "vidtune.api:train",
-    "predict": "vidtune.api:predict",
-    "load": "vidtune.result:load",
-    "SearchResult": "vidtune.result:SearchResult",
-    "TrainResult": "vidtune.result:TrainResult",
+    "search": "vidtune.api.calls:search",
+    "train": "vidtune.api.calls:train",
+    "predict": "vidtune.api.calls:predict",
+    "load": "vidtune.api.result:load",
+    "SearchResult": "vidtune.api.result:SearchResult",
+    "TrainResult": "vidtune.api.result:TrainResult",
     "TrialResult": "vidtune.tune.results:TrialResult",
+    "ui": "vidtune.mlflow_ui:ui",
+    "video_model": "vidtune.own_model_spec:video_model",
     "synth": "vidtune.datasets.synthetic:generate",
     "errors": "vidtune.errors",        # a module: vidtune.errors.ConfigError, ...
 }
@@ -49,8 +52,6 @@ def __getattr__(name: str):
     target = _API.get(name)
     if target is None:
         raise AttributeError(f"module 'vidtune' has no attribute {name!r}")
-    import importlib
-
     module, _, attribute = target.partition(":")
     value = importlib.import_module(module)
     value = getattr(value, attribute) if attribute else value

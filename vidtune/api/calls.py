@@ -1,4 +1,4 @@
-"""vidtune from Python: the commands' twins, for scripts and notebooks.
+"""vidtune from Python: the commands' twins (`search`, `train`, `predict`), for scripts and notebooks.
 
     import vidtune
     result = vidtune.search(data="/data/rwf2000", model="mvit_v2_s", num_samples=12, epochs=5)
@@ -14,22 +14,23 @@ raises `vidtune.errors.SearchInterrupted` (`resume=True` continues it).
 """
 from __future__ import annotations
 
-import contextlib
-import difflib
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pandas as pd
+
+from vidtune.api.keywords import keyword_values, model_reference, python_terms
+from vidtune.api.result import SearchResult, TrainResult, load
 from vidtune.errors import ConfigError, DataError, SearchInterrupted
-from vidtune.flags import FlagSpec, coerce
-from vidtune.result import SearchResult, TrainResult, load
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-OPTIONS_DOC = "docs/options.md lists them; `vidtune search --help` (`vidtune train --help`) prints the same"
+from vidtune.trainer import checkpointing, scoring
+from vidtune.trainer import train as train_cli
+from vidtune.trainer.predict import DEFAULT_STORE, PredictOptions, registered_checkpoint
+from vidtune.trainer.train_run import fit
+from vidtune.tune.options import SPECS, load_config_file, resolve
+from vidtune.tune.search import run_search
 
 
 def search(data: str | os.PathLike[str] | None = None, model: str | Callable[..., Any] | None = None, *,
@@ -45,9 +46,6 @@ def search(data: str | os.PathLike[str] | None = None, model: str | Callable[...
     Returns None for `dry_run=True` (checked and printed, nothing run). Raises ConfigError /
     DataError for unusable input (before Ray starts), RayStartError, DiskFullError, and
     SearchInterrupted (a KeyboardInterrupt carrying `.result`) when interrupted."""
-    from vidtune.tune.options import SPECS, load_config_file, resolve
-    from vidtune.tune.search import run_search
-
     keywords = dict(options)
     if data is not None:
         keywords["data"] = data
@@ -89,11 +87,6 @@ def train(data: str | os.PathLike[str] | None = None, model: str | Callable[...,
     as a keyword (`batch_size=8, lr=3e-4, epochs=10, storage="runs", name="rwf-best"`). Raises
     ConfigError / DataError for unusable input (before Ray starts) and `TrainingError` when the
     run leaves no result (out of memory, diverged, failed)."""
-    import pandas as pd
-
-    from vidtune.trainer import train as train_cli
-    from vidtune.trainer.train_run import fit
-
     keywords = dict(options)
     if data is not None:
         keywords["data"] = data
@@ -135,13 +128,6 @@ def predict(model: SearchResult | TrainResult | str | os.PathLike[str],
     $MLFLOW_TRACKING_URI). Returns a float Series indexed by the videos as given, named
     `P(<violent class>)`. A video that cannot be read raises DataError naming it (after the others
     were scored); `on_error="nan"` scores it NaN instead."""
-    import tempfile
-
-    import pandas as pd
-
-    from vidtune.trainer import checkpointing, scoring
-    from vidtune.trainer.predict import DEFAULT_STORE, PredictOptions, registered_checkpoint
-
     if on_error not in ("raise", "nan"):
         raise ConfigError("on_error", f"got {on_error!r}; give 'raise' or 'nan'")
     source, store = _checkpoint_of(model, mlflow_uri)
@@ -184,77 +170,3 @@ def _checkpoint_of(model: Any, mlflow_uri: str | None) -> tuple[str, str | None]
         return os.fspath(model), mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
     raise ConfigError("model", f"got {type(model).__name__}; give a SearchResult, a TrainResult, a "
                       "checkpoint path or a models:/NAME/VERSION URI")
-
-
-_IMPORTABLE = re.compile(r"^[A-Za-z_][\w.]*$")
-
-
-def model_reference(model: str | Callable[..., Any]) -> str:
-    """`model` as `--model` takes it: a name as given, or a factory function as
-    "package.module:function", the form recorded with the search so that a resume, `vidtune
-    train --config best_config.json` and the registered model rebuild it. A function defined in
-    `__main__` (a notebook cell, a script) has no importable name: ConfigError saying to move it
-    into a module file."""
-    if isinstance(model, str):
-        return model
-    if not callable(model):
-        raise ConfigError("model", f"got {type(model).__name__}; give a model name (tiny, mvit_v2_s, "
-                          "hf:ID), 'package.module:function', or the factory function itself")
-    module, name = getattr(model, "__module__", None), getattr(model, "__qualname__", "")
-    if module in (None, "__main__", "builtins") or not _IMPORTABLE.match(name) or "." in name:
-        where = "a notebook cell or a script" if module == "__main__" else f"{module}"
-        raise ConfigError("model", f"{getattr(model, '__name__', model)!r} is defined in {where}, where "
-                          "Ray's workers, a resume and the registered model cannot import it again; put the "
-                          "factory in a module file beside you (e.g. %%writefile mymodels.py in a notebook) "
-                          "and pass model='mymodels:build' (docs/own-model.md)")
-    return f"{module}:{name}"
-
-
-def keyword_values(call: str, specs: Sequence[FlagSpec], keywords: Mapping[str, Any]) -> dict[str, Any]:
-    """{dotted path: value} of `call`'s keywords: each named as its flag with underscores
-    (`lr_min`), a `--no-X` switch also as `X=False`; values in the field's type (`coerce`, the
-    config file's rules: a list or tuple for a list of integers, a path for a string).
-    ConfigError naming the keyword for an unknown one (with the nearest known) or a wrong value."""
-    by_key = {k: s for s in specs if s.path != "config" for k in s.keys if k.isidentifier()}
-    values: dict[str, Any] = {}
-    for key, value in keywords.items():
-        spec = by_key.get(key)
-        if spec is None:
-            near = difflib.get_close_matches(key, list(by_key), n=1)
-            raise ConfigError(key, f"{call}() has no option {key!r}" + (f" (did you mean {near[0]}?)" if near
-                                                                         else "") + f"; {OPTIONS_DOC}")
-        if isinstance(value, os.PathLike):
-            value = os.fspath(value)
-        if isinstance(value, tuple):
-            value = list(value)
-        label = f"{key} ({spec.flag})"
-        if spec.kind == "str" and isinstance(value, (bool, list, dict)):
-            raise ConfigError(label, f"got {value!r}; give a string")
-        if value is None and not spec.optional:
-            raise ConfigError(label, "got None; give a value, or leave it out for the default")
-        try:
-            value = coerce(spec, value, label)
-        except ConfigError as e:
-            raise ConfigError(label, str(e)[len(e.flag) + 2:]) from None
-        if spec.negated and key == spec.keys[1]:    # no_early_stop=True: early_stop False
-            value = not value
-        if spec.path in values:
-            raise ConfigError(label, f"set twice ({key} and another name of {spec.flag}); keep one")
-        values[spec.path] = value
-    return values
-
-
-@contextlib.contextmanager
-def python_terms(specs: Sequence[FlagSpec] | Mapping[str, str]) -> Iterator[None]:
-    """Inside the block, a ConfigError naming a flag (`--lr-min: ...`, from the checks the command
-    shares) is raised again naming the keyword first: `lr_min (--lr-min): ...`. `specs`: the flags
-    of the call, or {flag: keyword}."""
-    names = dict(specs) if isinstance(specs, Mapping) else \
-        {s.flag: s.flag.lstrip("-").replace("-", "_") for s in specs}
-    try:
-        yield
-    except ConfigError as e:
-        keyword = names.get(e.flag)
-        if keyword is None or e.flag.startswith(keyword):
-            raise
-        raise ConfigError(f"{keyword} ({e.flag})", str(e)[len(e.flag) + 2:]) from None

@@ -14,14 +14,13 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pandas as pd
 
 from vidtune.errors import ConfigError
-
-if TYPE_CHECKING:   # pandas and the search's modules load with the result, not with `import vidtune`
-    import pandas as pd
-
-    from vidtune.tune.results import TrialResult
+from vidtune.tune import search_record
+from vidtune.tune.results import RECORD_NAMES, TrialResult
 
 TRIALS_FILE = "trials.csv"
 BEST_CONFIG_FILE = "best_config.json"
@@ -111,10 +110,6 @@ class TrainResult:
 def load(path: str | Path) -> SearchResult:
     """The search in folder `path` (<storage>/<name>, as the search printed it), finished or
     interrupted, read from its files. ConfigError naming the path when it holds no search."""
-    import pandas as pd
-
-    from vidtune.tune import search_record
-
     if "://" in str(path):
         raise ConfigError("path", f"{path}: vidtune.load reads a local search folder; a search on remote "
                           "storage keeps its trials table and best_config.json in its MLflow run: download "
@@ -152,8 +147,6 @@ def load(path: str | Path) -> SearchResult:
 def trial_from_record(doc: dict[str, Any]) -> TrialResult:
     """The TrialResult that best_config.json was written from (`tune.results.named_record`: the
     summary numbers under their summary names)."""
-    from vidtune.tune.results import RECORD_NAMES, TrialResult
-
     back = {summary: name for name, summary in RECORD_NAMES.items()}
     known = {f.name for f in fields(TrialResult)}
     values = {back.get(k, k): v for k, v in doc.items()}
