@@ -244,3 +244,24 @@ def test_train_retrains_the_smoke_searchs_best_trial(smoke_search, ray_session, 
     assert run.history["batch_size"].iloc[0] == result.best.batch_size
     with pytest.raises(ConfigError, match=r"^batch_size \(--batch-size\): got 0"):
         vidtune.train(config=result, batch_size=0, storage=str(tmp_path))
+
+
+def test_a_search_puts_back_the_sigint_handler_it_found():
+    """A notebook kernel handles its interrupt button itself: the search's Ctrl-C handling
+    (`tune.faults.install`) gives SIGINT and SIGTERM back as it found them."""
+    import signal
+
+    from vidtune.tune import faults
+
+    def kernels(signum, frame):
+        return None
+
+    before = signal.signal(signal.SIGINT, kernels)
+    try:
+        faults.install()
+        assert signal.getsignal(signal.SIGINT) is faults._on_signal
+        faults.uninstall()
+        assert signal.getsignal(signal.SIGINT) is kernels
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)

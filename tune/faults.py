@@ -55,20 +55,28 @@ class Interruption:
 STATE = Interruption()
 
 
+# The handlers `install` replaced, put back by `uninstall`: a notebook kernel's own SIGINT
+# handling (its interrupt button) must work again after a search run from Python.
+_PREVIOUS: dict[int, Any] = {}
+
+
 def install() -> None:
     """Before `Tuner.fit()`: route SIGINT and SIGTERM through `_on_signal` (main thread only)."""
     global STATE
     STATE = Interruption()
     os.environ[DISABLE_TUNE_SIGINT] = "1"
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            _PREVIOUS[signum] = signal.signal(signum, _on_signal)
 
 
 def uninstall() -> None:
+    """Put back the handlers `install` replaced (Python's own when it installed none)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+        for signum, default in defaults.items():
+            previous = _PREVIOUS.pop(signum, None)
+            signal.signal(signum, previous if previous is not None else default)
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
