@@ -105,6 +105,18 @@ def test_cli_bad_input_exits_2_before_ray(tmp_path):
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("name", ["../x", "/etc", "a/b", ".", " padded"])
+def test_cli_a_name_that_leaves_storage_exits_2_before_ray(synthetic_root, tmp_path, capsys, monkeypatch,
+                                                           name):
+    """--name is one folder under --storage, as the search's is: `../x` would write beside it."""
+    monkeypatch.setattr(train_run, "init_ray", lambda *a, **kw: pytest.fail("Ray was started"))
+    code = train.main(["--data", str(synthetic_root), "--storage", str(tmp_path / "runs"), "--name", name])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--name: {name!r} is not a folder name: the run's folder is --storage/NAME" in err, err
+    assert not (tmp_path / "x").exists()
+
+
 def test_cli_missing_data_exits_2(tmp_path, capsys):
     assert train.main(["--data", str(tmp_path / "missing")]) == 2
     assert "--data" in capsys.readouterr().err

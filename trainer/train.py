@@ -31,6 +31,7 @@ from vidtune.flags import (
     add_flags,
     build,
     check_bounds,
+    check_folder_name,
     flag_of,
     join_negative_values,
 )
@@ -128,6 +129,9 @@ def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:
     """Everything checkable before Ray starts; returns the dataset index (handed to the workers).
     Raises ConfigError / DataError naming the flag or file at fault."""
     check_bounds(where, RUN_FLAGS)   # first: validate_config may load torch to read --weights
+    if where.name is not None:      # Ray Train puts the run in --storage/NAME: never outside it
+        check_folder_name("--name", where.name, what="the run's folder", under="--storage",
+                          example="rwf-best")
     check_gpus_per_worker(where.gpus_per_worker, where.workers, flag="--gpus-per-worker",
                           workers_flag="--workers", whole="--gpus-per-worker 1")
     index = check_training_inputs(cfg, batch_sizes=(cfg.batch_size,), workers=where.workers,

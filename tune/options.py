@@ -32,6 +32,7 @@ from vidtune.flags import (
     add_flags,
     build,
     check_bounds,
+    check_folder_name,
     flag_of,
     flag_specs,
     join_negative_values,
@@ -357,9 +358,7 @@ def validate(o: SearchOptions) -> None:
 
 def _check_name(name: str) -> None:
     """--name is one folder under --storage: never a path that leaves it (`../x`, `/etc`)."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
-        raise ConfigError("--name", f"{name!r} is not a folder name: the search's folder is --storage/NAME, "
-                          "so give one name without '/', '\\', '..' or surrounding spaces (e.g. rwf-mvit)")
+    check_folder_name("--name", name, what="the search's folder", under="--storage", example="rwf-mvit")
     if name == STATE_FOLDER:   # a search's Ray state is its subfolder of this name (tune.layout)
         raise ConfigError("--name", f"{name!r} is the name of the subfolder that keeps a search's Ray state; "
                           "pick another name (e.g. rwf-mvit)")

@@ -303,3 +303,11 @@ def _rule(s: FlagSpec) -> str:
     if s.kind == "int_list":
         return f"{what}, each {bounds}" if bounds else what
     return f"{what} {bounds}".strip()
+
+
+def check_folder_name(flag: str, name: str, *, what: str, under: str, example: str) -> None:
+    """`name` is one folder's name under `under` (the folder the option places `what` in): never a
+    path that leaves it (`../x`, `/etc`, `a/b`), nor empty or padded. ConfigError naming `flag`."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError(flag, f"{name!r} is not a folder name: {what} is {under}/NAME, so give "
+                          f"one name without '/', '\\', '..' or surrounding spaces (e.g. {example})")
