@@ -110,6 +110,21 @@ def test_a_tracking_server_is_its_own_ui():
     handle.stop()
 
 
+def test_a_search_folder_is_read_with_vidtune_load(tmp_path, monkeypatch):
+    import vidtune
+
+    read = []
+
+    def load(path):
+        read.append(path)
+        return types.SimpleNamespace(mlflow_uri="http://mlflow.internal:5000",
+                                     mlflow_url="http://mlflow.internal:5000/#/experiments/2/runs")
+
+    monkeypatch.setitem(vars(vidtune), "load", load)     # not imported: vidtune imports its API lazily
+    handle = mlflow_ui.ui(tmp_path)
+    assert read == [str(tmp_path)] and handle.url == "http://mlflow.internal:5000/#/experiments/2/runs"
+
+
 def test_the_colab_url_is_colabs_proxy_of_the_port(fake_colab):
     output = mlflow_ui._colab_output()
     assert output is sys.modules["google.colab.output"]
