@@ -15,7 +15,7 @@ import ray.train
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.config import INDEX_CONFIG_KEY, TrainConfig
 from vidtune.trainer.gpus import simulated_gpus
-from vidtune.trainer.launch import worker_runtime_env
+from vidtune.trainer.launch import worker_env_vars
 from vidtune.trainer.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig
 from vidtune.trainer.report_keys import Key
@@ -77,9 +77,10 @@ def build_torch_trainer(
         failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         # Train's INFO log repeats every report's metrics dict; the CLIs print their own lines.
         logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-        # Also set through ray.init; repeated here for drivers that connected to Ray themselves (an
-        # own model's code too; none in a search's trial, whose workers inherit the job's).
-        worker_runtime_env=worker_runtime_env(),
+        # Also set through ray.init; repeated here for drivers that connected to Ray themselves. An
+        # own model's code is not: Ray takes local py_modules at the job level only (ray.init), and
+        # every worker inherits the job's.
+        worker_runtime_env={"env_vars": worker_env_vars()},
     )
     scaling = ray.train.ScalingConfig(
         num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker

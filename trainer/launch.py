@@ -59,10 +59,12 @@ def worker_env_vars() -> dict[str, str]:
 
 
 def worker_runtime_env() -> dict[str, Any]:
-    """Ray's `runtime_env` for every worker of this driver: `worker_env_vars()`, and the code of the
-    own models (`--model module:function`) this process loaded that a worker could not import
+    """Ray's `runtime_env` of this driver's job (`ray.init`): `worker_env_vars()`, and the code of
+    the own models (`--model module:function`) this process loaded that a worker could not import
     otherwise (`trainer.own_models.modules_to_ship`: a file, or a package's folder), as
-    `py_modules`, which Ray uploads once and puts on each worker's sys.path."""
+    `py_modules`, which Ray uploads once and puts on each worker's sys.path. Local py_modules are
+    taken at the job level only (an actor's or Train's `worker_runtime_env` refuses a path), and
+    every task, actor and Train worker of the job inherits them."""
     env: dict[str, Any] = {"env_vars": worker_env_vars()}
     if shipped := modules_to_ship():
         env["py_modules"] = shipped
