@@ -98,6 +98,8 @@ def test_a_missing_store_and_a_bad_port_are_refused(tmp_path):
         mlflow_ui.ui(str(tmp_path / "no-search"))
     with pytest.raises(ConfigError, match=r"got int"):
         mlflow_ui.ui(5)
+    with pytest.raises(ConfigError, match=r"records no MLflow store"):
+        mlflow_ui.ui(types.SimpleNamespace(mlflow_uri=None, mlflow_url=None))
 
 
 def test_a_tracking_server_is_its_own_ui():

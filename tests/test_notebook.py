@@ -188,6 +188,8 @@ def test_a_kernel_interrupt_leaves_the_search_resumable_and_no_ray_behind(tmp_pa
         reply, printed = _run(kc, code, CELL_TIMEOUT_S, interrupt_once_the_second_trial_starts)
         assert interrupted_at, f"the search ended before its second trial started:\n{printed[-3000:]}"
         assert reply["status"] == "error" and reply["ename"] == "SearchInterrupted", (reply, printed[-3000:])
+        assert "resume=True" in reply["evalue"], reply["evalue"]
+        assert "UNFINISHED" in printed, f"no summary after the interrupt:\n{printed[-3000:]}"
         assert sorted(seen.values()) == sorted(RAY_NAMES), f"the search's Ray was not seen: {seen}"
 
         # What the interrupt kept: the first trial's result, and no MLflow run left RUNNING

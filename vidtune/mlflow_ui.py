@@ -149,6 +149,9 @@ def ui(target: Any, port: int = servers.UI_PORT, host: str = servers.HOST, *,
 def _store_and_view(target: Any) -> tuple[str, str]:
     """(tracking store, the part of a link after the server: "#/experiments/..." or "")."""
     if hasattr(target, "mlflow_uri"):       # a SearchResult
+        if not target.mlflow_uri:
+            raise ConfigError("target", f"{target!r} records no MLflow store (a search older than its "
+                              "search.json?); pass the search's --mlflow-uri, e.g. 'sqlite:///mlruns.db'")
         url = getattr(target, "mlflow_url", None) or ""
         return str(target.mlflow_uri), url[url.index("#"):] if "#" in url else ""
     text = os.fspath(target) if isinstance(target, (str, os.PathLike)) else None
