@@ -97,8 +97,9 @@ def load(name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
                                 f"{ref.attribute!r}; define def {ref.attribute.split('.')[-1]}"
                                 "(num_classes=2) there, or fix the name after ':'") from None
     if not callable(factory):
-        raise OwnModelError(f"own model {name}: {ref.attribute} is a {type(factory).__name__}, not a "
-                            "function; name a factory function(num_classes=2) -> nn.Module after ':'")
+        raise OwnModelError(f"own model {name}: {ref.attribute} is not callable (its type: "
+                            f"{type(factory).__name__}); name a factory function(num_classes=2) -> "
+                            "nn.Module after ':'")
     raw = getattr(factory, SPEC_ATTRIBUTE, None)
     if raw is None:
         raise OwnModelError(f"own model {name}: {ref.attribute} has no input spec; {SPEC_HINT}")

@@ -82,17 +82,3 @@ def _three_floats(key: str, value: Any) -> tuple[float, float, float]:
         raise ValueError(f"{key} must be finite numbers, not {value!r}")
     return numbers   # type: ignore[return-value]  # three, checked above
 
-
-def model_name(factory: Callable[..., Any]) -> str:
-    """The `--model` string of an importable factory: `package.module:function` (a nested name as
-    `module:Class.method`). ValueError for one that another process cannot import by name: a
-    lambda, a function defined inside another, or one defined in `__main__` (a script, a notebook
-    cell): put it in a module file beside you instead."""
-    module, qualname = getattr(factory, "__module__", None), getattr(factory, "__qualname__", None)
-    if not module or not qualname or "<" in qualname or module == "__main__":
-        where = ("in __main__ (a script or a notebook cell)" if module == "__main__"
-                 else "without a name other processes can import (a lambda or a nested function)")
-        raise ValueError(f"model factory {factory!r} is defined {where}; Ray workers import the factory by "
-                         "name: define it in a module file (e.g. mymodels.py beside you) and pass "
-                         "model='mymodels:build'")
-    return f"{module}:{qualname}"
