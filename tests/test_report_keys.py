@@ -1,14 +1,19 @@
 """Every key of a trial's reports is declared once (trainer/report_keys.py) with its role in MLflow:
 the real report builders of the worker report exactly the declared keys, MLflow gets exactly the
 declared metrics (the same set the hand list of non-metrics gave before), each tag key names a
-tag the tracker writes, and docs/mlflow.md's table is the module's."""
+tag the tracker writes, and docs/mlflow.md's table is the module's. No other library file spells
+a key (a structure test over every module's string constants, with its few collisions named and
+justified), and one helper, `report_keys.number`, reads a report's value as a float or NaN."""
 from __future__ import annotations
 
+import ast
 import math
 import numbers
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import ray
 import ray.train
@@ -161,3 +166,116 @@ def test_docs_mlflow_table_is_the_modules():
 def test_a_page_without_the_table_lines_is_refused():
     with pytest.raises(ValueError, match="mlflow.md lacks the lines"):
         report_keys.with_table("# no table here\n")
+
+
+# -- one reader of a report's numbers --------------------------------------------------------------
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (0.75, 0.75), (3, 3.0), (math.inf, math.inf),
+    ("0.75", 0.75),                     # a trials.csv cell, read back as text
+    (True, 1.0), (False, 0.0),          # a report's oom / diverged flag
+    (np.float32(0.5), 0.5), (np.int64(7), 7.0), (torch.tensor(2.5), 2.5),
+])
+def test_number_reads_a_reports_value_as_a_float(value, expected):
+    got = report_keys.number(value)
+    assert type(got) is float and got == expected
+
+
+@pytest.mark.parametrize("value", [None, math.nan, "", "n/a", "nan", [0.5], {}, object(), torch.ones(2)])
+def test_number_is_nan_where_a_report_holds_no_number(value):
+    """Missing (None), not a number (text, a list, a dict, a tensor of several values), or NaN."""
+    assert math.isnan(report_keys.number(value))
+
+
+# -- no library file spells a report key ------------------------------------------------------------
+# Every key of a report is read and written as `Key.X` (`Key.X.value` where a plain string is
+# stored), so that a key renamed or removed in trainer/report_keys.py is renamed everywhere or
+# fails at import, and a reader of the code finds every use of a key by its name.
+
+REPO = Path(__file__).resolve().parents[1]
+LIBRARY = ("vidtune", "datasets", "trainer", "tune")           # tune/tracking included
+DECLARATION = "trainer/report_keys.py"
+# lr and batch_size are TrainConfig fields and searched parameters (`tune.searched.PARAMS`) before
+# they are report keys: a config dict, Tune's param space, trials.csv's parameter columns and the
+# MLflow params name them so, and a report only echoes them. The rule: a string may name these two
+# as config fields anywhere; code that reads them from a report uses Key.LR / Key.BATCH_SIZE.
+CONFIG_FIELDS = frozenset({"lr", "batch_size"})
+# (file, string): why that string in that file is not the report key it equals
+NOT_REPORT_KEYS = {
+    ("trainer/checkpointing.py", "epoch"): "a checkpoint file's own field (save_checkpoint, saved_epoch)",
+    ("trainer/mlflow_model.py", "epoch"): "the checkpoint fields a served model keeps (KEPT)",
+    ("trainer/run.py", "diverged"): "how an epoch ended (TRAINED, DIVERGED, OUT_OF_MEMORY), a word",
+    ("trainer/precision.py", "tf32"): "torch's cudnn fp32_precision setting",
+    ("tune/status.py", "diverged"): "Status.DIVERGED's word, for people",
+    ("tune/space.py", "diverged"): "the Optuna constraint's name (DIVERGED_CONSTRAINT), kept in studies",
+    ("tune/tables.py", "epoch"): "the console table's header over the best epoch",
+    ("tune/tracking/registry.py", "epoch"): "a registered model version's tag (EPOCH_TAG)",
+}
+
+
+def library_files() -> dict[str, Path]:
+    """{path from the repository root: file} of every library module, each once (vidtune/trainer
+    and the others are links to the top-level folders)."""
+    files = {}
+    for folder in LIBRARY:
+        for path in (REPO / folder).rglob("*.py"):
+            real = path.resolve()
+            files[real.relative_to(REPO).as_posix()] = real
+    return dict(sorted(files.items()))
+
+
+def spelled_keys(source: str, name: str) -> list[tuple[str, str]]:
+    """(`name:line: "key"`, key) for each string constant of `source` (f-string parts too) that
+    equals a report key, CONFIG_FIELDS and `name`'s NOT_REPORT_KEYS entries aside."""
+    keys = {k.value for k in Key} - CONFIG_FIELDS
+    found = []
+    for node in ast.walk(ast.parse(source, filename=name)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys \
+                and (name, node.value) not in NOT_REPORT_KEYS:
+            found.append((f"{name}:{node.lineno}: {node.value!r}: write Key.{Key(node.value).name}",
+                          node.value))
+    return sorted(found)
+
+
+def test_no_library_file_spells_a_report_key():
+    files = library_files()
+    assert DECLARATION in files and "tune/tracking/runs.py" in files and "vidtune/cli.py" in files
+    spelled = [where for name, path in files.items() if name != DECLARATION
+               for where, _ in spelled_keys(path.read_text(encoding="utf-8"), name)]
+    assert not spelled, "a report key spelled outside trainer/report_keys.py:\n" + "\n".join(spelled)
+
+
+def test_a_key_spelled_in_the_console_is_found_by_file_and_line():
+    """The check above is live: "val_acc" written into tune/console.py is named, with its line."""
+    source = (REPO / "tune" / "console.py").read_text(encoding="utf-8")
+    line = source.count("\n") + 2
+    found = spelled_keys(source + '\nMETRIC = "val_acc"\n', "tune/console.py")
+    assert found == [(f"tune/console.py:{line}: 'val_acc': write Key.VAL_ACC", "val_acc")]
+    assert spelled_keys('f"{x}" + "epoch"', "tune/tables.py") == []            # an allowed collision
+    assert spelled_keys('cfg["lr"]', "tune/console.py") == []                   # a config field
+
+
+def test_every_collision_let_through_is_still_there():
+    """NOT_REPORT_KEYS holds no stale entry: each string is still in its file, and still a key."""
+    files = library_files()
+    for (name, value), why in NOT_REPORT_KEYS.items():
+        assert value in {k.value for k in Key}, f"{value!r} is no report key now: drop it ({why})"
+        tree = ast.parse(files[name].read_text(encoding="utf-8"))
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+        assert value in strings, f"{name} no longer spells {value!r}: drop its NOT_REPORT_KEYS entry"
+
+
+def test_one_float_or_nan_helper():
+    """`report_keys.number` is the only function that turns a value into a float or NaN (`try:
+    return float(x)` / `except: return math.nan`); a copy elsewhere fails, naming its file."""
+    def is_copy(fn: ast.FunctionDef) -> bool:
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(body) != 1 or not isinstance(body[0], ast.Try):
+            return False
+        text = ast.unparse(body[0])
+        return "return float(" in text and "return math.nan" in text
+
+    copies = [f"{name}:{fn.lineno}: {fn.name}" for name, path in library_files().items()
+              for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+              if isinstance(fn, ast.FunctionDef) and is_copy(fn)]
+    assert copies == [f"{DECLARATION}:{report_keys.number.__code__.co_firstlineno}: number"]

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from vidtune.errors import ConfigError
+from vidtune.trainer.report_keys import Key
 from vidtune.tune import search_record
 from vidtune.tune.results import RECORD_NAMES, TrialResult
 
@@ -133,7 +134,7 @@ def load(path: str | Path) -> SearchResult:
     best = trial_from_record(best_doc) if best_doc else None
     return SearchResult(
         path=folder, name=record.name if record else folder.name,
-        objective=(record.objective if record else (best_doc or {}).get("objective", "val_acc")),
+        objective=(record.objective if record else (best_doc or {}).get("objective", Key.VAL_ACC.value)),
         trials=trials, best=best,
         best_config=(best_doc or {}).get("train_config"),
         best_checkpoint=(best_doc or {}).get("checkpoint"),
@@ -150,7 +151,7 @@ def trial_from_record(doc: dict[str, Any]) -> TrialResult:
     back = {summary: name for name, summary in RECORD_NAMES.items()}
     known = {f.name for f in fields(TrialResult)}
     values = {back.get(k, k): v for k, v in doc.items()}
-    values = {k: (math.nan if v is None and k not in ("checkpoint", "node_id") else v)
+    values = {k: (math.nan if v is None and k not in ("checkpoint", Key.NODE_ID) else v)
               for k, v in values.items() if k in known}
     return TrialResult(**values)
 
