@@ -126,6 +126,7 @@ def user_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(own_models, "_TO_SHIP", {})
+    monkeypatch.setattr(own_models, "_SEEN", {})
     before = set(sys.modules)
     yield folder
     for name in set(sys.modules) - before:
@@ -172,6 +173,17 @@ def test_the_good_factory_passes_the_checks_with_its_spec_and_will_be_shipped(us
     model = build_model(name)
     assert model(torch.zeros(2, 3, 4, 32, 32)).shape == (2, 2)
     assert classifier(model) is model.head      # what --freeze-backbone-epochs keeps training
+
+
+def test_a_module_edited_since_it_was_imported_is_read_again(user_folder):
+    """A notebook's second search after mymodels.py changed checks the code Ray will ship."""
+    name = f"{MODULE}:build"
+    assert get_spec(name).num_frames == 4
+    module = user_folder / f"{MODULE}.py"
+    module.write_text(FACTORIES.replace("num_frames=4", "num_frames=6"))
+    stat = module.stat()
+    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))    # a later edit
+    assert get_spec(name).num_frames == 6
 
 
 def test_kinetics_weights_are_refused_and_a_state_dict_loads(user_folder, tmp_path):

@@ -126,7 +126,7 @@ def _import(ref: FactoryName) -> ModuleType:
         _first_on_path(os.getcwd())
     importlib.invalidate_caches()    # a module written since this process last looked (a notebook)
     try:
-        module = importlib.import_module(ref.module)
+        module = _fresh(importlib.import_module(ref.module))
     except ModuleNotFoundError as e:
         if e.name and (ref.module == e.name or ref.module.startswith(e.name + ".")):
             raise OwnModelError(f"own model {ref.text}: {_not_found(ref)}") from None
@@ -141,6 +141,23 @@ def _import(ref: FactoryName) -> ModuleType:
             raise OwnModelError(f"own model {ref.text}: the name {ref.module} is taken by another module "
                                 f"({_where(module)}); rename {wanted.name}")
     return module
+
+
+_SEEN: dict[str, int] = {}   # module name -> its file's mtime (ns) when this process first loaded it
+
+
+def _fresh(module: ModuleType) -> ModuleType:
+    """`module`, imported again when its file changed since this process loaded it: a notebook that
+    edits mymodels.py between two searches checks the code Ray ships (the file as it is now)."""
+    file = getattr(module, "__file__", None)
+    try:
+        mtime = os.stat(file).st_mtime_ns if file else None
+    except OSError:
+        return module
+    if mtime is None or _SEEN.setdefault(module.__name__, mtime) == mtime:
+        return module
+    _SEEN[module.__name__] = mtime
+    return importlib.reload(module)
 
 
 def _first_on_path(folder: str) -> None:
