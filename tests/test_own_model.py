@@ -103,7 +103,7 @@ BAD_FACTORIES = {
     "module raises": ("vt_broken_module:build", "importing vt_broken_module failed (ImportError: cannot"),
     "attribute missing": (f"{MODULE}:nope", f"module {MODULE} ("),
     "not callable": (f"{MODULE}:NOT_CALLABLE", "NOT_CALLABLE is not callable (its type: int)"),
-    "no input spec": (f"{MODULE}:no_spec", "no_spec has no input spec; decorate it with @video_model"),
+    "no input spec": (f"{MODULE}:no_spec", "has no input spec; decorate it with @vidtune.video_model"),
     "invalid input spec": (f"{MODULE}:bad_spec", "its input_spec height must be a whole number >= 1, not 0"),
     "returns no module": (f"{MODULE}:not_module", "returned a str, not a torch.nn.Module"),
     "wrong output shape": (f"{MODULE}:wrong_shape", "gave shape (1, 3), not logits of shape (1, 2)"),
@@ -271,7 +271,7 @@ OWN_NET = textwrap.dedent('''
     import torch
     from torch import nn
 
-    from vidtune.own_model_spec import video_model
+    from vidtune import video_model
 
 
     class OwnNet(nn.Module):

@@ -35,9 +35,8 @@ from vidtune.own_model_spec import SPEC_ATTRIBUTE, checked_input_spec
 
 SEPARATOR = ":"
 EXAMPLE = "mymodels:build"
-SPEC_HINT = ("decorate it with @video_model(num_frames=..., height=..., width=...) from "
-             "vidtune.own_model_spec, or set its input_spec = {'num_frames': 16, 'height': 112, "
-             "'width': 112} (mean and std optional)")
+SPEC_HINT = ("decorate it with @vidtune.video_model(num_frames=..., height=..., width=...), or set its "
+             "input_spec = {'num_frames': 16, 'height': 112, 'width': 112} (mean and std optional)")
 # Never shipped: vidtune itself (installed on every node) and the standard library.
 NOT_SHIPPED = ("vidtune",)
 
