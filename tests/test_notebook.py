@@ -103,8 +103,8 @@ def test_the_quickstart_notebook_runs_end_to_end(tmp_path):
     # MLflow's UI was started on the search's store (a link to its runs), then stopped
     link = _result_of(nb, "ui = vidtune.ui(result, port=UI_PORT)\nui")["text/html"]
     assert f'href="http://127.0.0.1:{port}/#/experiments/' in link, link
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))      # free again: ui.stop() ended it
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))      # nothing listens: ui.stop() ended it
 
 
 # -- an interrupt in a kernel, then resume ---------------------------------------------------------
@@ -171,7 +171,10 @@ def test_a_kernel_interrupt_leaves_the_search_resumable_and_no_ray_behind(tmp_pa
             f"storage={str(work / 'results')!r}, mlflow_uri={'sqlite:///' + str(work / 'mlruns.db')!r}")
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=KERNEL_START_S, cwd=str(tmp_path))
     kernel = psutil.Process(km.provisioner.process.pid)
-    seen: dict[psutil.Process, str] = {}      # every gcs_server and raylet the kernel started
+    # Every gcs_server and raylet the kernel started, seen as its descendants while its searches
+    # run: other tests (and other Rays on this machine) start and stop theirs meanwhile, so a
+    # before/after count of the machine's Ray processes would blame or hide them.
+    seen: dict[psutil.Process, str] = {}
     try:
         reply, _ = _run(kc, "import vidtune", KERNEL_START_S)
         assert reply["status"] == "ok", reply
@@ -191,6 +194,9 @@ def test_a_kernel_interrupt_leaves_the_search_resumable_and_no_ray_behind(tmp_pa
         assert "resume=True" in reply["evalue"], reply["evalue"]
         assert "UNFINISHED" in printed, f"no summary after the interrupt:\n{printed[-3000:]}"
         assert sorted(seen.values()) == sorted(RAY_NAMES), f"the search's Ray was not seen: {seen}"
+        # The interrupted search shut its Ray down: nothing of it waits for the next cell
+        _, alive = psutil.wait_procs(list(seen), timeout=30)
+        assert not alive, f"still running after the interrupted search: {[(p.pid, seen[p]) for p in alive]}"
 
         # What the interrupt kept: the first trial's result, and no MLflow run left RUNNING
         check = ("import json, mlflow\n"
