@@ -28,7 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ class MlflowUI:
     port: int
     process: subprocess.Popen | None = None
     log_path: Path | None = None
+    _stopped: bool = field(default=False, repr=False)
 
     @property
     def running(self) -> bool:
@@ -71,8 +72,9 @@ class MlflowUI:
     def stop(self) -> None:
         """End the server and every process it started (idempotent). SIGTERM to its process
         group, SIGKILL after STOP_TIMEOUT_S."""
-        if self.process is None:
-            return
+        if self.process is None or self._stopped:
+            return      # once only: at interpreter exit, hours later, its pid may be another's
+        self._stopped = True
         _signal_group(self.process.pid, signal.SIGTERM)
         try:
             self.process.wait(timeout=STOP_TIMEOUT_S)
