@@ -24,7 +24,13 @@ from vidtune.flags import ConfigError
 from vidtune.own_model_spec import IMAGENET_MEAN, checked_input_spec, video_model
 from vidtune.trainer import model_checks, own_models, train, train_run
 from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import validate_config, worker_runtime_env
+from vidtune.trainer.launch import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    HEALTH_CHECK_ENV,
+    init_ray,
+    validate_config,
+    worker_runtime_env,
+)
 from vidtune.trainer.models import (
     build_model,
     classifier,
@@ -173,6 +179,20 @@ def test_the_good_factory_passes_the_checks_with_its_spec_and_will_be_shipped(us
     model = build_model(name)
     assert model(torch.zeros(2, 3, 4, 32, 32)).shape == (2, 2)
     assert classifier(model) is model.head      # what --freeze-backbone-epochs keeps training
+
+
+def test_a_cluster_joined_with_address_gets_the_module_with_the_job(user_folder, monkeypatch):
+    import ray  # the real ray.init is replaced: nothing starts or connects
+
+    get_spec(f"{MODULE}:build")            # the driver's check loads it
+    joined = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: joined.update(kw))
+    monkeypatch.setenv(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)    # init_ray sets it; undone after
+    assert init_ray(address="ray://head:10001", runtime_env={"py_modules": ["/opt/other.whl"]})
+    shipped = str((user_folder / f"{MODULE}.py").resolve())
+    assert joined["address"] == "ray://head:10001"
+    assert joined["runtime_env"]["py_modules"] == ["/opt/other.whl", shipped]
 
 
 def test_a_module_edited_since_it_was_imported_is_read_again(user_folder):
