@@ -37,7 +37,8 @@ SEPARATOR = ":"
 EXAMPLE = "mymodels:build"
 SPEC_HINT = ("decorate it with @vidtune.video_model(num_frames=..., height=..., width=...), or set its "
              "input_spec = {'num_frames': 16, 'height': 112, 'width': 112} (mean and std optional)")
-# Never shipped: vidtune itself (installed on every node) and the standard library.
+# Never shipped: vidtune itself, installed on every node (site-packages and the standard library
+# are set apart by where they are: `_installed`).
 NOT_SHIPPED = ("vidtune",)
 
 
@@ -65,7 +66,8 @@ class FactoryName:
 
 
 def is_factory_name(name: str) -> bool:
-    """Whether `--model name` names a factory (`module:function`) rather than a registry model."""
+    """Whether `--model name` names a factory (`module:function`) rather than a registry model; an
+    `hf:` name is set apart first (`trainer.models.is_own_model`)."""
     return SEPARATOR in name
 
 
