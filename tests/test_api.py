@@ -265,3 +265,22 @@ def test_a_search_puts_back_the_sigint_handler_it_found():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_the_summary_counts_the_searchs_own_time_not_the_processs(tmp_path, capsys):
+    """A notebook's kernel outlives its searches: "N trials in T" is the search's time."""
+    import time
+    from types import SimpleNamespace
+
+    from vidtune.tune.options import parse_options
+    from vidtune.tune.preflight import Plan
+    from vidtune.tune.summary import Summary, print_summary
+
+    opts = parse_options(["--smoke-test", "--storage", str(tmp_path), "--name", "s"])
+    plan = Plan(opts=opts, base=opts.train, storage=str(tmp_path), name="s", demo=False,
+                started_at=time.time() - 75)
+    summary = Summary(objective="val_acc", rows=[], trials=[], trial_states=[], interrupted=False,
+                      val_clips=0, answer=[], best=None, checkpoint=None,
+                      importance=SimpleNamespace(shares={}, sentence=lambda: ""), files={})
+    print_summary(plan, opts, summary, mlflow_links="", pending=None)
+    assert re.search(r"^0 trials in 1m1[56]s", capsys.readouterr().out, flags=re.M)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,9 @@ class Plan:
     name: str                 # experiment name (folder under storage)
     demo: bool
     index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
+    # When this run of the search began (unix time): the summary's "N trials in T". Set by
+    # `tune.search.run_search` when it is called, so a notebook's second search counts its own time.
+    started_at: float = field(default_factory=time.time)
 
     @property
     def search_path(self) -> str:

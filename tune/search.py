@@ -26,7 +26,9 @@ if __name__ == "__main__" and not __package__:
 
 import contextlib
 import io
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vidtune.errors import DataError, VidtuneError
@@ -72,10 +74,11 @@ def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> t
         runner,
     )
 
+    started_at = time.time()    # the search's time, not the process's (a notebook runs several)
     # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
     quiet = opts.quiet and not opts.dry_run
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        plan = preflight.prepare(opts, given=given)
+        plan = replace(preflight.prepare(opts, given=given), started_at=started_at)
         if opts.dry_run:
             print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "

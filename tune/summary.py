@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 from ray import tune
 
 from vidtune.atomic import atomic_path, write_atomically
@@ -115,7 +114,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     say(mlflow_links)
     if study_line := dashboard_line(opts.optuna_storage, opts.study_name or plan.name):
         say(study_line)
-    say("\n" + outcome_line(rows, time.time() - psutil.Process().create_time()))
+    say("\n" + outcome_line(rows, time.time() - plan.started_at))
     if importance.shares or opts.num_samples >= MIN_TRIALS:   # a short search was never going to have it
         say(importance.sentence())
     ended_by_budget = budget.summary_line(opts.num_samples) if budget is not None else None
