@@ -105,6 +105,13 @@ def test_a_model_function_is_recorded_by_its_importable_name():
         model_reference(inner)    # <locals> in its qualified name: not importable
     with pytest.raises(ConfigError, match="^model: got int"):
         model_reference(3)
+    assert model_reference(Factories.build) == f"{__name__}:Factories.build"   # as the command takes it
+
+
+class Factories:
+    @staticmethod
+    def build(num_classes: int = 2):
+        raise AssertionError("never built")
 
 
 # -- a search's folder read back -------------------------------------------------------------------

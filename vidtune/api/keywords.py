@@ -32,7 +32,7 @@ def model_reference(model: str | Callable[..., Any]) -> str:
         raise ConfigError("model", f"got {type(model).__name__}; give a model name (tiny, mvit_v2_s, "
                           "hf:ID), 'package.module:function', or the factory function itself")
     module, name = getattr(model, "__module__", None), getattr(model, "__qualname__", "")
-    if module in (None, "__main__", "builtins") or not _IMPORTABLE.match(name) or "." in name:
+    if module in (None, "__main__", "builtins") or not _IMPORTABLE.match(name):
         where = "a notebook cell or a script" if module == "__main__" else f"{module}"
         raise ConfigError("model", f"{getattr(model, '__name__', model)!r} is defined in {where}, where "
                           "Ray's workers, a resume and the registered model cannot import it again; put the "
