@@ -10,6 +10,7 @@ import statistics
 from types import SimpleNamespace
 
 import pytest
+from ray.train._internal.storage import StorageContext  # what Tune gives each trial (not public)
 
 from vidtune.trainer.history import write_history
 from vidtune.tune import console, faults, results, search_log, space, tables
@@ -279,10 +280,13 @@ def test_after_a_resume_the_trial_end_and_best_so_far_lines_use_the_whole_histor
     before): t01 trained epochs 1-2 before the interruption (0.500 at epoch 1 is its best) and
     retrains from its epoch-2 checkpoint; t02 had ended before it with 0.625. The trial-end line
     and the best so far read every epoch (`epochs.json` of each trial's latest checkpoint), as
-    the table does, not only this process's reports (it said "0.375 at epoch 4")."""
+    the table does, not only this process's reports (it said "0.375 at epoch 4").
+
+    The trials carry Tune's own storage object, as restored trials do (`Tuner.restore` gives each
+    a `StorageContext` at the search's folder): a stand-in with other attributes once hid that
+    the console read one Tune's object does not have, and so never found the saved history."""
     experiment = tmp_path / "s" / "ray"
-    storage = SimpleNamespace(storage_path=str(tmp_path), experiment_dir_name="s/ray",
-                              experiment_fs_path=str(experiment))
+    storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name="s/ray")
     a, b = _trial(1, "a"), _trial(2, "b", status="TERMINATED")
     a.storage = b.storage = storage
     for trial, history in ((a, {1: 0.5, 2: 0.375}), (b, {1: 0.5, 2: 0.625})):
@@ -306,6 +310,10 @@ def test_after_a_resume_the_trial_end_and_best_so_far_lines_use_the_whole_histor
     rows = results.live_row("a", a.config, {1: {"val_acc": 0.5}, 2: {"val_acc": 0.375}, 3: {"val_acc": 0.375},
                                             4: {"val_acc": 0.375}}, "DONE")
     assert (rows.best_epoch, rows.val_acc) == (1, 0.5)          # the table's rule, on the same epochs
+    # on remote storage the folder is a URI again (pyarrow keeps the scheme in its filesystem)
+    remote = SimpleNamespace(experiment_fs_path="bucket/s/ray",
+                             storage_filesystem=SimpleNamespace(type_name="s3"))
+    assert console._experiment_path(SimpleNamespace(storage=remote)) == "s3://bucket/s/ray"
 
 
 def test_a_trial_tune_runs_again_says_so_and_why(capsys, tmp_path):

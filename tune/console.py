@@ -48,6 +48,7 @@ def outcome_line(rows: list[TrialResult], wall_s: float) -> str:
 # What the console keeps of each epoch's report (`SearchConsole._history`), beside the objective.
 HISTORY_KEYS = tuple(k.value for k in (Key.VAL_ACC, Key.CLIPS_PER_S, Key.OOM, Key.DIVERGED))
 TRAIN_RUNS = "train_runs"    # the trials' Train runs, in the experiment folder (tune.runner)
+URI_SCHEMES = {"gcs": "gs"}  # pyarrow filesystem type name -> URI scheme, where they differ
 
 
 def _median(values: list[float]) -> float:
@@ -374,14 +375,15 @@ def restart_line(name: str, result: dict[str, Any], *, worker_died: bool) -> str
 
 def _experiment_path(trial: Trial) -> str | None:
     """The trial's experiment folder (a URI on remote storage), or None when Tune's trial has no
-    storage to say it."""
+    storage to say it. Tune's `StorageContext` holds the path on its filesystem (no URI scheme:
+    pyarrow took it off) and the filesystem; it has no `storage_path` (reading that attribute
+    once made every trial's saved history invisible here, after a --resume too)."""
     storage = getattr(trial, "storage", None)
     try:
-        if "://" in str(storage.storage_path):
-            return f"{str(storage.storage_path).rstrip('/')}/{storage.experiment_dir_name}"
-        return storage.experiment_fs_path
+        path, kind = str(storage.experiment_fs_path), str(storage.storage_filesystem.type_name)
     except AttributeError:
         return None
+    return path if kind == "local" else f"{URI_SCHEMES.get(kind, kind)}://{path}"
 
 
 def _ended(trials: list) -> set[str]:
