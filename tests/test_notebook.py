@@ -85,6 +85,8 @@ def test_the_quickstart_notebook_runs_end_to_end(tmp_path):
     search_cell = next(c for c in _code_cells(nb) if c.source.startswith("result = vidtune.search("))
     printed = "".join(o.get("text", "") for o in search_cell.outputs)
     assert "trial 1/2" in printed and "Best: " in printed, printed[-3000:]
+    # nothing but the console's lines: no empty HTML block of Tune's Jupyter reporter above them
+    assert [o.output_type for o in search_cell.outputs] == ["stream"] * len(search_cell.outputs)
 
     # The trials table: the search's trials.csv, both trials
     (folder,) = [p.parent for p in (work / "results").glob("*/trials.csv")]
@@ -92,6 +94,9 @@ def test_the_quickstart_notebook_runs_end_to_end(tmp_path):
     table = _result_of(nb, "result.trials")["text/html"]
     rows = re.findall(r"<tr>\s*<th>\d+</th>\s*<td>([^<]+)</td>", table.split("<tbody>")[1])
     assert rows == names and len(names) == 2, (rows, names)
+    # the best trial is the console's answer and the table's first row
+    assert re.search(rf"^Best: {re.escape(names[0])} \(batch ", printed, flags=re.M), printed[-3000:]
+    assert f"name='{names[0]}'" in _result_of(nb, "result.best")["text/plain"]
     assert str(folder) in _result_of(nb, "result")["text/plain"]
     assert "<table" in _result_of(nb, "result")["text/html"]
 

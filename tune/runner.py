@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import ray
 import ray.train
 from ray import tune
+from ray.tune import CLIReporter
 from ray.tune.search import Searcher
 
 from vidtune import __version__
@@ -360,6 +361,9 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             # as Train restarts a lost worker group. A trial that failed by itself is not rerun
             # (tune.trial_retry), and out of memory is an answer, not a failure.
             failure_config=tune.FailureConfig(max_failures=opts.train.max_failures),
+            # Tune's own reporter, silent at verbose 0: in a notebook Tune would pick its Jupyter
+            # reporter, which puts an empty HTML block above the console's lines
+            progress_reporter=None if opts.verbose else CLIReporter(),
             callbacks=callbacks),
     )
     return tuner, searcher
