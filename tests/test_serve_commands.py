@@ -145,3 +145,72 @@ def test_a_folder_without_a_model_is_named(tmp_path, capsys):
 
     assert serve_cli.main([str(tmp_path)]) == 2
     assert f"error: MODEL: {tmp_path}: no MLflow model there" in capsys.readouterr().err
+
+
+# -- a model whose files are gone: one line, exit 2, before any line says it serves --------------
+
+@pytest.fixture(scope="module")
+def gone_models(tmp_path_factory) -> SimpleNamespace:
+    """A tiny (untrained) model registered as `m` version 1 in a store of its own, and a saved
+    model's folder copied from its files; then the files taken away: the registered version's
+    artifact folder deleted, the folder's checkpoint removed (`whole` keeps an intact copy)."""
+    import shutil
+
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from vidtune.datasets.synthetic import generate
+    from vidtune.trainer import mlflow_model
+    from vidtune.trainer.checkpointing import save_checkpoint
+    from vidtune.trainer.config import TrainConfig
+    from vidtune.trainer.models import build_model, get_spec
+
+    tmp = tmp_path_factory.mktemp("gone-model")
+    torch.manual_seed(0)
+    network = build_model("tiny")
+    optimizer = torch.optim.AdamW(network.parameters())
+    save_checkpoint(tmp / "ckpt", model=network, optimizer=optimizer,
+                    scaler=torch.amp.GradScaler("cpu", enabled=False),
+                    scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0), epoch=1,
+                    config=TrainConfig().to_dict(), spec=get_spec("tiny"),
+                    class_names={1: "Fight", 0: "NonFight"})
+    video = next(generate(tmp / "videos", videos=4, workers=1).rglob("*.mp4"))
+    uri = f"sqlite:///{tmp / 'mlruns.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("search", artifact_location=(tmp / "artifacts").as_uri())
+    run = client.create_run(experiment, run_name="t01-bs4-lr1e-3")
+    logged = mlflow_model.log_model(uri, run.info.run_id, tmp / "ckpt", example_video=video,
+                                    registered_name="m")
+    files = next((tmp / "artifacts").rglob("MLmodel")).parent
+    shutil.copytree(files, tmp / "whole")
+    shutil.copytree(files, tmp / "folder")
+    (tmp / "folder" / "artifacts" / "checkpoint.pt").unlink()
+    shutil.rmtree(files)
+    return SimpleNamespace(uri=uri, model=logged.uri, files=files, folder=tmp / "folder", whole=tmp / "whole")
+
+
+def test_a_model_folder_whose_checkpoint_is_gone_is_one_line_before_serving(gone_models, monkeypatch, capsys):
+    """`vidtune serve FOLDER`: the model is loaded before the server is started or named; a whole
+    folder is then served (the server's start stands in here)."""
+    from vidtune.trainer import serve_cli, serve_model
+
+    started = []
+    monkeypatch.setattr(servers, "exec_python", lambda module, args: serve_model.main(args))
+    monkeypatch.setattr(servers, "exec_mlflow", lambda args, env: started.append(args) or 0)
+    assert serve_cli.main([str(gone_models.folder), "--mlflow-uri", gone_models.uri]) == 2
+    out, err = capsys.readouterr()
+    assert not started and "serving" not in out, out
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: MODEL: {gone_models.folder} cannot be loaded (checkpoint "), err
+    assert "copy the whole model folder again" in err
+    assert serve_cli.main([str(gone_models.whole), "--mlflow-uri", gone_models.uri]) == 0
+    assert started and capsys.readouterr().out.startswith(f"serving {gone_models.whole} at http://")
+
+
+def test_a_registered_model_whose_files_were_deleted_is_one_line_exit_2(gone_models, tmp_path):
+    line = f"{servers.vidtune_command()} serve {gone_models.model} --mlflow-uri {gone_models.uri}"
+    done = run_clean(line, tmp_path, 120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: MODEL: {gone_models.model} cannot be loaded ("), done.stderr
+    assert f"the files of m version 1 in {gone_models.files} are gone" in done.stderr

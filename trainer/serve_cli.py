@@ -7,7 +7,8 @@ activated).
 
 Runs `mlflow models serve -m MODEL --env-manager local --host HOST --port PORT` from vidtune's
 environment (`vidtune.servers`), with MLFLOW_TRACKING_URI set to the store whose registry holds
-MODEL. The answer is P(violent) per video by vidtune's scoring rule (`vidtune predict --help`);
+MODEL, once the model has loaded here (`trainer.serve_model`: a model whose files are gone is one
+line, exit 2). The answer is P(violent) per video by vidtune's scoring rule (`vidtune predict --help`);
 a request with a path the server cannot score gets HTTP 400 naming each such path.
 """
 from __future__ import annotations
@@ -42,18 +43,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {flag}: {store}: {missing}; pass the --mlflow-uri the search wrote to, to "
                   f"find {model}", file=sys.stderr)
             return 2
-        # MLflow's registry names a version that is not there (`trainer.serve_model`, which loads
-        # MLflow: this module stays light for --help and bad flags), then serves it
-        return servers.exec_python("vidtune.trainer.serve_model", [model, servers.absolute_store(store),
-                                                                   args.host, str(args.port)])
-    if "://" not in model:
+    elif "://" not in model:
         folder = Path(model).expanduser().resolve()
         if not (folder / "MLmodel").is_file():
             print(f"error: MODEL: {model}: no MLflow model there (no {folder / 'MLmodel'}); pass "
                   "models:/NAME/VERSION or a saved model's folder", file=sys.stderr)
             return 2
         model = str(folder)
-    return serve(model, servers.absolute_store(store), args.host, args.port)
+    # The registry names a version that is not there, and the model is loaded once, before any line
+    # says it is served (`trainer.serve_model`, which loads MLflow and torch: this module stays light
+    # for --help and bad flags); then it is served.
+    return servers.exec_python("vidtune.trainer.serve_model", [model, servers.absolute_store(store),
+                                                               args.host, str(args.port)])
 
 
 def serve(model: str, store: str, host: str, port: int) -> int:
