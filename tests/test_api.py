@@ -291,3 +291,13 @@ def test_the_summary_counts_the_searchs_own_time_not_the_processs(tmp_path, caps
                       importance=SimpleNamespace(shares={}, sentence=lambda: ""), files={})
     print_summary(plan, opts, summary, mlflow_links="", pending=None)
     assert re.search(r"^0 trials in 1m1[56]s", capsys.readouterr().out, flags=re.M)
+
+
+def test_a_dry_run_checks_prints_and_returns_none(synthetic_root, tmp_path, capsys, no_ray):
+    """`dry_run=True`, as `--dry-run`: everything checked on the driver, the resolved configuration
+    printed, nothing run (no Ray, no search folder)."""
+    assert vidtune.search(data=synthetic_root, smoke_test=True, storage=tmp_path / "results",
+                          dry_run=True) is None
+    out = capsys.readouterr().out
+    assert "dry run: everything checked" in out and str(synthetic_root) in out
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
