@@ -188,8 +188,27 @@ def _broken_record(tmp_path: Path) -> Path:
 
 
 def test_load_of_remote_storage_says_where_the_results_are():
-    with pytest.raises(ConfigError, match="reads a local search folder.*MLflow run"):
+    with pytest.raises(ConfigError, match=r"reads a local folder; a search on remote storage leaves a local "
+                                          r"copy of its results in .*vidtune-results/<name>.*MLflow run"):
         vidtune.load("s3://bucket/searches/s1")
+
+
+def test_a_search_on_remote_storage_keeps_a_local_copy_of_its_results(tmp_path, monkeypatch):
+    """--storage s3://...: trials.csv, best_config.json and search.json go to a local folder named
+    after the search (and to MLflow), which `vidtune.search` returns as the result's path."""
+    from vidtune.tune import summary
+    from vidtune.tune.options import parse_options
+    from vidtune.tune.preflight import Plan
+
+    monkeypatch.setattr(summary, "REMOTE_COPIES", tmp_path / "copies")
+    opts = parse_options(["--smoke-test"])
+    remote = Plan(opts=opts, base=opts.train, storage="s3://bucket/searches", name="s1", demo=False)
+    copy = tmp_path / "copies" / "s1"
+    assert summary.results_folder(remote) == copy and copy.is_dir()
+    local = Plan(opts=opts, base=opts.train, storage=str(tmp_path), name="s2", demo=False)
+    assert summary.results_folder(local) is None          # not made yet: the search makes its folder
+    (tmp_path / "s2").mkdir()
+    assert summary.results_folder(local) == tmp_path / "s2"
 
 
 def test_predict_refuses_what_is_not_a_model(tmp_path):

@@ -70,7 +70,7 @@ from vidtune.tune.ray_internals import (
 )
 from vidtune.tune.results import objective_key
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
-from vidtune.tune.summary import print_summary, results_folder, summarise
+from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
 from vidtune.tune.tracking.tracker import MLflowTracker
 from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
@@ -268,10 +268,10 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
                              pending=pending, failed=failure is not None, model=model.lines,
                              budget=searcher if isinstance(searcher, TimeBudget) else None)
         # what `vidtune.load` reads back beside trials.csv and best_config.json
-        search_record.write(results_folder(plan), search_record.make(
+        search_record.write(summary.files["trials_csv"].parent, search_record.make(
             name=plan.name, path=plan.search_path, objective=opts.objective, exit_code=code,
             interrupted=summary.interrupted, tracking_uri=opts.tracking.mlflow_uri, tracker=tracker,
-            model_uri=model.uri, answer=summary.answer))
+            model_uri=model.uri, answer=summary.answer, pending=pending))
         save_lease_record(lease, log_file_for(plan.search_path, plan.name))
         del registry, lease
     if failure is not None:

@@ -1,12 +1,13 @@
 """The search's outcome as data: `search.json` at the top of its folder, written when the search
 ends (finished, stopped early by the time budget, or interrupted), beside trials.csv and
-best_config.json. It holds what those files do not: the sentences the summary answered with,
+best_config.json (on remote storage, beside their local copy: `tune.summary.results_folder`). It
+holds what those files do not: the sentences the summary answered with,
 whether the search was interrupted, its exit code, the MLflow store, the runs-table link and the
 best model's URI. `vidtune.load` reads it back (with trials.csv and best_config.json) into a
 `vidtune.SearchResult`, after the process that ran the search is gone.
 
-Bookkeeping: a search whose record cannot be written (a full disk, remote storage) loses nothing
-else, and says so in one line.
+Bookkeeping: a search whose record cannot be written (a full disk) loses nothing else, and says
+so in one line.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class SearchRecord:
     model_uri: str | None = None    # the best model (models:/NAME/VERSION); None when not logged
     answer: list[str] = field(default_factory=list)   # the summary's first sentences
     format: int = FORMAT
+    mlflow_pending: str | None = None   # why MLflow is not up to date (a --resume writes it); None: it is
 
 
 def record_path(folder: str | Path) -> Path:
@@ -44,8 +46,9 @@ def record_path(folder: str | Path) -> Path:
 
 
 def write(folder: Path | None, record: SearchRecord) -> Path | None:
-    """Write `record` into the search's folder, whole or not at all; None (and one line on stderr)
-    when it cannot be written, or `folder` is None (remote storage: the results are in MLflow)."""
+    """Write `record` into `folder`, where the search's results files went (its own folder, or
+    `tune.summary.results_folder`'s local copy for remote storage), whole or not at all; None (and
+    one line on stderr) when it cannot be written, or `folder` is None."""
     if folder is None:
         return None
     try:
@@ -57,9 +60,10 @@ def write(folder: Path | None, record: SearchRecord) -> Path | None:
 
 
 def make(*, name: str, path: str, objective: str, exit_code: int, interrupted: bool, tracking_uri: str,
-         tracker: Any, model_uri: str | None, answer: list[str]) -> SearchRecord:
+         tracker: Any, model_uri: str | None, answer: list[str], pending: str | None = None) -> SearchRecord:
     """The record of a search that just ended; `tracker`: its MLflow writer, whose runs-table link
-    is kept when the store was reached (`experiment_id` known)."""
+    is kept when the store was reached (`experiment_id` known); `pending`: why MLflow is not up to
+    date (the tracker's `record_summary`), None when it is."""
     url = None
     if getattr(tracker, "experiment_id", None):
         try:
@@ -68,7 +72,7 @@ def make(*, name: str, path: str, objective: str, exit_code: int, interrupted: b
             url = None
     return SearchRecord(name=name, path=path, objective=objective, exit_code=exit_code,
                         interrupted=interrupted, mlflow_uri=absolute_store(tracking_uri), mlflow_url=url,
-                        model_uri=model_uri, answer=list(answer))
+                        model_uri=model_uri, answer=list(answer), mlflow_pending=pending)
 
 
 def read(folder: str | Path) -> SearchRecord | None:

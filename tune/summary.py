@@ -201,11 +201,21 @@ def no_usable_trial(opts: SearchOptions, rows: list[TrialResult]) -> str:
     return f"no trial produced a usable result ({ended}){': ' + steps if steps else ''}"
 
 
+# On remote storage (s3://, gs://) the results files are written here, under the search's name, as
+# well as into its MLflow run: a local copy that `vidtune.load` (and the Python API) reads.
+REMOTE_COPIES = Path(tempfile.gettempdir()) / "vidtune-results"
+
+
 def results_folder(plan: Plan) -> Path | None:
-    """Where trials.csv, best_config.json and the plots are written: the top of the search's
-    folder (`tune.layout`; None on remote storage: they are in MLflow only)."""
+    """Where trials.csv, best_config.json, the plots and search.json are written: the top of the
+    search's folder (`tune.layout`); on remote storage a local copy, REMOTE_COPIES/<name> (the
+    files are in MLflow too). None when that folder is not there (nor can be made)."""
     if "://" in plan.search_path:
-        return None
+        try:
+            (REMOTE_COPIES / plan.name).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return None
+        return REMOTE_COPIES / plan.name
     folder = Path(plan.search_path)
     return folder if folder.is_dir() else None
 

@@ -31,6 +31,7 @@ from vidtune.trainer.predict import DEFAULT_STORE, PredictOptions, registered_ch
 from vidtune.trainer.train_run import fit
 from vidtune.tune.options import SPECS, load_config_file, resolve
 from vidtune.tune.search import run_search
+from vidtune.tune.summary import results_folder
 
 
 def search(data: str | os.PathLike[str] | None = None, model: str | Callable[..., Any] | None = None, *,
@@ -68,8 +69,13 @@ def search(data: str | os.PathLike[str] | None = None, model: str | Callable[...
                                     "lost: run it again (resume=True once it has started trials)") from None
     if plan is None:
         return None
-    result = load(plan.search_path)
-    if code == 130 or result.interrupted and code != 0:
+    try:    # the search's folder, or on remote storage the local copy of its results
+        result = load(results_folder(plan) or plan.search_path)
+    except ConfigError:
+        if code != 130:
+            raise
+        result = None   # interrupted before its first summary: nothing to read back yet
+    if code == 130:
         raise SearchInterrupted(
             f"vidtune.search was interrupted; every MLflow run was closed and the trials' checkpoints "
             f"kept: continue with vidtune.search(..., name={plan.name!r}, storage={str(plan.storage)!r}, "

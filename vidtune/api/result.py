@@ -22,6 +22,7 @@ from vidtune.errors import ConfigError
 from vidtune.trainer.report_keys import Key
 from vidtune.tune import search_record
 from vidtune.tune.results import RECORD_NAMES, TrialResult
+from vidtune.tune.summary import REMOTE_COPIES
 
 TRIALS_FILE = "trials.csv"
 BEST_CONFIG_FILE = "best_config.json"
@@ -112,9 +113,9 @@ def load(path: str | Path) -> SearchResult:
     """The search in folder `path` (<storage>/<name>, as the search printed it), finished or
     interrupted, read from its files. ConfigError naming the path when it holds no search."""
     if "://" in str(path):
-        raise ConfigError("path", f"{path}: vidtune.load reads a local search folder; a search on remote "
-                          "storage keeps its trials table and best_config.json in its MLflow run: download "
-                          "them, or open the run with vidtune.ui")
+        raise ConfigError("path", f"{path}: vidtune.load reads a local folder; a search on remote storage "
+                          f"leaves a local copy of its results in {REMOTE_COPIES}/<name> on the machine that "
+                          "ran it, and in its MLflow run (open it with vidtune.ui)")
     folder = Path(path).expanduser().resolve()
     if not folder.is_dir():
         raise ConfigError("path", f"{folder} is not a folder; pass the search's folder, <storage>/<name>, "
