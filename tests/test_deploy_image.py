@@ -119,3 +119,26 @@ def test_it_runs_as_the_non_root_user_the_manifests_name():
             text = yaml.safe_dump(doc)
             for found in re.findall(r"runAsUser: (\d+)", text):
                 assert found == uid.group(1), path.name
+
+
+def _apt_installs() -> set[str]:
+    """The packages every `apt-get install` of the file names (options dropped)."""
+    packages: set[str] = set()
+    for word, rest in _instructions():
+        if word == "RUN":
+            for part in re.split(r"&&|;", rest):
+                tokens = shlex.split(part)
+                if tokens[:2] == ["apt-get", "install"]:
+                    packages |= {t for t in tokens[2:] if not t.startswith("-")}
+    return packages
+
+
+def test_the_image_can_build_tritons_launcher_for_compile():
+    """--compile on CUDA: Triton compiles a small C launcher (driver.c, which includes Python.h)
+    the first time a process runs a compiled step, so the image needs a C compiler, the C library's
+    headers and the headers of the image's own Python (python3.11-dev for python3.11), or every
+    compiled trial fails at its first step."""
+    wanted = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    packages = _apt_installs()
+    assert wanted in packages                           # the image's Python, whose headers are needed
+    assert {"gcc", "libc6-dev", f"{wanted}-dev"} <= packages, packages
