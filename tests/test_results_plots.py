@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from vidtune.tune import plots, results
+from vidtune.tune import plots, results, tables
 from vidtune.tune import searched as searched_params
 from vidtune.tune.options import SearchSpace
 
@@ -97,3 +97,13 @@ def test_the_speed_plot_shows_each_batch_sizes_speed_spread_beside_the_front():
     assert spreads == {"speed_spread_8": (80.0, 92.0)}             # batch 16 has one trial: no spread
     assert any("batch 8: 80.0 to 92.0 clips/s" in t.get_text() for t in ax.texts)
     assert [ln for ln in ax.get_lines() if ln.get_gid() == "pareto_front"]
+
+
+def test_the_docs_say_the_best_epoch_is_the_objectives_not_val_accs():
+    """Under --objective val_f1 the best epoch is the one with the best val_f1 (`objective_key`):
+    trials.csv's columns and the plots' descriptions say so, not "best epoch by val_acc"."""
+    for doc in (tables.__doc__, results.__doc__, plots.plot_objective_vs_params.__doc__,
+                plots.plot_history.__doc__):
+        text = " ".join((doc or "").split())
+        assert "best epoch by val_acc" not in text, text[:200]
+        assert "objective" in text

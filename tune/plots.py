@@ -278,8 +278,8 @@ def _log_ticks(ax: Axes) -> None:
 def plot_objective_vs_params(rows: list[TrialResult], path: Path, *, objective: str, title: str = "",
                              val_clips: int = 0, domains: Mapping[str, Domain] | None = None
                              ) -> Path | None:
-    """The objective (val_acc or val_f1, at each trial's best epoch by val_acc; pareto: val_acc)
-    against each searched parameter (`tune.tables.shown_params`), one subplot each: a range on
+    """The objective (val_acc or val_f1, at each trial's best epoch by that objective; pareto:
+    val_acc) against each searched parameter (`tune.tables.shown_params`), one subplot each: a range on
     a log or linear axis spanning what `domains` searched (its ends marked, outside shaded), a
     choice (batch size) as categories. Points coloured by batch size, marked by status and labelled like
     `plot_scatter`, an accuracy's 95% interval on `val_clips` clips as a bar; OOM and DIVERGED
@@ -355,7 +355,7 @@ def history_figure(rows: list[TrialResult], *, objective: str, title: str = "", 
 
 def plot_history(rows: list[TrialResult], path: Path, *, objective: str, title: str = "",
                  val_clips: int = 0) -> Path | None:
-    """The objective (at each trial's best epoch by val_acc; pareto: val_acc) of each trial in the
+    """The objective (at each trial's best epoch by it; pareto: val_acc) of each trial in the
     order trials started (their number, t03 -> 3), as points marked like `plot_scatter`; the best
     so far as a black step line (never going down); an accuracy's 95% interval on `val_clips`
     clips as a bar; trials without a value (OOM, DIVERGED, ERROR) in a band along the bottom; the

@@ -2,9 +2,9 @@
 and the rows ranked by the search's objective (the tables and trials.csv of these rows:
 `tune.tables`; their plots: `tune.plots`).
 
-A row's val_acc and val_f1 are those of the trial's best epoch by val_acc (ties: the later
-epoch), the epoch whose checkpoint Ray Train keeps as the best; its speeds are steady-state
-(per trial, not per epoch).
+A row's val_acc and val_f1 are those of the trial's best epoch by the search's objective
+(`objective_key`: val_acc or val_f1; pareto: val_acc; ties: the later epoch), the epoch whose
+checkpoint Ray Train keeps as the best; its speeds are steady-state (per trial, not per epoch).
 
 One number per trial everywhere: `summary_metrics` gives a row's SUMMARY_KEYS (its best epoch's
 accuracy and that epoch, its steady speed, the accuracy's 95% interval), the values trials.csv,

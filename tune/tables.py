@@ -10,11 +10,13 @@ trials, OOM, DIVERGED and ERROR, and those without a value last):
   batch_size, lr, weight_decay   the trial's configuration, a column per parameter a search may
                  search (`tune.searched.PARAMS`; numbers to 3 significant digits); a parameter this
                  search did not search holds the value every trial trained with
-  best_val_acc   validation accuracy of the trial's best epoch by val_acc (4 decimals; nan when none)
+  best_val_acc   validation accuracy of the trial's best epoch by the search's objective (val_acc or
+                 val_f1; pareto: val_acc) (4 decimals; nan when none)
   best_val_acc_low, best_val_acc_high   its 95% Wilson interval from the validation clip count
                  (4 decimals; nan when none or the count is unknown)
   best_val_f1    macro F1 of the same epoch
-  best_epoch     best_val_acc, best_val_f1 and the checkpoint are from this epoch; nan when none
+  best_epoch     that best epoch (by the objective): best_val_acc, best_val_f1 and the checkpoint are
+                 from it; nan when none
   epochs         epochs trained (the last epoch reported)
   speed_clips_per_s   the one speed: steady-state clips/s end to end (2 decimals; nan for OOM
                  and DIVERGED)
