@@ -318,3 +318,64 @@ def test_a_head_that_never_answers_fails_the_job_naming_it_and_its_logs(tmp_path
     assert last.startswith(f"vidtune.sbatch: the Ray head at {address} did not start within 3 s"), last
     assert last.endswith("its logs: /tmp/ray-123/session_latest/logs"), last
     assert time.monotonic() - started < 60
+
+
+def _head_address_function() -> str:
+    """The script's `head_address` bash function, as written there."""
+    text = SCRIPT.read_text()
+    start = text.index("head_address() {")
+    return text[start:text.index("\n}\n", start) + 3]
+
+
+def _fake(bin_dir: Path, name: str, script: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!/bin/bash\n{script}\n")
+    path.chmod(0o755)
+
+
+# A Debian-style /etc/hosts maps the node's own name to 127.0.1.1: `hostname --ip-address` says so.
+FAKE_HOSTNAME = """case "$1" in
+  -i|--ip-address) echo 127.0.1.1 ;;
+  -I|--all-ip-addresses) echo "${FAKE_ALL_IPS:-127.0.1.1}" ;;
+  *) echo node1 ;;
+esac"""
+
+
+@pytest.mark.parametrize("all_ips, route, nodes, expected", [
+    ("127.0.1.1 10.1.2.3 fd00::5", None, 2, "10.1.2.3"),                     # no `ip`: hostname -I
+    ("127.0.1.1 10.1.2.3", "10.1.9.9 via 10.0.0.1 dev ib0 src 10.0.0.5 uid 0", 2, "10.0.0.5"),  # the route's
+    ("127.0.1.1 fd00::5", None, 2, None),                                    # only a loopback: refused
+    ("127.0.1.1", None, 1, "127.0.0.1"),                                     # one node: a loopback is fine
+], ids=["hostname-I", "route-source", "loopback-refused", "one-node"])
+def test_the_heads_address_is_one_the_other_nodes_reach(tmp_path, all_ips, route, nodes, expected):
+    """On a host whose name resolves to 127.0.1.1 (Debian's /etc/hosts), the head's address is
+    not that one (no other node could join it there): it is the source of this node's route to the
+    others (`ip route get`), else the first non-loopback IPv4 of `hostname -I`; with only a
+    loopback found on 2 or more nodes the job stops with one line saying what to set."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "hostname", FAKE_HOSTNAME)
+    no_route = "echo 'RTNETLINK answers: Network is unreachable' >&2; exit 2"
+    _fake(bin_dir, "ip", f"echo '{route}'" if route else no_route)
+    env = {k: v for k, v in os.environ.items() if k != "VIDTUNE_HEAD_IP"}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", FAKE_ALL_IPS=all_ips)
+    script = f"set -euo pipefail\n{_head_address_function()}\nhead_address {nodes} node2\n"
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    if expected is None:
+        assert out.returncode != 0 and out.stdout == ""
+        (line,) = out.stderr.strip().splitlines()
+        assert line.startswith("vidtune.sbatch: this node has no address but a loopback (127.x)"), line
+        assert "VIDTUNE_HEAD_IP" in line
+    else:
+        assert (out.returncode, out.stdout.strip()) == (0, expected), out.stderr
+
+
+def test_a_loopback_head_address_given_is_refused_on_several_nodes(tmp_path):
+    """VIDTUNE_HEAD_IP overrides the search for an address, but not the check."""
+    script = f"set -euo pipefail\n{_head_address_function()}\nhead_address 3 node2\n"
+    for given, ok in (("127.0.1.1", False), ("10.4.4.4", True)):
+        out = subprocess.run(["bash", "-c", script], env={**os.environ, "VIDTUNE_HEAD_IP": given},
+                             capture_output=True, text=True, timeout=30)
+        assert (out.returncode == 0) == ok and out.stdout.strip() == (given if ok else ""), out.stderr
+        if not ok:
+            assert f"no address but a loopback ({given})" in out.stderr
