@@ -92,9 +92,10 @@ def test_python_is_cis_minor_version():
 
 
 def test_the_image_holds_every_folder_of_the_package():
-    # vidtune/ and the layer folders its links point to (vidtune/datasets -> ../datasets, ...)
+    # src/ (pyproject.toml's package-dir: a link to vidtune/), vidtune/ and the layer folders its
+    # links point to (vidtune/datasets -> ../datasets, ...)
     links = [p for p in (REPO / "vidtune").iterdir() if p.is_symlink()]
-    folders = {"vidtune"} | {p.resolve().relative_to(REPO).as_posix() for p in links}
+    folders = {"src", "vidtune"} | {p.resolve().relative_to(REPO).as_posix() for p in links}
     assert {"datasets", "trainer", "tune"} <= folders
     copied = {shlex.split(rest)[-2] for word, rest in _instructions() if word == "COPY"}
     assert folders <= copied, folders - copied
