@@ -68,6 +68,35 @@ def test_one_class_only():
     assert math.isnan(m["val_auc"]) and m["val_recall"] == 0.5 and m["val_f1"] == pytest.approx(2 / 3)
 
 
+def _by_counts(probs, labels) -> tuple[float, float]:
+    """(F1, recall) from the confusion counts, 0.0 where a denominator is 0."""
+    pred = [int(p >= 0.5) for p in probs]
+    tp = sum(a == 1 and b == 1 for a, b in zip(pred, labels, strict=True))
+    fp = sum(a == 1 and b == 0 for a, b in zip(pred, labels, strict=True))
+    fn = sum(a == 0 and b == 1 for a, b in zip(pred, labels, strict=True))
+    return (2 * tp / (2 * tp + fp + fn) if 2 * tp + fp + fn else 0.0), (tp / (tp + fn) if tp + fn else 0.0)
+
+
+@pytest.mark.filterwarnings("error")     # scikit-learn's UndefinedMetricWarning included
+@pytest.mark.parametrize("seed", range(20))
+def test_scikit_learns_metrics_equal_the_definitions(seed):
+    """F1, recall and AUC (scikit-learn's) against the counts and the pairwise AUC, on small sets
+    with many ties, some of one class only (AUC NaN) or with no positive prediction."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    probs = (rng.integers(0, 5, size=n) / 4).tolist()
+    labels = ([seed % 2] * n if seed % 5 == 0 else rng.integers(0, 2, size=n).tolist())
+    if seed % 7 == 3:
+        probs = [p * 0.4 for p in probs]                 # nothing predicted positive
+    m = classification_metrics(probs, labels)
+    f1, recall = _by_counts(probs, labels)
+    assert m["val_f1"] == pytest.approx(f1) and m["val_recall"] == pytest.approx(recall)
+    if len(set(labels)) < 2:
+        assert math.isnan(m["val_auc"])
+    else:
+        assert m["val_auc"] == pytest.approx(_pairwise_auc(probs, labels))
+
+
 @pytest.mark.parametrize("probs, labels, match", [
     ([], [], "no validation clips"),
     ([0.1, 0.2], [1], "differ in length: 2 vs 1"),

@@ -6,12 +6,14 @@ Each worker produces local sums (`EpochStats` from `train_one_epoch`, `EvalOutpu
 
 Definitions (class 1 = violent = positive; predicted positive when P(violent) >= 0.5):
 - val_acc: share of clips classified right.
-- val_recall: TP / (TP + FN); 0.0 when the labels have no positive (sklearn's zero_division=0).
-- val_f1: 2 TP / (2 TP + FP + FN); 0.0 when there is no positive label nor prediction.
-- val_auc: ROC AUC by the Mann-Whitney rank statistic, tied scores counted half. NaN when the
-  labels hold one class only: AUC is undefined there, and 0.5 would look like a real (useless)
-  score. The data layer refuses a validation split without both classes, so only a degenerate
-  set reaches that case; Tune and MLflow store NaN as a value (no crash).
+- val_recall: TP / (TP + FN); 0.0 when the labels have no positive (scikit-learn's
+  `recall_score`, zero_division=0).
+- val_f1: 2 TP / (2 TP + FP + FN); 0.0 when there is no positive label nor prediction
+  (`f1_score`, zero_division=0).
+- val_auc: ROC AUC (`roc_auc_score`: tied scores count half). NaN when the labels hold one class
+  only: AUC is undefined there, and 0.5 would look like a real (useless) score. The data layer
+  refuses a validation split without both classes, so only a degenerate set reaches that case;
+  Tune and MLflow store NaN as a value (no crash).
 - clips_per_s: training clips of all workers / slowest worker's training wall time (data wait
   + steps; evaluation excluded). This is the speed a user waits for; `data_wait_frac` says how
   much of it was the input pipeline: data_wait_s / (data_wait_s + step_time_s), all workers.
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from sklearn.metrics import f1_score, recall_score, roc_auc_score
 
 from vidtune.trainer import precision
 from vidtune.trainer.report_keys import Key
@@ -78,19 +81,13 @@ def _as_numpy(x, dtype) -> np.ndarray:
 
 
 def roc_auc(probs, labels) -> float:
-    """ROC AUC = P(score of a random positive > a random negative), ties counted 1/2, via the
-    Mann-Whitney U statistic on average ranks. NaN when one class is absent."""
+    """ROC AUC = P(score of a random positive > a random negative), ties counted 1/2
+    (scikit-learn's `roc_auc_score`). NaN when one class is absent, checked here: scikit-learn
+    would warn (UndefinedMetricWarning) on every such epoch."""
     p, y = _as_numpy(probs, np.float64), _as_numpy(labels, np.int64)
-    n_pos = int((y == 1).sum())
-    n_neg = len(y) - n_pos
-    if n_pos == 0 or n_neg == 0:
+    if len(np.unique(y)) < 2:
         return float("nan")
-    _, inverse, counts = np.unique(p, return_inverse=True, return_counts=True)
-    # Average 1-based rank of each distinct score: tied scores share the mean of their ranks.
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0
-    rank_sum_pos = avg_rank[inverse][y == 1].sum()
-    u = rank_sum_pos - n_pos * (n_pos + 1) / 2.0
-    return float(u / (n_pos * n_neg))
+    return float(roc_auc_score(y, p))
 
 
 def classification_metrics(probs, labels, threshold: float = 0.5) -> dict[str, float]:
@@ -104,14 +101,11 @@ def classification_metrics(probs, labels, threshold: float = 0.5) -> dict[str, f
     if not np.isin(y, (0, 1)).all():
         raise ValueError(f"labels must be 0 or 1, got values {sorted(set(y.tolist()))[:10]}")
     pred = (p >= threshold).astype(np.int64)
-    tp = int(((pred == 1) & (y == 1)).sum())
-    fp = int(((pred == 1) & (y == 0)).sum())
-    fn = int(((pred == 0) & (y == 1)).sum())
-    f1_den = 2 * tp + fp + fn
+    # labels=[0, 1]: class 1 is the positive one even when a set holds only one class
     return {
         Key.VAL_ACC: float((pred == y).mean()),
-        Key.VAL_F1: 2 * tp / f1_den if f1_den else 0.0,
-        Key.VAL_RECALL: tp / (tp + fn) if tp + fn else 0.0,
+        Key.VAL_F1: float(f1_score(y, pred, labels=[0, 1], pos_label=1, zero_division=0.0)),
+        Key.VAL_RECALL: float(recall_score(y, pred, labels=[0, 1], pos_label=1, zero_division=0.0)),
         Key.VAL_AUC: roc_auc(p, y),
     }
 
