@@ -42,17 +42,44 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
     if why is None:
         try:
             uri, registered = opts.tracking.mlflow_uri, opts.tracking.model_name
+            trial = f"{row.name}'s epoch {row.checkpoint_epoch}"
+            # already registered (a resume of a search that registered it, whose search.json
+            # could not say it had finished: tune/finished.py): said, not registered again
+            known = registered and registered_version(tracker, registered, run_id, row.checkpoint_epoch)
+            if known:
+                return BestModel(mlflow_model.usage_lines(known, uri, trial=trial) + [
+                    f"  already registered as version {known.version} of {registered}: not registered again"],
+                    known.uri)
             with local_checkpoint(str(row.checkpoint)) as folder:
                 logged = mlflow_model.log_model(uri, run_id, folder, example_video=example,
                                                 registered_name=registered)
-            lines = mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri,
-                                             trial=f"{row.name}'s epoch {row.checkpoint_epoch}")
+            lines = mlflow_model.usage_lines(logged, opts.tracking.mlflow_uri, trial=trial)
             return BestModel(lines + describe_registered(plan, opts, summary, tracker, logged, run_id),
                              logged.uri)
         except Exception as e:   # the model is a convenience on top of the results: never their end
             why = faults.one_line(e, 200)
     return BestModel([f"best model: not logged in MLflow ({why}); the results and the best checkpoint above "
                       "stand"])
+
+
+def registered_version(tracker: MLflowTracker, name: str, run_id: str,
+                       epoch: int) -> mlflow_model.Logged | None:
+    """The version of registered model `name` that holds this checkpoint already: logged from the
+    trial's run `run_id`, tagged with its epoch (`tune.tracking.registry`); None when there is none
+    or the registry cannot say (a model is then registered, as before)."""
+    client = getattr(tracker, "client", None)
+    if client is None:
+        return None
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    except Exception:   # an older store or a registry that refuses the filter: register as before
+        return None
+    same = [v for v in versions if (v.tags or {}).get(registry.EPOCH_TAG) == str(epoch)]
+    if not same:
+        return None
+    found = max(same, key=lambda v: int(v.version))
+    return mlflow_model.Logged(f"models:/{name}/{found.version}", str(found.source).removeprefix("models:/"),
+                               name, int(found.version))
 
 
 def describe_registered(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker,

@@ -2,7 +2,8 @@
 leaves. `prepare` runs every check that needs no Ray cluster (no driver already on this search,
 options, training config, stores, storage, the dataset indexed once, the experiment name, a
 resumed search's saved state and its signature); `describe` is `--dry-run`'s printout. A plan
-that passes is what `tune.runner.execute` runs.
+that passes is what `tune.runner.execute` runs; a --resume of a finished search stops at its
+state (`Plan.finished`, `tune.finished`), and nothing runs.
 
 Bad input raises ConfigError / DataError naming the flag or file, which `tune.search.main` turns
 into exit code 2, in seconds and before any Ray process exists."""
@@ -23,9 +24,11 @@ from vidtune.trainer.launch import check_output_folders, check_training_inputs
 from vidtune.tune import faults, last_good, layout, saved_options, space, trust
 from vidtune.tune.budget import parse_duration
 from vidtune.tune.demo import ensure_demo_data
+from vidtune.tune.finished import finished_search
 from vidtune.tune.lock import check_not_running
 from vidtune.tune.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
 from vidtune.tune.ray_internals import check_experiment_state
+from vidtune.tune.search_record import SearchRecord
 from vidtune.tune.tracking.store import check_artifact_location, check_store_uri
 from vidtune.tune.tracking.study import default_storage
 from vidtune.tune.warm_start import load_warm_start
@@ -44,6 +47,9 @@ class Plan:
     name: str                 # experiment name (folder under storage)
     demo: bool
     index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
+    # --resume of a finished search: its record; nothing runs (`tune.finished`), nothing was checked
+    # past the search's own state
+    finished: SearchRecord | None = None
     # When this run of the search began (unix time): the summary's "N trials in T". Set by
     # `tune.search.run_search` when it is called, so a notebook's second search counts its own time.
     started_at: float = field(default_factory=time.time)
@@ -82,6 +88,10 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
     if opts.resume:   # the search's own options, before anything reads them (the dataset, the stores)
         name = experiment_name(opts, storage)
         opts = saved_options.resumed_options(opts, given or {}, layout.search_path(storage, name))
+        done = finished_search(layout.search_path(storage, name))
+        if done is not None:   # nothing to resume: no store, dataset or Ray is needed to say so
+            return Plan(opts=opts, base=base_config(opts), storage=storage, name=name, demo=opts.demo,
+                        finished=done)
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
     if opts.tracking.artifact_location:
         opts = replace(opts, tracking=replace(

@@ -46,12 +46,20 @@ The uses (checked against Ray 2.60.0):
    the search continues. A resumed search's summary reads its `--time-budget` state from it.
    The public Tuner has no accessor for its TuneConfig.
 
+7. The trials of Tune's saved experiment state, read as JSON (`saved_trials`): each trial's id,
+   status, folder and error file, from the newest `experiment_state-*.json` (tune_controller.py
+   `save_to_dir`: `trial_data`, each a pair of the trial's JSON state and its run metadata's).
+   `--resume` reads them to tell a finished search from one to continue before Ray starts
+   (`tune.finished`). The public reader, `tune.ExperimentAnalysis`, unpickles each trial's
+   fields (code would run before the state's signature is checked) and needs Ray imported.
+
 `ray.PlacementGroupID` is public, so it is not here.
 """
 from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +156,38 @@ def check_experiment_state(experiment_path: str) -> None:
         raise ValueError(f"{states[-1].name} is damaged ({e})") from None
 
 
+# --- 7. The trials of Tune's saved state, as JSON (no public reader that does not unpickle) ------
+@dataclass(frozen=True)
+class SavedTrial:
+    """One trial as Tune's newest saved experiment state has it."""
+
+    trial_id: str
+    status: str                  # TERMINATED, ERROR, PENDING (a RUNNING trial is saved PENDING), PAUSED
+    folder: str | None           # its folder's name in the experiment folder (the trial's short name)
+    error_file: str | None       # Tune's text of its error, in that folder; None without an error
+
+
+def saved_trials(experiment_path: str) -> list[SavedTrial]:
+    """The trials in the newest `experiment_state-*.json` of a local Tune experiment, read as
+    JSON only (nothing unpickled). ValueError naming the file when there is none or it is not
+    the format this Ray writes. Use 7 above."""
+    states = sorted(Path(experiment_path).glob("experiment_state-*.json"))
+    if not states:
+        raise ValueError(f"no experiment_state-*.json in {experiment_path}")
+    try:
+        trial_data = json.loads(states[-1].read_text())["trial_data"]
+        trials = []
+        for trial_json, metadata_json in trial_data:
+            state, metadata = json.loads(trial_json), json.loads(metadata_json)
+            trials.append(SavedTrial(trial_id=str(state["trial_id"]), status=str(state["status"]),
+                                     folder=state.get("relative_logdir"),
+                                     error_file=metadata.get("error_filename")))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{states[-1]} is not an experiment state this Ray ({ray.__version__}) reads: "
+                         f"{type(e).__name__}: {e}") from None
+    return trials
+
+
 # --- 3. Ray's OptunaSearch (no public equivalent) ---------------------------------------------
 def optuna_pending_trial(searcher: OptunaSearch, trial_id: str) -> optuna.Trial | None:
     """The live `optuna.Trial` that Ray's `OptunaSearch` asked for Tune trial `trial_id`, or None
@@ -193,8 +233,8 @@ def restored_searcher(tuner: Any) -> Any:
 
 __all__ = [
     "ALLOW_UNTESTED_ENV", "ERROR", "FINISHED_STATES", "SUPPORTED_RAY", "TERMINATED", "TUNE_STATE_FILES",
-    "TUNE_TRIAL_STATE_FILES", "UnsupportedRayError",
+    "TUNE_TRIAL_STATE_FILES", "SavedTrial", "UnsupportedRayError",
     "WorkerGroupCallback", "check_ray_version", "experiment_staging_path", "optuna_pending_trial",
-    "optuna_study", "restored_searcher", "trial_states",
+    "optuna_study", "restored_searcher", "saved_trials", "trial_states",
     "worker_group_placement_group",
 ]

@@ -65,11 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> tuple[int, Plan | None]:
     """Check everything on the driver (`tune.preflight.prepare`), then run the search
-    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration. Returns the exit
-    code and the plan run (None for a dry run). `given`: the options the caller set
+    (`tune.runner.execute`) or, with --dry-run, print the resolved configuration; a --resume of a
+    finished search prints one line and runs nothing (`tune.finished`). Returns the exit code (a
+    finished search's own) and the plan (None for a dry run). `given`: the options the caller set
     (`tune.options.given_options`), which a --resume checks against the search's saved ones.
     The command (`main`) and the Python API (`vidtune.search`) both run a search through here."""
     from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
+        finished,
         preflight,
         runner,
     )
@@ -79,12 +81,16 @@ def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> t
     quiet = opts.quiet and not opts.dry_run
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         plan = replace(preflight.prepare(opts, given=given), started_at=started_at)
-        if opts.dry_run:
+        if opts.dry_run and plan.finished is None:
             print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "
                   "nothing ran.")
             return 0, None
-        return runner.execute(plan), plan
+        if plan.finished is None:
+            return runner.execute(plan), plan
+    # a finished search resumed: one line, its own exit code, nothing written (tune/finished.py)
+    print(finished.finished_line(plan.finished, plan.search_path), flush=True)
+    return (0, None) if opts.dry_run else (plan.finished.exit_code, plan)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ text. A `--resume` is a new search process with a new registry: it does retry th
 """
 from __future__ import annotations
 
+import re
 import traceback
 
 import ray
@@ -36,6 +37,21 @@ def is_lost_process(error: BaseException) -> bool:
         # Train's ControllerError carries the controller's exception as an attribute.
         current = getattr(current, "controller_failure", None) or current.__cause__ or current.__context__
     return False
+
+
+def _lost_names() -> set[str]:
+    names, todo = set(), list(LOST)
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def names_lost_process(text: str) -> bool:
+    """Whether a trial's error text (Tune's error.txt) names a lost actor, worker or node (one of
+    LOST, or a subclass such as ActorDiedError): the error a --resume runs the trial again for."""
+    return any(re.search(rf"\b{name}\b", text) for name in _lost_names())
 
 
 def note_own_error(registry_name: str, trial_id: str, error: BaseException) -> None:
