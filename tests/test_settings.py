@@ -19,6 +19,8 @@ def test_a_cpu_worker_says_what_it_trains_with():
     # plain str, not torch's TorchVersion: they go into checkpoints, loaded with weights_only=True
     assert all(type(v) is str for v in got.values())
     assert got["device_name"] and got["compute_capability"] == "" and got["driver_version"] == ""
+    # no CUDA on the CPU, even from a CUDA build of torch: the run gets no vidtune.cuda tag
+    assert got["cuda_version"] == "" and SETTING_TAGS["cuda_version"] not in setting_tags(got)
 
 
 def test_a_gpu_worker_reads_its_flags_back_from_torch(monkeypatch):
@@ -35,6 +37,7 @@ def test_a_gpu_worker_reads_its_flags_back_from_torch(monkeypatch):
                            f"conv={torch.backends.cudnn.conv.fp32_precision}")
     assert (got["device_name"], got["compute_capability"], got["driver_version"]) == \
         ("NVIDIA A10G", "8.6", "580.65.06")
+    assert got["cuda_version"] == (torch.version.cuda or "")
 
 
 def test_ranks_that_differ_say_both_and_tags_skip_what_is_unknown():

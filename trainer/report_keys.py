@@ -111,7 +111,8 @@ class Key(StrEnum):
     DEVICE_NAME = "device_name", _T, _E, "the GPU's or the CPU's name", "vidtune.device"
     COMPUTE_CAPABILITY = ("compute_capability", _T, _E, "the GPU's compute capability (\"\" on the CPU)",
                           "vidtune.compute_capability")
-    CUDA_VERSION = "cuda_version", _T, _E, "the CUDA version torch was built for", "vidtune.cuda"
+    CUDA_VERSION = ("cuda_version", _T, _E, "the CUDA version torch was built for (\"\" on the CPU)",
+                    "vidtune.cuda")
     DRIVER_VERSION = "driver_version", _T, _E, "the NVIDIA driver's version", "vidtune.driver"
     TORCH_VERSION = "torch_version", _T, _E, "torch's version", "vidtune.torch"
 

@@ -31,7 +31,8 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
     - cudnn_benchmark: "on" | "off" on CUDA, "-" on the CPU;
     - device_name: the GPU's name, or the CPU's model name;
     - compute_capability: "8.6"; "" on the CPU;
-    - cuda_version: the CUDA version torch was built for ("" for a CPU build);
+    - cuda_version: the CUDA version torch was built for, "" on the CPU (a CUDA build of torch
+      training on the CPU used none, so its run is not tagged with one);
     - driver_version: the NVIDIA driver's version (NVML), "" without one;
     - torch_version.
     """
@@ -45,7 +46,7 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
         Key.CUDNN_BENCHMARK: ("on" if torch.backends.cudnn.benchmark else "off") if cuda else "-",
         Key.DEVICE_NAME: torch.cuda.get_device_name(device) if cuda else cpu_name(),
         Key.COMPUTE_CAPABILITY: ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else "",
-        Key.CUDA_VERSION: torch.version.cuda or "",
+        Key.CUDA_VERSION: (torch.version.cuda or "") if cuda else "",
         Key.DRIVER_VERSION: nvidia_driver_version() if cuda else "",
         Key.TORCH_VERSION: torch.__version__,
     }.items()}
