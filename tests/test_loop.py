@@ -494,3 +494,45 @@ def test_run_epoch_judges_divergence_by_the_weights_or_repeated_non_finite_losse
         assert result.eval_out.count == 8 and math.isfinite(result.eval_out.loss_sum)
     else:
         assert result.eval_out is None
+
+
+def test_under_compile_validation_runs_the_compiled_model(monkeypatch):
+    """--compile: validation scores with a compiled model too (not the eager one inside the
+    training wrapper), its own graph for eval mode under no_grad (torch.compile recompiles on that
+    change, as expected), the plain model out of any DDP-like wrapper (`wrap`), and its numbers are
+    the eager model's."""
+    from torch._dynamo.utils import counters
+
+    from vidtune.trainer import run as run_module
+
+    class Wrapper(nn.Module):            # stands in for DDP: the plain model is its `.module`
+        def __init__(self, module: nn.Module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)
+
+    scored = []
+
+    def spy(model, *args, **kwargs):
+        compiled_before = counters["frames"]["ok"]
+        out = evaluate(model, *args, **kwargs)
+        scored.append((model, counters["frames"]["ok"] - compiled_before, out))
+        return out
+
+    monkeypatch.setattr(run_module, "evaluate", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run = _run(SmallNet(), FP32)
+    run.cfg = TrainConfig(compile=True)
+    run_module.place_model(run, wrap=Wrapper)
+    assert isinstance(run.model._orig_mod, Wrapper)
+    result = run_epoch(run, 1)
+    assert result.outcome == TRAINED
+    ((model, compiled, out),) = scored
+    assert model is run.eval_model and model._orig_mod is run.model._orig_mod.module   # compiled, plain
+    assert compiled >= 1                 # a graph of its own for evaluation
+    eager = evaluate(model._orig_mod, run.val_loader, transform=run.val_transform, policy=FP32, device="cpu")
+    assert out.count == eager.count == 8
+    assert torch.allclose(out.probs, eager.probs, atol=1e-5)

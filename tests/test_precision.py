@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from vidtune.trainer import precision
-from vidtune.trainer.precision import PrecisionPolicy, choose_precision, configure_backends, decide_precision
+from vidtune.trainer.precision import (
+    BY_SUPPORT,
+    PrecisionPolicy,
+    choose_precision,
+    configure_backends,
+    decide_precision,
+    trial_precision,
+)
 
 
 @pytest.mark.parametrize("requested, device_type, capability, expected", [
@@ -43,6 +50,32 @@ def test_choose_precision_reads_the_device_capability(monkeypatch):
     policy = choose_precision("auto", "cuda:1")
     assert policy == PrecisionPolicy("auto", torch.float16, True, "cuda")
     assert policy.name == "fp16" and asked == [torch.device("cuda:1")]
+
+
+@pytest.mark.parametrize("requested, lowest, recorded, expected", [
+    ("auto", "bf16", None, "bf16"),      # a fresh run on Ampere or newer
+    ("auto", "fp16", None, "fp16"),      # a T4 among the ranks: fp16 for every rank
+    ("auto", "bf16", "fp16", "fp16"),    # an fp16 trial (begun on a T4) resumed on H100s stays fp16
+    ("auto", "bf16", "bf16", "bf16"),
+    ("auto", "fp16", "bf16", "fp16"),    # a bf16 trial resumed where a T4 is: fp16 (a fresh scaler)
+    ("auto", "bf16", "fp32", "fp32"),    # trained in fp32: every device runs it
+    ("auto", "fp32", "fp16", "fp32"),    # on the CPU auto never picks fp16
+    ("fp16", "fp16", "bf16", "fp16"),    # forced: what was asked, on every rank
+])
+def test_trial_precision(requested, lowest, recorded, expected):
+    assert trial_precision(requested, lowest, recorded) == expected
+
+
+def test_ranks_on_different_gpu_types_agree_on_one_precision(monkeypatch):
+    """An A100 and a T4 in one run: alone each would train in its own precision (bf16, fp16 with
+    a scaler); the run's is the lowest of the two, for both."""
+    capability = {0: (8, 0), 1: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability[torch.device(d).index])
+    mine = [choose_precision("auto", f"cuda:{i}").name for i in capability]
+    assert mine == ["bf16", "fp16"]
+    lowest = min(mine, key=BY_SUPPORT.index)
+    assert trial_precision("auto", lowest) == "fp16"
+    assert trial_precision("auto", lowest, recorded="bf16") == "fp16"
 
 
 def test_cpu_auto_is_fp32_with_autocast_off():

@@ -224,6 +224,60 @@ def test_build_run_leaves_nothing_on_the_device_until_place_model(synthetic_root
     assert {"train_transform.0.scale", "val_transform.0.shift"} <= set(on_device())
 
 
+def test_a_bf16_checkpoint_resumes_in_fp16_with_a_fresh_scaler(synthetic_root, tmp_path):
+    """A bf16 run's checkpoint records its precision and an empty scaler state (bf16 needs no
+    loss scaling); restored where fp16 is chosen (a T4), the run starts a fresh GradScaler
+    instead of failing ("The source state dict is empty"), and the weights come back."""
+    from vidtune.datasets.index import build_index
+    from vidtune.trainer.checkpointing import saved_precision
+    from vidtune.trainer.run import build_run, place_model, save_run_checkpoint
+
+    cpu = torch.device("cpu")
+    index = build_index(_small(synthetic_root).data)
+    trained = build_run(_small(synthetic_root, precision="bf16"), index, device=cpu)
+    place_model(trained)
+    save_run_checkpoint(trained, tmp_path, epoch=1)
+    state = load_checkpoint(tmp_path)
+    assert state["scaler"] == {} and saved_precision(state) == "bf16"
+
+    resumed = build_run(_small(synthetic_root, precision="fp16", seed=1), index, device=cpu)
+    place_model(resumed, state)
+    assert resumed.policy.name == "fp16" and resumed.scaler.is_enabled()
+    assert resumed.scaler.get_scale() == torch.amp.GradScaler("cpu").get_scale()
+    _assert_same_state(resumed.model, trained.model)
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available")
+def test_a_run_decides_its_precision_once_for_all_ranks_and_keeps_its_checkpoints(monkeypatch, capsys):
+    """`auto` on an H100 (faked) is bf16 for a fresh run; a resumed run keeps the precision its
+    checkpoint trained in (fp16: the trial began on a T4); with a T4 among the ranks (its choice
+    reaching this rank through the all-reduce) every rank trains in fp16, a bf16 checkpoint too."""
+    from types import SimpleNamespace
+
+    from vidtune.trainer import run as run_module
+    from vidtune.trainer.precision import BY_SUPPORT, choose_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+
+    def on_h100(state):
+        policy = choose_precision("auto", "cuda:0")
+        run = SimpleNamespace(cfg=TrainConfig(), device=torch.device("cuda", 0), policy=policy,
+                              scaler=policy.make_scaler(), rank=0)
+        run_module.agree_precision(run, state)
+        return run.policy
+
+    assert on_h100(None).name == "bf16"
+    assert on_h100({"precision": "bf16"}).name == "bf16"
+    kept = on_h100({"precision": "fp16"})
+    assert (kept.name, kept.use_scaler, kept.requested) == ("fp16", True, "auto")
+    t4 = float(BY_SUPPORT.index("fp16"))
+    monkeypatch.setattr(run_module, "all_reduce_floats", lambda values, op: [min(values[0], t4)])
+    assert on_h100(None).name == "fp16"
+    capsys.readouterr()
+    assert on_h100({"precision": "bf16"}).name == "fp16"
+    assert "checkpoint trained in bf16" in capsys.readouterr().out
+
+
 def test_shard_sampler_covers_every_item_once():
     shards = [list(ShardSampler(10, r, 3)) for r in range(3)]
     assert sorted(sum(shards, [])) == list(range(10))

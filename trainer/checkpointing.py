@@ -1,6 +1,6 @@
 """The vidtune checkpoint: one `checkpoint.pt` file holding everything needed to resume a run
-exactly (model, optimizer, GradScaler, scheduler, epoch) or to predict with it (model spec,
-config, class names), written by rank 0 at the end of every epoch.
+exactly (model, optimizer, GradScaler, scheduler, epoch, the precision it trained in) or to
+predict with it (model spec, config, class names), written by rank 0 at the end of every epoch.
 
 Loaded with `torch.load(weights_only=True)`: the file holds only tensors, numbers, strings and
 containers of them, so loading a checkpoint cannot run code.
@@ -46,10 +46,13 @@ def save_checkpoint(
     spec: Any,
     class_names: dict[int, str],
     metrics: dict[str, Any] | None = None,
+    precision: str | None = None,
 ) -> Path:
     """Write `directory/checkpoint.pt`; `epoch` is the number of completed epochs (1-based).
 
-    `spec` is the model's `ModelSpec` (a dataclass), `config` the run's `TrainConfig.to_dict()`.
+    `spec` is the model's `ModelSpec` (a dataclass), `config` the run's `TrainConfig.to_dict()`,
+    `precision` the one the run trained in (fp32 | fp16 | bf16: what `auto` became), which a
+    resumed run keeps (`saved_precision`, `trainer.precision.trial_precision`).
     Written to a temporary name then renamed, so a crash never leaves a half-written file.
     Then `checksums.json` covers every file of `directory` (write any other file, such as
     `trainer.history`'s, before this call).
@@ -68,6 +71,7 @@ def save_checkpoint(
         "spec": _plain(asdict(spec)),
         "class_names": {int(k): str(v) for k, v in class_names.items()},
         "metrics": _plain(metrics or {}),
+        "precision": precision,
     }
     path = directory / FILE_NAME
     tmp = path.with_suffix(".tmp")
@@ -201,9 +205,20 @@ def restore_training_state(
     to run (1-based), i.e. the saved epoch + 1."""
     unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scaler.load_state_dict(state["scaler"])
+    # A checkpoint trained without loss scaling (bf16, fp32) has an empty scaler state, which an
+    # enabled scaler refuses ("source state dict is empty"): one resumed in fp16 (a bf16 trial
+    # rescheduled onto a T4) starts from a fresh scaler, which finds its scale in its first steps.
+    if state["scaler"] or not scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
     scheduler.load_state_dict(state["scheduler"])
     return saved_epoch(state) + 1
+
+
+def saved_precision(state: dict[str, Any] | None) -> str | None:
+    """The precision a loaded checkpoint's run trained in (fp32 | fp16 | bf16), None when there is
+    no checkpoint or it does not say (written before vidtune recorded it)."""
+    precision = (state or {}).get("precision")
+    return precision if isinstance(precision, str) else None
 
 
 def saved_epoch(state: dict[str, Any]) -> int:

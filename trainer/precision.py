@@ -1,6 +1,7 @@
 """The one place that decides numeric precision and device backend flags.
 
-`choose_precision` runs once per worker; the loop then uses `policy.autocast()` and
+`choose_precision` runs once per worker, and `trial_precision` makes the ranks of a run agree
+(and a resumed run keep its checkpoint's); the loop then uses `policy.autocast()` and
 `policy.make_scaler()` with no precision branches: a disabled GradScaler is a no-op, and
 autocast is disabled for fp32. This is also the only module that names the CUDA device type;
 others ask it (`is_cuda`, `synchronize`, `peak_allocated_mb`, ...).
@@ -90,6 +91,27 @@ def choose_precision(requested: str, device: torch.device | str) -> PrecisionPol
     capability = torch.cuda.get_device_capability(device) if device.type == _CUDA else None
     dtype, use_scaler = decide_precision(requested, device.type, capability)
     return PrecisionPolicy(requested, dtype, use_scaler, device.type)
+
+
+# The resolved precisions by what they ask of a device: one whose `auto` choice is one of these can
+# run every one before it too (an A100, bf16, also runs fp16 and fp32; a T4, fp16, runs fp32).
+BY_SUPPORT = ("fp32", "fp16", "bf16")
+
+
+def trial_precision(requested: str, lowest: str, recorded: str | None = None) -> str:
+    """The one precision every rank of a run trains in (fp32 | fp16 | bf16), decided once per run.
+
+    `lowest`: the lowest (`BY_SUPPORT`) of the ranks' own choices for `requested`
+    (`choose_precision(...).name`), so that ranks on different GPU types agree: a T4 among A100s
+    makes `auto` fp16 for all. `recorded`: the precision a resumed run's checkpoint was trained
+    in (None: a fresh run, or a checkpoint that does not say). A forced precision is the same on
+    every rank (`choose_precision` refuses one a device cannot run). Under `auto`, a resumed run
+    keeps `recorded` wherever every rank can run it (a bf16 checkpoint resumed on A100s, an fp16
+    one resumed on H100s); a bf16 checkpoint resumed where a T4 is among the ranks goes on in
+    fp16 (with a fresh GradScaler: `trainer.checkpointing.restore_training_state`)."""
+    if requested != "auto" or recorded not in BY_SUPPORT:
+        return lowest
+    return recorded if BY_SUPPORT.index(recorded) <= BY_SUPPORT.index(lowest) else lowest
 
 
 def configure_backends(device: torch.device | str, *, cudnn_benchmark: bool = True) -> None:

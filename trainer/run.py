@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.index import VideoIndex
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.datasets.video import VideoClipDataset, build_loader
-from vidtune.trainer.checkpointing import restore_training_state, save_checkpoint
+from vidtune.trainer.checkpointing import restore_training_state, save_checkpoint, saved_precision
 from vidtune.trainer.config import TrainConfig
 from vidtune.trainer.loop import evaluate, finite_parameters, make_optimizer, make_scheduler, train_one_epoch
 from vidtune.trainer.metrics import EpochStats, EvalOutputs, all_reduce_floats
@@ -48,12 +48,14 @@ from vidtune.trainer.models import (
     unwrap,
 )
 from vidtune.trainer.precision import (
+    BY_SUPPORT,
     PrecisionPolicy,
     choose_precision,
     configure_backends,
     is_cuda,
     is_out_of_memory,
     reset_peak_memory,
+    trial_precision,
 )
 
 TRAINED, DIVERGED, OUT_OF_MEMORY = "trained", "diverged", "out of memory"   # how an epoch ended
@@ -69,7 +71,7 @@ class Run:
     cfg: TrainConfig
     spec: ModelSpec
     device: torch.device
-    policy: PrecisionPolicy
+    policy: PrecisionPolicy              # the run's, the same on every rank once `place_model` ran
     class_names: dict[int, str]          # label -> class folder name, saved with each checkpoint
     train_loader: DataLoader             # this rank's shard, shuffled per epoch, full batches only
     val_loader: DataLoader               # this rank's shard, in order, every clip once over the ranks
@@ -81,6 +83,10 @@ class Run:
     scaler: torch.amp.GradScaler         # disabled (a no-op) unless fp16
     rank: int = 0
     world: int = 1
+    # What validation runs (`place_model`): the plain model, out of DDP (whose forward may sync
+    # buffers, a collective, while ranks hold different numbers of validation batches), compiled
+    # under --compile. None: `unwrap(model)`.
+    eval_model: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -156,10 +162,11 @@ def input_transform(spec: ModelSpec, device: torch.device, *, train: bool, chann
 
 def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank: int = 0,
               world: int = 1) -> Run:
-    """Everything one worker of a run of `cfg` needs, on the videos of `index`: precision (decided
-    once for `device`), loaders (`build_loaders`), transforms, the model with `cfg.weights` and the
-    optimizer, scheduler and scaler, all on the CPU: nothing touches `device` until `place_model`
-    (in a search, a trial waiting for its GPU holds no memory there). Runs no collective (a
+    """Everything one worker of a run of `cfg` needs, on the videos of `index`: precision (this
+    rank's choice for `device`; `place_model` makes the ranks agree), loaders (`build_loaders`),
+    transforms, the model with `cfg.weights` and the optimizer, scheduler and scaler, all on the
+    CPU: nothing touches `device` until `place_model` (in a search, a trial waiting for its GPU
+    holds no memory there). Runs no collective (a
     rank that runs out of memory here must not leave the others waiting in one). `rank` / `world`:
     this worker's place among the run's workers (0 / 1 in one process)."""
     policy = choose_precision(cfg.precision, device)
@@ -187,17 +194,39 @@ def place_model(run: Run, state: dict[str, Any] | None = None, *,
                 wrap: Callable[[nn.Module], nn.Module] | None = None) -> None:
     """Put the model and the input transforms on `run.device`, `wrap` the model (the Ray worker
     passes Ray's `prepare_model`: DDP, a collective that broadcasts rank 0's weights), compile it
-    when `cfg.compile`, then restore a checkpoint's training `state` (the optimizer's state
-    follows the parameters to their device as it loads)."""
+    and the model validation runs when `cfg.compile`, settle the run's precision
+    (`agree_precision`, a collective), then restore a checkpoint's training `state` (the
+    optimizer's state follows the parameters to their device as it loads)."""
     for transform in (run.train_transform, run.val_transform):
         transform.to(run.device)   # in place: a module's buffers (the mean and std) move
     model = run.model.to(run.device)
     if wrap is not None:
         model = wrap(model)
     run.model = maybe_compile(model, run.cfg.compile)
+    # A wrapper of its own around the same weights: torch.compile traces eval mode under no_grad as
+    # graphs of their own, at the first validation (and once more for a smaller last batch).
+    run.eval_model = maybe_compile(unwrap(run.model), run.cfg.compile)
+    agree_precision(run, state)
     if state is not None:
         restore_training_state(state, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
                                scheduler=run.scheduler)
+
+
+def agree_precision(run: Run, state: dict[str, Any] | None = None) -> None:
+    """Decide the run's precision once for all its ranks (a collective when distributed): the
+    lowest of the ranks' own choices, or the precision a resumed run's checkpoint `state` trained
+    in where every rank can run it (`trainer.precision.trial_precision`). A changed decision gets
+    its own, fresh GradScaler (before any state is restored into it)."""
+    mine = float(BY_SUPPORT.index(run.policy.name))
+    lowest = BY_SUPPORT[int(all_reduce_floats([mine], dist.ReduceOp.MIN)[0])]
+    recorded = saved_precision(state)
+    name = trial_precision(run.cfg.precision, lowest, recorded)
+    if recorded is not None and name != recorded and run.rank == 0:
+        print(f"vidtune: this run's checkpoint trained in {recorded}, which not every device of the run "
+              f"can run; it goes on in {name}", flush=True)
+    if name != run.policy.name:
+        run.policy = replace(choose_precision(name, run.device), requested=run.cfg.precision)
+        run.scaler = run.policy.make_scaler()
 
 
 def unless_out_of_memory(step: Callable[..., T], *args: Any) -> T | None:
@@ -245,9 +274,8 @@ def run_epoch(run: Run, epoch: int) -> EpochResult:
         return EpochResult(OUT_OF_MEMORY)
     if diverged:
         return EpochResult(DIVERGED, stats)
-    # The plain model: DDP's forward may sync buffers (a collective) and ranks hold
-    # different numbers of validation batches.
-    eval_out = unless_out_of_memory(lambda: evaluate(unwrap(run.model), run.val_loader,
+    scoring = run.eval_model if run.eval_model is not None else unwrap(run.model)   # out of DDP (`Run`)
+    eval_out = unless_out_of_memory(lambda: evaluate(scoring, run.val_loader,
                                                      transform=run.val_transform, policy=run.policy,
                                                      device=run.device))
     if any_rank(eval_out is None):
@@ -274,4 +302,4 @@ def save_run_checkpoint(run: Run, directory: str | Path, *, epoch: int,
     """`checkpoint.pt` of the run after `epoch` in `directory` (`trainer.checkpointing`)."""
     save_checkpoint(directory, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
                     scheduler=run.scheduler, epoch=epoch, config=run.cfg.to_dict(), spec=run.spec,
-                    class_names=run.class_names, metrics=metrics)
+                    class_names=run.class_names, metrics=metrics, precision=run.policy.name)
