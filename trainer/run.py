@@ -166,9 +166,9 @@ def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank
     rank's choice for `device`; `place_model` makes the ranks agree), loaders (`build_loaders`),
     transforms, the model with `cfg.weights` and the optimizer, scheduler and scaler, all on the
     CPU: nothing touches `device` until `place_model` (in a search, a trial waiting for its GPU
-    holds no memory there). Runs no collective (a
-    rank that runs out of memory here must not leave the others waiting in one). `rank` / `world`:
-    this worker's place among the run's workers (0 / 1 in one process)."""
+    holds no memory there). Runs no collective (a rank that runs out of memory here must not
+    leave the others waiting in one). `rank` / `world`: this worker's place among the run's
+    workers (0 / 1 in one process)."""
     policy = choose_precision(cfg.precision, device)
     configure_backends(device)
     spec = get_spec(cfg.model)
