@@ -116,3 +116,26 @@ def test_an_asha_stopped_trial_finishes_stopped_early_and_an_interrupted_one_is_
     assert other.info.status == "KILLED" and other.data.tags[STOP_TAG] == INTERRUPTED_REASON
     assert t.mlflow_status("STOPPED", {"epoch": 2})[0] == "FINISHED"
     assert t.mlflow_status("UNFINISHED", {"epoch": 2})[0] == "KILLED"
+
+
+def test_speeds_are_logged_to_the_decimals_trials_csv_shows(uri):
+    """A speed is a measurement that varies by far more than 0.01 clips/s between epochs: the
+    child run's speed_clips_per_s, each epoch's clips_per_s and the parent's best speed are
+    logged to 2 decimals, trials.csv's number, not 46.83094586854091."""
+    speed = 46.83094586854091
+    reports = [_report(1, 0.50, speed), _report(2, 0.75, speed, compute_clips_per_s=51.234567)]
+    t = _tracker(uri, "rounded")
+    t.setup()
+    trial = _trial("a", reports[-1])
+    t.on_trial_start(0, [], trial)
+    for r in reports:
+        t.on_trial_result(0, [], trial, r)
+    t.on_trial_complete(0, [], trial)
+    row = row_from_result(_tune_result(reports), trial_id="a", epochs=2, finished=True, name="a")
+    t.log_summary(best=row)
+    c = MlflowClient(uri)
+    run_id = t.child_runs["a"]
+    assert _summary(c, run_id)["speed_clips_per_s"] == 46.83 == _in_csv(row)["speed_clips_per_s"]
+    assert {m.value for m in c.get_metric_history(run_id, "clips_per_s")} == {46.83}
+    assert c.get_run(run_id).data.metrics["compute_clips_per_s"] == 51.23
+    assert c.get_run(t.parent_run_id).data.metrics["speed_clips_per_s"] == 46.83

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from vidtune.trainer.report_keys import Key
 from vidtune.tune import searched
-from vidtune.tune.results import NO_RESULT, STATUSES, TrialResult, ranked, summary_metrics
+from vidtune.tune.results import NO_RESULT, SPEED_DECIMALS, STATUSES, TrialResult, ranked, summary_metrics
 from vidtune.tune.searched import Param, significant
 from vidtune.tune.uncertainty import format_accuracy
 
@@ -191,8 +191,9 @@ def csv_record(r: TrialResult, val_clips: int = 0,
         **{k.value: _fixed(summary[k], 4)
            for k in (Key.BEST_VAL_ACC, Key.BEST_VAL_ACC_LOW, Key.BEST_VAL_ACC_HIGH)},
         Key.BEST_VAL_F1.value: _fixed(r.val_f1, 4), Key.BEST_EPOCH.value: _fixed(summary[Key.BEST_EPOCH], 0),
-        "epochs": str(r.epochs), Key.SPEED_CLIPS_PER_S.value: _fixed(summary[Key.SPEED_CLIPS_PER_S], 2),
-        Key.COMPUTE_CLIPS_PER_S.value: _fixed(r.compute_clips_per_s, 2),
+        "epochs": str(r.epochs),
+        Key.SPEED_CLIPS_PER_S.value: _fixed(summary[Key.SPEED_CLIPS_PER_S], SPEED_DECIMALS),
+        Key.COMPUTE_CLIPS_PER_S.value: _fixed(r.compute_clips_per_s, SPEED_DECIMALS),
         Key.EPOCH_TIME_S.value: _fixed(r.epoch_time_s, 2),
         Key.CONCURRENT_TRAININGS.value: significant(r.concurrent_trainings),
         Key.OTHER_CPU_CORES.value: _fixed(r.other_cpu_cores, 2),

@@ -23,7 +23,14 @@ from mlflow.tracking import MlflowClient
 
 from vidtune.trainer.report_keys import Key, number
 from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import NO_RESULT, RECORD_NAMES, TrialResult, summary_metrics
+from vidtune.tune.results import (
+    NO_RESULT,
+    RECORD_NAMES,
+    SPEED_METRIC,
+    TrialResult,
+    rounded_speed,
+    summary_metrics,
+)
 from vidtune.tune.status import word_of
 from vidtune.tune.tables import significant
 from vidtune.tune.tracking import description
@@ -138,6 +145,7 @@ class RunWriter:
             # best_val_acc, best_val_f1, speed_clips_per_s), as on its own run and in trials.csv
             for field_name, key in RECORD_NAMES.items():
                 value = number(getattr(best, field_name))
+                value = rounded_speed(value) if key == SPEED_METRIC else value
                 if math.isfinite(value):
                     c.log_metric(run_id, key, value)
         for key, value in (metrics or {}).items():
@@ -147,8 +155,9 @@ class RunWriter:
             c.log_artifacts(run_id, best_checkpoint, artifact_path="best_checkpoint")
 
     def log_trial_summary(self, run_id: str, row: TrialResult) -> None:
-        """A child run's summary, the values of its row in trials.csv unrounded (trials.csv rounds
-        what it shows; MLflow keeps what was measured, 21/32 as 0.65625): SUMMARY_KEYS and
+        """A child run's summary, the values of its row in trials.csv (`summary_metrics`; trials.csv
+        rounds the accuracy it shows, MLflow keeps it as measured, 21/32 as 0.65625; the speed is
+        to SPEED_DECIMALS in both): SUMMARY_KEYS and
         best_val_f1 (the same epoch's F1), at step 0. A key without a value (no accuracy, no speed)
         is left out, one MLflow already has is not written again."""
         values = summary_metrics(row, self.val_clips)

@@ -12,6 +12,7 @@ from typing import Any
 from ray.tune.result import AUTO_RESULT_KEYS
 
 from vidtune.trainer.report_keys import EPOCH_METRICS, SETTING_KEYS, Key, declared
+from vidtune.tune.results import rounded_speed
 from vidtune.tune.status import Status
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
@@ -44,6 +45,8 @@ READER_TAG = Key.READER_FAILURES.mlflow
 TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
 # OUTCOME_TAG's word for each trial status (`tune.status.Status`)
 OUTCOMES = {s.value: s.word for s in Status}
+# An epoch's speeds, logged to `tune.results.SPEED_DECIMALS` as the trial's speed is
+SPEED_KEYS = frozenset({Key.CLIPS_PER_S.value, Key.COMPUTE_CLIPS_PER_S.value})
 
 
 _UNDECLARED: set[str] = set()   # the undeclared keys `numeric_metrics` has warned of
@@ -52,7 +55,7 @@ _UNDECLARED: set[str] = set()   # the undeclared keys `numeric_metrics` has warn
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The training metrics of one Tune result (a live result, or a row of Tune's per-epoch
     dataframe): the numbers of the keys `trainer.report_keys` declares metrics, under their MLflow
-    names (`lr` as `lr_current`)."""
+    names (`lr` as `lr_current`); the speeds (SPEED_KEYS) rounded as trials.csv rounds them."""
     out = {}
     for key, value in result.items():
         # numbers.Real: Tune's dataframes hold numpy scalars; bool (and numpy's bool_) are not metrics.
@@ -60,7 +63,7 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
                 or type(value).__name__ == "bool_" or not isinstance(value, numbers.Real):
             continue
         if key in EPOCH_METRICS:
-            out[EPOCH_METRICS[key]] = float(value)
+            out[EPOCH_METRICS[key]] = rounded_speed(float(value)) if key in SPEED_KEYS else float(value)
         elif declared(key) is None:
             # A number nobody declared (a key added to a report, or an older vidtune's): logged, so
             # no chart loses it, and said once, so it is declared (tests/test_report_keys.py fails).

@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 
 from vidtune.trainer.report_keys import Key, number
-from vidtune.tune.results import trial_status
+from vidtune.tune.results import rounded_speed, trial_status
 from vidtune.tune.status import Status
 from vidtune.tune.tracking.schema import MLFLOW_RUN_KEY, OUTCOMES
 from vidtune.tune.tracking.store import sqlite_path
@@ -83,7 +83,7 @@ def trial_attrs(trial_id: str, result: dict[str, Any] | None, *, epochs: int, va
             attrs["val_acc_95ci"] = interval
     speed = number(last.get(Key.STEADY_CLIPS_PER_S))
     if math.isfinite(speed) and speed > 0:
-        attrs[Key.SPEED_CLIPS_PER_S.value] = round(speed, 1)
+        attrs[Key.SPEED_CLIPS_PER_S.value] = rounded_speed(speed)   # as trials.csv and MLflow
     if isinstance(last.get(MLFLOW_RUN_KEY), str):
         attrs[MLFLOW_RUN_KEY] = last[MLFLOW_RUN_KEY]
     return attrs
