@@ -1,8 +1,8 @@
 """The search's Optuna study as optuna-dashboard shows it: each trial carries its vidtune name,
 outcome, accuracy with its 95% interval, speed and MLflow run id as user attributes; the
-objective is named; a trial ASHA stopped is PRUNED (valued by its best epoch, as the table gives
-it); the study is kept beside the MLflow store by default and the summary prints the command
-that opens it. The slow test opens the study a real smoke search stored through
+objective is named; the intermediate values are the epochs' own, every one of them; a trial
+ASHA stopped is PRUNED; the study is kept beside the MLflow store by default and the summary
+prints the command that opens it. The slow test opens the study a real smoke search stored through
 optuna-dashboard's own server on 127.0.0.1 and reads its trials over its HTTP API."""
 from __future__ import annotations
 
@@ -66,9 +66,45 @@ def test_a_trial_asha_stopped_is_pruned_and_every_trial_is_labelled(tmp_path):
     assert second.value == 0.5625 and second.intermediate_values == {1: 0.59375, 2: 0.5625}
     assert first.user_attrs == {"vidtune_trial": study.trial_name("aaa_00000", _result(1, done, 4, 0.7)),
                                 "status": "done", "val_acc": 0.7188, "val_acc_95ci": "[0.55, 0.84]",
-                                "speed_clips_per_s": 41.3, "mlflow_run_id": "run-a"}
+                                "speed_clips_per_s": 41.27, "mlflow_run_id": "run-a"}
     assert first.user_attrs["vidtune_trial"].startswith(f"t01-bs{done['batch_size']}-lr")
     assert second.user_attrs["status"] == "stopped early" and second.user_attrs["mlflow_run_id"] == "run-b"
+
+
+def test_intermediate_values_are_each_epochs_own_as_mlflow_logs_them(tmp_path):
+    """Tune hands the searcher no `on_trial_result` for the report it stops a trial on (ASHA's
+    stop, and ASHA's max_t at a trial's last epoch): the searcher reports that epoch itself, with
+    its own value, so the dashboard's curve has every epoch MLflow has, each the same number. A
+    completed trial's value is its best epoch's (the table's); a pruned one's is Optuna's, its
+    last intermediate value, with the best epoch's in its val_acc attribute."""
+    from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+
+    from vidtune.trainer.history import write_history
+
+    def checkpoint(name: str, accs: tuple[float, ...]) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        write_history(folder, {e: {"epoch": e, "val_acc": a} for e, a in enumerate(accs, start=1)})
+        return str(folder)
+
+    opts = _opts(epochs=3)
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="s", val_clips=32)
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    done, stopped = searcher.suggest("ccc_00000"), searcher.suggest("ccc_00001")
+    for epoch, acc in ((1, 0.5), (2, 0.75)):
+        searcher.on_trial_result("ccc_00000", _result(1, done, epoch, acc))
+    searcher.on_trial_complete("ccc_00000", _result(1, done, 3, 0.625, **{
+        CHECKPOINT_PATH_KEY: checkpoint("a", (0.5, 0.75, 0.625))}))
+    searcher.on_trial_result("ccc_00001", _result(2, stopped, 1, 0.59375))
+    searcher.on_trial_complete("ccc_00001", _result(2, stopped, 2, 0.5625, **{
+        CHECKPOINT_PATH_KEY: checkpoint("b", (0.59375, 0.5625))}))
+
+    first, second = optuna_study(searcher).trials
+    assert first.state == optuna.trial.TrialState.COMPLETE and first.value == 0.75
+    assert first.intermediate_values == {1: 0.5, 2: 0.75, 3: 0.625}
+    assert second.state == optuna.trial.TrialState.PRUNED
+    assert second.intermediate_values == {1: 0.59375, 2: 0.5625} and second.value == 0.5625
+    assert second.user_attrs["val_acc"] == 0.5938 and second.user_attrs["status"] == "stopped early"
 
 
 def test_a_running_trial_is_named_in_the_study_from_its_first_epoch():

@@ -21,7 +21,7 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.trainer.history import BEST_EPOCH_METRICS, best_epoch, read_history
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.report_keys import Key, number
 from vidtune.tune import searched
 from vidtune.tune.budget import TimeBudget, parse_duration
 from vidtune.tune.faults import trial_unfinished
@@ -85,6 +85,10 @@ class VidtuneOptunaSearch(OptunaSearch):
     attribute `failure_reason`, so TPE learns to avoid that region (a batch size that does not
     fit, an lr that blows up) instead of ignoring the trial as it would a FAIL and proposing the
     same values again.
+
+    Each epoch is an intermediate value, its own (`_report_last_epoch` adds the one Tune never
+    hands `on_trial_result`), so optuna-dashboard's curves are MLflow's; the trial's value is its
+    best epoch's (a PRUNED one's: Optuna's, its last epoch's).
 
     With `--lr-scaling` (`space`), Optuna draws the lr for the reference batch and the trial's
     config gets the lr it trains with (`trial_lr`), so Tune's trial config, the results table,
@@ -156,6 +160,8 @@ class VidtuneOptunaSearch(OptunaSearch):
                 ot_trial.set_constraint(constraint, 1.0 if failed else 0.0)
                 if failed:
                     ot_trial.set_user_attr("failure_reason", reason)
+        if result and not error:
+            self._report_last_epoch(trial_id, ot_trial, result)
         best = best_of_history(result, history_metric(self.metric)) if result else None
         if result and isinstance(self.metric, str) and best and best[1].get(self.metric) is not None:
             result = {**result, self.metric: best[1][self.metric]}   # `whole_history_result`
@@ -167,15 +173,25 @@ class VidtuneOptunaSearch(OptunaSearch):
                 ot_trial.set_user_attr(key, value)
         if ot_trial is not None and result and not error and study.pruned(attrs) \
                 and isinstance(self.metric, str) and result.get(self.metric) is not None:
-            # ASHA stopped it: PRUNED, not COMPLETE. Optuna values a pruned trial by its last
-            # intermediate value; Ray did not report the epoch ASHA stopped it at, so that epoch is
-            # reported with the trial's best epoch's value, the number the table and MLflow give it
-            # (as a completed trial is told). Ray tells PRUNED for a result without the metric.
-            step = int(result.get(TRAINING_ITERATION) or result.get(Key.EPOCH) or 0)
-            if step > self._reported.get(trial_id, 0):
-                ot_trial.report(float(result[self.metric]), step)
+            # ASHA stopped it: PRUNED, not COMPLETE (Ray tells PRUNED for a result without the
+            # metric). Optuna values a pruned trial by its last intermediate value, the epoch ASHA
+            # stopped it at; its best epoch's value, the table's, is its `val_acc` attribute.
             result = {k: v for k, v in result.items() if k != self.metric}
         super().on_trial_complete(trial_id, result=result, error=error)
+
+    def _report_last_epoch(self, trial_id: str, ot_trial: Any, result: dict) -> None:
+        """Report a trial's last epoch as its own intermediate value: Tune hands the searcher no
+        `on_trial_result` for the result it stops a trial on (ASHA's stop, and ASHA's max_t at a
+        trial's last epoch), so without it the dashboard's curve would lack the epoch MLflow
+        shows last. Not for an out-of-memory or diverged report (its 0 is no accuracy)."""
+        if ot_trial is None or not isinstance(self.metric, str):
+            return   # pareto: Optuna keeps no intermediate values for several objectives
+        value = number(result.get(self.metric))
+        step = int(result.get(TRAINING_ITERATION) or result.get(Key.EPOCH) or 0)
+        failed = any(int(result.get(k, 0) or 0) == 1 for k in (Key.OOM, Key.DIVERGED))
+        if math.isfinite(value) and not failed and step > self._reported.get(trial_id, 0):
+            ot_trial.report(value, step)
+            self._reported[trial_id] = step
 
 
 def whole_history_result(result: dict[str, Any], metric: str) -> dict[str, Any]:
