@@ -7,7 +7,7 @@ import math
 import pytest
 from scipy.stats import binomtest
 
-from vidtune.tune import searched
+from vidtune.tune import answer, searched
 from vidtune.tune.answer import answer_lines
 from vidtune.tune.options import SearchSpace
 from vidtune.tune.results import TrialResult
@@ -65,11 +65,29 @@ def test_best_first_then_a_faster_trial_as_good_within_the_uncertainty():
             row("t4", 8, 1e-3, math.nan, math.nan, status="OOM")]
     lines = answer_lines(rows, objective="val_acc", val_clips=32, domains=SEARCHED)
     assert lines[0].startswith("Best: t1 (batch 4, lr 1.00e-03), val_acc 0.750 [0.58, 0.87] at epoch 3")
-    assert "t2 (batch 16" in lines[1] and "3.0x faster" in lines[1] and "giving up 0.031" in lines[1]
+    assert "t2 (batch 16" in lines[1] and "200% faster (30.0 clips/s)" in lines[1]
+    assert "giving up 0.031" in lines[1]
     assert any("32 clips: one clip is 3.1 points" in line for line in lines)
     assert any("top 2 trials are within" in line for line in lines)
     # t3 is faster but outside the interval: not offered
     assert not any("t3" in line for line in lines)
+
+
+def test_a_faster_trial_is_offered_only_when_it_is_faster_than_the_noise():
+    """A gain under 10%, or under the spread between trials of one batch size, is not offered:
+    1.4% faster was "1.0x faster"; the gain is said as a percentage."""
+    best, slightly = row("t1", 4, 1e-3, 0.750, 46.8), row("t2", 16, 1e-3, 0.719, 47.46)
+    lines = answer_lines([best, slightly], objective="val_acc", val_clips=32)
+    assert not any("faster" in line for line in lines)
+    assert any("top 2 trials are within" in line for line in lines)      # still as good
+    quick = row("t2", 16, 1e-3, 0.719, 57.6)
+    lines = answer_lines([best, quick], objective="val_acc", val_clips=32)
+    assert "t2 (batch 16" in lines[1] and "23% faster (57.6 clips/s)" in lines[1]
+    # two batch-4 trials 30% apart: speeds are that noisy here, 23% is not a gain
+    noisy = [best, quick, row("t3", 4, 3e-3, 0.40, 36.0)]
+    assert answer.speed_noise(noisy) == pytest.approx(0.3)
+    assert not any("faster" in line for line in answer_lines(noisy, objective="val_acc", val_clips=32))
+    assert answer.speed_noise([best, quick]) == answer.MIN_SPEED_GAIN
 
 
 def test_a_large_validation_set_separates_the_same_accuracies():

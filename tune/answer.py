@@ -3,7 +3,8 @@
 `answer_lines` turns the ranked trials into the sentences that open the console's last block and
 the MLflow parent run's description, with `tune.uncertainty`'s intervals (Wilson's, from the
 validation clip count): the best trial; a faster trial that is as
-good within the uncertainty, when it uses another batch size; what one validation clip is worth;
+good within the uncertainty, when it uses another batch size and its speed gain is more than the
+noise of a speed (`speed_noise`); what one validation clip is worth;
 a warning when the best value of a parameter sits at the edge of its searched range, or when the
 top trials cannot be told apart; a hint to train longer when most finished trials were best at
 their last epoch.
@@ -24,6 +25,10 @@ from vidtune.tune.uncertainty import accuracy_interval, format_accuracy
 # range is cut.
 EDGE_SHARE = 0.1
 MIN_EPOCHS_FOR_HINT = 3   # "raise --epochs" only about trials that trained this many epochs or more
+# A faster trial is offered only when it is more than this much faster (and more than trials of one
+# batch size differ by): two runs of one configuration differ by a few percent (other processes,
+# the clip cache, the GPU's clocks), so a smaller gain is as likely noise as a real one.
+MIN_SPEED_GAIN = 0.10
 
 
 def _trial(r: TrialResult) -> str:
@@ -31,6 +36,18 @@ def _trial(r: TrialResult) -> str:
     values = ", ".join(f"{p.column} {p.cell(r.value(p.name))}" for p in searched.PARAMS
                        if r.value(p.name) is not None)
     return f"{r.label} ({values})"
+
+
+def speed_noise(rows: Sequence[TrialResult]) -> float:
+    """How much two trials' speeds differ by chance: the largest spread of clips/s among trials of
+    the same batch size (fastest / slowest - 1; a batch size's speed does not depend on its lr),
+    at least MIN_SPEED_GAIN; MIN_SPEED_GAIN when no batch size has two trials with a speed."""
+    speeds: dict[int, list[float]] = {}
+    for r in usable(rows):
+        if math.isfinite(r.clips_per_s) and r.clips_per_s > 0:
+            speeds.setdefault(r.batch_size, []).append(r.clips_per_s)
+    spreads = [max(s) / min(s) - 1 for s in speeds.values() if len(s) >= 2]
+    return max([MIN_SPEED_GAIN, *spreads])
 
 
 def _edge_warnings(best: TrialResult, domains: Mapping[str, Domain]) -> list[str]:
@@ -93,13 +110,17 @@ def answer_lines(rows: Sequence[TrialResult], *, objective: str, val_clips: int,
     low, _ = accuracy_interval(best.val_acc, val_clips)
     # Within the uncertainty: its accuracy is inside the best one's 95% interval.
     close = [r for r in pool[1:] if math.isfinite(low) and r.val_acc >= low]
+    # Faster: by more than a speed's noise (`speed_noise`), so a gain of 1% is not offered as one.
+    noise = speed_noise(rows)
     faster = [r for r in close if r.batch_size != best.batch_size and math.isfinite(r.clips_per_s)
-              and math.isfinite(best.clips_per_s) and r.clips_per_s > best.clips_per_s]
+              and math.isfinite(best.clips_per_s) and best.clips_per_s > 0
+              and r.clips_per_s / best.clips_per_s - 1 > noise]
     if faster:
         quick = max(faster, key=lambda r: r.clips_per_s)
-        lines.append(f"{_trial(quick)} is as good within that uncertainty and "
-                     f"{quick.clips_per_s / best.clips_per_s:.1f}x faster ({quick.clips_per_s:.1f} clips/s), "
-                     f"giving up {best.val_acc - quick.val_acc:.3f} accuracy.")
+        gain = 100 * (quick.clips_per_s / best.clips_per_s - 1)
+        lines.append(f"{_trial(quick)} is as good within that uncertainty and {gain:.0f}% faster "
+                     f"({quick.clips_per_s:.1f} clips/s), giving up {best.val_acc - quick.val_acc:.3f} "
+                     "accuracy.")
     if val_clips > 0:
         lines.append(f"The validation set has {val_clips} clips: one clip is {100 / val_clips:.1f} points of "
                      "accuracy, and [low, high] is the 95% interval; more validation clips narrow it "
