@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -157,7 +158,13 @@ def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int
         # Workers start in parallel (~0.5 s each to spawn); the first message says it is ready.
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
-        proc.start()
+        # Born with SIGINT blocked: Ctrl-C (to the whole process group) is this process's to handle
+        # (it ends the workers below); a worker would print a traceback and look like a crash.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S))
 

@@ -223,6 +223,9 @@ def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> Non
     try:
         with own_cluster_env():
             init(**kw)
+    except KeyboardInterrupt:   # Ctrl-C while Ray starts: none of its processes stays behind
+        kill_started_ray()
+        raise
     except Exception as e:    # Ray raises many types here (RuntimeError, ConnectionError, OSError, ...)
         kill_started_ray()
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__

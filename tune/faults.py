@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import traceback
 from collections.abc import Iterable
@@ -31,7 +32,7 @@ from ray.tune import Callback
 from ray.tune.experiment import Trial
 
 from vidtune.atomic import write_atomically
-from vidtune.errors import VidtuneError, no_space_left
+from vidtune.errors import SearchInterrupted, VidtuneError, no_space_left
 from vidtune.trainer.checkpointing import checkpoint_problem
 from vidtune.tune import layout
 
@@ -46,6 +47,9 @@ class Interruption:
     signal_name: str | None = None
     unfinished: set[str] = field(default_factory=set)
     trials: list = field(default_factory=list)      # Tune's live trial list, refreshed every step
+    tuner_started: bool = False      # `install` ran: Tune's state is saved from here on (resumable)
+    tuner_ended: bool = False        # `Tuner.fit()` returned: no graceful stop to ask Tune for
+    late_signal: str | None = None   # a signal while the summary was written, after the Tuner
 
     @property
     def interrupted(self) -> bool:
@@ -60,27 +64,62 @@ STATE = Interruption()
 _PREVIOUS: dict[int, Any] = {}
 
 
-def install() -> None:
-    """Before `Tuner.fit()`: route SIGINT and SIGTERM through `_on_signal` (main thread only)."""
+def reset() -> None:
+    """When a search starts (`tune.runner.execute`): nothing known yet, no Tuner started."""
     global STATE
     STATE = Interruption()
+
+
+def install() -> None:
+    """Before `Tuner.fit()`: route SIGINT and SIGTERM through `_on_signal` (main thread only).
+    Until then Python's own KeyboardInterrupt stops the search (`before_trials` says how)."""
+    global STATE
+    STATE = Interruption(tuner_started=True)
     os.environ[DISABLE_TUNE_SIGINT] = "1"
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             _PREVIOUS[signum] = signal.signal(signum, _on_signal)
+        if hasattr(signal, "SIGUSR1"):   # ignored until Tune listens (a former Tuner's handler stays)
+            _PREVIOUS[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def uninstall() -> None:
     """Put back the handlers `install` replaced (Python's own when it installed none)."""
     if threading.current_thread() is threading.main_thread():
         defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+        if hasattr(signal, "SIGUSR1"):
+            defaults[signal.SIGUSR1] = signal.SIG_DFL
         for signum, default in defaults.items():
             previous = _PREVIOUS.pop(signum, None)
             signal.signal(signum, previous if previous is not None else default)
 
 
+def tune_ended() -> None:
+    """After `Tuner.fit()`, while the summary and MLflow are written (until `uninstall`): a first
+    signal is remembered (`STATE.late_signal`) and the writing finishes, so no result file or run
+    is left half-written; a second stops at once."""
+    STATE.tuner_ended = True
+
+
+def late_exit_code(code: int) -> int:
+    """The search's exit code, 130 when a signal came while its summary was written (said here)."""
+    if STATE.late_signal is None:
+        return code
+    print(f"vidtune search: interrupted ({STATE.late_signal}) after its last trial; its summary and "
+          "MLflow's record were finished first", file=sys.stderr, flush=True)
+    return 130
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if STATE.interrupted:     # a second signal: stop now, without Tune's last snapshot
+    if STATE.interrupted or STATE.late_signal:   # a second signal: stop now, without Tune's last snapshot
+        raise KeyboardInterrupt
+    if STATE.tuner_ended:
+        STATE.late_signal = signal.Signals(signum).name
+        print(f"\nvidtune search: {STATE.late_signal} received; finishing the summary and MLflow's record "
+              "first (press Ctrl-C again to stop at once)", flush=True)
+        return
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN:
+        STATE.tuner_started = False    # Tune's setup: nothing of it saved, no graceful stop to ask for
         raise KeyboardInterrupt
     STATE.signal_name = signal.Signals(signum).name
     STATE.unfinished = {t.trial_id for t in STATE.trials if t.status in LIVE_STATES}
@@ -90,6 +129,20 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)   # Tune's graceful stop: saves the experiment, then ends
     else:
         raise KeyboardInterrupt
+
+
+def before_trials(search_path: str, *, resume: bool) -> SearchInterrupted:
+    """Ctrl-C before Tune's first saved state (Ray's start, the clip cache fill, the Tuner's
+    setup): the error to raise. A new search's folder, holding only its log and saved options
+    (which neither a resume nor the same command could use: "already exists"), is removed, so the
+    same command starts it again; a resumed search is as it was and the same --resume continues it."""
+    if resume:
+        return SearchInterrupted(f"interrupted before the resumed search's first trial; {search_path} is "
+                                 "as it was: continue it with --resume (resume=True from Python)")
+    if "://" not in search_path:
+        shutil.rmtree(search_path, ignore_errors=True)
+    return SearchInterrupted(f"interrupted before the search's first trial; nothing was kept ({search_path} "
+                             "removed): run the same command again to start it")
 
 
 def trial_unfinished(trial_id: str) -> bool:

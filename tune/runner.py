@@ -1,9 +1,8 @@
 """Running the planned search on Ray: take the search's lock, start (or join) Ray, check the
 cluster, size the trials, fill the clip cache, run (or resume) the Tuner with the MLflow writer,
 the resource releaser and the console; then summarise the results (`tune.summary`, no MLflow),
-have the tracker record that summary in MLflow, and print it.
-
-The plan comes from `tune.preflight.prepare`, which checked everything that needs no Ray."""
+have the tracker record that summary in MLflow, and print it. The plan comes from
+`tune.preflight.prepare`, which checked everything that needs no Ray."""
 from __future__ import annotations
 
 import contextlib
@@ -78,19 +77,24 @@ from vidtune.tune.trust import SignAfterSave, StateSigner
 
 
 def execute(plan: Plan) -> int:
-    """Lock the search (one driver per search), start Ray, check the cluster, run (or resume)
-    the search, report; the lock goes when this returns or raises."""
+    """Lock the search (one driver per search), start Ray, check the cluster, run (or resume) the
+    search, report; the lock goes when this returns or raises (Ctrl-C: `faults.before_trials`)."""
+    faults.reset()
     lock = SearchLock(plan.search_path, flag="--resume" if plan.opts.resume else "--name")
     lock.acquire()   # before Ray and before any file is written: a second driver stops in seconds
     try:
         return _execute(plan)
+    except KeyboardInterrupt:   # before Tune's first saved state (Ray's start, the cache fill): said so
+        if faults.STATE.tuner_started:
+            raise
     finally:
         lock.release()
+    raise faults.before_trials(plan.search_path, resume=plan.opts.resume) from None
 
 
 def _execute(plan: Plan) -> int:
-    # A tracking server that stops answering must not hold the search: MLflow's client would
-    # retry each call for minutes. One try, a short wait; tune/tracking/tracker.py catches up later.
+    # A tracking server that stops answering must not hold the search (MLflow's client retries for
+    # minutes): one try, a short wait; tune/tracking/tracker.py catches up later.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     log_options, ray_lines = {}, None
@@ -102,7 +106,7 @@ def _execute(plan: Plan) -> int:
               flush=True)
         log_options = {"log_to_driver": False, "configure_logging": False}
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")   # Tune's boxes and hints: not at verbose 0
-    started, signer = False, None
+    started, signer, ray_was_up = False, None, ray.is_initialized()
     try:
         started = init_ray(address=plan.opts.resources.address, ray_start=plan.opts.resources.ray_start,
                            **log_options)
@@ -112,7 +116,7 @@ def _execute(plan: Plan) -> int:
     finally:
         if signer is not None:
             signer.stop()
-        if started:
+        if started or not ray_was_up and ray.is_initialized():   # Ctrl-C may land before init_ray returns
             ray.shutdown()
         sys.stdout, sys.stderr = streams
         if ray_lines is not None:
@@ -136,10 +140,9 @@ def check_cluster(opts: SearchOptions) -> Fit:
 
 
 def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = None) -> SearchOptions:
-    """--probe-batch-size: drop batch sizes above the largest that fits in the share of a GPU one
-    trial gets (--gpus-per-trial 0.5: half its memory), measured on a GPU of the cluster. When
-    no GPU node is up yet but the cluster will start some (`fit.waits_for_nodes`), the probe
-    waits for the first, saying so, rather than skipping."""
+    """--probe-batch-size: drop batch sizes above the largest that fits in a trial's share of a GPU
+    (--gpus-per-trial 0.5: half its memory), measured on a GPU of the cluster; with none up yet
+    but some to come (`fit.waits_for_nodes`), it waits for the first, saying so."""
     if not opts.space.probe_batch_size:
         return opts
     waits = fit is not None and fit.waits_for_nodes
@@ -191,6 +194,7 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     height, width = d.height or spec.height, d.width or spec.width
     videos = list(index.train) + list(index.val)
     if trains_here:   # every video decoded once at the model's size (its summary says so)
+        print(f"Clip cache {cache.root}: decoding {len(videos)} videos before the first trial", flush=True)
         print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
     node_cache.fill_every_node(base.data, videos, height=height, width=width, on_gpu=on_gpu,
                                skip=ray.get_runtime_context().get_node_id() if trains_here else None)
@@ -258,7 +262,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     except Exception as e:
         failure = e
     finally:
-        faults.uninstall()
+        faults.tune_ended()   # a Ctrl-C from here on lets the summary and MLflow's record finish
         summary = summarise(plan, opts, results)        # with trials.csv, best_config.json, the plots
         pending = tracker.record_summary(summary)       # None once MLflow is up to date
         finished = pending is None and failure is None
@@ -274,16 +278,17 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
             model_uri=model.uri, answer=summary.answer, pending=pending))
         save_lease_record(lease, log_file_for(plan.search_path, plan.name))
         del registry, lease
+        faults.uninstall()
     if failure is not None:
         raise_failure(plan, opts, failure)
-    return code
+    return faults.late_exit_code(code)
 
 
 def save_lease_record(lease: Any, log: Path) -> Path | None:
-    """Write the device lease's record (`trainer.lease.LeaseBook.record`: every grant, release
-    and end, with the device memory the trial's workers said they held) beside the search's log,
-    as `device_lease.json` (or NAME.device_lease.json beside a remote search's log). None when
-    the lease could not be asked (the search goes on to its summary either way)."""
+    """Write the device lease's record (`trainer.lease.LeaseBook.record`: every grant, release and
+    end, with the device memory the trial's workers held) beside the search's log, as
+    `device_lease.json` (NAME.device_lease.json beside a remote search's log); None when the lease
+    could not be asked (the search goes on to its summary either way)."""
     path = log.with_name("device_lease.json" if log.name == LOG_FILE else f"{log.stem}.device_lease.json")
     try:
         record = ray.get(lease.snapshot.remote(), timeout=30)["record"]
@@ -369,8 +374,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
     return tuner, searcher
 
 
-# The clone this code runs from, under an editable install (its pyproject.toml beside the
-# folders); an installed wheel has no commit of its own, only its version.
+# The clone this code runs from (editable install); an installed wheel has only its version.
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -415,9 +419,8 @@ def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
 
 
 def searcher_params(opts: SearchOptions) -> dict[str, Any]:
-    """How the search searched, as the parent run's params, so that searches run with other
-    settings can be compared side by side in MLflow: the sampler, the TPE kind and the random start,
-    ASHA's rules and brackets (or "off"), the lr scaling, the time budget and the warm start."""
+    """How the search searched (sampler, TPE kind, random start, ASHA or "off", lr scaling, time
+    budget, warm start), as the parent run's params: searches compared side by side in MLflow."""
     asha = space.early_stopping_enabled(opts)
     params: dict[str, Any] = {
         "sampler": opts.sampler, "tpe": opts.tpe, "random_start_trials": space.random_start_trials(opts),
@@ -436,6 +439,10 @@ def announce_mlflow(tracker: MLflowTracker) -> None:
     opened while the search runs. A store that fails here is retried by the tracker later."""
     try:
         tracker.open_parent()
+    except KeyboardInterrupt:   # the parent run just made: KILLED, as a rerun (which reopens it) expects
+        with contextlib.suppress(Exception):
+            tracker.close(interrupted=True)
+        raise
     except Exception as e:
         print(f"MLflow: cannot reach {tracker.tracking_uri} yet ({faults.one_line(e, 200)}); "
               "the runs are written when it answers")

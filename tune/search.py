@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from vidtune.errors import DataError, VidtuneError
+from vidtune.errors import DataError, SearchInterrupted, VidtuneError
 from vidtune.flags import ConfigError
 from vidtune.trainer.ray_start import import_failure_message
 from vidtune.tune.options import SearchOptions, build_parser, given_options, parse_options
@@ -57,7 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VidtuneError as e:   # Ray cannot start here (RayStartError), the storage is full (DiskFullError)
         print(f"vidtune search: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except SearchInterrupted as e:   # before the first trial: what was kept, and what to run
+        print(f"vidtune search: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:   # a second Ctrl-C during the graceful stop: Tune's last saved state
         print("vidtune search: interrupted; every MLflow run was closed (KILLED). Continue with --resume.",
               file=sys.stderr)
         return 130
@@ -80,7 +83,12 @@ def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> t
     # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
     quiet = opts.quiet and not opts.dry_run
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        plan = replace(preflight.prepare(opts, given=given), started_at=started_at)
+        try:
+            plan = replace(preflight.prepare(opts, given=given), started_at=started_at)
+        except KeyboardInterrupt:   # the options, the dataset's index: nothing of the search written yet
+            raise SearchInterrupted("interrupted before the search started; nothing was written: " + (
+                "continue it with --resume (resume=True from Python)" if opts.resume else
+                "run the same command again")) from None
         if opts.dry_run and plan.finished is None:
             print(preflight.describe(plan))
             print("dry run: everything checked (cluster resources are checked when the search connects); "

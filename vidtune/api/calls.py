@@ -64,9 +64,11 @@ def search(data: str | os.PathLike[str] | None = None, model: str | Callable[...
         resumed = {**(loaded.values if loaded else {}), **given} if opts.resume else None
         try:
             code, plan = run_search(opts, given=resumed)
-        except KeyboardInterrupt:   # before the search could stop by itself: Ray's start, the cache fill
-            raise SearchInterrupted("vidtune.search was interrupted before its first trial; nothing was "
-                                    "lost: run it again (resume=True once it has started trials)") from None
+        except SearchInterrupted as e:   # before the first trial: says what was kept and what to run
+            raise SearchInterrupted(f"vidtune.search was {e}") from None
+        except KeyboardInterrupt:   # a second interrupt during the graceful stop: Tune's last saved state
+            raise SearchInterrupted("vidtune.search was stopped at once by a second interrupt; continue it "
+                                    "with resume=True") from None
     if plan is None:
         return None
     try:    # the search's folder, or on remote storage the local copy of its results
