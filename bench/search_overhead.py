@@ -19,14 +19,14 @@ report times where the code reports none); the plain side times itself the same 
     python -m bench.search_overhead --quick                 # 2 short trials: checks it runs (~1 min)
     python -m bench.search_overhead --trial-seconds 10      # 4 trials of ~10 s each (target ratio <= 1.5)
     python -m bench.search_overhead --trial-seconds 60 --json overhead-60.json   # (target <= 1.10)
+
+This module runs the two sides and prints; the plain side is bench/overhead_plain.py, reading the
+search back and timing each side bench/overhead_timeline.py, the tables bench/overhead_report.py.
 """
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
 import json
-import math
 import os
 import signal
 import statistics
@@ -36,34 +36,24 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
-import torch
-from mlflow.tracking import MlflowClient
-
-from bench.common import format_table, max_overlap, union_length, write_json
-from bench.cpu_usage import CpuSampler, CpuUsage
-from vidtune.datasets.config import DataConfig
-from vidtune.datasets.index import VideoIndex, build_index
-from vidtune.datasets.synthetic import generate
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.metrics import reduce_epoch
-from vidtune.trainer.precision import default_device, is_cuda
-from vidtune.trainer.run import (
-    TRAINED,
-    Run,
-    build_run,
-    data_counts,
-    place_model,
-    run_epoch,
-    save_run_checkpoint,
+from bench.common import write_json
+from bench.cpu_usage import CpuSampler
+from bench.overhead_plain import plain_process
+from bench.overhead_report import report, while_training
+from bench.overhead_timeline import (
+    EXPERIMENT,
+    mlflow_spans,
+    read_search_trials,
+    search_timeline,
+    side_summary,
 )
-from vidtune.tune import layout, searched
-from vidtune.tune.options import base_config, parse_options
+from vidtune.datasets.config import DataConfig
+from vidtune.datasets.index import build_index
+from vidtune.datasets.synthetic import generate
+from vidtune.tune import layout
 from vidtune.tune.options import build_parser as search_parser
-from vidtune.tune.runner import fill_clip_cache
-from vidtune.tune.trial import trial_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,8 +80,6 @@ PRESETS = {
     "10": Preset(videos=160, size=112, epochs=6, batch_size=8, trials=4, target_ratio=1.5),
     "60": Preset(videos=480, size=112, epochs=13, batch_size=8, trials=4, target_ratio=1.10),
 }
-EXPERIMENT = "search-overhead"      # the MLflow experiment and the Tune experiment name
-TRIAL_ID_TAG = "vidtune.trial_id"   # the child-run tag tune/tracking/tracker.py writes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,65 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", default=None, help="also write the rows and ratio as JSON")
     p.add_argument("--plain-spec", help=argparse.SUPPRESS)   # internal: run the plain side (subprocess)
     return p
-
-
-# -- the plain side ------------------------------------------------------------------------------
-
-def plain_process(spec_path: str) -> int:
-    """The plain side, in its own process: the trials of `spec_path` one after another; writes
-    their timeline next to it (`<spec>.out.json`)."""
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
-    base = base_config(parse_options(spec["argv"]))
-    index = build_index(base.data)
-    print(index.summary(), flush=True)      # the same console markers as the search's
-    device = default_device()
-    # The clip cache filled before the first trial as the search does, its `auto` format resolved.
-    base = fill_clip_cache(base, index, on_gpu=is_cuda(device))
-    trials = []
-    for trial in spec["trials"]:
-        sampled = {p.name: trial[p.name] for p in searched.PARAMS if p.name in trial}
-        row = _plain_trial(trial_config(base, sampled), index, device, spec["checkpoints"])
-        trials.append({"trial_id": f"plain:{trial['trial_id']}", **row})
-    out = {"trials": trials, "cache": base.data.clip_cache, "threads": torch.get_num_threads(),
-           "device": str(device)}
-    Path(spec_path + ".out.json").write_text(json.dumps(out))
-    return 0
-
-
-def _plain_trial(cfg: TrainConfig, index: VideoIndex, device: torch.device, checkpoints: str) -> dict:
-    """One training built and run as a trial's worker does (`trainer.run`), without Ray; like a
-    trial, it ends at an epoch that diverged or ran out of memory."""
-    start = time.time()
-    run = build_run(cfg, index, device=device)
-    place_model(run)
-    epochs = []
-    for epoch in range(1, cfg.epochs + 1):
-        row = _plain_epoch(run, epoch, checkpoints)
-        if row is None:
-            break
-        epochs.append(row)
-    reads, hits, _, _ = data_counts(run)
-    del run                     # stops the persistent loader processes: part of the trial's end
-    gc.collect()
-    return {"batch_size": cfg.batch_size, "lr": cfg.lr, "start": start,
-            "end": time.time(), "epochs": epochs, "cache_hit_frac": hits / reads if reads else None}
-
-
-def _plain_epoch(run: Run, epoch: int, checkpoints: str) -> dict | None:
-    """`run_epoch` and a checkpoint, timed; None when the epoch did not train to the end."""
-    start = time.time()
-    result = run_epoch(run, epoch)
-    end = time.time()
-    if result.outcome != TRAINED:
-        print(f"plain: {result.outcome} in epoch {epoch} (lr {run.cfg.lr:.2e})", file=sys.stderr, flush=True)
-        return None
-    metrics = reduce_epoch(result.stats, result.eval_out)
-    with tempfile.TemporaryDirectory(dir=checkpoints) as directory:
-        save_run_checkpoint(run, directory, epoch=epoch, metrics=metrics)
-    return {"epoch": epoch, "start": start, "train_s": result.stats.epoch_time_s, "end": end, "exact": True,
-            "checkpoint_s": time.time() - end, "clips_per_s": metrics["clips_per_s"],
-            "val_acc": metrics["val_acc"]}
 
 
 # -- running a side ------------------------------------------------------------------------------
@@ -252,264 +181,6 @@ def search_trial_threads() -> int:
     """Torch threads a search trial trains with on the CPU: all the node's cores, since the device
     lease (trainer/lease.py) lets one training at a time use the node's CPU."""
     return os.cpu_count() or 1
-
-
-# -- reading the search's results ----------------------------------------------------------------
-
-def read_search_trials(experiment: Path) -> list[dict]:
-    """Each trial folder's params.json and result.json lines (one per epoch)."""
-    trials = []
-    for folder in sorted(p for p in experiment.iterdir() if (p / "params.json").is_file()):
-        lines = ((folder / "result.json").read_text().splitlines()
-                 if (folder / "result.json").is_file() else [])
-        results = [json.loads(line) for line in lines if line.strip()]
-        trial_id = results[0]["trial_id"] if results else folder.name.split("_")[2]
-        trials.append({"trial_id": trial_id, "params": json.loads((folder / "params.json").read_text()),
-                       "results": [r for r in results if "epoch_time_s" in r]})
-    return trials
-
-
-def mlflow_spans(uri: str) -> dict[str, tuple[float, float | None]]:
-    """trial id -> (start, end) unix s of its MLflow child run (opened / closed by the search's
-    driver when Tune starts / ends the trial; millisecond resolution)."""
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name(EXPERIMENT)
-        runs = client.search_runs([exp.experiment_id], max_results=10000) if exp else []
-    except Exception as e:  # an unreadable store: fall back to Tune's own timestamps
-        print(f"warning: MLflow store {uri} not readable ({e}); using Tune's timestamps (1 s resolution)",
-              file=sys.stderr)
-        return {}
-    return {r.data.tags[TRIAL_ID_TAG]: (r.info.start_time / 1000,
-                                        r.info.end_time / 1000 if r.info.end_time else None)
-            for r in runs if TRIAL_ID_TAG in r.data.tags}
-
-
-def _reported(results: list[dict], key: str) -> list[float]:
-    """The values `results` report for `key` (results without it left out)."""
-    return [float(r[key]) for r in results if r.get(key) is not None]
-
-
-def search_timeline(trials: list[dict], spans: dict, est: dict[str, float]) -> list[dict]:
-    """The search's trials in the plain side's timeline format. Epoch positions come from the
-    reported epoch_start_ts / epoch_end_ts where present; otherwise from the report time
-    (trial start + time_total_s) less the plain side's mean checkpoint and evaluation times."""
-    out = []
-    for t in trials:
-        res = t["results"]
-        span = spans.get(t["trial_id"])
-        start = span[0] if span else (res[0]["timestamp"] - res[0]["time_total_s"] if res else None)
-        if start is None:
-            continue
-        epochs = []
-        for r in res:
-            train = float(r["epoch_time_s"])
-            if r.get("epoch_start_ts") and r.get("epoch_end_ts"):
-                epochs.append({"epoch": r["epoch"], "start": r["epoch_start_ts"], "train_s": train,
-                               "end": r["epoch_end_ts"], "exact": True})
-                continue
-            end = start + float(r["time_total_s"]) - est["checkpoint_s"]
-            epochs.append({"epoch": r["epoch"], "start": end - est["eval_s"] - train, "train_s": train,
-                           "end": end, "exact": False})
-        end = span[1] if span and span[1] else (res[-1]["timestamp"] if res else start)
-        values = functools.partial(_reported, res)
-        out.append({"trial_id": t["trial_id"], "batch_size": t["params"].get("batch_size"),
-                    "lr": t["params"].get("lr"), "start": start, "end": end, "epochs": epochs,
-                    "device_wait_s": sum(values("device_wait_s")) if values("device_wait_s") else None,
-                    "cache_hit_frac": (statistics.mean(values("cache_hit_frac"))
-                                       if values("cache_hit_frac") else None),
-                    "concurrent": max(values("concurrent_trainings"), default=None)})
-    return sorted(out, key=lambda t: t["start"])
-
-
-# (stage, text of its console line): both sides print the index summary and the cache fill report.
-CONSOLE_MARKERS = (("data_indexed", "Probed "), ("cache_filled", "Cache usage "),
-                   ("ray_up", "Started a local Ray instance"), ("ray_up", "Connected to Ray cluster"))
-
-
-def stage_times(side: dict) -> dict[str, float]:
-    """Seconds from one console stage to the next, launch to the first trial's start
-    ("launch -> data indexed": Python start, imports, option checks, the data index)."""
-    first = min(t["start"] for t in side["trials"])
-    marks = console_markers(side["lines"])
-    points = [("launch", side["launch"])] + [(n, marks[n]) for n, _ in CONSOLE_MARKERS
-                                             if n in marks and marks[n] < first]
-    points = sorted(dict.fromkeys(points), key=lambda p: p[1]) + [("first trial starts", first)]
-    return {f"{a} -> {b}".replace("_", " "): tb - ta for (a, ta), (b, tb) in pairwise(points)}
-
-
-def console_markers(lines: list[tuple[float, str]]) -> dict[str, float]:
-    """Unix time of the first console line of each stage (data indexed, Ray up, search planned)."""
-    found: dict[str, float] = {}
-    for ts, text in lines:
-        for name, needle in CONSOLE_MARKERS:
-            if name not in found and needle in text:
-                found[name] = ts
-    return found
-
-
-# -- where the time goes -------------------------------------------------------------------------
-
-def side_summary(launch: float, exit_: float, trials: list[dict]) -> dict[str, float]:
-    """Seconds of one side: wall, its parts around the trials, and sums over the trials' epochs."""
-    spans = [(t["start"], t["end"]) for t in trials]
-    first, last = min(s for s, _ in spans), max(e for _, e in spans)
-    epochs = [e for t in trials for e in t["epochs"]]
-    ran = [t for t in trials if t["epochs"]]
-    mean = lambda xs: statistics.mean(xs) if xs else math.nan  # noqa: E731
-    return {
-        "wall_s": exit_ - launch,
-        "before_first_trial_s": first - launch,
-        "trials_running_s": union_length(spans),
-        "between_trials_s": (last - first) - union_length(spans),
-        "after_last_trial_s": exit_ - last,
-        "training_s": sum(e["train_s"] for e in epochs),
-        "evaluation_s": sum(e["end"] - e["start"] - e["train_s"] for e in epochs),
-        "between_epochs_s": 0.0 + sum(b["start"] - a["end"] for t in ran for a, b in pairwise(t["epochs"])),
-        "trial_start_to_first_epoch_s": mean([t["epochs"][0]["start"] - t["start"] for t in ran]),
-        "last_epoch_to_trial_end_s": mean([t["end"] - t["epochs"][-1]["end"] for t in ran]),
-        "no_training_s": (exit_ - launch) - union_length((e["start"], e["start"] + e["train_s"])
-                                                         for e in epochs),
-        "trials_at_once": max_overlap(spans),
-        "trainings_at_once": max_overlap((e["start"], e["start"] + e["train_s"]) for e in epochs),
-    }
-
-
-ROWS = (  # (key, label) of the side-by-side table, in print order
-    ("wall_s", "wall time"),
-    ("before_first_trial_s", "  before the first trial starts"),
-    ("trials_running_s", "  trials running (any)"),
-    ("between_trials_s", "  between trials (none running)"),
-    ("after_last_trial_s", "  after the last trial ends"),
-    ("training_s", "training epochs: sum of epoch_time_s"),
-    ("evaluation_s", "evaluation: sum"),
-    ("between_epochs_s", "between epochs (metrics, checkpoint, report): sum"),
-    ("trial_start_to_first_epoch_s", "trial start -> first epoch, mean"),
-    ("last_epoch_to_trial_end_s", "last epoch scored -> trial end, mean"),
-    ("no_training_s", "wall time with no training epoch running"),
-)
-
-
-def report(plain: dict, search: dict | None, *, header: list[str],
-           target: float | None) -> tuple[str, list[dict]]:
-    """The printed tables and the JSON rows."""
-    p = side_summary(plain["launch"], plain["exit"], plain["trials"])
-    s = side_summary(search["launch"], search["exit"], search["trials"]) if search else {}
-    estimated = search is not None and any(not e["exact"] for t in search["trials"] for e in t["epochs"])
-    rows = [{"name": key, "plain_s": p[key], "search_s": s.get(key)} for key, _ in ROWS]
-    table = [(label + (" (est.)" if estimated and key == "evaluation_s" else ""), p[key], s.get(key),
-              s[key] - p[key] if s else None) for key, label in ROWS]
-    stages = {"plain": stage_times(plain), "search": stage_times(search) if search else {}}
-    for stage in dict.fromkeys([*stages["plain"], *stages["search"]]):
-        a, b = stages["plain"].get(stage), stages["search"].get(stage)
-        rows.append({"name": f"before_first_trial:{stage}", "plain_s": a, "search_s": b})
-        table.append((f"    {stage}", a, b, b - a if a is not None and b is not None else None))
-    if search:
-        waits = [t["device_wait_s"] for t in search["trials"] if t["device_wait_s"] is not None]
-        if waits:
-            rows.append({"name": "device_wait_s", "plain_s": None, "search_s": sum(waits)})
-            table.append(("search: waiting for the device (lease), sum", None, sum(waits), None))
-    lines = [*header, "", format_table(("seconds", "plain", "search", "search-plain"), table)]
-    if search:
-        ratio = s["wall_s"] / p["wall_s"]
-        verdict = ("" if target is None
-                   else f" (target <= {target:g}: {'met' if ratio <= target else 'NOT met'})")
-        lines += ["", f"ratio search / plain wall time: {ratio:.2f}{verdict}"]
-        if estimated:
-            lines.append("(est.): the search reported no epoch_start_ts / epoch_end_ts; its epochs are "
-                         "placed from the report times less the plain side's mean evaluation and checkpoint "
-                         "times")
-    lines += ["", "per trial:", trial_table(plain, search)]
-    if plain["cpu"].by_kind:
-        lines += ["", cpu_table(plain["cpu"], search["cpu"] if search else None, trials=len(plain["trials"]))]
-        lines += ["", training_cpu_table(*while_training(plain, search))]
-    return "\n".join(lines), rows
-
-
-def cpu_table(plain: CpuUsage, search: CpuUsage | None, *, trials: int, top: int = 14) -> str:
-    """CPU seconds of each side: the whole machine's, and per process kind (processes started,
-    CPU seconds), the kinds that used the most first; `trials`: how many each side ran (the note)."""
-    sides = [plain, search] if search else [plain]
-    kinds = sorted({k for side in sides for k in side.by_kind},
-                   key=lambda k: -max(side.by_kind.get(k, (0, 0.0))[1] for side in sides))
-    shown, rest = kinds[:top], kinds[top:]
-
-    def cells(side: CpuUsage | None, names: list[str]) -> list:
-        if side is None:
-            return [None, None]
-        n = sum(side.by_kind.get(k, (0, 0.0))[0] for k in names)
-        return [n, sum(side.by_kind.get(k, (0, 0.0))[1] for k in names)]
-
-    rows = [(k, *cells(plain, [k]), *cells(search, [k])) for k in shown]
-    if rest:
-        rows.append((f"{len(rest)} other kinds", *cells(plain, rest), *cells(search, rest)))
-    rows.append(("not sampled (short-lived, other load)", None, plain.machine_busy_s - plain.sampled_s,
-                 None, search.machine_busy_s - search.sampled_s if search else None))
-    rows.append(("whole machine, busy", None, plain.machine_busy_s, None,
-                 search.machine_busy_s if search else None))
-    rows.append(("  = cores busy on average", None, plain.machine_busy_s / max(plain.wall_s, 1e-9), None,
-                 search.machine_busy_s / max(search.wall_s, 1e-9) if search else None))
-    table = format_table(("CPU seconds by process kind", "plain n", "plain cpu_s", "search n",
-                          "search cpu_s"), rows)
-    note = (f"(n: processes of that kind started; {trials} trials on each side. Every Ray Train run starts "
-            "its controller, its workers and helper actors in fresh processes; a worker's DataLoader "
-            "processes carry its title, ray::RayTrainWorker.)")
-    return table + "\n" + note
-
-
-# The processes that train: on the plain side its one process (its DataLoader processes are forks
-# with the same title), in the search the Ray Train workers (their loader processes likewise).
-PLAIN_TRAINING_KIND = "python -m bench.search_overhead"
-SEARCH_TRAINING_KIND = "ray::RayTrainWorker"
-
-
-def training_cpu(side: dict, training_kind: str) -> dict:
-    """Cores used on average while the side's training epochs ran (each epoch's
-    start .. start + epoch_time_s): by the training processes, by every other process the side
-    started, and by the whole machine (which adds anything else running)."""
-    windows = [(e["start"], e["start"] + e["train_s"]) for t in side["trials"] for e in t["epochs"]]
-    covered, busy, by_kind = side["cpu"].within(windows)
-    if covered <= 0:
-        return {"seconds": 0.0, "training": None, "others": None, "machine": None, "others_by_kind": {}}
-    others = {k: cpu / covered for k, cpu in sorted(by_kind.items(), key=lambda kv: -kv[1])
-              if k != training_kind}
-    return {"seconds": covered, "training": by_kind.get(training_kind, 0.0) / covered,
-            "others": sum(others.values(), 0.0), "machine": busy / covered, "others_by_kind": others}
-
-
-def while_training(plain: dict, search: dict | None) -> tuple[dict, dict | None]:
-    """`training_cpu` of each side."""
-    return (training_cpu(plain, PLAIN_TRAINING_KIND),
-            training_cpu(search, SEARCH_TRAINING_KIND) if search else None)
-
-
-def training_cpu_table(plain: dict, search: dict | None, top: int = 6) -> str:
-    """Who used the cores while the training epochs ran, each side: training processes, the rest."""
-    sides = [plain, search] if search else [plain]
-    rows = [("the training processes (with their loader processes)", *(s["training"] for s in sides)),
-            ("every other process the run started", *(s["others"] for s in sides)),
-            ("the whole machine, busy", *(s["machine"] for s in sides))]
-    if search and search["others_by_kind"]:
-        rows += [(f"  search: {k}", *([None] if len(sides) == 2 else []), cores)
-                 for k, cores in list(search["others_by_kind"].items())[:top]]
-    head = ("cores used while training epochs ran (average)", "plain", *(["search"] if search else []))
-    note = ("(A training that uses every core slows by more than the share the other processes take: its "
-            "threads wait for each other at every parallel step. python -m bench.cpu_noise measures it.)")
-    return format_table(head, rows, digits=2) + "\n" + note
-
-
-def trial_table(plain: dict, search: dict | None) -> str:
-    rows = []
-    for side in (plain, search) if search else (plain,):
-        for t in side["trials"]:
-            ep = t["epochs"]
-            rows.append((t["trial_id"], t["batch_size"], f"{t['lr']:.2e}", len(ep),
-                         sum(e["train_s"] for e in ep), sum(e["end"] - e["start"] - e["train_s"] for e in ep),
-                         ep[0]["start"] - t["start"] if ep else None, t.get("device_wait_s"),
-                         t["end"] - ep[-1]["end"] if ep else None, t["end"] - t["start"],
-                         t.get("cache_hit_frac"), t.get("concurrent")))
-    return format_table(("trial", "batch", "lr", "epochs", "train_s", "eval_s", "start_s", "wait_s", "end_s",
-                         "total_s", "cache_hit", "concurrent"), rows, digits=2)
 
 
 # -- the run -------------------------------------------------------------------------------------

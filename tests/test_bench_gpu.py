@@ -15,7 +15,8 @@ import torch
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from bench import gpu_check, gpu_precision
+from bench import gpu_check, gpu_check_results, gpu_check_steps, gpu_flops, gpu_precision
+from bench.gpu_check_results import CheckFailed
 from vidtune.trainer import precision
 from vidtune.trainer.models import build_model, get_spec
 from vidtune.tune.options import parse_options
@@ -44,7 +45,7 @@ def test_the_search_it_runs_is_one_the_search_cli_accepts(tmp_path):
     """The flags gpu_check passes parse into the search the issue asks for (no Ray, no GPU)."""
     data = tmp_path / "videos"
     data.mkdir()
-    argv = gpu_check.search_argv(gpu_check.build_parser().parse_args([]), data, tmp_path, "gpu-check-1")
+    argv = gpu_check_steps.search_argv(gpu_check.build_parser().parse_args([]), data, tmp_path, "gpu-check-1")
     opts = parse_options(argv)
     assert (opts.train.model, opts.train.weights, opts.train.epochs,
             opts.num_samples) == ("mvit_v2_s", "none", 2, 4)
@@ -59,10 +60,10 @@ def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurren
     """A store shaped like tune/tracking/tracker.py's: one parent run, one child run per trial (params,
     per-epoch metrics at step=epoch), the `gpu_ids` tag."""
     client = MlflowClient(tracking_uri=uri)
-    exp = client.create_experiment(gpu_check.EXPERIMENT)
+    exp = client.create_experiment(gpu_check_steps.EXPERIMENT)
     parent = client.create_run(exp, run_name="search").info.run_id
     for t in range(trials):
-        tags = {gpu_check.PARENT_TAG: parent, "vidtune.precision_used": "bf16",
+        tags = {gpu_check_results.PARENT_TAG: parent, "vidtune.precision_used": "bf16",
                 "vidtune.tf32": "matmul=tf32,conv=tf32", "vidtune.cudnn_benchmark": "on",
                 "vidtune.device": "NVIDIA H200",
                 "vidtune.compute_capability": "9.0", "vidtune.cuda": "13.0", "vidtune.driver": "580.65.06",
@@ -85,14 +86,14 @@ def _write_search_store(uri: str, trials: int = 4, epochs: int = 2, *, concurren
 def _check(tmp_path: Path, **store) -> list:
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     _write_search_store(uri, **store)
-    runs = gpu_check.load_trial_runs(uri, gpu_check.EXPERIMENT)
-    return gpu_check.run_checks(gpu_check.mlflow_steps(runs, 4, 2, capability=(9, 0)))
+    runs = gpu_check_results.load_trial_runs(uri, gpu_check_steps.EXPERIMENT)
+    return gpu_check_results.run_checks(gpu_check_results.mlflow_steps(runs, 4, 2, capability=(9, 0)))
 
 
 def test_mlflow_checks_pass_on_a_store_like_the_search_writes(tmp_path):
     checks = _check(tmp_path)
-    assert [c.passed for c in checks] == [True] * 7, gpu_check.format_checks(checks)
-    assert "concurrent_trainings == 1 in all 8 epochs" in gpu_check.format_checks(checks)
+    assert [c.passed for c in checks] == [True] * 7, gpu_check_results.format_checks(checks)
+    assert "concurrent_trainings == 1 in all 8 epochs" in gpu_check_results.format_checks(checks)
 
 
 @pytest.mark.parametrize("store, failed, says", [
@@ -116,25 +117,26 @@ def test_an_unexpected_error_is_the_failed_check_and_nothing_runs_after_it():
     def broken():
         raise ValueError("database is locked")
 
-    checks = gpu_check.run_checks([("first", lambda: "ok"), ("second", broken), ("third", lambda: "never")])
+    checks = gpu_check_results.run_checks([("first", lambda: "ok"), ("second", broken),
+                                           ("third", lambda: "never")])
     assert [(c.name, c.passed, c.detail) for c in checks] == [
         ("first", True, "ok"), ("second", False, "ValueError: database is locked")]
 
 
 def test_device_checks_expect_bf16_from_sm80_and_cudnn_benchmark_on():
-    assert "-> bf16" in gpu_check.check_auto_precision((9, 0), "bf16")
-    assert "-> fp16" in gpu_check.check_auto_precision((7, 5), "fp16")     # T4
-    with pytest.raises(gpu_check.CheckFailed, match="expected bf16"):
-        gpu_check.check_auto_precision((8, 0), "fp16")
-    with pytest.raises(gpu_check.CheckFailed, match="cudnn.benchmark is False"):
-        gpu_check.check_cudnn_benchmark(False)
+    assert "-> bf16" in gpu_check_results.check_auto_precision((9, 0), "bf16")
+    assert "-> fp16" in gpu_check_results.check_auto_precision((7, 5), "fp16")     # T4
+    with pytest.raises(CheckFailed, match="expected bf16"):
+        gpu_check_results.check_auto_precision((8, 0), "fp16")
+    with pytest.raises(CheckFailed, match="cudnn.benchmark is False"):
+        gpu_check_results.check_cudnn_benchmark(False)
 
 
 def test_precision_table_check_fails_on_an_errored_row():
     row = {"precision": "bf16", "batch_size": 8, "clips_per_s": 120.0, "peak_mib": 5000.0}
-    assert "120 clips/s" in gpu_check.check_precision_table({"rows": [row], "device": "H200"})
-    with pytest.raises(gpu_check.CheckFailed, match="bf16 batch 8: ERROR RuntimeError"):
-        gpu_check.check_precision_table({"rows": [{**row, "error": "ERROR RuntimeError"}]})
+    assert "120 clips/s" in gpu_check_results.check_precision_table({"rows": [row], "device": "H200"})
+    with pytest.raises(CheckFailed, match="bf16 batch 8: ERROR RuntimeError"):
+        gpu_check_results.check_precision_table({"rows": [{**row, "error": "ERROR RuntimeError"}]})
 
 
 # -- bench/gpu_precision.py -------------------------------------------------------------------------
@@ -147,7 +149,7 @@ def test_precision_table_check_fails_on_an_errored_row():
 ])
 def test_peak_flops_matches_the_most_specific_device_name(monkeypatch, name, key, bf16):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    peak, source = gpu_precision.peak_flops(torch.device("cuda"), "bf16", None)
+    peak, source = gpu_flops.peak_flops(torch.device("cuda"), "bf16", None)
     assert peak == bf16 * 1e12 and source == f"PEAK_TFLOPS[{key!r}]['bf16']"
 
 
@@ -199,11 +201,11 @@ def test_a_failed_row_is_freed_after_its_traceback_is_gone(monkeypatch, row_setu
 def test_the_hand_over_check_reads_the_lease_record():
     grant = {"event": "grant", "owner": "t1", "keys": ["n/gpu:0"], "device_mb": 0.0, "time": 1.0}
     release = {"event": "release", "owner": "t1", "keys": ["n/gpu:0"], "device_mb": 2.0, "time": 9.0}
-    assert "1 grants at 0 MB" in gpu_check.check_hand_over([[grant, release]])
-    with pytest.raises(gpu_check.CheckFailed, match="before its lease: t2: 512.0 MB"):
-        gpu_check.check_hand_over([[grant, release, {**grant, "owner": "t2", "device_mb": 512.0}]])
-    with pytest.raises(gpu_check.CheckFailed, match="holding more than 64 MB: t1: 9000 MB"):
-        gpu_check.check_hand_over([[grant, {**release, "device_mb": 9000.0}]])
+    assert "1 grants at 0 MB" in gpu_check_results.check_hand_over([[grant, release]])
+    with pytest.raises(CheckFailed, match="before its lease: t2: 512.0 MB"):
+        gpu_check_results.check_hand_over([[grant, release, {**grant, "owner": "t2", "device_mb": 512.0}]])
+    with pytest.raises(CheckFailed, match="holding more than 64 MB: t1: 9000 MB"):
+        gpu_check_results.check_hand_over([[grant, {**release, "device_mb": 9000.0}]])
 
 
 def test_the_learning_step_needs_every_precision_to_learn(monkeypatch, tmp_path):
@@ -221,13 +223,13 @@ def test_the_learning_step_needs_every_precision_to_learn(monkeypatch, tmp_path)
         return learning_check.Curve(precision, [0.5, finals[precision]], 2 if precision == "fp16" else 0, 3.0)
 
     monkeypatch.setattr(learning_check, "fit_tiny", fit)
-    check = gpu_check.GpuCheck(gpu_check.build_parser().parse_args([]), tmp_path)
+    check = gpu_check_steps.GpuCheck(gpu_check.build_parser().parse_args([]), tmp_path)
     line = check.learns()
     assert line == "fp16 val_acc 0.900 in 3 s (2 steps skipped by GradScaler); bf16 val_acc 0.850 in 3 s"
     assert [c["precision"] for c in check.figures["learning"]] == ["fp16", "bf16"]
 
     finals["bf16"] = 0.55
-    with pytest.raises(gpu_check.CheckFailed, match=r"did not learn: bf16: val_acc 0.550 after 2 epochs"):
+    with pytest.raises(CheckFailed, match=r"did not learn: bf16: val_acc 0.550 after 2 epochs"):
         check.learns()
     # a GPU without bf16 (before sm 8.0) is asked for fp16 only, though torch counts a T4's
     # emulated bf16 as supported unless told not to
@@ -239,17 +241,17 @@ def test_keep_going_runs_every_check_and_part_picks_the_checks(tmp_path, capsys,
     """--keep-going: a first run on a new GPU shows every check that fails, not the first only;
     --part local runs the checks that need no Ray (a machine without it), --part search the rest."""
     def fail() -> str:
-        raise gpu_check.CheckFailed("no")
+        raise CheckFailed("no")
 
     steps = [("a", fail), ("b", lambda: "fine"), ("c", fail)]
-    assert [c.name for c in gpu_check.run_checks(steps)] == ["a"]
-    checks = gpu_check.run_checks(steps, keep_going=True)
+    assert [c.name for c in gpu_check_results.run_checks(steps)] == ["a"]
+    checks = gpu_check_results.run_checks(steps, keep_going=True)
     assert [(c.name, c.passed) for c in checks] == [("a", False), ("b", True), ("c", False)]
     assert "gpu-check: b: PASS: fine" in capsys.readouterr().out      # each as it ends
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    names = {part: [name for name, _ in gpu_check.GpuCheck(
+    names = {part: [name for name, _ in gpu_check_steps.GpuCheck(
         gpu_check.build_parser().parse_args(["--part", part]), tmp_path).steps()]
-        for part in gpu_check.PARTS}
+        for part in gpu_check_steps.PARTS}
     assert names["all"] == names["local"][:5] + names["search"] + names["local"][5:]
     assert {"batch probe", "compiled, channels-last"} <= set(names["local"])
     assert "hand-over" in names["search"] and "hand-over" not in names["local"]
