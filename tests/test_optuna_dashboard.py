@@ -21,6 +21,7 @@ from pathlib import Path
 import optuna
 import pytest
 from mlflow.tracking import MlflowClient
+from optuna_dashboard import get_note
 
 from vidtune.flags import build
 from vidtune.tune import space
@@ -118,6 +119,40 @@ def test_a_running_trial_is_named_in_the_study_from_its_first_epoch():
     assert trial.user_attrs["status"] == "running" and trial.user_attrs["vidtune_trial"].startswith("t03-bs")
 
 
+def test_the_dashboards_notes_name_each_trial_and_carry_the_answer_and_mlflow(tmp_path):
+    """optuna-dashboard numbers trials 0, 1, ...: each trial's note opens with its vidtune name
+    (from its first epoch), and the study's note, written when the search ends, maps Optuna's
+    numbers to the names and MLflow runs, with the answer and the MLflow links."""
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    opts = _opts(optuna_storage=url, epochs=2)
+    searcher = space.build_searcher(opts, space.objective_for("val_acc"), study_name="s", val_clips=32)
+    searcher.set_search_properties("val_acc", "max", space.param_space(opts))
+    first, second = searcher.suggest("ddd_00000"), searcher.suggest("ddd_00001")
+    searcher.on_trial_result("ddd_00000", _result(1, first, 1, 0.5))
+    searcher.on_trial_complete("ddd_00000", _result(1, first, 2, 0.75, mlflow_run_id="run-a"))
+    searcher.on_trial_result("ddd_00001", _result(2, second, 1, 0.5))
+
+    loaded = optuna.load_study(study_name="s", storage=url)
+    notes = [get_note(optuna.Trial(loaded, t._trial_id)) for t in loaded.trials]
+    names = [t.user_attrs["vidtune_trial"] for t in loaded.trials]
+    assert names[0].startswith("t01-bs") and names[1].startswith("t02-bs")
+    assert notes[0] == (f"## {names[0]}\n\n"
+                        "done; best val_acc 0.750 [0.58, 0.87]; 41.27 clips/s; MLflow run `run-a`\n")
+    assert notes[1] == f"## {names[1]}\n\nrunning\n"
+
+    links = ("compare the trials in MLflow: http://127.0.0.1:5000/#/experiments/1/runs?viewId=v\n"
+             "  the search's run (answer, trials table, plots): http://127.0.0.1:5000/#/experiments/1/runs/p")
+    answer = [f"Best: {names[0]} (batch 4, lr 1.00e-03), val_acc 0.750 [0.58, 0.87] at epoch 2."]
+    assert study.save_study_note(url, "s", answer=answer, links=links)
+    note = get_note(optuna.load_study(study_name="s", storage=url))
+    assert note.startswith("## vidtune search s\n\n" + answer[0] + "\n")
+    assert ("- the search's run (answer, trials table, plots): "
+            "<http://127.0.0.1:5000/#/experiments/1/runs/p>") in note
+    assert f"| 0 | {names[0]} | done | 0.750 | 41.27 | `run-a` |" in note
+    assert f"| 1 | {names[1]} | running |  |  |  |" in note
+    assert not study.save_study_note(url, "elsewhere", answer=answer, links=links)   # no such study
+
+
 def test_pareto_objectives_are_named():
     opts = _opts(objective="pareto")
     searcher = space.build_searcher(opts, space.objective_for("pareto"), study_name="p")
@@ -191,7 +226,11 @@ def test_optuna_dashboard_serves_the_smoke_searchs_study_with_its_trials_names(s
     attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
     assert sorted(a["vidtune_trial"] for a in attrs) == sorted(table)
     client = MlflowClient(out.uri)
+    # optuna-dashboard's notes name its numbered trials: each trial's page, and the study's table
+    assert detail["note"]["body"].startswith(f"## vidtune search {out.results.name}\n")
     for trial, a in zip(trials, attrs, strict=True):
+        assert trial["note"]["body"].startswith(f"## {a['vidtune_trial']}\n\ndone; best val_acc ")
+        assert f"| {trial['number']} | {a['vidtune_trial']} | done |" in detail["note"]["body"]
         assert trial["state"] == "Complete" and a["status"] == "done"    # 1 epoch of 1: nothing to stop
         assert client.get_run(a["mlflow_run_id"]).info.run_name == a["vidtune_trial"]
         row = table[a["vidtune_trial"]]

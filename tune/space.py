@@ -142,8 +142,11 @@ class VidtuneOptunaSearch(OptunaSearch):
         if trial_id not in self._named:   # the dashboard names a running trial from its first epoch
             ot_trial = optuna_pending_trial(self, trial_id)
             if ot_trial is not None:
-                ot_trial.set_user_attr(study.NAME_ATTR, study.trial_name(trial_id, result))
-                ot_trial.set_user_attr(study.STATUS_ATTR, study.RUNNING)
+                named = {study.NAME_ATTR: study.trial_name(trial_id, result),
+                         study.STATUS_ATTR: study.RUNNING}
+                for key, value in named.items():
+                    ot_trial.set_user_attr(key, value)
+                study.save_trial_note(ot_trial, named)   # the dashboard's page of "Trial 0" names it
                 self._named.add(trial_id)
         super().on_trial_result(trial_id, result)
         if isinstance(self.metric, str) and TRAINING_ITERATION in result:   # what Ray reported
@@ -171,6 +174,7 @@ class VidtuneOptunaSearch(OptunaSearch):
         if ot_trial is not None:
             for key, value in attrs.items():
                 ot_trial.set_user_attr(key, value)
+            study.save_trial_note(ot_trial, attrs)
         if ot_trial is not None and result and not error and study.pruned(attrs) \
                 and isinstance(self.metric, str) and result.get(self.metric) is not None:
             # ASHA stopped it: PRUNED, not COMPLETE (Ray tells PRUNED for a result without the

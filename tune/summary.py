@@ -42,7 +42,7 @@ from vidtune.tune.results import (
     row_from_result,
 )
 from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
-from vidtune.tune.tracking.study import dashboard_line
+from vidtune.tune.tracking.study import dashboard_line, save_study_note
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,10 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     for line in summary.answer:
         say(line)
     say(mlflow_links)
-    if study_line := dashboard_line(opts.optuna_storage, opts.study_name or plan.name):
+    study_name = opts.study_name or plan.name
+    if study_line := dashboard_line(opts.optuna_storage, study_name):
+        # the study's note in optuna-dashboard: this answer, these links, Optuna's trial numbers named
+        save_study_note(opts.optuna_storage, study_name, answer=summary.answer, links=mlflow_links)
         say(study_line)
     say("\n" + outcome_line(rows, time.time() - plan.started_at))
     if importance.shares or opts.num_samples >= MIN_TRIALS:   # a short search was never going to have it

@@ -6,6 +6,12 @@ opens it.
 `tune.space.VidtuneOptunaSearch` writes the attributes from a trial's last result
 (`trial_attrs`); the MLflow run id reaches that result through the tracker, which adds it under
 MLFLOW_RUN_KEY (Tune lets a callback add to a result in place: `Callback.on_trial_result`).
+
+optuna-dashboard numbers trials from 0 and cannot rename them, so the names go into its notes
+(`optuna_dashboard.save_note`, Markdown shown at the top of a page): each trial's note opens with
+its vidtune name (`save_trial_note`), and the study's note, written when the search ends
+(`save_study_note`), holds the search's answer, its MLflow links and the table from Optuna's
+trial numbers to the vidtune names and MLflow runs.
 """
 from __future__ import annotations
 
@@ -17,6 +23,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import optuna
+
+try:   # optional (`vidtune[dashboard]`): without it no note is written, and none would be shown
+    import optuna_dashboard
+except ImportError:
+    optuna_dashboard = None
 
 from vidtune.trainer.report_keys import Key, number
 from vidtune.tune.results import rounded_speed, trial_status
@@ -118,3 +129,57 @@ def dashboard_line(storage: str | None, study_name: str) -> str:
     missing = "" if Path(command).is_file() else f" (install it: {DASHBOARD_EXTRA})"
     return (f"the Optuna study {study_name!r} in optuna-dashboard: {command} {storage} --host 127.0.0.1 "
             f"--port 8080{missing}")
+
+
+def trial_note(attrs: dict[str, Any]) -> str:
+    """A trial's note in optuna-dashboard from its user attributes (`trial_attrs`): its vidtune
+    name as the heading, then its outcome, accuracy, speed and MLflow run, each when known."""
+    facts = [str(attrs.get(STATUS_ATTR, RUNNING))]
+    if Key.VAL_ACC.value in attrs:
+        facts.append(f"best val_acc {attrs[Key.VAL_ACC.value]:.3f} {attrs.get('val_acc_95ci', '')}".rstrip())
+    if Key.SPEED_CLIPS_PER_S.value in attrs:
+        facts.append(f"{attrs[Key.SPEED_CLIPS_PER_S.value]} clips/s")
+    if MLFLOW_RUN_KEY in attrs:
+        facts.append(f"MLflow run `{attrs[MLFLOW_RUN_KEY]}`")
+    return f"## {attrs.get(NAME_ATTR, '')}\n\n" + "; ".join(facts) + "\n"
+
+
+def save_trial_note(ot_trial: optuna.Trial, attrs: dict[str, Any]) -> None:
+    """Write `trial_note` as the trial's optuna-dashboard note (nothing without optuna-dashboard)."""
+    if optuna_dashboard is not None:
+        optuna_dashboard.save_note(ot_trial, trial_note(attrs))
+
+
+def study_note(name: str, trials: list[optuna.trial.FrozenTrial], *, answer: list[str], links: str) -> str:
+    """The study's note: the search's answer, its MLflow links (`links`: the console's lines, each
+    `what: where`) and a row per trial from Optuna's number to its vidtune name, outcome,
+    accuracy, speed and MLflow run id (from each trial's user attributes)."""
+    lines = [f"## vidtune search {name}", "", *answer, ""]
+    for line in filter(None, (x.strip() for x in links.splitlines())):
+        what, _, where = line.rpartition(": ")
+        lines.append(f"- {what}: <{where}>" if where.startswith("http") else f"- {line}")
+    lines += ["", "| Optuna trial | vidtune trial | outcome | best val_acc | clips/s | MLflow run |",
+              "|---|---|---|---|---|---|"]
+    for t in sorted(trials, key=lambda t: t.number):
+        a = t.user_attrs
+        run = f"`{a[MLFLOW_RUN_KEY]}`" if MLFLOW_RUN_KEY in a else ""
+        acc = a.get(Key.VAL_ACC.value)
+        cells = [a.get(NAME_ATTR, ""), a.get(STATUS_ATTR, ""), f"{acc:.3f}" if acc is not None else "",
+                 a.get(Key.SPEED_CLIPS_PER_S.value, ""), run]
+        lines.append(f"| {t.number} | " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save_study_note(storage: str | None, study_name: str, *, answer: list[str], links: str) -> bool:
+    """Write `study_note` as the study's optuna-dashboard note; False when it could not be (no
+    optuna-dashboard, no stored study, a database that cannot be written now: the search's own
+    results stand)."""
+    if optuna_dashboard is None or not storage:
+        return False
+    try:
+        ot_study = optuna.load_study(study_name=study_name, storage=storage)
+        optuna_dashboard.save_note(ot_study, study_note(study_name, ot_study.get_trials(deepcopy=False),
+                                                        answer=answer, links=links))
+    except Exception:   # the note is a convenience; the study, MLflow and trials.csv hold the results
+        return False
+    return True
