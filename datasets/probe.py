@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -158,13 +157,18 @@ def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int
         # Workers start in parallel (~0.5 s each to spawn); the first message says it is ready.
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
-        # Born with SIGINT blocked: Ctrl-C (to the whole process group) is this process's to handle
-        # (it ends the workers below); a worker would print a traceback and look like a crash.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        # Born with its stderr on /dev/null (as `_worker_main` sets it): Ctrl-C reaches the whole
+        # process group, and a worker still starting would print Python's fatal error or a
+        # traceback; this process stops on it and ends the workers (a spawned child's signal mask
+        # and handlers are reset at its exec, so stderr is what can be set before it starts).
+        devnull, stderr = os.open(os.devnull, os.O_WRONLY), os.dup(2)
+        os.dup2(devnull, 2)
         try:
             proc.start()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            os.close(devnull)
         child.close()
         pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S))
 

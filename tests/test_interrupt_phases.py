@@ -44,7 +44,7 @@ def _interrupt(args: list[str], cwd: Path, when: Callable[[str, psutil.Process],
     me, start = psutil.Process(proc.pid), time.monotonic()
     try:
         while not when("".join(lines), me):
-            assert proc.poll() is None, f"ended ({proc.returncode}) before the phase:\n{''.join(lines)[-3000:]}"
+            assert proc.poll() is None, f"ended ({proc.returncode}) first:\n{''.join(lines)[-3000:]}"
             assert time.monotonic() - start < deadline_s, f"phase not reached:\n{''.join(lines)[-3000:]}"
             time.sleep(0.05)
         time.sleep(delay_s)
@@ -58,9 +58,10 @@ def _interrupt(args: list[str], cwd: Path, when: Callable[[str, psutil.Process],
 
 
 def _spawned_children(search: psutil.Process) -> bool:
-    """The search's probe (or cache fill) pool is up: its multiprocessing spawn children."""
+    """The search's probe pool (indexing) or clip cache fill pool is up: its spawned workers (not
+    multiprocessing's resource tracker, which outlives the index's pool)."""
     try:
-        return any("multiprocessing" in " ".join(c.cmdline()) for c in search.children(recursive=True))
+        return any("multiprocessing.spawn" in " ".join(c.cmdline()) for c in search.children(recursive=True))
     except psutil.Error:
         return False
 
@@ -103,12 +104,15 @@ def test_ctrl_c_while_indexing_stops_before_anything_is_written(synthetic_root, 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_ctrl_c_while_the_clip_cache_fills_leaves_no_folder_in_the_way(shared_ray, synthetic_root, tmp_path):
-    """Joined to the session's Ray, a fresh clip cache: SIGINT at the fill's first line. The search
-    folder it had made (its log, its saved options) is gone, so the same command starts it again."""
+    """Joined to the session's Ray, a fresh clip cache: SIGINT once the fill's workers are up (after
+    the log line, so not the index's). The search folder it had made (its log, its saved options)
+    is gone, so the same command starts it again."""
     storage = tmp_path / "results"
-    args = ["--data", str(synthetic_root), *SMALL, "--cache-dir", str(tmp_path / "clips"), "--address", shared_ray,
-            "--storage", str(storage), "--name", "s", "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
-    code, out, _ = _interrupt(args, tmp_path, lambda console, _: "videos before the first trial" in console)
+    args = ["--data", str(synthetic_root), *SMALL, "--cache-dir", str(tmp_path / "clips"),
+            "--address", shared_ray, "--storage", str(storage), "--name", "s",
+            "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"]
+    code, out, _ = _interrupt(args, tmp_path,
+                              lambda console, search: "logs: " in console and _spawned_children(search))
     assert code == 130, out[-3000:]
     assert "Clip cache" in out and "wrote" not in out, out[-3000:]      # inside the fill, not after it
     _said_once(out, "interrupted before the search's first trial; nothing was kept")
