@@ -46,8 +46,10 @@ class Interruption:
 
     signal_name: str | None = None
     unfinished: set[str] = field(default_factory=set)
+    known: set[str] = field(default_factory=set)        # every trial Tune had when the signal came
     trials: list = field(default_factory=list)      # Tune's live trial list, refreshed every step
     tuner_started: bool = False      # `install` ran: Tune's state is saved from here on (resumable)
+    stepped: bool = False            # Tune's loop has begun a step (`InterruptWatch`): trials to name
     tuner_ended: bool = False        # `Tuner.fit()` returned: no graceful stop to ask Tune for
     late_signal: str | None = None   # a signal while the summary was written, after the Tuner
 
@@ -97,8 +99,12 @@ def uninstall() -> None:
 def tune_ended() -> None:
     """After `Tuner.fit()`, while the summary and MLflow are written (until `uninstall`): a first
     signal is remembered (`STATE.late_signal`) and the writing finishes, so no result file or run
-    is left half-written; a second stops at once."""
+    is left half-written; a second stops at once. After a Ctrl-C in Tune's setup, before it
+    listened for its graceful stop, nothing ran: no summary, KeyboardInterrupt (`before_trials`)."""
     STATE.tuner_ended = True
+    if not STATE.tuner_started:
+        uninstall()
+        raise KeyboardInterrupt
 
 
 def late_exit_code(code: int) -> int:
@@ -118,11 +124,13 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         print(f"\nvidtune search: {STATE.late_signal} received; finishing the summary and MLflow's record "
               "first (press Ctrl-C again to stop at once)", flush=True)
         return
-    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN:
-        STATE.tuner_started = False    # Tune's setup: nothing of it saved, no graceful stop to ask for
+    if not STATE.stepped or hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN:
+        # Tune's setup (no step yet: no trial it could name as unfinished), nothing of it saved
+        STATE.tuner_started = False
         raise KeyboardInterrupt
     STATE.signal_name = signal.Signals(signum).name
     STATE.unfinished = {t.trial_id for t in STATE.trials if t.status in LIVE_STATES}
+    STATE.known = {t.trial_id for t in STATE.trials}
     print(f"\nvidtune search: {STATE.signal_name} received; stopping after saving the search's state "
           "(press Ctrl-C again to stop at once)", flush=True)
     if hasattr(signal, "SIGUSR1"):
@@ -146,8 +154,9 @@ def before_trials(search_path: str, *, resume: bool) -> SearchInterrupted:
 
 
 def trial_unfinished(trial_id: str) -> bool:
-    """The trial was pending or running when the search was interrupted."""
-    return STATE.interrupted and trial_id in STATE.unfinished
+    """The trial was pending or running when the search was interrupted, or Tune made it after
+    (the step under way when the signal came goes on: a first trial can be added then)."""
+    return STATE.interrupted and (trial_id in STATE.unfinished or trial_id not in STATE.known)
 
 
 class InterruptWatch(Callback):
@@ -155,7 +164,7 @@ class InterruptWatch(Callback):
     that were still unfinished."""
 
     def on_step_begin(self, iteration: int, trials: list[Trial], **info: Any) -> None:
-        STATE.trials = trials
+        STATE.trials, STATE.stepped = trials, True
 
 
 def one_line(error: BaseException, limit: int = 300) -> str:
