@@ -133,3 +133,61 @@ def test_ctrl_c_while_ray_starts_leaves_no_ray_process(synthetic_root, tmp_path)
     _said_once(out, "interrupted before the search's first trial; nothing was kept")
     assert not (storage / "s").exists()
     assert not _left_behind(mark)
+
+
+# -- the signal handler's phases, in this process (no search) ----------------------------------
+
+@pytest.fixture
+def tune_listening():
+    """`faults.install()` as before `Tuner.fit()`, then a stand-in for Tune's SIGUSR1 handler
+    (its graceful stop) once Tune listens; what it received, in a list. Handlers put back after."""
+    from vidtune.tune import faults
+
+    asked: list[int] = []
+    faults.install()
+    try:
+        yield faults, lambda: signal.signal(signal.SIGUSR1, lambda signum, _: asked.append(signum)), asked
+    finally:
+        faults.uninstall()
+
+
+def test_ctrl_c_in_tunes_setup_is_one_before_the_first_trial(tune_listening):
+    faults, _, _ = tune_listening
+    with pytest.raises(KeyboardInterrupt):     # Tune not listening yet: no graceful stop to ask for
+        faults._on_signal(signal.SIGINT, None)
+    assert not faults.STATE.tuner_started and not faults.STATE.interrupted
+    with pytest.raises(KeyboardInterrupt):     # and no summary of a Tuner that never ran
+        faults.tune_ended()
+
+
+def test_a_trial_tune_adds_while_it_stops_is_unfinished(tune_listening):
+    faults, listen, asked = tune_listening
+    listen()
+    done = type("T", (), {"trial_id": "a", "status": "TERMINATED"})()
+    faults.InterruptWatch().on_step_begin(0, [done])
+    faults._on_signal(signal.SIGINT, None)
+    assert asked == [signal.SIGUSR1]
+    assert not faults.trial_unfinished("a") and faults.trial_unfinished("b")
+
+
+def test_ctrl_c_after_the_last_trial_finishes_the_summary_then_exits_130(tune_listening, capsys):
+    faults, listen, asked = tune_listening
+    listen()
+    faults.InterruptWatch().on_step_begin(0, [])
+    faults.tune_ended()
+    faults._on_signal(signal.SIGINT, None)     # remembered; the summary goes on
+    assert not asked and not faults.STATE.interrupted and faults.late_exit_code(0) == 130
+    assert "finishing the summary" in capsys.readouterr().out
+    with pytest.raises(KeyboardInterrupt):     # a second one stops at once
+        faults._on_signal(signal.SIGINT, None)
+
+
+def test_before_trials_frees_a_new_searchs_name_and_keeps_a_resumed_one(tmp_path):
+    from vidtune.tune import faults
+
+    new, resumed = tmp_path / "new", tmp_path / "resumed"
+    for folder in (new, resumed):
+        (folder / "ray").mkdir(parents=True)
+    assert "run the same command again" in str(faults.before_trials(str(new), resume=False))
+    assert "--resume" in str(faults.before_trials(str(resumed), resume=True))
+    assert not new.exists() and (resumed / "ray").is_dir()
