@@ -15,6 +15,7 @@ search made, and both must see the same record.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -148,9 +149,22 @@ def before_trials(search_path: str, *, resume: bool) -> SearchInterrupted:
         return SearchInterrupted(f"interrupted before the resumed search's first trial; {search_path} is "
                                  "as it was: continue it with --resume (resume=True from Python)")
     if "://" not in search_path:
+        _drop_log_handlers(search_path)
         shutil.rmtree(search_path, ignore_errors=True)
     return SearchInterrupted(f"interrupted before the search's first trial; nothing was kept ({search_path} "
                              "removed): run the same command again to start it")
+
+
+def _drop_log_handlers(folder: str) -> None:
+    """Close the root logger's files under `folder` (the search's log), which would be opened
+    again by the next record (a warning at exit) once the folder is gone; records go nowhere then,
+    not to the console."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):
+            root.removeHandler(handler)
+            handler.close()
+            root.addHandler(logging.NullHandler())
 
 
 def trial_unfinished(trial_id: str) -> bool:
