@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -117,6 +118,7 @@ class _Worker:
     conn: connection.Connection
     task: int | None = None
     deadline: float = 0.0
+    stderr: Any = None              # what it printed while starting (a temporary file)
 
 
 def _worker_main(conn: connection.Connection, fn: Callable) -> None:
@@ -157,20 +159,19 @@ def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int
         # Workers start in parallel (~0.5 s each to spawn); the first message says it is ready.
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child, fn), daemon=True)
-        # Born with its stderr on /dev/null (as `_worker_main` sets it): Ctrl-C reaches the whole
+        # Born with its stderr in a file, read only if it fails to start: Ctrl-C reaches the whole
         # process group, and a worker still starting would print Python's fatal error or a
         # traceback; this process stops on it and ends the workers (a spawned child's signal mask
         # and handlers are reset at its exec, so stderr is what can be set before it starts).
-        devnull, stderr = os.open(os.devnull, os.O_WRONLY), os.dup(2)
-        os.dup2(devnull, 2)
+        log, stderr = tempfile.TemporaryFile(), os.dup(2)
+        os.dup2(log.fileno(), 2)
         try:
             proc.start()
         finally:
             os.dup2(stderr, 2)
             os.close(stderr)
-            os.close(devnull)
         child.close()
-        pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S))
+        pool.append(_Worker(proc, parent, task=-1, deadline=time.monotonic() + _START_TIMEOUT_S, stderr=log))
 
     def assign(w: _Worker) -> None:
         w.task = pending.popleft() if pending else None
@@ -184,8 +185,11 @@ def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int
         w.conn.close()
         pool.remove(w)
         if w.task == -1:
+            w.stderr.seek(0)
+            said = w.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
             raise RuntimeError(f"a probe worker process did not start ({outcome[0]}, exit code "
-                               f"{w.proc.exitcode})")
+                               f"{w.proc.exitcode}{': ' + said[0] if said else ''})")
+        w.stderr.close()
         results[w.task] = outcome
         if on_done:
             on_done(w.task)
@@ -207,7 +211,9 @@ def run_pool(fn: Callable, tasks: list[tuple], *, timeout_s: float, workers: int
                         w.proc.join(5)
                         retire(w, ("crashed", w.proc.exitcode))
                         continue
-                    if message != "ready":
+                    if message == "ready":   # its stderr is /dev/null from here (_worker_main)
+                        w.stderr.close()
+                    else:
                         results[w.task] = message[1]
                         if on_done:
                             on_done(w.task)
