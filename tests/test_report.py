@@ -273,7 +273,7 @@ def test_write_csv_rounds_and_names_the_best_epoch(tmp_path):
     oom = next(r for r in read if r["status"] == "OOM")
     assert oom["best_epoch"] == "nan" and math.isnan(float(oom["speed_clips_per_s"]))
     assert "best_epoch" in tables.__doc__ and \
-        "best_val_acc, best_val_f1 and the checkpoint are from this epoch" in " ".join(tables.__doc__.split())
+        "best_val_acc, best_val_f1 and the checkpoint are from it" in " ".join(tables.__doc__.split())
     with pytest.raises(ValueError, match="objective"):
         tables.write_csv([], tmp_path / "x.csv", objective="speed")
 
