@@ -274,7 +274,17 @@ def shared_ray_settles(request):
     """After each test that used the session's Ray, the next one finds every CPU free: a test
     that failed in this process (`ray_session`) has its connection renewed, which ends the actors
     it left (a search interrupted by a timeout keeps training otherwise, slowing every later
-    test); then the holder waits until the Ray is idle, and names and clears what is not."""
+    test); then the holder waits until the Ray is idle, and names and clears what is not. Before a
+    test that uses this process's connection (`ray_session`), a connection an earlier test of this
+    process closed is opened again, and that is said (with the test before it) at the end of the run."""
+    if "ray_session" in request.fixturenames:
+        import ray
+
+        from vidtune.trainer.launch import init_ray
+
+        if not ray.is_initialized():
+            _NOTES.append(f"the session's Ray connection was closed before {request.node.nodeid}; reopened")
+            init_ray(address=request.getfixturevalue("shared_ray"))
     yield
     if _SHARED_RAY_HOLDER is None or "shared_ray" not in request.fixturenames:
         return
