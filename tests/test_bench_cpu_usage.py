@@ -40,19 +40,25 @@ def test_a_process_keeps_its_first_ray_kind(title, previous, expected):
 BUSY = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\n"
 
 
-def test_sampler_counts_the_processes_started_inside_it_and_their_cpu():
+def test_sampler_counts_the_processes_started_inside_it_and_their_cpu(tmp_path):
+    # Both processes are scripts of one name, a kind of their own: the sampler counts the machine's
+    # processes, and another test process (pytest-xdist's other worker) starts `python -c` ones.
+    (tmp_path / "before").mkdir()
+    (tmp_path / "inside").mkdir()
+    (tmp_path / "before" / "sampled_marker.py").write_text("import time\ntime.sleep(3)\n")
+    (tmp_path / "inside" / "sampled_marker.py").write_text(BUSY)
     # started before: not counted
-    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    before = subprocess.Popen([sys.executable, str(tmp_path / "before" / "sampled_marker.py")])
     try:
         with CpuSampler(interval_s=0.05) as sampler:
-            subprocess.run([sys.executable, "-u", "-c", BUSY, "busy-marker"], check=True)
+            subprocess.run([sys.executable, "-u", str(tmp_path / "inside" / "sampled_marker.py")], check=True)
     finally:
         before.kill()
     usage = sampler.usage
-    n, cpu = usage.by_kind["python -c"]
+    n, cpu = usage.by_kind["sampled_marker.py"]
     assert n == 1 and cpu >= 0.4          # the busy child: one process, its ~0.6 s of CPU (last sample)
     assert usage.machine_busy_s >= cpu - 0.05
-    assert usage.to_dict()["by_kind"]["python -c"]["processes"] == 1
+    assert usage.to_dict()["by_kind"]["sampled_marker.py"]["processes"] == 1
 
 
 def test_within_counts_the_steps_inside_the_windows_in_proportion():
