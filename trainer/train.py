@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vidtune.config_file import CONFIG_SUFFIXES, ConfigFile, read_config_file
@@ -103,12 +103,12 @@ def describe(loaded: ConfigFile) -> str:
     return f"config: {loaded.file} ({what})"
 
 
-def _merged(specs: Sequence[FlagSpec], args: argparse.Namespace, loaded: ConfigFile | None) -> dict[str, Any]:
-    """{path: value} of `specs`: the `--config` file's, then the flags given (the flags' dests are
-    the fields' paths; flags not given are absent from `args`)."""
+def merged(specs: Sequence[FlagSpec], given: Mapping[str, Any], loaded: ConfigFile | None) -> dict[str, Any]:
+    """{path: value} of `specs`: the `--config` file's, then those `given` ({dotted path: value}:
+    the flags set, whose dests are the fields' paths, or `vidtune.train`'s keywords)."""
     paths = {s.path for s in specs}
     values = {k: v for k, v in loaded.values.items() if k in paths} if loaded else {}
-    values.update({k: v for k, v in vars(args).items() if k in paths})
+    values.update({k: v for k, v in given.items() if k in paths})
     return values
 
 
@@ -117,12 +117,12 @@ def config_from_args(args: argparse.Namespace, loaded: ConfigFile | None = None)
     given), then the flags given."""
     if loaded is None and getattr(args, "config", None):
         loaded = load_config_file(args.config)
-    return build(TrainConfig, _merged(TRAIN_FLAGS, args, loaded))
+    return build(TrainConfig, merged(TRAIN_FLAGS, vars(args), loaded))
 
 
 def run_options(args: argparse.Namespace, loaded: ConfigFile | None = None) -> RunOptions:
     """The RunOptions of the defaults, then the `--config` file, then the flags given."""
-    return build(RunOptions, _merged(RUN_FLAGS, args, loaded))
+    return build(RunOptions, merged(RUN_FLAGS, vars(args), loaded))
 
 
 def check_inputs(cfg: TrainConfig, where: RunOptions) -> VideoIndex:

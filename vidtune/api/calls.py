@@ -111,11 +111,8 @@ def train(data: str | os.PathLike[str] | None = None, model: str | Callable[...,
         loaded = train_cli.load_config_file(os.fspath(config)) if config is not None else None
         if loaded:
             print(train_cli.describe(loaded), flush=True)
-        values = {**(loaded.values if loaded else {}), **given}
-        cfg = train_cli.build(train_cli.TrainConfig, {k: v for k, v in values.items()
-                                                      if k in {s.path for s in train_cli.TRAIN_FLAGS}})
-        where = train_cli.build(train_cli.RunOptions, {k: v for k, v in values.items()
-                                                       if k in {s.path for s in train_cli.RUN_FLAGS}})
+        cfg = train_cli.build(train_cli.TrainConfig, train_cli.merged(train_cli.TRAIN_FLAGS, given, loaded))
+        where = train_cli.build(train_cli.RunOptions, train_cli.merged(train_cli.RUN_FLAGS, given, loaded))
         try:
             index = train_cli.check_inputs(cfg, where)
         except ConfigError as e:
