@@ -34,6 +34,18 @@ def _trial(trial_id: str, last: dict) -> SimpleNamespace:
     return SimpleNamespace(trial_id=trial_id, config={"batch_size": 4, "lr": 1e-3}, last_result=last)
 
 
+def _tracked(uri: str, experiment: str, reports: list[dict]) -> tuple[MLflowTracker, SimpleNamespace]:
+    """A tracker that saw trial "a" start, report each of `reports` and complete."""
+    t = _tracker(uri, experiment)
+    t.setup()
+    trial = _trial("a", reports[-1])
+    t.on_trial_start(0, [], trial)
+    for r in reports:
+        t.on_trial_result(0, [], trial, r)
+    t.on_trial_complete(0, [], trial)
+    return t, trial
+
+
 def _report(epoch: int, val_acc: float, clips_per_s: float, **kw) -> dict:
     return {"epoch": epoch, "val_acc": val_acc, "val_f1": val_acc - 0.1, "clips_per_s": clips_per_s,
             "epoch_time_s": 8.0 / clips_per_s if clips_per_s else 0.0, "oom": 0, "diverged": 0,
@@ -59,13 +71,7 @@ def _in_csv(row: TrialResult) -> dict[str, float]:
 def test_the_summary_logged_when_a_trial_ends_and_after_reconcile_equals_its_row(uri):
     # epochs 2 and 3 tie on val_acc: the later is the best; the speed is the median of epochs 2..
     reports = [_report(1, 0.50, 4.0), _report(2, 0.75, 10.0), _report(3, 0.75, 12.0)]
-    t = _tracker(uri, "summary")
-    t.setup()
-    trial = _trial("a", reports[-1])
-    t.on_trial_start(0, [], trial)
-    for r in reports:
-        t.on_trial_result(0, [], trial, r)
-    t.on_trial_complete(0, [], trial)
+    t, trial = _tracked(uri, "summary", reports)
 
     row = row_from_result(_tune_result(reports), trial_id="a", epochs=3, finished=True, name="a")
     assert summary_metrics(row, VAL_CLIPS)["best_epoch"] == 3 and row.clips_per_s == 11.0
@@ -124,13 +130,7 @@ def test_speeds_are_logged_to_the_decimals_trials_csv_shows(uri):
     logged to 2 decimals, trials.csv's number, not 46.83094586854091."""
     speed = 46.83094586854091
     reports = [_report(1, 0.50, speed), _report(2, 0.75, speed, compute_clips_per_s=51.234567)]
-    t = _tracker(uri, "rounded")
-    t.setup()
-    trial = _trial("a", reports[-1])
-    t.on_trial_start(0, [], trial)
-    for r in reports:
-        t.on_trial_result(0, [], trial, r)
-    t.on_trial_complete(0, [], trial)
+    t, trial = _tracked(uri, "rounded", reports)
     row = row_from_result(_tune_result(reports), trial_id="a", epochs=2, finished=True, name="a")
     t.log_summary(best=row)
     c = MlflowClient(uri)
