@@ -4,7 +4,7 @@ A search runs, beside each training, Ray's daemons, Train's controller and helpe
 the search's own driver; each wakes up now and then for a few milliseconds (polls, heartbeats,
 metrics). bench/search_overhead.py shows how many cores they take while epochs run. This script
 shows what such a load costs: the same training steps of a model (random clips, the project's
-`trainer.loop.train_one_epoch`, no data loading) timed alone and beside background processes
+`trainer.training.loop.train_one_epoch`, no data loading) timed alone and beside background processes
 that each spin `--burst-ms` out of every `--period-ms` (together `--noise-cores` cores), at each
 torch thread count of `--threads`. Rounds interleave the cases; the table gives medians.
 
@@ -38,7 +38,7 @@ NOISE = ("import sys, time\n"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="model from trainer/models.py (default tiny)")
+    p.add_argument("--model", default="tiny", help="model from trainer/models/registry.py (default tiny)")
     p.add_argument("--batch-size", type=int, default=8, help="clips per step (default 8)")
     p.add_argument("--steps", type=int, default=30, help="training steps per timing (default 30)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every case (default 3)")
@@ -106,9 +106,9 @@ class Training:
         import torch  # heavy (seconds): --help and argument errors answer without torch
 
         from vidtune.datasets.transforms import ClipTransform  # imports torch: as above
-        from vidtune.trainer.loop import make_optimizer, make_scheduler  # imports torch: as above
-        from vidtune.trainer.models import build_model, get_spec  # imports torch: as above
-        from vidtune.trainer.precision import choose_precision  # imports torch: as above
+        from vidtune.trainer.models.registry import build_model, get_spec  # imports torch: as above
+        from vidtune.trainer.training.loop import make_optimizer, make_scheduler  # imports torch: as above
+        from vidtune.trainer.training.precision import choose_precision  # imports torch: as above
 
         spec = get_spec(model)
         g = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ class Training:
 
     def epoch(self) -> tuple[float, float]:
         """(wall s, this process's CPU s) of one pass over the clips."""
-        from vidtune.trainer.loop import train_one_epoch  # imports torch (see Training.__init__)
+        from vidtune.trainer.training.loop import train_one_epoch  # imports torch (see Training.__init__)
 
         wall, cpu = time.perf_counter(), time.process_time()
         train_one_epoch(self.model, self.batches, transform=self.transform, optimizer=self.optimizer,

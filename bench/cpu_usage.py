@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from bench.common import merge_intervals
-from vidtune.trainer.utilization import machine_busy_s
+from vidtune.trainer.training.utilization import machine_busy_s
 
 
 def kind(title: str) -> str:

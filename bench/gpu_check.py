@@ -24,7 +24,7 @@ says. It needs a CUDA device and refuses without one (exit 2).
      every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0;
   7. the search's device lease record (device_lease.json): every trial waited for its GPU without
      a CUDA context there and gave it back having freed its memory (`check_hand_over`);
-  8. one epoch of mvit_v2_s as a worker trains it (trainer.run) with --compile and
+  8. one epoch of mvit_v2_s as a worker trains it (trainer.training.run) with --compile and
      --channels-last: Inductor lowers its attention matmuls, where a TF32 setting once crashed it;
   9. the batch probe against a known answer: in a slice of the GPU's memory (--probe-share), the
      size it finds fits, measured alone from a clean allocator, and one more clip does not;

@@ -137,7 +137,7 @@ def check_positive(runs: list[TrialRun], metric: str, unit: str) -> str:
 
 
 def check_worker_settings(runs: list[TrialRun], capability: tuple[int, int] | None) -> str:
-    """What every trial's workers reported they trained with (`trainer.settings`, tags on its run):
+    """What every trial's workers reported they trained with (`trainer.training.settings`, tags on its run):
     the precision `auto` must become on this GPU (bf16 from sm 8.0, fp16 with its scaler below),
     TF32 and cudnn.benchmark on, and the device, its capability, CUDA, driver and torch named.
     `capability`: this GPU's (the search's trials ran on it); None: not compared."""

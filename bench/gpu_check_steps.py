@@ -32,10 +32,10 @@ from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
 from vidtune.datasets.synthetic import generate
-from vidtune.trainer.batch_probe import make_step_trial, probe_batch_size
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.models import get_spec
-from vidtune.trainer.precision import (
+from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.training.batch_probe import make_step_trial, probe_batch_size
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.precision import (
     choose_precision,
     configure_backends,
     default_device,
@@ -43,7 +43,7 @@ from vidtune.trainer.precision import (
     peak_reserved_mb,
     reset_peak_memory,
 )
-from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
+from vidtune.trainer.training.run import TRAINED, build_run, place_model, run_epoch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mvit_v2_s"
@@ -104,7 +104,7 @@ class GpuCheck:
         self.args, self.work, self.figures = args, work, {}
         self.device = default_device()          # the first GPU (main refused to run without one)
         self.runs: list[TrialRun] = []
-        self.lease_record: list[list[dict]] = []   # the search's device_lease.json (trainer.lease)
+        self.lease_record: list[list[dict]] = []   # the search's device_lease.json (trainer.cluster.lease)
         self._videos: Path | None = None
 
     def precision_table(self) -> str:
@@ -219,7 +219,7 @@ class GpuCheck:
                          f"clips/s (train + val), peak {r['peak_reserved_mib']:.0f} MiB" for r in rows)
 
     def compiled_epoch(self) -> str:
-        """One epoch of MODEL trained as a Train worker trains it (`trainer.run`: build_run,
+        """One epoch of MODEL trained as a Train worker trains it (`trainer.training.run`: build_run,
         place_model, run_epoch) with --compile and --channels-last, at batch 8."""
         data = DataConfig(root=str(self.videos()), loader_workers=4, cache_dir=str(self.work / "index"),
                           clip_cache_dir=str(self.work / "clips-compiled"))

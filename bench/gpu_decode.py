@@ -34,9 +34,9 @@ from vidtune.datasets.index import build_index
 from vidtune.datasets.synthetic import generate
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.datasets.video import VideoClipDataset, clips_to_device, collate_clips
-from vidtune.trainer import precision
-from vidtune.trainer.loop import make_optimizer, train_one_epoch
-from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training import precision
+from vidtune.trainer.training.loop import make_optimizer, train_one_epoch
 
 # Mean |GPU - CPU| over one frame, in 8-bit levels. torchvision's own test of nvJPEG against its
 # CPU decoder (test_image.py, test_decode_jpeg_cuda) allows a mean below 2: the two decoders'

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from vidtune.trainer import precision as prec
+from vidtune.trainer.training import precision as prec
 
 # Peak dense (no sparsity) tensor-core TFLOP/s from NVIDIA's datasheets, per autocast precision;
 # "tf32" is what fp32 rows use (TF32 on), "fp32" the plain CUDA-core rate. Matched as a substring

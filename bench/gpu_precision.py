@@ -1,7 +1,7 @@
 """Training speed, memory, data wait and MFU of one model on one GPU: precision x cudnn.benchmark
 x batch size, from synthetic batches and from real clips (decord per item, or a warm frame cache).
 
-Runs the project's own training loop (`trainer.loop.train_one_epoch`: uint8 clips copied to the
+Runs the project's own training loop (`trainer.training.loop.train_one_epoch`: uint8 clips copied to the
 GPU, `ClipTransform` there, autocast, GradScaler for fp16, fused AdamW, clipping) with random
 weights (no download), a few warm-up steps (cuDNN autotuning happens there), then timed steps:
   - synthetic rows: one pinned batch repeated (no data loading): fp32 / fp16 / bf16 with
@@ -51,16 +51,16 @@ from vidtune.datasets.index import build_index
 from vidtune.datasets.synthetic import generate
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.datasets.video import VideoClipDataset, build_loader
-from vidtune.trainer import precision as prec
-from vidtune.trainer.loop import make_optimizer, train_one_epoch
-from vidtune.trainer.models import (
+from vidtune.trainer.models.registry import (
     MODEL_NAMES,
     build_model,
     get_spec,
     prepare_input_transform,
     prepare_model_memory_format,
 )
-from vidtune.trainer.precision import is_out_of_memory
+from vidtune.trainer.training import precision as prec
+from vidtune.trainer.training.loop import make_optimizer, train_one_epoch
+from vidtune.trainer.training.precision import is_out_of_memory
 
 # --max-seconds counts from the process's start: Python's start and torch's import are part of the run.
 STARTED = psutil.Process().create_time()
@@ -200,7 +200,8 @@ def batches(row: Row, spec: Any, device: torch.device, corpus: Corpus | None, wo
     extra = {}
     if row.source.startswith("cache-"):
         cache = corpus.caches[row.source.removeprefix("cache-")]
-        extra = dict(cache=cache, encoded=cache.format == "jpeg" and on_cuda)   # as trainer/worker.py decides
+        extra = dict(cache=cache, encoded=cache.format == "jpeg" and on_cuda)   # as
+        # trainer/cluster/worker.py decides
     repeats = math.ceil(clips_needed / len(corpus.videos)) + 1   # one pass, no epoch boundary in the timing
     dataset = VideoClipDataset(corpus.videos * repeats, num_frames=spec.num_frames, frame_stride=2,
                                height=spec.height, width=spec.width, train=True, seed=0, **extra)

@@ -22,10 +22,10 @@ from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.datasets.synthetic import generate
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.datasets.video import VideoClipDataset, build_loader
-from vidtune.trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
-from vidtune.trainer.metrics import classification_metrics
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.precision import choose_precision
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.training.metrics import classification_metrics
+from vidtune.trainer.training.precision import choose_precision
 
 EPOCHS = 8
 BATCH_SIZE = 8
@@ -61,7 +61,7 @@ def fit_tiny(train_videos: Sequence, val_videos: Sequence, *, device: torch.devi
              epochs: int = EPOCHS, loader_workers: int = 1, model: str = "tiny", lr: float = LR) -> Curve:
     """Train `model` (any registry name, `hf:FOLDER` too) at `lr` from a fixed seed for `epochs`
     on `train_videos` (index entries) and score `val_videos` after each epoch, at `precision`
-    (`trainer.precision.choose_precision`) on `device`. `cache`: the clip cache as a search uses
+    (`trainer.training.precision.choose_precision`) on `device`. `cache`: the clip cache as a search uses
     it (its first epoch decodes each video once; later epochs read the stored JPEG frames)."""
     torch.manual_seed(seed)
     device = torch.device(device)

@@ -1,5 +1,5 @@
 """bench.search_overhead's plain side: the trials a search drew, trained one after another in one
-process by the project's own loop (`trainer.run`, as a trial's worker builds it), without Ray,
+process by the project's own loop (`trainer.training.run`, as a trial's worker builds it), without Ray,
 Tune or MLflow, timed as the search's trials are. Run as `python -m bench.search_overhead
 --plain-spec FILE` (its process title is what the CPU table counts as the plain side's training)."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from vidtune.datasets.index import VideoIndex, build_index
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.metrics import reduce_epoch
-from vidtune.trainer.precision import default_device, is_cuda
-from vidtune.trainer.run import (
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.metrics import reduce_epoch
+from vidtune.trainer.training.precision import default_device, is_cuda
+from vidtune.trainer.training.run import (
     TRAINED,
     Run,
     build_run,
@@ -26,10 +26,10 @@ from vidtune.trainer.run import (
     run_epoch,
     save_run_checkpoint,
 )
-from vidtune.tune import searched
-from vidtune.tune.options import base_config, parse_options
+from vidtune.tune.config import searched
+from vidtune.tune.config.options import base_config, parse_options
 from vidtune.tune.runner import fill_clip_cache
-from vidtune.tune.trial import trial_config
+from vidtune.tune.running.trial import trial_config
 
 
 def plain_process(spec_path: str) -> int:
@@ -55,7 +55,7 @@ def plain_process(spec_path: str) -> int:
 
 
 def _plain_trial(cfg: TrainConfig, index: VideoIndex, device: torch.device, checkpoints: str) -> dict:
-    """One training built and run as a trial's worker does (`trainer.run`), without Ray; like a
+    """One training built and run as a trial's worker does (`trainer.training.run`), without Ray; like a
     trial, it ends at an epoch that diverged or ran out of memory."""
     start = time.time()
     run = build_run(cfg, index, device=device)

@@ -4,8 +4,8 @@ The same N trainings run twice on this machine, one after the other:
   - search: `vidtune search` as a subprocess (Tune + Optuna + Train + MLflow into a
     temporary sqlite store and --storage), --no-early-stop, one batch size, --num-samples N;
   - plain: one Python process (also a subprocess, so both pay Python start and imports) running
-    the project's own loop (`trainer.loop.train_one_epoch` / `evaluate`, data, model, optimiser
-    and a checkpoint per epoch built as `trainer/worker.py` builds them) for the same trials
+    the project's own loop (`trainer.training.loop.train_one_epoch` / `evaluate`, data, model, optimiser
+    and a checkpoint per epoch built as `trainer/cluster/worker.py` builds them) for the same trials
     (batch size and the learning rates the search drew), one after another.
 Both read a generated dataset (or --data) and start with an empty frame cache of their own (or
 both decode with decord: --no-cache). The table splits each wall time into training epochs
@@ -52,8 +52,8 @@ from bench.overhead_timeline import (
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
 from vidtune.datasets.synthetic import generate
-from vidtune.tune import layout
-from vidtune.tune.options import build_parser as search_parser
+from vidtune.tune.config import layout
+from vidtune.tune.config.options import build_parser as search_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def cache_setup(no_cache: bool, tmp: Path) -> tuple[list[str], list[str], str]:
 
 def search_trial_threads() -> int:
     """Torch threads a search trial trains with on the CPU: all the node's cores, since the device
-    lease (trainer/lease.py) lets one training at a time use the node's CPU."""
+    lease (trainer/cluster/lease.py) lets one training at a time use the node's CPU."""
     return os.cpu_count() or 1
 
 
@@ -229,7 +229,7 @@ def run_search(argv: list[str], tmp: Path, args: argparse.Namespace) -> dict:
     env["XDG_CACHE_HOME"] = str(tmp / "xdg-search")
     run = run_logged([sys.executable, str(REPO_ROOT / "tune" / "search.py"), *argv], env=env, cwd=tmp,
                      timeout_s=args.timeout_s, verbose=args.verbose, log_path=tmp / "search.log")
-    # Tune's trial folders are in the search folder's state subfolder (tune.layout), not at its top
+    # Tune's trial folders are in the search folder's state subfolder (tune.config.layout), not at its top
     experiment = Path(layout.state_path(str(tmp / "results" / EXPERIMENT)))
     trials = read_search_trials(experiment) if experiment.is_dir() else []
     if run["returncode"] != 0 or not any(t["results"] for t in trials):

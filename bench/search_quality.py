@@ -10,7 +10,7 @@
     python -m bench.search_quality replay t.json --quick                     # 2 replay seeds
 
 `record` trains the grid with the project's own loop outside Ray (`bench.sq_record`); `replay`
-drives the searcher and scheduler `tune/space.py` builds against that table with a simulated
+drives the searcher and scheduler `tune/study/space.py` builds against that table with a simulated
 clock (`bench.sq_replay`), one strategy per line (`bench.sq_strategies`), and prints, per table,
 the device time to come within 1 point of the best (`bench.sq_report`), then the default's
 worst table; `choose` ranks the candidates by leave-one-table-out (`bench.sq_choose`).

@@ -1,5 +1,5 @@
 """Record a learning-curve table: a grid of trainings (batch size x learning rate x seed), every
-epoch scored, with the project's own run builder (`trainer.run`) outside Ray.
+epoch scored, with the project's own run builder (`trainer.training.run`) outside Ray.
 
 The table (JSON, written atomically after every run, so a killed record continues where it
 stopped) holds per run and epoch `val_acc`, `val_loss`, `train_s` (the training pass), `eval_s`
@@ -30,10 +30,10 @@ from bench.common import machine_facts
 from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex, build_index
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.metrics import reduce_epoch
-from vidtune.trainer.models import get_spec
-from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
+from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.metrics import reduce_epoch
+from vidtune.trainer.training.run import TRAINED, build_run, place_model, run_epoch
 
 TABLE_FORMAT = 1
 
@@ -72,7 +72,7 @@ Trainer = Callable[[TrainConfig, VideoIndex], Iterator[dict[str, float]]]
 
 
 def train_run(cfg: TrainConfig, index: VideoIndex) -> Iterator[dict[str, float]]:
-    """One training run on the CPU with `trainer.run`: its build time first (`{"start_s": s}`),
+    """One training run on the CPU with `trainer.training.run`: its build time first (`{"start_s": s}`),
     then one row per epoch; stops early when an epoch diverges or runs out of memory."""
     started = time.perf_counter()
     run = build_run(cfg, index, device=torch.device("cpu"))

@@ -1,6 +1,6 @@
 """Replay a search against a learning-curve table: a discrete-event simulation with a simulated clock.
 
-The searcher and scheduler are the real objects (`tune.space.build_searcher` / `build_scheduler`,
+The searcher and scheduler are the real objects (`tune.study.space.build_searcher` / `build_scheduler`,
 or a baseline's), called as Ray 2.60's `TuneController` calls them
 (ray/tune/execution/tune_controller.py `_process_trial_result`, `stop_trial`):
 
@@ -9,12 +9,12 @@ or a baseline's), called as Ray 2.60's `TuneController` calls them
 - each epoch's result goes to `scheduler.on_trial_result`; on CONTINUE the searcher gets
   `on_trial_result` too; on STOP (ASHA's verdict, or its max_t) or after the last epoch, the
   scheduler gets `on_trial_complete` and the searcher `on_trial_complete` with that result, its
-  val_acc the best of the trial's epochs (as `tune.space.whole_history_result` tells Optuna).
+  val_acc the best of the trial's epochs (as `tune.study.space.whole_history_result` tells Optuna).
 
 A trial's epoch takes the table's seconds (train + eval) and each trial pays `start_cost_s` once,
 before its first epoch. The clock is the wall time of a machine that runs `concurrency` trials
 at once (with 1, device time). What the search would pick at each moment is its best observed
-trial (highest val_acc at any epoch so far, as `tune.results.best_trial`), judged by that
+trial (highest val_acc at any epoch so far, as `tune.outputs.results.best_trial`), judged by that
 configuration's seed-mean final val_acc in the table.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def replay(table: Table, searcher: Searcher, scheduler: TrialScheduler | None, *
         if decision == TrialScheduler.STOP or epoch == table.epochs:
             if scheduler is not None:
                 scheduler.on_trial_complete(None, trial, result)
-            # the searcher is told the trial's best epoch, as tune.space.whole_history_result does
+            # the searcher is told the trial's best epoch, as tune.study.space.whole_history_result does
             searcher.on_trial_complete(trial_id, result={**result, "val_acc": max(trial.best_acc, acc)})
             trial.ended_s = clock
             del running[trial_id]

@@ -6,7 +6,7 @@ knob or a few. The
 baselines: `grid` (every configuration once, shuffled), `random` (Optuna's RandomSampler through
 the same `VidtuneOptunaSearch`, twice as many trials as the grid has configurations, so that the
 count never ends it within the grid's time) and `random+asha` (the same with the
-ASHA `tune.space.build_scheduler` builds with grace 1, reduction factor 2, one bracket, whatever
+ASHA `tune.study.space.build_scheduler` builds with grace 1, reduction factor 2, one bracket, whatever
 the defaults are: `BASELINE_ASHA`).
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ray.tune.search.bohb import TuneBOHB
 
 from bench.sq_replay import GridSearcher, Trace, replay
 from bench.sq_table import Table
-from vidtune.tune.options import SearchOptions
-from vidtune.tune.space import (
+from vidtune.tune.config.options import SearchOptions
+from vidtune.tune.study.space import (
     VidtuneOptunaSearch,
     build_scheduler,
     build_searcher,
@@ -42,7 +42,7 @@ class Strategy:
     asha: bool = True                                        # random: with build_scheduler's ASHA
 
 
-# The defaults before issue 17's benchmark (tune/options.py until issue 17).
+# The defaults before issue 17's benchmark (tune/config/options.py until issue 17).
 BEFORE = {"num_samples": 4, "grace_period": 1, "reduction_factor": 2, "tpe": "univariate",
           "random_start_trials": None, "space.lr_scaling": "none", "asha_brackets": 1, "sampler": "tpe"}
 # random + ASHA's scheduler, fixed (not the defaults' ASHA, which the baseline would follow).
@@ -54,7 +54,7 @@ ISSUE17 = {**BEFORE, "num_samples": 12, "tpe": "multivariate"}
 def _pinned(changes: dict[str, Any]) -> dict[str, Any]:
     """`changes` with the random start written out as the rule in force when these candidates were
     defined, min(10, max(2, n/2)), where they leave it to the default: the shipped cap is now
-    tune.options.RANDOM_START_CAP, and a candidate must mean the same thing in every replay."""
+    tune.config.options.RANDOM_START_CAP, and a candidate must mean the same thing in every replay."""
     if "random_start_trials" in changes and changes["random_start_trials"] is None:
         n = changes.get("num_samples", SearchOptions().num_samples)
         changes = {**changes, "random_start_trials": min(10, max(2, n // 2))}
@@ -232,6 +232,6 @@ def run_strategy(table: Table, strategy: Strategy, seed: int, *, concurrency: in
         searcher.set_search_properties(OBJECTIVE.metric, OBJECTIVE.mode, param_space(opts))
     if scheduler is not None:
         scheduler.set_search_properties(OBJECTIVE.metric, OBJECTIVE.mode)
-    # With --lr-scaling the searcher itself hands out the lr a trial trains with (tune.space).
+    # With --lr-scaling the searcher itself hands out the lr a trial trains with (tune.study.space).
     return replay(table, searcher, scheduler, num_samples=n, concurrency=concurrency, table_seed=table_seed,
                   start_cost_s=start_cost_s)

@@ -1,7 +1,7 @@
 """A recorded learning-curve table (`bench.sq_record`), read for replay: curves by (batch size,
 lr, seed), interpolated in log-lr between the grid's learning rates.
 
-The replay's space is the product's (`tune.space.param_space`: batch size a choice among the
+The replay's space is the product's (`tune.study.space.param_space`: batch size a choice among the
 table's, lr log-uniform between the table's smallest and largest): a drawn lr gets, epoch by
 epoch, the val_acc and seconds interpolated linearly in log(lr) between the two grid points
 around it (same batch size and seed). An lr outside the grid (a scaled one) takes the nearest

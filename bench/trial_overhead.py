@@ -8,7 +8,7 @@ Measures, with N repetitions each:
     vidtune trial does: Tuner.fit total, start of the trial function, `trainer.fit()` to the first
     line of the worker function (controller, worker actors, process group), last line of the
     worker function to `fit()` returning (mostly Train's health-check poll), `fit()` total;
-    once with Ray's own `TorchTrainer` and once with vidtune's (`trainer.torch_trainer`, which
+    once with Ray's own `TorchTrainer` and once with vidtune's (`trainer.cluster.torch_trainer`, which
     starts no Ray Data `DatasetManager` and no `PlacementGroupCleaner`), alternating, so the two
     are compared side by side.
 
@@ -37,8 +37,13 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, LOCAL_ADDRESS, init_ray
-from vidtune.tune.trial import DRIVER_CPUS
+from vidtune.trainer.cluster.launch import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    HEALTH_CHECK_ENV,
+    LOCAL_ADDRESS,
+    init_ray,
+)
+from vidtune.tune.running.trial import DRIVER_CPUS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,9 +110,9 @@ def _empty_loop_per_worker(config: dict) -> None:
 def _torch_trainer_trial(config: dict) -> None:
     """The Tune trial function: one TorchTrainer named after the trial, as tune/search.py does;
     `config["trainer"]` says whose: "ray" (`ray.train.torch.TorchTrainer`) or "vidtune"
-    (`trainer.torch_trainer.VidtuneTorchTrainer`, what a search builds)."""
+    (`trainer.cluster.torch_trainer.VidtuneTorchTrainer`, what a search builds)."""
     # Both import torch: heavy (seconds), only in the trial.
-    from vidtune.trainer.torch_trainer import TorchTrainer, VidtuneTorchTrainer
+    from vidtune.trainer.cluster.torch_trainer import TorchTrainer, VidtuneTorchTrainer
 
     first = time.time()
     trainer_class = VidtuneTorchTrainer if config["trainer"] == "vidtune" else TorchTrainer

@@ -5,7 +5,7 @@
     python -m vidtune.datasets.cache_cli ROOT --height 224 --width 224
 
 The data layer does not know the models: `--model` is resolved by the caller's `clip_size_of`
-(`vidtune cache`, i.e. `vidtune.trainer.fill_cache`, passes the model registry's). The heavy
+(`vidtune cache`, i.e. `vidtune.trainer.commands.fill_cache`, passes the model registry's). The heavy
 modules (torch, decord, the cache itself) are imported once the flags are checked.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from vidtune.errors import DataError
 from vidtune.flags import ConfigError, add_flags, flag_specs, option
 
 PROG = "python -m vidtune.datasets.cache_cli"
-MODEL_CLI = "vidtune cache"     # the same CLI with --model looked up in trainer.models
+MODEL_CLI = "vidtune cache"     # the same CLI with --model looked up in trainer.models.registry
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class FillOptions:
     """The cache CLI's own flags (the dataset's are `datasets.index.add_dataset_arguments`')."""
 
     model: str | None = option(None, flag="--model", metavar="NAME",
-                               help="decode at this model's input size (trainer.models names; with "
+                               help="decode at this model's input size (trainer.models.registry names; with "
                                f"{MODEL_CLI}, which knows the models)")
     height: int | None = option(None, flag="--height", metavar="PX", ge=1,
                                 help="decode height in pixels (with --width; not with --model)")
@@ -72,7 +72,7 @@ def _decode_size(opts: FillOptions, clip_size_of: Callable[[str], tuple[int, int
         if opts.height is not None or opts.width is not None:
             raise ConfigError("--model", "it sets the decode size: give either --model or --height/--width, "
                               "not both")
-        if clip_size_of is None:   # the data layer does not know the models (trainer.models does)
+        if clip_size_of is None:   # the data layer does not know the models (trainer.models.registry does)
             raise ConfigError(f"--model {opts.model}", f"{PROG} takes the decode size from --height and "
                               f"--width; for a model's input size run {MODEL_CLI} --model {opts.model} "
                               "with the same arguments")
@@ -89,8 +89,8 @@ def _decode_size(opts: FillOptions, clip_size_of: Callable[[str], tuple[int, int
 
 def main(argv: list[str] | None = None, *, clip_size_of: Callable[[str], tuple[int, int]] | None = None,
          prog: str = PROG) -> int:
-    """The CLI. `clip_size_of(model name) -> (height, width)` resolves --model (trainer.fill_cache
-    passes trainer.models' lookup; ValueError for an unknown name); without it --model is refused.
+    """The CLI. `clip_size_of(model name) -> (height, width)` resolves --model (trainer.commands.fill_cache
+    passes trainer.models.registry' lookup; ValueError for an unknown name); without it --model is refused.
     Exit 0 filled, 1 the data cannot be used, 2 a bad flag."""
     p = build_parser(prog)
     args = p.parse_args(argv)

@@ -24,7 +24,7 @@ INDEX_FLAGS = tuple(s for s in flag_specs(DataConfig) if s.path in INDEX_FIELDS)
 
 def add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     """The dataset's positional ROOT and layout flags, shared by the CLIs that index a dataset
-    (the flags generated from `DataConfig`'s declarations, as in the search and trainer.train)."""
+    (the flags generated from `DataConfig`'s declarations, as in the search and trainer.commands.train)."""
     p.add_argument("root", help="dataset folder (RWF-2000 or class-folder layout) or a CSV manifest file")
     add_flags(p, INDEX_FLAGS, group_of=lambda s: "dataset", suppress=False)
 

@@ -22,7 +22,7 @@ class DataConfig:
     """Where the videos are and how clips are cut from them.
 
     `num_frames`, `height` and `width` default to None, meaning "the model's input size"
-    (see `trainer.models.ModelSpec`); set them to override.
+    (see `trainer.models.registry.ModelSpec`); set them to override.
     """
 
     root: str = option("", flag="--data", metavar="PATH", help="dataset folder (RWF-2000 or class folders) "

@@ -1,7 +1,7 @@
 """Frame decoding: the one wrapper of decord (video files) and of torchvision's JPEG codec.
 
 Used by the clip Dataset (`datasets.video`), the clip cache (`datasets.cache`,
-`datasets.cache_layout`) and prediction (`trainer.predict`). Imports nothing of this project but
+`datasets.cache_layout`) and prediction (`trainer.serving.predict`). Imports nothing of this project but
 `vidtune.errors`, so every module above can import it at the top.
 """
 from __future__ import annotations

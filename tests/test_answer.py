@@ -1,4 +1,5 @@
-"""vidtune.tune.uncertainty and tune.answer: Wilson intervals on known counts, the summary sentences."""
+"""vidtune.tune.outputs.uncertainty and tune.outputs.answer: Wilson intervals on known counts, the summary
+sentences."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,11 +8,12 @@ import math
 import pytest
 from scipy.stats import binomtest
 
-from vidtune.tune import answer, searched
-from vidtune.tune.answer import answer_lines
-from vidtune.tune.options import SearchSpace
-from vidtune.tune.results import TrialResult
-from vidtune.tune.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
+from vidtune.tune.config import searched
+from vidtune.tune.config.options import SearchSpace
+from vidtune.tune.outputs import answer
+from vidtune.tune.outputs.answer import answer_lines
+from vidtune.tune.outputs.results import TrialResult
+from vidtune.tune.outputs.uncertainty import accuracy_interval, format_accuracy, half_width, wilson_interval
 
 
 @pytest.mark.parametrize("correct, n, low, high", [

@@ -41,7 +41,7 @@ def test_every_api_name_resolves():
 
 def test_keywords_are_the_flags_with_underscores(tmp_path):
     from vidtune.api.keywords import keyword_values
-    from vidtune.tune.options import SPECS, resolve
+    from vidtune.tune.config.options import SPECS, resolve
 
     values = keyword_values("vidtune.search", SPECS, {
         "data": tmp_path, "num_samples": 3, "batch_sizes": (4, 8), "lr_max": 1, "early_stop": False,
@@ -197,7 +197,7 @@ def test_a_search_on_remote_storage_keeps_a_local_copy_of_its_results(tmp_path, 
     """--storage s3://...: trials.csv, best_config.json and search.json go to a local folder named
     after the search (and to MLflow), which `vidtune.search` returns as the result's path."""
     from vidtune.tune import summary
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
     from vidtune.tune.preflight import Plan
 
     monkeypatch.setattr(summary, "REMOTE_COPIES", tmp_path / "copies")
@@ -274,10 +274,10 @@ def test_train_retrains_the_smoke_searchs_best_trial(smoke_search, ray_session, 
 
 def test_a_search_puts_back_the_sigint_handler_it_found():
     """A notebook kernel handles its interrupt button itself: the search's Ctrl-C handling
-    (`tune.faults.install`) gives SIGINT and SIGTERM back as it found them."""
+    (`tune.running.faults.install`) gives SIGINT and SIGTERM back as it found them."""
     import signal
 
-    from vidtune.tune import faults
+    from vidtune.tune.running import faults
 
     def kernels(signum, frame):
         return None
@@ -299,9 +299,10 @@ def test_the_summary_counts_the_searchs_own_time_not_the_processs(tmp_path, caps
     import time
     from types import SimpleNamespace
 
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
+    from vidtune.tune.outputs.found import Summary
     from vidtune.tune.preflight import Plan
-    from vidtune.tune.summary import Summary, print_summary
+    from vidtune.tune.summary import print_summary
 
     opts = parse_options(["--smoke-test", "--storage", str(tmp_path), "--name", "s"])
     plan = Plan(opts=opts, base=opts.train, storage=str(tmp_path), name="s", demo=False,

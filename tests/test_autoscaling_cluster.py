@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO_ROOT / "tune" / "search.py")]
 
 
-HEAD_MEMORY = int(4.6 * 2**30)     # the head's memory for Ray's tasks: 2 trials (tune.cluster)
+HEAD_MEMORY = int(4.6 * 2**30)     # the head's memory for Ray's tasks: 2 trials (tune.running.cluster)
 
 
 def free_port() -> int:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vidtune.trainer import batch_probe, batch_probe_cli
-from vidtune.trainer.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
+from vidtune.trainer.commands import batch_probe_cli
+from vidtune.trainer.training import batch_probe
+from vidtune.trainer.training.batch_probe import find_max_batch_size, is_out_of_memory, probe_batch_size
 
 
 class FakeMemory:

@@ -17,9 +17,9 @@ from mlflow.tracking import MlflowClient
 
 from bench import gpu_check, gpu_check_results, gpu_check_steps, gpu_flops, gpu_precision
 from bench.gpu_check_results import CheckFailed
-from vidtune.trainer import precision
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.tune.options import parse_options
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training import precision
+from vidtune.tune.config.options import parse_options
 from vidtune.tune.tracking.schema import GPU_IDS_TAG
 
 # -- bench/gpu_check.py -----------------------------------------------------------------------------

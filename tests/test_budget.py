@@ -10,9 +10,9 @@ from ray.tune.search import Searcher, SearchGenerator
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.flags import ConfigError
-from vidtune.trainer.launch import init_ray
-from vidtune.tune.budget import TimeBudget, format_duration, parse_duration
-from vidtune.tune.ray_internals import optuna_study, restored_searcher
+from vidtune.trainer.cluster.launch import init_ray
+from vidtune.tune.running.budget import TimeBudget, format_duration, parse_duration
+from vidtune.tune.running.ray_internals import optuna_study, restored_searcher
 
 SPACE = {"batch_size": tune.choice([4, 8]), "lr": tune.loguniform(1e-4, 1e-2)}
 
@@ -158,5 +158,5 @@ def test_a_tiny_budget_starts_fewer_trials_than_num_samples_and_lets_them_finish
 
 
 def optuna_searcher_unset() -> OptunaSearch:
-    """As `tune.space.build_searcher` makes it: Tune gives it the space and metric."""
+    """As `tune.study.space.build_searcher` makes it: Tune gives it the space and metric."""
     return OptunaSearch(sampler=optuna.samplers.TPESampler(seed=0))

@@ -25,8 +25,8 @@ from vidtune.datasets.decode import read_frames
 from vidtune.datasets.records import VideoInfo
 from vidtune.datasets.video import VideoClipDataset, build_loader, clips_to_device, collate_clips
 from vidtune.errors import DataError
-from vidtune.trainer import fill_cache as fill_cache_cli
-from vidtune.trainer.models import get_spec
+from vidtune.trainer.commands import fill_cache as fill_cache_cli
+from vidtune.trainer.models.registry import get_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SIZE = dict(height=32, width=32)

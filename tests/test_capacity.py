@@ -1,11 +1,11 @@
-"""vidtune.trainer.capacity: the one rule, for `vidtune train` and the search, that a training's
+"""vidtune.trainer.cluster.capacity: the one rule, for `vidtune train` and the search, that a training's
 workers fit where it runs; and the node setup check's refusal of GPUs torch has no kernels for."""
 from __future__ import annotations
 
 import pytest
 
 from vidtune.flags import ConfigError
-from vidtune.trainer.capacity import WorkerRequest, check_fits, check_gpus_per_worker
+from vidtune.trainer.cluster.capacity import WorkerRequest, check_fits, check_gpus_per_worker
 
 
 def _refused(request: WorkerRequest, nodes, where="this machine") -> ConfigError:
@@ -52,7 +52,7 @@ def test_the_node_setup_check_refuses_a_gpu_torch_has_no_kernels_for():
     """The views come from `node_view` on each node (`unsupported_gpus` on GPU nodes): a V100 under a
     CUDA 13 torch is refused before any trial, on a cluster and on one machine."""
     from vidtune import __version__
-    from vidtune.tune.cluster import check_every_node
+    from vidtune.tune.running.cluster import check_every_node
 
     v100 = ("GPU 0: Tesla V100-SXM2-16GB (compute capability 7.0) is not a GPU torch 2.14.1+cu130 "
             "(CUDA 13.0, kernels for sm_75, sm_80) was built for")
@@ -71,7 +71,7 @@ def test_the_node_setup_check_refuses_a_gpu_torch_has_no_kernels_for():
 
 
 def test_node_view_reads_the_gpus_only_when_asked(monkeypatch):
-    from vidtune.tune import cluster
+    from vidtune.tune.running import cluster
 
     monkeypatch.setattr(cluster.ray.util, "get_node_ip_address", lambda: "10.0.0.9")
     monkeypatch.setattr(cluster, "unsupported_gpus", lambda: ["GPU 0: why"])
@@ -80,7 +80,7 @@ def test_node_view_reads_the_gpus_only_when_asked(monkeypatch):
 
 
 def test_the_local_cpus_are_a_containers_quota_when_it_is_less_than_the_cores(monkeypatch, tmp_path):
-    from vidtune.trainer import capacity
+    from vidtune.trainer.cluster import capacity
 
     v2 = tmp_path / "cpu.max"
     monkeypatch.setattr(capacity.os, "sched_getaffinity", lambda pid: set(range(64)))

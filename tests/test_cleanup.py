@@ -1,5 +1,5 @@
-"""tune.cleanup: the search's own release of its trials' Train runs (Ray's PlacementGroupCleaner is
-not started: trainer.torch_trainer), on the session's Ray with a real registry, placement group
+"""tune.running.cleanup: the search's own release of its trials' Train runs (Ray's PlacementGroupCleaner is
+not started: trainer.cluster.torch_trainer), on the session's Ray with a real registry, placement group
 and actor standing in for a trial's Train controller."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_a_retried_trials_failed_try_is_ended_and_the_trial_is_not_counted_relea
     ray = ray_session
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from vidtune.tune.cleanup import ReleaseTrialResources, start_registry, was_released
+    from vidtune.tune.running.cleanup import ReleaseTrialResources, start_registry, was_released
 
     @ray.remote(num_cpus=0)
     class Controller:

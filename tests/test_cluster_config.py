@@ -231,10 +231,10 @@ RAY_TASK_MEMORY_SHARE = 0.95 * 0.7
 
 def test_the_head_holds_every_trial_the_gpu_nodes_run_at_once(raw_config):
     """The search caps the trials at once by what the head's memory holds (each keeps its Tune
-    driver and Train controller there: `tune.cluster.trials_the_head_holds`); cluster.yaml's head
+    driver and Train controller there: `tune.running.cluster.trials_the_head_holds`); cluster.yaml's head
     holds as many as its GPU nodes run, so the cap never bites on the README's cluster."""
-    from vidtune.tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, trials_the_head_holds
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
+    from vidtune.tune.running.cluster import ClusterCapacity, NodeType, fit_to_cluster, trials_the_head_holds
 
     head_config = raw_config["available_node_types"][raw_config["head_node_type"]]["node_config"]
     head_memory = HEAD_MEMORY_GIB[head_config["InstanceType"]] * RAY_TASK_MEMORY_SHARE

@@ -1,17 +1,18 @@
 """--collective-timeout-min: a multi-worker run whose rank fails or stops ends after the timeout,
-not after NCCL's 30 minutes (`TorchConfig(timeout_s=...)`, trainer.build_trainer.build_torch_trainer)."""
+not after NCCL's 30 minutes (`TorchConfig(timeout_s=...)`,
+trainer.cluster.build_trainer.build_torch_trainer)."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from vidtune.trainer.build_trainer import build_torch_trainer
-from vidtune.trainer.config import TrainConfig
+from vidtune.trainer.cluster.build_trainer import build_torch_trainer
+from vidtune.trainer.training.config import TrainConfig
 
 
 def test_the_timeout_reaches_the_torch_config_of_every_run(monkeypatch):
-    from vidtune.trainer.gpus import SIMULATE_ENV
+    from vidtune.trainer.training.gpus import SIMULATE_ENV
 
     monkeypatch.delenv(SIMULATE_ENV, raising=False)
     assert build_torch_trainer(TrainConfig(), num_workers=2).backend_config.timeout_s == 600   # 10 minutes
@@ -24,8 +25,8 @@ def test_the_timeout_reaches_the_torch_config_of_every_run(monkeypatch):
 
 
 def test_the_flag_is_in_both_clis_and_in_a_runs_config():
-    from vidtune.trainer import train
-    from vidtune.tune.options import parse_options
+    from vidtune.trainer.commands import train
+    from vidtune.tune.config.options import parse_options
 
     args = train.build_parser().parse_args(["--data", "d", "--collective-timeout-min", "2.5"])
     cfg = train.config_from_args(args)

@@ -9,10 +9,10 @@ import pytest
 
 from vidtune.config_file import read_config_file
 from vidtune.flags import ConfigError
-from vidtune.trainer import train
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import TRAIN_FLAGS
-from vidtune.tune.options import load_config_file, parse_options
+from vidtune.trainer.cluster.launch import TRAIN_FLAGS
+from vidtune.trainer.commands import train
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.config.options import load_config_file, parse_options
 
 
 def _read(path, **kw):

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 import pytest
 from ray.train._internal.storage import StorageContext  # what Tune gives each trial (not public)
 
-from vidtune.trainer.history import write_history
-from vidtune.tune import console, faults, results, search_log, space, tables
-from vidtune.tune.searched import short_number
-from vidtune.tune.trial import short_name
+from vidtune.numbers import short_number
+from vidtune.trainer.training.history import write_history
+from vidtune.tune.outputs import console, results, search_log, tables
+from vidtune.tune.running import faults
+from vidtune.tune.running.trial import short_name
+from vidtune.tune.study import space
 
 
 def _trial(number: int, trial_id: str = "abc123", status: str = "RUNNING", **config):
@@ -317,7 +319,7 @@ def test_after_a_resume_the_trial_end_and_best_so_far_lines_use_the_whole_histor
 
 
 def test_a_trial_tune_runs_again_says_so_and_why(capsys, tmp_path):
-    """A lost node's trial is retried by Tune (tune/trial_retry.py): its second start says it
+    """A lost node's trial is retried by Tune (tune/running/trial_retry.py): its second start says it
     goes on from its checkpoint and why the first try ended, not "started" as if new."""
     c = console.SearchConsole(num_samples=2, epochs=3, objective="val_acc", tty=False)
     a = _trial(1, "a")

@@ -22,9 +22,9 @@ LIBRARY_FOLDERS = ("vidtune", "datasets", "trainer", "tune")
 # Declared, never imported by name: {distribution: (file, the call that needs it)}.
 INDIRECT = {
     # Optuna's fANOVA parameter importance fits scikit-learn's random forests inside Optuna
-    "scikit-learn": ("tune/importance.py", "FanovaImportanceEvaluator"),
+    "scikit-learn": ("tune/outputs/importance.py", "FanovaImportanceEvaluator"),
     # torch.cuda.utilization reads GPU utilisation through NVML's Python bindings (pynvml)
-    "nvidia-ml-py": ("trainer/utilization.py", "torch.cuda.utilization("),
+    "nvidia-ml-py": ("trainer/training/utilization.py", "torch.cuda.utilization("),
 }
 
 

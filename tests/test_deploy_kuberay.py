@@ -24,8 +24,8 @@ import yaml
 from mlflow.cli import server
 from mlflow.server.security_utils import is_allowed_host_header
 
-from vidtune.trainer.capacity import NodeType, read_node_types
-from vidtune.tune.options import parse_options
+from vidtune.trainer.cluster.capacity import NodeType, read_node_types
+from vidtune.tune.config.options import parse_options
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERAY = REPO / "deploy" / "kuberay"

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from vidtune.tune import console
+from vidtune.tune.outputs import console
 
 
 def test_train_cli_says_why_a_run_has_no_result():
-    from vidtune.trainer.train_run import failure_message, format_epoch
+    from vidtune.trainer.commands.train_run import failure_message, format_epoch
 
     diverged = {"epoch": 2, "diverged": 1, "oom": 0, "train_loss": math.nan, "lr": 9.5e5, "batch_size": 8}
     message = failure_message(diverged, lr=1e6)
@@ -46,7 +46,7 @@ def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, t
     """`vidtune train --lr 1e6` prints the diverged epoch, says to lower --lr and exits
     1; it does not end on "training reported no checkpoint" (Train's result holds only reports
     that came with a checkpoint, so the worker's last report is read from the printer)."""
-    from vidtune.trainer import train
+    from vidtune.trainer.commands import train
 
     code = train.main(["--data", str(synthetic_root), "--epochs", "2", "--batch-size", "8",
                        "--precision", "fp32", "--model", "tiny", "--lr", "1e6", "--loader-workers", "0",
@@ -61,7 +61,7 @@ def test_train_cli_reports_divergence_and_exits_1(ray_session, synthetic_root, t
 def test_a_search_without_a_usable_trial_says_why_and_what_to_change():
     from types import SimpleNamespace
 
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
     from vidtune.tune.summary import no_usable_trial
 
     rows = [SimpleNamespace(status=s) for s in ("DIVERGED", "DIVERGED", "OOM")]

@@ -1,4 +1,4 @@
-"""One driver per search (tune/lock.py) and trusted state only (tune/trust.py), without Ray:
+"""One driver per search (tune/state/lock.py) and trusted state only (tune/state/trust.py), without Ray:
 a second driver stops before Ray starts, a stale lock is taken over, and a planted state file
 is refused before anything unpickles it."""
 from __future__ import annotations
@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from vidtune.flags import ConfigError
-from vidtune.tune import lock, preflight, runner, search, trust
-from vidtune.tune.lock import LOCK_NAME, SearchLock
+from vidtune.tune import preflight, runner, search
+from vidtune.tune.state import lock, trust
+from vidtune.tune.state.lock import LOCK_NAME, SearchLock
 
 # A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
 pytestmark = pytest.mark.usefixtures("own_key")

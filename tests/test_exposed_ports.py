@@ -1,5 +1,5 @@
 """docs/troubleshooting.md's table of what a search exposes, checked against `ss -ltnp` for a Ray
-that vidtune starts (trainer.launch.init_ray): every listening socket of that Ray's processes is
+that vidtune starts (trainer.cluster.launch.init_ray): every listening socket of that Ray's processes is
 in the table with where it listens, and the Prometheus metrics ports the table says answer
 without the token do."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 # A Ray started as a search starts it, held until its stdin closes; prints its pid when up.
-HOLD = ("import sys\nfrom vidtune.trainer.launch import init_ray\n"
+HOLD = ("import sys\nfrom vidtune.trainer.cluster.launch import init_ray\n"
         "init_ray(num_cpus=1, log_to_driver=False)\nprint('up', flush=True)\nsys.stdin.read()\n")
 # Each kind of Ray process, as the table names it (in code font), by its command line
 KINDS = (("dashboard/dashboard.py", "`dashboard.py`"), ("autoscaler/_private/monitor.py", "`monitor.py`"),

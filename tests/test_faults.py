@@ -24,9 +24,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from vidtune import servers
-from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
-from vidtune.tune.ray_internals import optuna_study
-from vidtune.tune.space import VidtuneOptunaSearch
+from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
+from vidtune.tune.running.ray_internals import optuna_study
+from vidtune.tune.study.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG, TRIAL_ID_TAG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,7 +360,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
                                                                              tmp_path):
     """--storage on a 3 MB tmpfs: the first checkpoints fill it. The search ends with one clear
     'disk full at PATH' error (exit 1), no run left RUNNING, no zero-byte file left behind; after
-    space is freed, --resume continues (from Tune's last whole state: tune/last_good.py) and
+    space is freed, --resume continues (from Tune's last whole state: tune/state/last_good.py) and
     finishes every trial, without trashing the runs that did run."""
     full = tmp_path / "full"
     full.mkdir()
@@ -371,7 +371,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
     try:
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
         # One trial: its second checkpoint (1.7 MB each) fills the disk. --max-failures is left at
-        # its default (1): a full disk is not retried (trainer.torch_trainer.DiskFullNotRetried).
+        # its default (1): a full disk is not retried (trainer.cluster.torch_trainer.DiskFullNotRetried).
         args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--num-samples", "1",
                 "--storage", str(full), "--mlflow-uri", uri, "--name", "f"]
         log = tmp_path / "full.log"
@@ -386,7 +386,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         ran = {r.info.run_id for r in children}
         # vidtune's own files are whole or absent, and no half-written temporary file is left.
         # (Tune's may be cut short: a trial's result.json is empty until its first report anyway,
-        # and its experiment state has a last whole copy, tune/last_good.py.)
+        # and its experiment state has a last whole copy, tune/state/last_good.py.)
         files = [p for p in (full / "f").rglob("*") if p.is_file()]
         own = [p for p in files if p.name in ("trials.csv", "best_config.json", "device_lease.json",
                                               "vidtune_options.json") or p.parent.name == "failures"]
@@ -401,7 +401,7 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
         c, parent, children = _runs(uri)
         assert ran <= {r.info.run_id for r in children}             # none moved to the trash
         assert parent.info.status == "FINISHED"
-        # Tune's last whole state may predate the trial's start (tune/last_good.py): the trial is
+        # Tune's last whole state may predate the trial's start (tune/state/last_good.py): the trial is
         # then started again as a new one, and the run of its first try stays, FAILED (disk full).
         statuses = sorted(r.info.status for r in children)
         assert statuses.count("FINISHED") == 1 and set(statuses) <= {"FINISHED", "FAILED"}, statuses
@@ -414,8 +414,8 @@ def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(sha
 def test_a_full_disk_says_which_whole_checkpoints_each_trial_kept(tmp_path):
     """The disk-full error's count: whole checkpoints only (a folder cut short by the full disk
     fails its checksums), per trial, as ranges where they run on."""
-    from vidtune.trainer.checkpointing import write_checksums
-    from vidtune.tune.faults import kept_checkpoints
+    from vidtune.trainer.training.checkpointing import write_checksums
+    from vidtune.tune.running.faults import kept_checkpoints
 
     runs = tmp_path / "ray" / "train_runs"
     for trial, epochs in (("t01", (1, 2, 3)), ("t02", (1, 3)), ("t03", ())):

@@ -38,7 +38,7 @@ def test_inputs_overwritten_in_the_loop_fail_the_check(batches, monkeypatch):
     """The device side's first clip of each batch turned to zeros where the loop decodes it (what
     a decoder writing into memory a queued kernel still reads does to a step's input): the
     check names each step's input."""
-    from vidtune.trainer import loop
+    from vidtune.trainer.training import loop
 
     decode = loop.clips_to_device
 

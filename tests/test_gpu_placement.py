@@ -1,4 +1,5 @@
-"""Every GPU trains: lead and follower roles (trainer.lease, tune.trial), proven on GPUs that Ray
+"""Every GPU trains: lead and follower roles (trainer.cluster.lease, tune.running.trial), proven on GPUs that
+Ray
 simulates (it places on declared resources, not on hardware)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vidtune.trainer.lease import FOLLOW, LEAD, LeaseBook
+from vidtune.trainer.cluster.lease import FOLLOW, LEAD, LeaseBook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,17 +30,17 @@ def test_roles_give_each_gpu_one_lead_before_any_trial_follows():
 # Run in a fresh process: it needs a Ray with 4 (simulated) GPUs, the test session's has none. One
 # Ray for both tests below (a Ray and the imports cost ~10 s here): first where Ray places actors
 # of half a GPU and of each trial role, one at a time as trials start; then a real 2-worker run,
-# built as a search's trials are (trainer.build_trainer.build_torch_trainer, gloo under
+# built as a search's trials are (trainer.cluster.build_trainer.build_torch_trainer, gloo under
 # simulation), has each rank report its GPU.
 SIMULATED_GPUS_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray, torch.distributed as dist
-    from vidtune.trainer.build_trainer import build_torch_trainer
-    from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.devices import train_device
-    from vidtune.trainer.launch import init_ray
-    from vidtune.trainer.lease import LeaseBook, device_keys, physical_gpu_ids
-    from vidtune.tune.trial import TrialResources
+    from vidtune.trainer.cluster.build_trainer import build_torch_trainer
+    from vidtune.trainer.training.config import TrainConfig
+    from vidtune.trainer.cluster.devices import train_device
+    from vidtune.trainer.cluster.launch import init_ray
+    from vidtune.trainer.cluster.lease import LeaseBook, device_keys, physical_gpu_ids
+    from vidtune.tune.running.trial import TrialResources
 
     OUT = sys.argv[1]   # captured with `loop` (pickled by value: it is defined in __main__)
     init_ray(num_cpus=8, include_dashboard=False)      # VIDTUNE_SIMULATE_GPUS=4: 4 GPUs

@@ -1,11 +1,13 @@
-"""vidtune.trainer.gpus and .devices: simulated GPUs, the device a worker Ray gave a GPU trains on."""
+"""vidtune.trainer.training.gpus and .devices: simulated GPUs, the device a worker Ray gave a GPU trains
+on."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from vidtune.flags import ConfigError
-from vidtune.trainer import devices, gpus
+from vidtune.trainer.cluster import devices
+from vidtune.trainer.training import gpus
 
 
 def test_simulated_gpus_is_a_whole_number_or_refused_naming_the_variable(monkeypatch):
@@ -156,7 +158,7 @@ def test_a_waiting_worker_is_recorded_by_its_own_context_not_by_nvml_pids(monkey
     allocator's reserved memory (a lower bound) where NVML does not list the process."""
     from types import SimpleNamespace
 
-    from vidtune.trainer import device_memory, precision
+    from vidtune.trainer.training import device_memory, precision
 
     run = SimpleNamespace(device=torch.device("cuda", 0))
     contexts, nvml_mb = {"has": False}, {"mb": None}

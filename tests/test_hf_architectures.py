@@ -10,10 +10,10 @@ import torch
 
 from tests.test_hf_models import save_tiny
 from vidtune.datasets.transforms import ClipTransform
-from vidtune.trainer import models
-from vidtune.trainer.hf_models import HFVideoClassifier
-from vidtune.trainer.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
-from vidtune.trainer.precision import choose_precision
+from vidtune.trainer.models import registry as models
+from vidtune.trainer.models.hf_models import HFVideoClassifier
+from vidtune.trainer.training.loop import evaluate, make_optimizer, make_scheduler, train_one_epoch
+from vidtune.trainer.training.precision import choose_precision
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,11 +15,11 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from tests.test_hf_models import save_tiny
-from vidtune.trainer import mlflow_model, scoring
-from vidtune.trainer.checkpointing import save_checkpoint
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.hf_export import main as export_hf
-from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.serving import mlflow_model, scoring
+from vidtune.trainer.serving.hf_export import main as export_hf
+from vidtune.trainer.training.checkpointing import save_checkpoint
+from vidtune.trainer.training.config import TrainConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,7 +119,7 @@ SCORE_OFFLINE = """
 import json, os, sys, tempfile
 from pathlib import Path
 import mlflow, torch
-from vidtune.trainer import mlflow_model, scoring
+from vidtune.trainer.serving import mlflow_model, scoring
 uri, videos = sys.argv[1], sys.argv[2:]
 pyfunc = mlflow.pyfunc.load_model(uri).predict(videos)
 with tempfile.TemporaryDirectory() as tmp:

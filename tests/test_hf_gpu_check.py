@@ -10,7 +10,7 @@ import torch
 
 from bench import gpu_check, gpu_check_steps, learning_check
 from bench.gpu_check_results import CheckFailed
-from vidtune.trainer.models import get_spec
+from vidtune.trainer.models.registry import get_spec
 
 pytest.importorskip("transformers")
 

@@ -15,9 +15,11 @@ from tests.test_hf_models import fill_hub_cache, save_tiny
 from tests.test_saved_options import _started_search
 from vidtune.datasets.config import DataConfig
 from vidtune.flags import ConfigError
-from vidtune.trainer import hf_models, models, train
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import validate_config, worker_env_vars
+from vidtune.trainer.cluster.launch import validate_config, worker_env_vars
+from vidtune.trainer.commands import train
+from vidtune.trainer.models import hf_models
+from vidtune.trainer.models import registry as models
+from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune import search
 
 pytest.importorskip("transformers")
@@ -107,7 +109,8 @@ def test_ray_workers_load_the_hub_id_from_the_weights_cache(hub_cache, shared_ra
     driver hands them."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HF_HUB_CACHE")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty-hf-home"), PYTHONPATH="")
-    out = subprocess.run([sys.executable, "-m", "vidtune.trainer.train", "--data", str(synthetic_root),
+    out = subprocess.run([sys.executable, "-m", "vidtune.trainer.commands.train",
+                          "--data", str(synthetic_root),
                           "--model", f"hf:{REPO_ID}", "--weights-cache", str(hub_cache), "--epochs", "1",
                           "--batch-size", "8", "--precision", "fp32", "--loader-workers", "1", "--address",
                           shared_ray, "--storage", str(tmp_path / "results"), "--name", "hf"],

@@ -37,18 +37,19 @@ def test_the_editable_install_puts_on_sys_path_only_a_folder_holding_vidtune():
     assert (REPO_ROOT / "src" / "vidtune").resolve() == REPO_ROOT / "vidtune"
 
 
-@pytest.mark.parametrize("name", ["trainer", "trainer.loop", "tune", "tune.search", "bench", "vidtune.bench"])
+@pytest.mark.parametrize("name", ["trainer", "trainer.training.loop", "tune", "tune.search", "bench",
+                                  "vidtune.bench"])
 def test_outside_the_clone_only_vidtune_imports(tmp_path, name):
     proc = run([sys.executable, "-c", f"import {name}"], cwd=tmp_path)
     assert proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr, (name, proc.stdout, proc.stderr)
 
 
 def test_outside_the_clone_each_module_has_one_name_and_one_class(tmp_path):
-    code = ("import sys, vidtune.trainer.config as c, vidtune.trainer.loop\n"
+    code = ("import sys, vidtune.trainer.training.config as c, vidtune.trainer.training.loop\n"
             "assert not [m for m in sys.modules if m.split('.')[0] in ('trainer', 'tune', 'bench')]\n"
             "print(c.TrainConfig.__module__)")
     proc = run([sys.executable, "-c", code], cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip() == "vidtune.trainer.config", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == "vidtune.trainer.training.config", proc.stderr
 
 
 def test_tune_search_by_path_still_runs_from_anywhere(tmp_path):
@@ -77,12 +78,13 @@ def test_the_tests_import_bench_from_the_root():
 def test_a_static_tool_resolves_vidtune_through_the_venv_and_nothing_else(tmp_path):
     """From a folder outside the clone, pyright finds `vidtune.*` through the `.pth` folder and
     its link (no import hook), and reports a bare `trainer` as missing."""
-    (tmp_path / "probe.py").write_text("import vidtune.trainer.loop\nimport vidtune.tune.options\n"
-                                       "import trainer.loop\n")
+    (tmp_path / "probe.py").write_text("import vidtune.trainer.training.loop\n"
+                                       "import vidtune.tune.config.options\n"
+                                       "import trainer.training.loop\n")
     config = '{"typeCheckingMode": "off", "reportMissingImports": "error"}'
     (tmp_path / "pyrightconfig.json").write_text(config)
     tool = Path(sys.executable).with_name("basedpyright")
     proc = run([str(tool), "--pythonpath", sys.executable, "probe.py"], cwd=tmp_path, timeout=300)
     out = proc.stdout + proc.stderr
-    assert "probe.py:3" in out and '"trainer.loop"' in out, out
+    assert "probe.py:3" in out and '"trainer.training.loop"' in out, out
     assert "1 error" in out and "probe.py:1" not in out and "probe.py:2" not in out, out

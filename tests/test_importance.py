@@ -7,9 +7,9 @@ import random
 from matplotlib.image import imread
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.importance import MIN_TRIALS, finished_trials, param_importances
-from vidtune.tune.options import SearchSpace
-from vidtune.tune.results import TrialResult
+from vidtune.tune.config.options import SearchSpace
+from vidtune.tune.outputs.importance import MIN_TRIALS, finished_trials, param_importances
+from vidtune.tune.outputs.results import TrialResult
 from vidtune.tune.tracking.tracker import MLflowTracker
 
 SPACE = SearchSpace(batch_sizes=(4, 8, 16), lr_min=1e-4, lr_max=3e-3)

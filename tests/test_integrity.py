@@ -15,19 +15,20 @@ import ray.train
 import torch
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.checkpointing import (
+from vidtune.trainer.cluster.worker import METRIC_KEYS
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training.checkpointing import (
     CHECKSUM_FILE,
     FILE_NAME,
     checkpoint_problem,
     save_checkpoint,
     verify_checkpoint,
 )
-from vidtune.trainer.history import write_history
-from vidtune.trainer.loop import make_optimizer, make_scheduler
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.resume import first_whole_checkpoint, resume_candidates
-from vidtune.trainer.worker import METRIC_KEYS
-from vidtune.tune import console, faults, results
+from vidtune.trainer.training.history import write_history
+from vidtune.trainer.training.loop import make_optimizer, make_scheduler
+from vidtune.trainer.training.resume import first_whole_checkpoint, resume_candidates
+from vidtune.tune.outputs import console, results
+from vidtune.tune.running import faults
 from vidtune.tune.tracking.schema import FAILURE_TAG, TRACEBACK_ARTIFACT, TRIAL_ID_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
 

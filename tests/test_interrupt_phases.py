@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vidtune.trainer.ray_reaper import is_ray_process
+from vidtune.trainer.cluster.ray_reaper import is_ray_process
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -141,7 +141,7 @@ def test_ctrl_c_while_ray_starts_leaves_no_ray_process(synthetic_root, tmp_path)
 def tune_listening():
     """`faults.install()` as before `Tuner.fit()`, then a stand-in for Tune's SIGUSR1 handler
     (its graceful stop) once Tune listens; what it received, in a list. Handlers put back after."""
-    from vidtune.tune import faults
+    from vidtune.tune.running import faults
 
     asked: list[int] = []
     faults.install()
@@ -183,7 +183,7 @@ def test_ctrl_c_after_the_last_trial_finishes_the_summary_then_exits_130(tune_li
 
 
 def test_before_trials_frees_a_new_searchs_name_and_keeps_a_resumed_one(tmp_path):
-    from vidtune.tune import faults
+    from vidtune.tune.running import faults
 
     new, resumed = tmp_path / "new", tmp_path / "resumed"
     for folder in (new, resumed):

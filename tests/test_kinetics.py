@@ -1,6 +1,6 @@
-"""`--weights kinetics`: fetched once on the driver before Ray starts (trainer.models.fetch_kinetics,
-from trainer.model_checks), refused there in one line when offline with an empty cache, and
-copied into the torch hub cache of every node of a cluster that lacks it (tune/kinetics.py)."""
+"""`--weights kinetics`: fetched once on the driver before Ray starts (trainer.models.registry.fetch_kinetics,
+from trainer.training.model_checks), refused there in one line when offline with an empty cache, and
+copied into the torch hub cache of every node of a cluster that lacks it (trainer/cluster/kinetics.py)."""
 from __future__ import annotations
 
 import json
@@ -14,9 +14,9 @@ import torch
 
 from tests.fake_cluster import PRELUDE
 from vidtune.flags import ConfigError
-from vidtune.trainer import models
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.model_checks import check_model
+from vidtune.trainer.models import registry as models
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.model_checks import check_model
 
 
 def _offline(monkeypatch):
@@ -64,7 +64,7 @@ try:
     cluster.wait_for_nodes()
     import ray
     ray.init(address=cluster.address)
-    from vidtune.tune.kinetics import copy_to_every_node
+    from vidtune.trainer.cluster.kinetics import copy_to_every_node
     source = Path(driver_home) / "hub" / "checkpoints" / "weights-0123abcd.pth"
     source.parent.mkdir(parents=True)
     source.write_bytes(os.urandom(3 << 20))

@@ -1,5 +1,5 @@
 """A full disk that cuts Tune's experiment state short no longer makes a search unresumable
-(tune/last_good.py): the state signer keeps a whole, signed copy of Tune's state files, and
+(tune/state/last_good.py): the state signer keeps a whole, signed copy of Tune's state files, and
 --resume puts it back when the newest experiment state does not parse. Without Ray: a planted
 experiment folder, as tests/test_driver_integrity.py plants one."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 from vidtune import atomic
 from vidtune.flags import ConfigError
-from vidtune.tune import last_good, preflight, trust
+from vidtune.tune import preflight
+from vidtune.tune.state import last_good, trust
 
 STATE = "experiment_state-2026-12-04_10-00-00.json"
 

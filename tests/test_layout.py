@@ -1,4 +1,4 @@
-"""Where a search's files go (`vidtune.tune.layout`): the user's files at the top of its folder,
+"""Where a search's files go (`vidtune.tune.config.layout`): the user's files at the top of its folder,
 Ray Tune's state in its `ray` subfolder, and a search of the old layout (Tune's state at the
 top) found where it is."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from vidtune.flags import ConfigError
-from vidtune.tune import layout
-from vidtune.tune.faults import failure_file
-from vidtune.tune.options import parse_options
+from vidtune.tune.config import layout
+from vidtune.tune.config.options import parse_options
 from vidtune.tune.preflight import Plan
+from vidtune.tune.running.faults import failure_file
 
 
 def test_a_new_search_keeps_tunes_state_in_its_subfolder(tmp_path):

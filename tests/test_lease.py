@@ -1,4 +1,4 @@
-"""The device lease (trainer.lease): one training at a time per device, first come first served,
+"""The device lease (trainer.cluster.lease): one training at a time per device, first come first served,
 all of a trial's devices at once, and an honest count of trainings that shared a device.
 
 The bookkeeping (`LeaseBook`) is tested in-process on a fake clock: every grant and release
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from vidtune.trainer.lease import LeaseBook, start_lease
+from vidtune.trainer.cluster.lease import LeaseBook, start_lease
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,11 +299,11 @@ RANK_FAILS_SCRIPT = textwrap.dedent("""
     import ray
     from vidtune.datasets.config import DataConfig
     from vidtune.datasets.synthetic import generate
-    from vidtune.trainer import worker
-    from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.build_trainer import build_torch_trainer
-    from vidtune.trainer.launch import init_ray
-    from vidtune.trainer.lease import LeaseSettings, start_lease
+    from vidtune.trainer.cluster import worker
+    from vidtune.trainer.training.config import TrainConfig
+    from vidtune.trainer.cluster.build_trainer import build_torch_trainer
+    from vidtune.trainer.cluster.launch import init_ray
+    from vidtune.trainer.cluster.lease import LeaseSettings, start_lease
 
     def loop(config):
         real = worker.run_epoch

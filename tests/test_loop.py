@@ -11,8 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from vidtune.datasets.transforms import ClipTransform
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.loop import (
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.loop import (
     NONFINITE_STEPS_TO_DIVERGE,
     evaluate,
     finite_parameters,
@@ -20,9 +21,8 @@ from vidtune.trainer.loop import (
     make_scheduler,
     train_one_epoch,
 )
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.precision import choose_precision
-from vidtune.trainer.run import DIVERGED, TRAINED, Run, run_epoch
+from vidtune.trainer.training.precision import choose_precision
+from vidtune.trainer.training.run import DIVERGED, TRAINED, Run, run_epoch
 
 MEAN, STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)
 FP32 = choose_precision("fp32", "cpu")
@@ -226,7 +226,7 @@ def test_clipping_sees_unscaled_gradients(monkeypatch):
 
 
 class _FakeClock:
-    """Stands in for trainer.loop's `time`: perf_counter() moves only when the test says so."""
+    """Stands in for trainer.training.loop's `time`: perf_counter() moves only when the test says so."""
 
     def __init__(self):
         self.now = 100.0
@@ -252,7 +252,7 @@ def test_data_wait_is_timed_apart_from_the_step(monkeypatch):
     time alone (read-ahead included, compute excluded), and the epoch is the sum of both."""
     clips, labels = _data(8)
     clock = _FakeClock()
-    monkeypatch.setattr("vidtune.trainer.loop.time", clock)
+    monkeypatch.setattr("vidtune.trainer.training.loop.time", clock)
 
     def slow_loader():
         for i in range(0, 8, 2):
@@ -449,7 +449,7 @@ def test_an_epoch_whose_every_step_overflowed_diverged_even_when_shorter_than_th
 
 def _run(model: nn.Module, policy) -> Run:
     """A Run of `model` on 16 red-centre clips (batches of 2, 8 steps) without Ray or files, as
-    trainer.run.build_run would make it for one worker."""
+    trainer.training.run.build_run would make it for one worker."""
 
     class Clips(TensorDataset):
         def set_epoch(self, epoch: int) -> None:   # the clip windows' seed; nothing to draw here
@@ -482,7 +482,8 @@ def _spare_nan() -> Overflowing:
     ("bf16", lambda: Overflowing(at={2}, factor=math.inf), DIVERGED),            # the weights at once
 ], ids=["fp16-one-overflow", "fp16-overflows-in-a-row", "fp16-nan-weight", "fp32-one-nan", "bf16-one-nan"])
 def test_run_epoch_judges_divergence_by_the_weights_or_repeated_non_finite_losses(precision, model, outcome):
-    """The worker's judgement (trainer.run.run_epoch, as trainer.worker calls it): an fp16 step
+    """The worker's judgement (trainer.training.run.run_epoch, as trainer.cluster.worker calls it): an fp16
+    step
     GradScaler skipped is no divergence; a run of them, or a NaN weight, is. In fp32 and bf16
     nothing skips a step, so one non-finite loss already is."""
     torch.manual_seed(0)
@@ -503,7 +504,7 @@ def test_under_compile_validation_runs_the_compiled_model(monkeypatch):
     the eager model's."""
     from torch._dynamo.utils import counters
 
-    from vidtune.trainer import run as run_module
+    from vidtune.trainer.training import run as run_module
 
     class Wrapper(nn.Module):            # stands in for DDP: the plain model is its `.module`
         def __init__(self, module: nn.Module):

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vidtune.trainer import precision
-from vidtune.trainer.metrics import (
+from vidtune.trainer.training import precision
+from vidtune.trainer.training.metrics import (
     METRIC_KEYS,
     EpochStats,
     EvalOutputs,

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
-from vidtune.tune.results import SUMMARY_KEYS, TrialResult, live_row, row_from_result, summary_metrics
-from vidtune.tune.tables import csv_record
+from vidtune.tune.outputs.results import SUMMARY_KEYS, TrialResult, live_row, row_from_result, summary_metrics
+from vidtune.tune.outputs.tables import csv_record
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, OUTCOME_TAG, STOP_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
 
@@ -53,7 +53,7 @@ def _report(epoch: int, val_acc: float, clips_per_s: float, **kw) -> dict:
 
 
 def _tune_result(reports: list[dict]) -> SimpleNamespace:
-    """A Tune Result as `tune.results` reads it: per-epoch dataframe, last report, config."""
+    """A Tune Result as `tune.outputs.results` reads it: per-epoch dataframe, last report, config."""
     return SimpleNamespace(metrics=reports[-1], metrics_dataframe=pd.DataFrame(reports),
                            config={"batch_size": 4, "lr": 1e-3}, error=None, path=None)
 

@@ -13,8 +13,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from vidtune.tune.results import TrialResult
-from vidtune.tune.tables import format_markdown
+from vidtune.tune.outputs.results import TrialResult
+from vidtune.tune.outputs.tables import format_markdown
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.description import CELL_PAD, spaced_table
 from vidtune.tune.tracking.schema import INTERVAL_TAG, OUTCOME_TAG
@@ -127,8 +127,8 @@ def test_the_description_opens_with_the_answer_and_its_links_are_relative(uri, t
 def _logged_metric_names() -> set[str]:
     """Every metric name a trial's run gets: each numeric key a worker reports (as
     `numeric_metrics` keeps and renames it) and the run's summary."""
-    from vidtune.trainer.worker import METRIC_KEYS
-    from vidtune.tune.results import SUMMARY_KEYS
+    from vidtune.trainer.cluster.worker import METRIC_KEYS
+    from vidtune.tune.outputs.results import SUMMARY_KEYS
     from vidtune.tune.tracking.schema import numeric_metrics
     report = dict.fromkeys(METRIC_KEYS, 1.0)
     return set(numeric_metrics(report)) | set(SUMMARY_KEYS) | {"best_val_f1"}
@@ -224,7 +224,7 @@ def test_the_runs_table_shows_the_interval_as_one_rounded_column(uri):
 
 
 def test_the_description_shows_narrow_copies_of_the_plots_linked_to_the_full_size(uri, tmp_path):
-    from vidtune.tune.plots import plot_history
+    from vidtune.tune.outputs.plots import plot_history
     from vidtune.tune.tracking.description import PREVIEW_FOLDER, PREVIEW_WIDTH_PX
     rows = [_row("best", 0.8, 20.0), _row("next", 0.7, 30.0)]
     t = _search(uri, "previews", rows)

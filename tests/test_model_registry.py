@@ -30,15 +30,16 @@ from mlflow.utils.validation import _validate_model_name
 
 from vidtune import servers
 from vidtune.flags import ConfigError
-from vidtune.trainer import mlflow_model, predict, scoring
-from vidtune.trainer.checkpointing import save_checkpoint
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.serving import mlflow_model, predict, scoring
+from vidtune.trainer.training.checkpointing import save_checkpoint
+from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune import best_model
-from vidtune.tune.option_groups import model_name_problem
-from vidtune.tune.options import parse_options
+from vidtune.tune.config.options import parse_options
+from vidtune.tune.outputs.found import Summary
 from vidtune.tune.preflight import Plan
-from vidtune.tune.summary import Summary, print_summary
+from vidtune.tune.summary import print_summary
+from vidtune.tune.tracking.store import check_model_name, model_name_problem
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]
@@ -178,17 +179,32 @@ def test_the_model_is_registered_under_the_experiment_unless_told_otherwise():
     assert parse_options(["--no-register-model"]).tracking.log_model
 
 
-@pytest.mark.parametrize("argv, flag", [(["--register-model", "rwf/mvit"], "--register-model"),
-                                        (["--experiment", "team:rwf"], "--experiment"),
-                                        (["--register-model", "x", "--no-register-model"],
+@pytest.mark.parametrize("argv, flag", [(["--register-model", "x", "--no-register-model"],
                                          "--register-model/--no-register-model"),
                                         (["--register-model", "x", "--no-log-model"],
                                          "--register-model/--no-log-model")])
-def test_a_name_the_registry_refuses_is_refused_before_the_search(argv, flag):
+def test_registry_switches_that_disagree_are_refused_with_the_options(argv, flag):
     with pytest.raises(ConfigError) as e:
         parse_options(argv)
     assert e.value.flag == flag
     assert str(e.value).startswith(f"{flag}: ")
+
+
+@pytest.mark.parametrize("argv, flag", [(["--register-model", "rwf/mvit"], "--register-model"),
+                                        (["--experiment", "team:rwf"], "--experiment")])
+def test_a_name_the_registry_refuses_is_refused_before_the_search(argv, flag, tmp_path):
+    """The name is MLflow's rule (`tune.tracking.store`), checked by the search's preflight: the
+    command stops with exit 2 and one line naming the flag, before any data is read."""
+    with pytest.raises(ConfigError) as e:
+        check_model_name(parse_options(argv).tracking)
+    assert e.value.flag == flag and str(e.value).startswith(f"{flag}: ")
+    (tmp_path / "no-videos-here").mkdir()       # the folder exists: its videos are read after the check
+    out = subprocess.run([sys.executable, "-m", "vidtune.tune.search", *argv, "--dry-run",
+                          "--data", str(tmp_path / "no-videos-here"), "--storage", str(tmp_path),
+                          "--mlflow-uri", f"sqlite:///{tmp_path / 'm.db'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"vidtune search: error: {flag}: "), out.stderr
 
 
 def test_a_model_that_cannot_be_logged_costs_one_line_not_the_results(tmp_path, monkeypatch, capsys):

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torchvision.models.video.swin_transformer import SwinTransformer3d
 
-from vidtune.trainer import models
-from vidtune.trainer.models import (
+from vidtune.trainer.models import registry as models
+from vidtune.trainer.models.registry import (
     MODEL_NAMES,
     WeightsError,
     build_model,

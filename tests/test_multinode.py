@@ -1,5 +1,5 @@
 """Multi-node behaviour on Ray's fake two-node cluster (both nodes on this machine): the clip
-cache filled on every node that trains before the first trial (tune/node_cache.py), with a head
+cache filled on every node that trains before the first trial (trainer/cluster/node_cache.py), with a head
 (the driver's node, skipped: the driver fills its own) and a worker node whose cache folder
 differs ($XDG_CACHE_HOME per node, as two machines' disks).
 
@@ -35,7 +35,7 @@ try:
     ray.init(address=cluster.address)
     from vidtune.datasets.config import DataConfig
     from vidtune.datasets.index import build_index
-    from vidtune.tune.node_cache import fill_every_node
+    from vidtune.trainer.cluster.node_cache import fill_every_node
     data = DataConfig(root=data_root)
     index = build_index(data)
     videos = list(index.train) + list(index.val)
@@ -87,7 +87,7 @@ def test_trial_overhead_bench_refuses_bad_flags_before_starting_ray(argv, flag, 
     def no_ray(*args, **kwargs):
         raise AssertionError("the bench started Ray despite a bad flag")
 
-    monkeypatch.setattr("vidtune.trainer.launch.init_ray", no_ray)
+    monkeypatch.setattr("vidtune.trainer.cluster.launch.init_ray", no_ray)
     with pytest.raises(SystemExit) as exc:
         trial_overhead.main(argv)
     assert flag in str(exc.value)

@@ -24,10 +24,10 @@ from mlflow.tracking import MlflowClient
 from optuna_dashboard import get_note
 
 from vidtune.flags import build
-from vidtune.tune import space
-from vidtune.tune.options import SPECS, SearchOptions
-from vidtune.tune.ray_internals import optuna_study
-from vidtune.tune.tracking import study
+from vidtune.tune.config.options import SPECS, SearchOptions
+from vidtune.tune.running.ray_internals import optuna_study
+from vidtune.tune.study import dashboard as study
+from vidtune.tune.study import space
 
 PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}
 DASHBOARD_START_S = 60      # optuna-dashboard answers /api/studies within this, or the test fails
@@ -80,7 +80,7 @@ def test_intermediate_values_are_each_epochs_own_as_mlflow_logs_them(tmp_path):
     last intermediate value, with the best epoch's in its val_acc attribute."""
     from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
 
-    from vidtune.trainer.history import write_history
+    from vidtune.trainer.training.history import write_history
 
     def checkpoint(name: str, accs: tuple[float, ...]) -> str:
         folder = tmp_path / name

@@ -22,22 +22,24 @@ import vidtune
 from vidtune.datasets.config import DataConfig
 from vidtune.flags import ConfigError
 from vidtune.own_model_spec import IMAGENET_MEAN, checked_input_spec, video_model
-from vidtune.trainer import model_checks, own_models, train, train_run
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import (
+from vidtune.trainer.cluster.launch import (
     DEFAULT_HEALTH_CHECK_INTERVAL_S,
     HEALTH_CHECK_ENV,
     init_ray,
     validate_config,
     worker_runtime_env,
 )
-from vidtune.trainer.models import (
+from vidtune.trainer.commands import train, train_run
+from vidtune.trainer.models import own_models
+from vidtune.trainer.models.registry import (
     build_model,
     classifier,
     get_spec,
     is_own_model,
     prepare_model_memory_format,
 )
+from vidtune.trainer.training import model_checks
+from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune import search
 
 REPO = Path(__file__).resolve().parents[1]
@@ -354,8 +356,8 @@ def test_an_own_model_outside_the_repository_is_searched_retrained_and_served(
     assert json.loads(best_config.read_text())["train_config"]["model"] == "ownnet:build"
 
     # retrained from best_config.json, beside the module (the current folder is searched first)
-    again = _run([str(REPO / "trainer" / "train.py"), "--config", str(best_config), "--address", shared_ray,
-                  "--storage", str(tmp_path / "train")], cwd=models)
+    again = _run([str(REPO / "trainer" / "commands" / "train.py"), "--config", str(best_config),
+                  "--address", shared_ray, "--storage", str(tmp_path / "train")], cwd=models)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "training ownnet:build on 1 worker(s)" in again.stdout and "best checkpoint" in again.stdout
 

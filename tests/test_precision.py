@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from vidtune.trainer import precision
-from vidtune.trainer.precision import (
+from vidtune.trainer.training import precision
+from vidtune.trainer.training.precision import (
     BY_SUPPORT,
     PrecisionPolicy,
     choose_precision,
@@ -208,7 +208,7 @@ def test_helpers_are_no_ops_on_cpu():
 def test_device_type_literal_only_in_precision_module():
     """The runtime owns the device: our training-core modules ask precision.py instead."""
     root = Path(__file__).resolve().parents[1] / "trainer"
-    for name in ("loop.py", "metrics.py", "models.py", "batch_probe.py"):
+    for name in ("training/loop.py", "training/metrics.py", "models/registry.py", "training/batch_probe.py"):
         text = (root / name).read_text()
         assert not re.search(r"""["']cuda""", text), f"trainer/{name} names the cuda device type"
 

@@ -1,4 +1,4 @@
-"""vidtune.trainer.predict: per-video and per-window violence probabilities from a checkpoint; a
+"""vidtune.trainer.serving.predict: per-video and per-window violence probabilities from a checkpoint; a
 missing or damaged video is named, the others are still scored, the exit code says so."""
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from vidtune.trainer import predict, scoring
-from vidtune.trainer.checkpointing import save_checkpoint
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.scoring_rule import SCORING_RULE
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.serving import predict, scoring
+from vidtune.trainer.serving.scoring_rule import SCORING_RULE
+from vidtune.trainer.training.checkpointing import save_checkpoint
+from vidtune.trainer.training.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory) -> Path:
-    """A checkpoint of an (untrained) tiny model, as trainer.train writes it."""
+    """A checkpoint of an (untrained) tiny model, as trainer.commands.train writes it."""
     out = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
     model = build_model("tiny")

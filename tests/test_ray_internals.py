@@ -1,4 +1,5 @@
-"""vidtune.tune.ray_internals and vidtune.trainer.torch_trainer: the two modules allowed to touch Ray's
+"""vidtune.tune.running.ray_internals and vidtune.trainer.cluster.torch_trainer: the two modules allowed to
+touch Ray's
 private APIs, and their version check (vidtune.ray_version)."""
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from vidtune.tune import ray_internals
+from vidtune.tune.running import ray_internals
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("datasets", "trainer", "tune", "bench")
 # The search's uses, and the trainer layer's one (it cannot import from tune/).
-FENCES = (REPO_ROOT / "tune" / "ray_internals.py", REPO_ROOT / "trainer" / "torch_trainer.py")
+FENCES = (REPO_ROOT / "tune" / "running" / "ray_internals.py",
+          REPO_ROOT / "trainer" / "cluster" / "torch_trainer.py")
 
 # Private attributes of Ray objects that vidtune has used (ResultGrid, OptunaSearch); an access to
-# any of them, or to any `_name` module of the `ray` package, belongs in tune/ray_internals.py.
+# any of them, or to any `_name` module of the `ray` package, belongs in tune/running/ray_internals.py.
 PRIVATE_RAY_ATTRS = {"_experiment_analysis", "_ot_trials", "_ot_study", "_completed_trials",
                      "_raylet", "_private", "_internal", "_common"}
 
@@ -78,7 +80,8 @@ def test_no_private_ray_api_outside_the_fence():
                 continue
             for hit in private_ray_uses(path.read_text(encoding="utf-8"), str(path)):
                 offenders.append(f"{path.relative_to(REPO_ROOT)}:{hit}")
-    assert not offenders, ("private Ray APIs outside tune/ray_internals.py and trainer/torch_trainer.py (use "
+    assert not offenders, ("private Ray APIs outside tune/running/ray_internals.py and "
+                           "trainer/cluster/torch_trainer.py (use "
                            "a public API, or add a documented wrapper there):\n  " + "\n  ".join(offenders))
 
 
@@ -167,7 +170,7 @@ def test_worker_group_placement_group_names_what_moved():
 
 
 def test_cleanup_recorder_is_a_train_worker_group_callback():
-    from vidtune.tune import cleanup
+    from vidtune.tune.running import cleanup
 
     assert issubclass(cleanup.PlacementGroupRecorder, ray_internals.WorkerGroupCallback)
 
@@ -204,7 +207,7 @@ def test_quiet_report_lines_silences_trains_per_report_dump_only():
 
     from ray.train.v2._internal.execution import context
 
-    from vidtune.trainer.torch_trainer import quiet_report_lines
+    from vidtune.trainer.cluster.torch_trainer import quiet_report_lines
 
     quiet_report_lines()
     assert not context.logger.isEnabledFor(logging.INFO)

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from vidtune.trainer import ray_start
-from vidtune.trainer.ray_start import RayStart, RayStartError, object_store_bytes, start_local_ray
+from vidtune.trainer.cluster import ray_start
+from vidtune.trainer.cluster.ray_start import RayStart, RayStartError, object_store_bytes, start_local_ray
 
 
 def test_the_object_store_is_sized_to_an_address_space_limit(monkeypatch):
@@ -67,7 +67,7 @@ def test_a_start_that_fails_is_one_error_naming_the_cause_and_the_flags(monkeypa
 
 HANGING_START = textwrap.dedent("""
     import subprocess, sys, time
-    from vidtune.trainer.ray_start import RayStart, start_local_ray
+    from vidtune.trainer.cluster.ray_start import RayStart, start_local_ray
 
     def hanging_init(**kw):
         # stands in for a Ray whose raylet died: a process ('raylet' in its command), then silence
@@ -103,7 +103,8 @@ def test_vidtune_train_whose_ray_cannot_start_says_so_and_leaves_no_ray(syntheti
     its processes can be told from any other Ray on the machine)."""
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "vidtune.trainer.train", "--data", str(synthetic_root),
+    proc = subprocess.run([sys.executable, "-m", "vidtune.trainer.commands.train",
+                           "--data", str(synthetic_root),
                            "--epochs", "1", "--object-store-gb", "100000",
                            "--storage", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -142,7 +143,8 @@ def test_vidtune_train_under_a_memory_limit_is_one_line_and_leaves_no_ray(synthe
     Either way: exit 1, one line naming the limit and what to do, no traceback, no Ray process."""
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
     env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "vidtune.trainer.train", "--data", str(synthetic_root), "--epochs", "1",
+    command = [sys.executable, "-m", "vidtune.trainer.commands.train", "--data", str(synthetic_root),
+               "--epochs", "1",
                "--storage", str(tmp_path / "runs")]
     proc = subprocess.run(["prlimit", f"--as={int(limit_gb * 1e9)}", *command], capture_output=True,
                           text=True, timeout=120, env=env, cwd=tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from conftest import SMOKE_MODEL
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.scoring_rule import SCORING_RULE
+from vidtune.trainer.serving.scoring_rule import SCORING_RULE
 from vidtune.tune.tracking import registry, view
 from vidtune.tune.tracking.schema import PARENT_TAG
 

@@ -1,4 +1,4 @@
-"""vidtune.tune.results and tune.plots: a trial's row takes its steady-state speed,
+"""vidtune.tune.outputs.results and tune.outputs.plots: a trial's row takes its steady-state speed,
 not its last (or first) epoch's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from vidtune.tune import plot_drawing, plots, results, tables
+from vidtune.tune.outputs import plot_drawing, plots, results, tables
 
 
 def _result(epochs: list[dict], *, config=None, error=None):
@@ -312,10 +312,10 @@ def test_the_best_epoch_follows_the_objective(objective, epoch, tmp_path):
     """One rule per objective (pareto: val_acc, the front's accuracy axis): the row's epoch and
     metrics, the live row MLflow shows while it runs, what Optuna is told, and what ranks the
     checkpoints Ray Train keeps all name the same epoch."""
-    from vidtune.trainer.build_trainer import build_torch_trainer
-    from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.history import write_history
-    from vidtune.tune import space
+    from vidtune.trainer.cluster.build_trainer import build_torch_trainer
+    from vidtune.trainer.training.config import TrainConfig
+    from vidtune.trainer.training.history import write_history
+    from vidtune.tune.study import space
 
     metric = results.objective_key(objective)
     epochs = [_epoch(e, 10.0, val_acc=a, val_f1=f) for e, (a, f) in enumerate(DISAGREE, start=1)]
@@ -335,7 +335,7 @@ def test_the_best_epoch_follows_the_objective(objective, epoch, tmp_path):
 
 
 def test_a_best_epoch_needs_a_metric_it_can_be_chosen_by():
-    from vidtune.trainer.history import best_epoch
+    from vidtune.trainer.training.history import best_epoch
 
     with pytest.raises(ValueError, match="val_acc.*val_f1.*not 'clips_per_s'"):
         best_epoch({1: {"val_acc": 0.5}}, "clips_per_s")
@@ -539,9 +539,9 @@ def test_gpu_column_only_when_some_trial_had_a_gpu(tmp_path):
 
 def test_a_resumed_trial_keeps_the_epochs_from_before_its_interruption(tmp_path):
     """After --resume, Tune's results for a trial start again at the epoch it resumed from; the
-    epochs before live in the checkpoint's epochs.json (trainer.history). The row, its best epoch
+    epochs before live in the checkpoint's epochs.json (trainer.training.history). The row, its best epoch
     and its epoch count come from both: here epoch 1 (0.500) stays the best of 4."""
-    from vidtune.trainer.history import write_history
+    from vidtune.trainer.training.history import write_history
 
     before = {1: _epoch(1, 10.0, val_acc=0.5, val_f1=0.45), 2: _epoch(2, 12.0, val_acc=0.45)}
     after = [_epoch(3, 12.0, val_acc=0.40), _epoch(4, 12.0, val_acc=0.375)]

@@ -1,4 +1,4 @@
-"""Every key of a trial's reports is declared once (trainer/report_keys.py) with its role in MLflow:
+"""Every key of a trial's reports is declared once (trainer/training/report_keys.py) with its role in MLflow:
 the real report builders of the worker report exactly the declared keys, MLflow gets exactly the
 declared metrics (the same set the hand list of non-metrics gave before), each tag key names a
 tag the tracker writes, and docs/mlflow.md's table is the module's. No other library file spells
@@ -23,14 +23,15 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
-from vidtune.trainer import report_keys, worker
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.lease import TrainingSlot
-from vidtune.trainer.metrics import reduce_epoch
-from vidtune.trainer.report_keys import EPOCH_METRICS, REPORT_KEYS, SUMMARY_KEYS, Cadence, Key, Role
-from vidtune.trainer.run import TRAINED, build_run, place_model, run_epoch
-from vidtune.trainer.settings import merge_settings, worker_settings
-from vidtune.tune import results
+from vidtune.trainer.cluster import worker
+from vidtune.trainer.cluster.lease import TrainingSlot
+from vidtune.trainer.training import report_keys
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.metrics import reduce_epoch
+from vidtune.trainer.training.report_keys import EPOCH_METRICS, REPORT_KEYS, SUMMARY_KEYS, Cadence, Key, Role
+from vidtune.trainer.training.run import TRAINED, build_run, place_model, run_epoch
+from vidtune.trainer.training.settings import merge_settings, worker_settings
+from vidtune.tune.outputs import results
 from vidtune.tune.tracking import schema
 from vidtune.tune.tracking.runs import placement_tags, setting_tags
 
@@ -120,14 +121,14 @@ def test_an_undeclared_number_is_logged_and_said_once(reports, capsys):
     row = {**reports["trained"], "warmup_share": 0.25}
     assert schema.numeric_metrics(row)["warmup_share"] == 0.25
     said = capsys.readouterr().out
-    assert "'warmup_share' is not declared in trainer/report_keys.py" in said
+    assert "'warmup_share' is not declared in trainer/training/report_keys.py" in said
     schema.numeric_metrics(row)
     assert "warmup_share" not in capsys.readouterr().out
 
 
 def test_a_worker_report_with_an_undeclared_key_is_refused(reports):
     report = dict(reports["trained"])
-    refused = r"trainer/report_keys.py: undeclared \['warmup_share'\], missing \[\]"
+    refused = r"trainer/training/report_keys.py: undeclared \['warmup_share'\], missing \[\]"
     with pytest.raises(ValueError, match=refused):
         report_keys.in_report_order({**report, "warmup_share": 0.25})
     del report["cache_repairs"]
@@ -136,7 +137,7 @@ def test_a_worker_report_with_an_undeclared_key_is_refused(reports):
 
 
 def test_the_summary_keys_are_the_child_runs_summary():
-    """The summary declared here is what `tune.results.summary_metrics` and the tracker's
+    """The summary declared here is what `tune.outputs.results.summary_metrics` and the tracker's
     `best_val_f1` write into a child run."""
     assert set(SUMMARY_KEYS) == {*results.SUMMARY_KEYS, "best_val_f1"}
     assert results.SPEED_METRIC == Key.SPEED_CLIPS_PER_S
@@ -159,7 +160,7 @@ def test_docs_mlflow_table_is_the_modules():
     page = report_keys.DOC.read_text(encoding="utf-8")
     assert page == report_keys.with_table(page), (
         "docs/mlflow.md's table of report keys is stale: run "
-        "`.venv/bin/python -m vidtune.trainer.report_keys`")
+        "`.venv/bin/python -m vidtune.trainer.training.report_keys`")
     table = page.split(report_keys.TABLE_START)[1].split(report_keys.TABLE_END)[0]
     assert "| `lr` | metric | per-epoch | `lr_current` |" in table
     assert all(f"| `{k.value}` |" in table for k in Key)
@@ -191,26 +192,28 @@ def test_number_is_nan_where_a_report_holds_no_number(value):
 
 # -- no library file spells a report key ------------------------------------------------------------
 # Every key of a report is read and written as `Key.X` (`Key.X.value` where a plain string is
-# stored), so that a key renamed or removed in trainer/report_keys.py is renamed everywhere or
+# stored), so that a key renamed or removed in trainer/training/report_keys.py is renamed everywhere or
 # fails at import, and a reader of the code finds every use of a key by its name.
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = ("vidtune", "datasets", "trainer", "tune")           # tune/tracking included
-DECLARATION = "trainer/report_keys.py"
-# lr and batch_size are TrainConfig fields and searched parameters (`tune.searched.PARAMS`) before
+DECLARATION = "trainer/training/report_keys.py"
+# lr and batch_size are TrainConfig fields and searched parameters (`tune.config.searched.PARAMS`) before
 # they are report keys: a config dict, Tune's param space, trials.csv's parameter columns and the
 # MLflow params name them so, and a report only echoes them. The rule: a string may name these two
 # as config fields anywhere; code that reads them from a report uses Key.LR / Key.BATCH_SIZE.
 CONFIG_FIELDS = frozenset({"lr", "batch_size"})
 # (file, string): why that string in that file is not the report key it equals
 NOT_REPORT_KEYS = {
-    ("trainer/checkpointing.py", "epoch"): "a checkpoint file's own field (save_checkpoint, saved_epoch)",
-    ("trainer/mlflow_model.py", "epoch"): "the checkpoint fields a served model keeps (KEPT)",
-    ("trainer/run.py", "diverged"): "how an epoch ended (TRAINED, DIVERGED, OUT_OF_MEMORY), a word",
-    ("trainer/precision.py", "tf32"): "torch's cudnn fp32_precision setting",
-    ("tune/status.py", "diverged"): "Status.DIVERGED's word, for people",
-    ("tune/space.py", "diverged"): "the Optuna constraint's name (DIVERGED_CONSTRAINT), kept in studies",
-    ("tune/tables.py", "epoch"): "the console table's header over the best epoch",
+    ("trainer/training/checkpointing.py", "epoch"):
+        "a checkpoint file's own field (save_checkpoint, saved_epoch)",
+    ("trainer/serving/mlflow_model.py", "epoch"): "the checkpoint fields a served model keeps (KEPT)",
+    ("trainer/training/run.py", "diverged"): "how an epoch ended (TRAINED, DIVERGED, OUT_OF_MEMORY), a word",
+    ("trainer/training/precision.py", "tf32"): "torch's cudnn fp32_precision setting",
+    ("tune/outputs/status.py", "diverged"): "Status.DIVERGED's word, for people",
+    ("tune/study/space.py", "diverged"):
+        "the Optuna constraint's name (DIVERGED_CONSTRAINT), kept in studies",
+    ("tune/outputs/tables.py", "epoch"): "the console table's header over the best epoch",
     ("tune/tracking/registry.py", "epoch"): "a registered model version's tag (EPOCH_TAG)",
 }
 
@@ -244,17 +247,17 @@ def test_no_library_file_spells_a_report_key():
     assert DECLARATION in files and "tune/tracking/runs.py" in files and "vidtune/cli.py" in files
     spelled = [where for name, path in files.items() if name != DECLARATION
                for where, _ in spelled_keys(path.read_text(encoding="utf-8"), name)]
-    assert not spelled, "a report key spelled outside trainer/report_keys.py:\n" + "\n".join(spelled)
+    assert not spelled, "a report key spelled outside trainer/training/report_keys.py:\n" + "\n".join(spelled)
 
 
 def test_a_key_spelled_in_the_console_is_found_by_file_and_line():
-    """The check above is live: "val_acc" written into tune/console.py is named, with its line."""
-    source = (REPO / "tune" / "console.py").read_text(encoding="utf-8")
+    """The check above is live: "val_acc" written into tune/outputs/console.py is named, with its line."""
+    source = (REPO / "tune" / "outputs" / "console.py").read_text(encoding="utf-8")
     line = source.count("\n") + 2
-    found = spelled_keys(source + '\nMETRIC = "val_acc"\n', "tune/console.py")
-    assert found == [(f"tune/console.py:{line}: 'val_acc': write Key.VAL_ACC", "val_acc")]
-    assert spelled_keys('f"{x}" + "epoch"', "tune/tables.py") == []            # an allowed collision
-    assert spelled_keys('cfg["lr"]', "tune/console.py") == []                   # a config field
+    found = spelled_keys(source + '\nMETRIC = "val_acc"\n', "tune/outputs/console.py")
+    assert found == [(f"tune/outputs/console.py:{line}: 'val_acc': write Key.VAL_ACC", "val_acc")]
+    assert spelled_keys('f"{x}" + "epoch"', "tune/outputs/tables.py") == []            # an allowed collision
+    assert spelled_keys('cfg["lr"]', "tune/outputs/console.py") == []                   # a config field
 
 
 def test_every_collision_let_through_is_still_there():

@@ -1,4 +1,4 @@
-"""One number per trial: `tune.results.summary_metrics` and trials.csv under the same names
+"""One number per trial: `tune.outputs.results.summary_metrics` and trials.csv under the same names
 (best_val_acc, best_epoch, speed_clips_per_s, the 95% interval), on known rows; the table's
 interval column; the answer and intervals handed to the MLflow description."""
 from __future__ import annotations
@@ -8,10 +8,11 @@ import math
 
 import pytest
 
-from vidtune.tune import results, summary, tables
-from vidtune.tune.importance import Importance
+from vidtune.tune import summary
+from vidtune.tune.outputs import results, tables
+from vidtune.tune.outputs.importance import Importance
+from vidtune.tune.outputs.uncertainty import wilson_interval
 from vidtune.tune.tracking.tracker import MLflowTracker
-from vidtune.tune.uncertainty import wilson_interval
 
 
 def _row(name: str, acc: float, speed: float, *, best_epoch: int = 2, status: str = "DONE",

@@ -1,4 +1,4 @@
-"""vidtune.tune.plots: the history plot (objective by trial in start order, best so far never going
+"""vidtune.tune.outputs.plots: the history plot (objective by trial in start order, best so far never going
 down, unusable trials at the bottom), readable log-lr ticks, the best trial ringed."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from vidtune.tune import plots, results, tables
-from vidtune.tune import searched as searched_params
-from vidtune.tune.options import SearchSpace
+from vidtune.tune.config import searched as searched_params
+from vidtune.tune.config.options import SearchSpace
+from vidtune.tune.outputs import plots, results, tables
 
 
 def _row(n: int, acc: float, *, status: str = "DONE", batch: int = 8,

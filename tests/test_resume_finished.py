@@ -2,7 +2,7 @@
 session's finished smoke search (a copy: its folder and MLflow store) prints one line saying it is
 finished and where its results are, exits 0, rewrites no file and registers no model version;
 `vidtune.search(..., resume=True)` returns its SearchResult without starting Ray. What counts as
-finished (`tune.finished`: search.json and Tune's saved trials agree), on hand-made states; and the
+finished (`tune.state.finished`: search.json and Tune's saved trials agree), on hand-made states; and the
 second guard: the best model is not registered again when that checkpoint already is."""
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ from conftest import SMOKE_MODEL
 from mlflow.tracking import MlflowClient
 
 import vidtune
-from vidtune.trainer import mlflow_model
-from vidtune.tune import best_model, finished, layout, search_record
-from vidtune.tune.options import parse_options
+from vidtune.trainer.serving import mlflow_model
+from vidtune.tune import best_model
+from vidtune.tune.config import layout
+from vidtune.tune.config.options import parse_options
+from vidtune.tune.outputs.found import Summary
 from vidtune.tune.preflight import Plan
-from vidtune.tune.ray_internals import saved_trials
-from vidtune.tune.summary import Summary
+from vidtune.tune.running.ray_internals import saved_trials
+from vidtune.tune.state import finished, search_record
 
 REPO = Path(__file__).resolve().parents[1]
 

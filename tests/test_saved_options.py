@@ -1,4 +1,4 @@
-"""A search's settings are its own (tune/saved_options.py): saved once when it starts, read back by
+"""A search's settings are its own (tune/state/saved_options.py): saved once when it starts, read back by
 --resume, and an option on the resume line that differs from the saved one refused naming both
 values. Without Ray: a planted, signed search folder (as tests/test_driver_integrity.py plants); the
 printed resume line run verbatim on a real search is tests/test_faults.py's Ctrl-C test."""
@@ -12,9 +12,10 @@ import pytest
 
 from vidtune import atomic
 from vidtune.flags import ConfigError
-from vidtune.tune import saved_options, search, trust
-from vidtune.tune.options import SPECS, given_options, parse_options
-from vidtune.tune.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
+from vidtune.tune import search
+from vidtune.tune.config.options import SPECS, given_options, parse_options
+from vidtune.tune.state import saved_options, trust
+from vidtune.tune.state.saved_options import CHANGEABLE, OPTIONS_FILE, RUN_ONLY
 
 # A state key of each test's own (never the user's ~/.config/vidtune/state.key): conftest's own_key
 pytestmark = pytest.mark.usefixtures("own_key")

@@ -16,10 +16,18 @@ import pytest
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
 from vidtune.flags import ConfigError
-from vidtune.trainer import launch
-from vidtune.trainer.config import TrainConfig
-from vidtune.tune import demo, search
-from vidtune.tune.options import SEARCHED, SMOKE_TEST, SearchOptions, base_config, build_parser, parse_options
+from vidtune.trainer.cluster import launch
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune import search
+from vidtune.tune.config import demo
+from vidtune.tune.config.options import (
+    SEARCHED,
+    SMOKE_TEST,
+    SearchOptions,
+    base_config,
+    build_parser,
+    parse_options,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +82,7 @@ def test_training_options_reach_the_trials(tmp_path):
     assert (t.grad_accum_steps, t.channels_last, t.warmup_frac, t.label_smoothing, t.freeze_backbone_epochs,
             t.data.clip_cache, t.data.height, t.seed, t.cpu_threads) == \
         (2, True, 0.2, 0.1, 1, False, 64, 7, 3)
-    from vidtune.tune.trial import trial_config  # imports Ray: only in the test that needs it
+    from vidtune.tune.running.trial import trial_config  # imports Ray: only in the test that needs it
 
     cfg = trial_config(base_config(opts), {"batch_size": 4, "lr": 1e-3})
     assert cfg.grad_accum_steps == 2 and cfg.batch_size == 4 and cfg.lr == 1e-3 and not cfg.data.clip_cache
@@ -309,7 +317,7 @@ def test_usage_error_names_its_flag():
 def test_autoscaling_cluster_config_may_add_gpus(tmp_path):
     """On the head of an autoscaling cluster, 0 GPUs at connect time is not an error when a
     worker node type can bring GPUs (cluster.yaml leaves resources for AWS to detect)."""
-    from vidtune.tune.cluster import (  # imports Ray: only in the test that needs it
+    from vidtune.tune.running.cluster import (  # imports Ray: only in the test that needs it
         ClusterCapacity,
         read_node_types,
     )
@@ -346,7 +354,7 @@ def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, 
 
 def test_a_search_with_ray_token_authentication_off_says_so(monkeypatch, capsys):
     """vidtune never turns Ray's token authentication off; started with it off, it says so in one
-    line before Ray starts (trainer.launch.init_ray, which the search and vidtune train call)."""
+    line before Ray starts (trainer.cluster.launch.init_ray, which the search and vidtune train call)."""
     import ray
 
     started = []

@@ -18,9 +18,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer import train
-from vidtune.trainer.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, validate_config
-from vidtune.trainer.precision import choose_precision
+from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, validate_config
+from vidtune.trainer.commands import train
+from vidtune.trainer.training.precision import choose_precision
 from vidtune.tune.tracking.description import CELL_PAD
 from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
@@ -92,7 +92,7 @@ def test_search_end_to_end(shared_ray, synthetic_root, tmp_path):
             p["dataset"] == str(synthetic_root)
         assert TRAINER_METRICS <= set(run.data.metrics) and not CONSTANTS & set(run.data.metrics)
         assert [m.step for m in c.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
-        # what its worker trained with, as the worker read it back from torch (trainer.settings)
+        # what its worker trained with, as the worker read it back from torch (trainer.training.settings)
         assert run.data.tags["vidtune.precision_used"] == choose_precision("auto", "cpu").name
         assert run.data.tags["vidtune.torch"] == torch.__version__ and run.data.tags["vidtune.device"]
         # its page opens with how it did (the trial's MLflow description)
@@ -281,7 +281,7 @@ def scripted_worker(config: dict, *, oom_marker: str) -> None:
 
 
 def scripted_trainer_factory(oom_marker: Path):
-    """A trainer factory with the signature of trainer.build_trainer.build_torch_trainer, around
+    """A trainer factory with the signature of trainer.cluster.build_trainer.build_torch_trainer, around
     `scripted_worker`."""
     def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks,
                          device_lease=None, index=None):
@@ -305,7 +305,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     from ray.util.placement_group import placement_group_table
 
     from vidtune.tune import preflight, runner
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
@@ -331,7 +331,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     failed = [r for r in children if r.info.status == "FAILED"]     # OOM: FAILED with reason, run once
     assert len(failed) == 1 and "out of memory" in failed[0].data.tags[FAILURE_TAG], statuses
     # The study beside mlruns.db (the default) records ASHA's stops as PRUNED, the others not, and
-    # names each trial and its MLflow run as MLflow does (tune.tracking.study)
+    # names each trial and its MLflow run as MLflow does (tune.study.dashboard)
     study = optuna.load_study(study_name=plan.name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
     by_run = {t.user_attrs["mlflow_run_id"]: t for t in study.trials}
     assert set(by_run) == {r.info.run_id for r in children}
@@ -350,7 +350,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
 
-    # A stopped trial's Train run ends when ASHA stops it (tune.cleanup ends its controller): it
+    # A stopped trial's Train run ends when ASHA stops it (tune.running.cleanup ends its controller): it
     # starts at most the epoch after its last reported one, never the rest of its 4 epochs.
     started_epochs: dict[str, int] = {}
     for line in (tmp_path / "oom-claimed.epochs").read_text().splitlines():
@@ -373,7 +373,7 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     reused_after_a_stop = [trials for trials in trials_by_pid.values()
                            if any(name in stopped_names for _, name in sorted(trials)[:-1])]
     assert reused_after_a_stop, trials_by_pid
-    # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.launch).
+    # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.cluster.launch).
     from ray.util.state import list_actors
 
     actors = list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000)   # this Ray's

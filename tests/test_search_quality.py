@@ -19,8 +19,8 @@ from bench.sq_replay import GridSearcher, replay
 from bench.sq_report import one_seed_warning, summarise
 from bench.sq_strategies import Strategy, options_for, run_strategy
 from bench.sq_table import Table
-from vidtune.trainer.config import TrainConfig
-from vidtune.tune.space import build_scheduler, build_searcher, objective_for, param_space
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.study.space import build_scheduler, build_searcher, objective_for, param_space
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TABLES_DIR = REPO_ROOT / "bench" / "tables"

@@ -1,4 +1,4 @@
-"""tune.searched: a searched hyperparameter is declared in one place, and every output follows.
+"""tune.config.searched: a searched hyperparameter is declared in one place, and every output follows.
 
 The proof the declaration is the only place: these tests declare one more searched parameter,
 the warmup share (`TrainConfig.warmup_frac`, uniform in 0.02..0.3), by replacing
@@ -23,21 +23,24 @@ import pytest
 from mlflow.tracking import MlflowClient
 from ray.tune.search.sample import Float
 
-from vidtune.trainer.config import TrainConfig
-from vidtune.tune import searched, space, tables
-from vidtune.tune.answer import answer_lines
-from vidtune.tune.console import SearchConsole
-from vidtune.tune.importance import MIN_TRIALS, param_importances
-from vidtune.tune.options import SearchOptions, SearchSpace
-from vidtune.tune.plots import params_figure
-from vidtune.tune.results import TrialResult
+from vidtune.numbers import short_number
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.config import searched
+from vidtune.tune.config.options import SearchOptions, SearchSpace
+from vidtune.tune.outputs import tables
+from vidtune.tune.outputs.answer import answer_lines
+from vidtune.tune.outputs.console import SearchConsole
+from vidtune.tune.outputs.importance import MIN_TRIALS, param_importances
+from vidtune.tune.outputs.plots import params_figure
+from vidtune.tune.outputs.results import TrialResult
+from vidtune.tune.running.trial import short_name, trial_config
+from vidtune.tune.study import space
+from vidtune.tune.study.warm_start import load_warm_start
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import PARENT_TAG
-from vidtune.tune.trial import short_name, trial_config
-from vidtune.tune.warm_start import load_warm_start
 
 REPO = Path(__file__).resolve().parents[1]
-# The declaration a contributor would add to tune/searched.py's PARAMS (fixed bounds: no new flag)
+# The declaration a contributor would add to tune/config/searched.py's PARAMS (fixed bounds: no new flag)
 WARMUP = searched.Param("warmup_frac", words="warmup", column="warmup", short="wu", scale="linear",
                         low=0.02, high=0.3, axis="warmup share of training")
 DECLARE = "searched.PARAMS = searched.PARAMS + (searched.Param('warmup_frac', words='warmup', " \
@@ -140,7 +143,7 @@ def test_a_smoke_search_with_one_more_declared_parameter_shows_it_everywhere(sha
     """The search run as `vidtune search` runs it, with WARMUP declared and nothing else changed."""
     script = textwrap.dedent(f"""
         import sys
-        from vidtune.tune import searched
+        from vidtune.tune.config import searched
         {DECLARE}
         from vidtune.tune.search import main
         sys.exit(main(sys.argv[1:]))
@@ -161,7 +164,7 @@ def test_a_smoke_search_with_one_more_declared_parameter_shows_it_everywhere(sha
         read = list(csv.DictReader(f))
     values = {r["name"]: float(r["warmup_frac"]) for r in read}
     assert len(values) == 1 and all(0.02 <= v <= 0.3 for v in values.values())
-    assert all(f"-wu{searched.short_number(v)}" in name for name, v in values.items())
+    assert all(f"-wu{short_number(v)}" in name for name, v in values.items())
     best = json.loads((tmp_path / "vidtune-results" / "warmup" / "best_config.json").read_text())
     assert math.isclose(best["train_config"]["warmup_frac"], values[best["name"]], rel_tol=5e-3)
 

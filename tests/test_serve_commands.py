@@ -4,7 +4,7 @@ validation did: the session's smoke search (conftest's `smoke_search`) prints th
 run verbatim (a free --port appended to the servers'); the UI page answers over HTTP with the
 search's experiment, the model server answers /ping and scores the validation videos, and its
 accuracy on them at P >= 0.5 is the val_acc the search reported for the registered checkpoint,
-as is the pyfunc model's loaded in this process (`trainer.scoring_rule`)."""
+as is the pyfunc model's loaded in this process (`trainer.serving.scoring_rule`)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ from test_serving_errors import clean_shell, free_port, invoke, served
 from vidtune import servers
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
-from vidtune.trainer.scoring_rule import THRESHOLD
+from vidtune.trainer.serving.scoring_rule import THRESHOLD
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_a_registered_model_that_is_not_there_is_named(tmp_path):
 
 
 def test_a_folder_without_a_model_is_named(tmp_path, capsys):
-    from vidtune.trainer import serve_cli
+    from vidtune.trainer.serving import serve_cli
 
     assert serve_cli.main([str(tmp_path)]) == 2
     assert f"error: MODEL: {tmp_path}: no MLflow model there" in capsys.readouterr().err
@@ -160,10 +160,10 @@ def gone_models(tmp_path_factory) -> SimpleNamespace:
     from mlflow.tracking import MlflowClient
 
     from vidtune.datasets.synthetic import generate
-    from vidtune.trainer import mlflow_model
-    from vidtune.trainer.checkpointing import save_checkpoint
-    from vidtune.trainer.config import TrainConfig
-    from vidtune.trainer.models import build_model, get_spec
+    from vidtune.trainer.models.registry import build_model, get_spec
+    from vidtune.trainer.serving import mlflow_model
+    from vidtune.trainer.training.checkpointing import save_checkpoint
+    from vidtune.trainer.training.config import TrainConfig
 
     tmp = tmp_path_factory.mktemp("gone-model")
     torch.manual_seed(0)
@@ -192,7 +192,7 @@ def gone_models(tmp_path_factory) -> SimpleNamespace:
 def test_a_model_folder_whose_checkpoint_is_gone_is_one_line_before_serving(gone_models, monkeypatch, capsys):
     """`vidtune serve FOLDER`: the model is loaded before the server is started or named; a whole
     folder is then served (the server's start stands in here)."""
-    from vidtune.trainer import serve_cli, serve_model
+    from vidtune.trainer.serving import serve_cli, serve_model
 
     started = []
     monkeypatch.setattr(servers, "exec_python", lambda module, args: serve_model.main(args))

@@ -3,7 +3,7 @@ user pastes it, in a shell whose PATH lacks the venv) starts a real `mlflow mode
 127.0.0.1; a batch of readable videos is scored; a batch with a missing path, a folder, a file
 that does not decode, a pipe or an empty path gets HTTP 400 with MLflow's INVALID_PARAMETER_VALUE,
 one line per bad path and no stack trace; a mixed batch is refused as a whole, naming only its
-bad paths (`trainer.mlflow_model.VideoModel.predict`). Helpers here (`clean_shell`, `served`)
+bad paths (`trainer.serving.mlflow_model.VideoModel.predict`). Helpers here (`clean_shell`, `served`)
 start such servers for tests/test_serve_commands.py too."""
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from vidtune import servers
-from vidtune.trainer import mlflow_model
-from vidtune.trainer.checkpointing import save_checkpoint
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.models import build_model, get_spec
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.serving import mlflow_model
+from vidtune.trainer.training.checkpointing import save_checkpoint
+from vidtune.trainer.training.config import TrainConfig
 
 START_S = 180     # a server answers within this, or the test fails
 CLEAN_PATH = "/usr/bin:/bin"   # a shell where the venv is not activated

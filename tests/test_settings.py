@@ -1,11 +1,11 @@
 """What each worker trained with, on record: read back from torch in the worker's process
-(`trainer.settings`), merged over ranks, and put on the trial's MLflow run as tags."""
+(`trainer.training.settings`), merged over ranks, and put on the trial's MLflow run as tags."""
 from __future__ import annotations
 
 import torch
 
-from vidtune.trainer import settings
-from vidtune.trainer.precision import choose_precision
+from vidtune.trainer.training import settings
+from vidtune.trainer.training.precision import choose_precision
 from vidtune.tune.tracking.runs import setting_tags
 from vidtune.tune.tracking.schema import SETTING_TAGS
 

@@ -7,10 +7,10 @@ import pytest
 from ray.tune.search.sample import Categorical, Float, LogUniform
 
 from vidtune.flags import build
-from vidtune.tune import space
-from vidtune.tune.options import SPECS, SearchOptions
-from vidtune.tune.ray_internals import optuna_study
+from vidtune.tune.config.options import SPECS, SearchOptions
 from vidtune.tune.runner import searcher_params
+from vidtune.tune.running.ray_internals import optuna_study
+from vidtune.tune.study import space
 
 PATHS = {s.path.rsplit(".", 1)[-1]: s.path for s in SPECS}   # "epochs" -> "train.epochs"
 
@@ -97,7 +97,7 @@ def test_optuna_is_told_the_best_epoch_of_every_epoch_trained_even_after_a_resum
     gets the last result's."""
     from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
 
-    from vidtune.trainer.history import write_history
+    from vidtune.trainer.training.history import write_history
 
     checkpoint = tmp_path / "epoch_0004"
     checkpoint.mkdir()

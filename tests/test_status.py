@@ -1,11 +1,11 @@
-"""vidtune.tune.status: a trial's outcome declared once, read by the console, the table's legend,
+"""vidtune.tune.outputs.status: a trial's outcome declared once, read by the console, the table's legend,
 MLflow's outcome tag and the Optuna study."""
 from __future__ import annotations
 
 from tests.test_console import _row
-from vidtune.tune import console, tables
-from vidtune.tune.results import STATUSES
-from vidtune.tune.status import Status, word_of
+from vidtune.tune.outputs import console, tables
+from vidtune.tune.outputs.results import STATUSES
+from vidtune.tune.outputs.status import Status, word_of
 from vidtune.tune.tracking.schema import OUTCOMES
 
 

@@ -16,10 +16,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from vidtune import atomic, servers
-from vidtune.tune import faults
-from vidtune.tune.options import base_config, parse_options
+from vidtune.tune.config.options import base_config, parse_options
+from vidtune.tune.outputs.found import Summary
 from vidtune.tune.preflight import Plan
-from vidtune.tune.summary import Summary, print_summary, summarise
+from vidtune.tune.running import faults
+from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import spaced_table
 from vidtune.tune.tracking.schema import BEST_TAG, TRIAL_ID_TAG
 from vidtune.tune.tracking.tracker import MLflowTracker
@@ -50,7 +51,7 @@ def _results(plan: Plan) -> list[SimpleNamespace]:
                                    path=f"{plan.experiment_path}/{name}"))
         trials.append(SimpleNamespace(trial_id=f"abc_0000{i}", status="TERMINATED"))
 
-    class Grid(list):   # what tune.ray_internals.trial_states reads
+    class Grid(list):   # what tune.running.ray_internals.trial_states reads
         _experiment_analysis = SimpleNamespace(trials=trials)
 
     return Grid(out)

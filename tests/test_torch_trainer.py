@@ -1,12 +1,12 @@
 """vidtune's TorchTrainer: Ray's, less the Ray Data process a run without datasets never uses and
-the placement-group cleaner vidtune does the work of (tune.cleanup)."""
+the placement-group cleaner vidtune does the work of (tune.running.cleanup)."""
 from __future__ import annotations
 
 import ray.train
 from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-from vidtune.trainer.torch_trainer import TorchTrainer, VidtuneTorchTrainer
+from vidtune.trainer.cluster.torch_trainer import TorchTrainer, VidtuneTorchTrainer
 
 
 def _loop(config: dict) -> None:
@@ -48,7 +48,7 @@ def test_a_full_disk_ends_the_run_at_once_other_worker_failures_restart_as_rays_
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
 
-    from vidtune.trainer.torch_trainer import DiskFullNotRetried
+    from vidtune.trainer.cluster.torch_trainer import DiskFullNotRetried
 
     full = OSError(28, "No space left on device", "/results/t01/checkpoint.pt")
     for error in (full, RuntimeError(f"ray::RayTrainWorker.run_train_fn() failed: {full}")):
@@ -62,7 +62,7 @@ def test_a_full_disk_ends_the_run_at_once_other_worker_failures_restart_as_rays_
 def test_the_trainer_hands_its_controller_the_disk_full_policy(tmp_path, monkeypatch):
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from vidtune.trainer.torch_trainer import DiskFullNotRetried
+    from vidtune.trainer.cluster.torch_trainer import DiskFullNotRetried
 
     handed = {}
     monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller",

@@ -196,7 +196,7 @@ def test_a_trial_resumed_from_an_older_checkpoint_logs_its_epochs_again_and_says
 
 def _best(val_acc: float):
     """A best trial with an accuracy only: its F1 and speed are unknown (NaN, not logged)."""
-    from vidtune.tune.results import TrialResult
+    from vidtune.tune.outputs.results import TrialResult
 
     return TrialResult(trial_id="a", batch_size=8, lr=1e-3, val_acc=val_acc, val_f1=math.nan,
                        clips_per_s=math.nan, epoch_time_s=math.nan, epochs=1, status="DONE", checkpoint=None)
@@ -246,7 +246,7 @@ def test_diverged_trial_fails_with_its_reason_and_every_trial_says_where_it_ran(
     the same tags for a run whose live epochs MLflow missed."""
     import pandas as pd
 
-    from vidtune.tune.results import row_from_result
+    from vidtune.tune.outputs.results import row_from_result
 
     t = _tracker(uri, "diverged", epochs=3)
     t.setup()
@@ -338,9 +338,9 @@ def test_tracking_server_health_is_checked(status, ok):
 
 
 def test_each_trial_run_opens_with_one_line_saying_how_it_did():
-    from vidtune.tune.results import TrialResult
+    from vidtune.tune.outputs.results import TrialResult
+    from vidtune.tune.outputs.uncertainty import accuracy_interval
     from vidtune.tune.tracking.runs import trial_description
-    from vidtune.tune.uncertainty import accuracy_interval
 
     row = TrialResult(trial_id="a", batch_size=4, lr=1e-3, val_acc=0.5625, val_f1=0.6,
                    clips_per_s=45.12, epoch_time_s=2.0, epochs=4, status="DONE", checkpoint=None,

@@ -1,5 +1,5 @@
-"""vidtune.trainer.train: bad input is refused before Ray starts (exit 2, the flag named); a real run
-prints one line per epoch and the best checkpoint, which trainer.predict then uses."""
+"""vidtune.trainer.commands.train: bad input is refused before Ray starts (exit 2, the flag named); a real run
+prints one line per epoch and the best checkpoint, which trainer.serving.predict then uses."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from vidtune.datasets.config import DataConfig
-from vidtune.trainer import predict, train, train_run
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import TRAIN_FLAGS, ConfigError, validate_config
-from vidtune.trainer.models import build_model
-from vidtune.tune.options import build_parser as search_parser
+from vidtune.trainer.cluster.launch import TRAIN_FLAGS, ConfigError, validate_config
+from vidtune.trainer.commands import train, train_run
+from vidtune.trainer.models.registry import build_model
+from vidtune.trainer.serving import predict
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.config.options import build_parser as search_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,7 +99,8 @@ def test_cli_bad_input_exits_2_before_ray(tmp_path):
     and no Ray started (it would print Ray's banner and take seconds)."""
     env = {**os.environ, "PYTHONPATH": ""}
     proc = subprocess.run(
-        [sys.executable, "-m", "vidtune.trainer.train", "--data", str(tmp_path), "--batch-size", "0"],
+        [sys.executable, "-m", "vidtune.trainer.commands.train", "--data", str(tmp_path),
+         "--batch-size", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert "--batch-size" in proc.stderr and "got 0" in proc.stderr
@@ -129,7 +131,7 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
 
 
 def test_cli_num_frames_above_the_shortest_video_exits_2_before_ray(synthetic_root, capsys, monkeypatch):
-    """The search's check, shared (trainer.launch.check_training_inputs): a clip longer than the
+    """The search's check, shared (trainer.cluster.launch.check_training_inputs): a clip longer than the
     shortest video is refused before Ray starts, after the data report."""
     def no_ray(*args, **kwargs):
         raise AssertionError("vidtune train started Ray despite a clip longer than every video")
@@ -185,7 +187,7 @@ def test_negative_values_reach_the_range_check(capsys, tmp_path):
 def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_session, synthetic_root, tmp_path,
                                                                        capsys):
     """`vidtune train` end to end (in-process, on the shared Ray): one line per epoch,
-    the best checkpoint's path at the end; trainer.predict scores 2 videos with it and names a
+    the best checkpoint's path at the end; trainer.serving.predict scores 2 videos with it and names a
     missing one."""
     code = train.main(["--data", str(synthetic_root), "--epochs", "1", "--batch-size", "8", "--precision",
                        "fp32", "--loader-workers", "1", "--storage", str(tmp_path), "--name", "cli"])
@@ -203,7 +205,7 @@ def test_cli_trains_prints_epochs_and_checkpoint_then_predict_uses_it(ray_sessio
     code = predict.main(["--checkpoint", str(checkpoint), str(videos[0]), str(missing), str(videos[1])])
     out, err = capsys.readouterr()
     assert code == 1 and "gone.mp4" in err
-    # The centred clip, as validation scored it (trainer/scoring_rule.py)
+    # The centred clip, as validation scored it (trainer/serving/scoring_rule.py)
     scores = [float(x) for x in re.findall(r": P\(Fight\) ([0-9.]+) \(centre clip\)", out)]
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores), out
 
@@ -317,11 +319,11 @@ def test_config_prints_the_trial_and_blames_the_file_for_its_values(tmp_path, ca
     assert "--batch-size: got -1" in err and str(file) not in err, err
 
 
-# -- the search's resource checks, shared (trainer.capacity), before Ray starts -----------------
+# -- the search's resource checks, shared (trainer.cluster.capacity), before Ray starts -----------------
 
 def _no_ray(monkeypatch, machine=(8.0, 1.0)):
     """`vidtune train` on a machine of `machine` (CPUs, GPUs), where starting Ray fails the test."""
-    from vidtune.trainer.capacity import ClusterCapacity
+    from vidtune.trainer.cluster.capacity import ClusterCapacity
 
     def no_ray(*args, **kwargs):
         raise AssertionError("vidtune train started Ray for a run the machine cannot hold")
@@ -355,7 +357,7 @@ def test_cli_on_a_cluster_checks_its_nodes_and_the_autoscalers_once_connected(sy
                                                                                 monkeypatch):
     """With --address the machine is not the cluster: the check runs once connected, on the nodes
     alive and those the autoscaler may start, and a refusal is still exit 2 before any worker."""
-    from vidtune.trainer.capacity import AUTOSCALER_CONFIG, ClusterCapacity, NodeType
+    from vidtune.trainer.cluster.capacity import AUTOSCALER_CONFIG, ClusterCapacity, NodeType
 
     read = []
     head = (4.0, 0.0)

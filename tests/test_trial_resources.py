@@ -1,12 +1,13 @@
-"""vidtune.tune.trial.TrialResources: what a trial asks Ray for, so that the next trial can start beside a
+"""vidtune.tune.running.trial.TrialResources: what a trial asks Ray for, so that the next trial can start
+beside a
 training one while the device lease keeps the trainings apart."""
 from __future__ import annotations
 
-from vidtune.tune.trial import TrialResources
+from vidtune.tune.running.trial import TrialResources
 
 
 def test_one_worker_gpu_trial_asks_ray_for_a_lead_or_follower_share():
-    from vidtune.trainer.lease import FOLLOW, LEAD
+    from vidtune.trainer.cluster.lease import FOLLOW, LEAD
 
     whole = TrialResources(workers=1, cpus_per_worker=2, gpus_per_worker=1.0)
     assert whole.overlaps and whole.trainings_per_gpu == 1       # the lease lets one train per GPU
@@ -38,8 +39,8 @@ def test_multi_worker_and_cpu_trials_ask_for_what_they_train_on():
 def test_trial_config_puts_the_sampled_values_in_and_keeps_the_rest():
     import pytest
 
-    from vidtune.trainer.config import TrainConfig
-    from vidtune.tune.trial import trial_config
+    from vidtune.trainer.training.config import TrainConfig
+    from vidtune.tune.running.trial import trial_config
 
     base = TrainConfig(epochs=5, grad_accum_steps=2, seed=7)
     cfg = trial_config(base, {"batch_size": 16.0, "lr": "0.001", "weight_decay": 0.01})
@@ -54,7 +55,7 @@ def test_trial_config_puts_the_sampled_values_in_and_keeps_the_rest():
 # -- fit_to_cluster: hardware defaults, refusals and trials at once -----------------------------
 
 def _opts(*argv):
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
 
     return parse_options(["--smoke-test", *argv])
 
@@ -62,7 +63,7 @@ def _opts(*argv):
 def _fit(opts, *, cpus=2.0, gpus=0.0, cpu_nodes=1, node_types=()):
     """fit_to_cluster on `cpu_nodes` nodes sharing `cpus`, the GPUs all on the last one (the first
     node the head), and the autoscaler's `node_types`. Returns (options, concurrency, local_gpu)."""
-    from vidtune.tune.cluster import ClusterCapacity, fit_to_cluster
+    from vidtune.tune.running.cluster import ClusterCapacity, fit_to_cluster
 
     nodes = tuple((cpus / cpu_nodes, gpus if i == cpu_nodes - 1 else 0.0) for i in range(cpu_nodes))
     fit = fit_to_cluster(opts, ClusterCapacity(nodes, nodes[0], tuple(node_types)))
@@ -123,7 +124,7 @@ def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
         _fit(_opts("--workers-per-trial", "3"))
     assert e.value.flag == "--workers-per-trial/--cpus-per-worker"
     # The head of an autoscaling cluster with GPU node types: 0 GPUs now is not an error.
-    from vidtune.tune.cluster import NodeType
+    from vidtune.tune.running.cluster import NodeType
 
     opts, _, _ = _fit(_opts("--gpus-per-trial", "1", "--address", "auto"),
                       node_types=[NodeType("gpu", 8, None, 2)])
@@ -152,7 +153,7 @@ def test_fractional_gpus_per_worker_with_several_workers_are_refused_naming_the_
 
 def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
     """The README's cluster: a 4-CPU head alone at first, up to 2 + 4 g5.2xlarge (8 CPUs, 1 GPU)."""
-    from vidtune.tune.cluster import NodeType
+    from vidtune.tune.running.cluster import NodeType
 
     types = [NodeType("gpu_ondemand", 8, 1, 2), NodeType("gpu_spot", 8, 1, 4)]
     args = ("--address", "auto", "--num-samples", "20")
@@ -166,7 +167,7 @@ def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
     assert opts.resources.gpus_per_worker == 1.0
     _, overlapping, _ = _fit(_opts(*args, "--cpus-per-worker", "3.5"), cpus=4.0, node_types=types)
     assert overlapping == 12                                   # a lead and a follower per GPU node
-    from vidtune.tune.cluster import ClusterCapacity, fit_to_cluster
+    from vidtune.tune.running.cluster import ClusterCapacity, fit_to_cluster
 
     alive = ((4.0, 0.0), (8.0, 1.0))                           # the head and one GPU node
     fit = fit_to_cluster(_opts(*args, "--cpus-per-worker", "7"), ClusterCapacity(alive, alive[0]))
@@ -176,7 +177,7 @@ def test_an_autoscaling_cluster_sizes_trials_by_the_nodes_it_can_start():
 
 
 def test_the_cluster_config_node_types_are_read_and_capped_by_max_workers(tmp_path):
-    from vidtune.tune.cluster import NodeType, read_node_types
+    from vidtune.tune.running.cluster import NodeType, read_node_types
 
     cfg = tmp_path / "ray_bootstrap_config.yaml"
     assert read_node_types(cfg) == ()                          # not a cluster head
@@ -193,7 +194,7 @@ def test_the_cluster_config_node_types_are_read_and_capped_by_max_workers(tmp_pa
 
 
 def test_a_search_that_waits_for_gpu_nodes_says_so():
-    from vidtune.tune.cluster import ClusterCapacity, NodeType, fit_to_cluster, waiting_line
+    from vidtune.tune.running.cluster import ClusterCapacity, NodeType, fit_to_cluster, waiting_line
 
     capacity = ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), (NodeType("gpu_spot", 8, 1, 4),))
     fit = fit_to_cluster(_opts("--address", "auto", "--num-samples", "8", "--cpus-per-worker", "3"), capacity)
@@ -209,7 +210,7 @@ def test_a_folder_or_weights_file_that_another_node_lacks_is_refused(tmp_path):
 
     from vidtune import __version__
     from vidtune.flags import ConfigError
-    from vidtune.tune.cluster import check_every_node
+    from vidtune.tune.running.cluster import check_every_node
 
     weights = tmp_path / "w.pt"
     weights.write_bytes(b"x")
@@ -241,7 +242,7 @@ def test_a_node_without_this_vidtune_is_refused_naming_it_and_the_fix(tmp_path):
 
     from vidtune import __version__
     from vidtune.flags import ConfigError
-    from vidtune.tune.cluster import check_every_node
+    from vidtune.tune.running.cluster import check_every_node
 
     def nodes(*others):
         def views(marker, weights_path):
@@ -263,7 +264,7 @@ def test_the_heads_memory_caps_the_trials_at_once_with_a_line_saying_why():
     """The README's cluster: a 16 GB m5.xlarge head (Ray's `memory` ~10.5 GB once its object
     store is set aside) and 6 single-GPU nodes, a lead and a follower each: 12 trials would keep
     ~11 GB of drivers and Train controllers on the head."""
-    from vidtune.tune.cluster import (
+    from vidtune.tune.running.cluster import (
         HEAD_RESERVE_GB,
         TRIAL_ON_HEAD_GB,
         ClusterCapacity,

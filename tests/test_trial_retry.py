@@ -1,4 +1,4 @@
-"""Which failed trials a search runs again (tune/trial_retry.py): only those whose process or
+"""Which failed trials a search runs again (tune/running/trial_retry.py): only those whose process or
 node was lost; a trial that failed by itself fails at once when Tune retries it, until a
 --resume (a new search process, with a new registry) gives it another go."""
 from __future__ import annotations
@@ -9,12 +9,12 @@ import pytest
 import ray.exceptions
 from ray.train import ControllerError, WorkerGroupError
 
-from vidtune.trainer.config import TrainConfig
-from vidtune.tune import trial as trial_module
-from vidtune.tune import trial_retry
-from vidtune.tune.faults import exception_line
-from vidtune.tune.trial import TrialResources, make_trial_driver
-from vidtune.tune.trial_retry import TrialFailedBefore, is_lost_process
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.running import trial as trial_module
+from vidtune.tune.running import trial_retry
+from vidtune.tune.running.faults import exception_line
+from vidtune.tune.running.trial import TrialResources, make_trial_driver
+from vidtune.tune.running.trial_retry import TrialFailedBefore, is_lost_process
 
 
 def _raised_from(error: BaseException, cause: BaseException) -> BaseException:
@@ -46,7 +46,7 @@ class _Method:
 
 
 class FakeRegistry:
-    """tune.cleanup's registry actor without Ray: its two methods the retry rule uses, called
+    """tune.running.cleanup's registry actor without Ray: its two methods the retry rule uses, called
     through `.remote` as on the actor handle (`ray.get` patched to return the value)."""
 
     def __init__(self):
@@ -164,7 +164,7 @@ def test_a_search_does_not_rerun_a_trial_that_failed_by_itself(ray_session, synt
     from ray.train.torch import TorchTrainer
 
     from vidtune.tune import preflight, runner
-    from vidtune.tune.options import parse_options
+    from vidtune.tune.config.options import parse_options
     from vidtune.tune.tracking.schema import FAILURE_TAG, PARENT_TAG
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # workers cannot import tests/

@@ -12,8 +12,8 @@ import zipfile
 import pytest
 import torch
 
-from vidtune.trainer.checkpointing import FORMAT, CheckpointError, load_checkpoint
-from vidtune.trainer.scoring import Predictor
+from vidtune.trainer.serving.scoring import Predictor
+from vidtune.trainer.training.checkpointing import FORMAT, CheckpointError, load_checkpoint
 
 
 class _Payload:

@@ -1,4 +1,4 @@
-"""trainer/utilization.py: the cores other processes kept busy on the machine during an epoch."""
+"""trainer/training/utilization.py: the cores other processes kept busy on the machine during an epoch."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 
 
 def test_other_cores_subtracts_every_worker_of_the_run_on_a_node():
-    from vidtune.trainer.utilization import CpuWindow, other_cores
+    from vidtune.trainer.training.utilization import CpuWindow, other_cores
 
     one = {"n1": [CpuWindow(busy_s=3.0, own_s=2.0, wall_s=2.0)]}
     assert other_cores(one) == pytest.approx(0.5)
@@ -24,7 +24,7 @@ def test_other_cpu_load_counts_other_processes_not_this_ones_children(tmp_path):
     import sys
     import time
 
-    from vidtune.trainer.utilization import OtherCpuLoad
+    from vidtune.trainer.training.utilization import OtherCpuLoad
 
     # 1.2 s of CPU time (not wall time: on a busy machine it still burns all of it), then a mark
     done = tmp_path / "done"
@@ -54,7 +54,7 @@ def test_a_grandchilds_cpu_time_is_this_process_trees():
     import sys
     import time
 
-    from vidtune.trainer.utilization import process_tree_cpu, tree_cpu_since
+    from vidtune.trainer.training.utilization import process_tree_cpu, tree_cpu_since
 
     spin = "import time\nwhile time.process_time() < 1.0: pass\ntime.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c",
@@ -76,7 +76,7 @@ def test_a_grandchilds_cpu_time_is_this_process_trees():
 def test_a_descendant_that_ends_in_the_window_never_makes_the_own_time_negative():
     """A process of the tree that used CPU before the window and ended in it (e.g. a Ray process
     an earlier run left behind) takes its time away: the window must not count it as negative."""
-    from vidtune.trainer.utilization import tree_cpu_since
+    from vidtune.trainer.training.utilization import tree_cpu_since
 
     before = {(10, 1.0): 5.0, (11, 2.0): 3.0}          # pid 11 used 3 s, then ended
     now = {(10, 1.0): 5.5, (12, 9.0): 0.25}           # pid 12 is new; pid 10 is the same process

@@ -10,12 +10,12 @@ import pytest
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.flags import ConfigError
-from vidtune.tune.options import SearchOptions, SearchSpace
-from vidtune.tune.ray_internals import optuna_study
-from vidtune.tune.results import TrialResult
-from vidtune.tune.space import param_space
-from vidtune.tune.tables import write_csv
-from vidtune.tune.warm_start import load_warm_start
+from vidtune.tune.config.options import SearchOptions, SearchSpace
+from vidtune.tune.outputs.results import TrialResult
+from vidtune.tune.outputs.tables import write_csv
+from vidtune.tune.running.ray_internals import optuna_study
+from vidtune.tune.study.space import param_space
+from vidtune.tune.study.warm_start import load_warm_start
 
 SPACE = SearchSpace(batch_sizes=(4, 8), lr_min=1e-4, lr_max=3e-3)
 HEADER = "name,trial_id,status,batch_size,lr,weight_decay,best_val_acc,val_f1,best_epoch\n"
@@ -34,7 +34,7 @@ def row(trial_id: str, batch_size: int, lr: float, val_acc: float, status: str =
 
 
 def test_a_real_two_trial_search_seeds_a_study_that_holds_both(tmp_path):
-    """trials.csv as tune/results.py writes it -> OptunaSearch as tune/space.py builds it."""
+    """trials.csv as tune/outputs/results.py writes it -> OptunaSearch as tune/study/space.py builds it."""
     write_csv([row("a", 4, 2.5e-4, 0.61), row("b", 8, 1.2e-3, 0.74)], tmp_path / "search" / "trials.csv")
     ws = load_warm_start(str(tmp_path / "search"), SPACE, "val_acc")
     assert ws.line() == f"--warm-start: 2 finished trials of {tmp_path / 'search'} seed the study"

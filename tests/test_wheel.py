@@ -70,7 +70,7 @@ def test_the_wheel_installs_beside_hugging_face_datasets_and_leaves_it_whole(tmp
     listing = run([sys.executable, "-m", "zipfile", "-l", str(wheel)], cwd=tmp_path).stdout
     tops = {line.split("/", 1)[0] for line in listing.splitlines()[1:] if "/" in line}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"vidtune"}, listing
-    for module in ("vidtune/datasets/index.py", "vidtune/trainer/worker.py", "vidtune/tune/search.py",
+    for module in ("vidtune/datasets/index.py", "vidtune/trainer/cluster/worker.py", "vidtune/tune/search.py",
                    "vidtune/flags.py", "vidtune/cli.py"):
         assert module in listing
 

@@ -15,20 +15,20 @@ from ray.util.queue import Queue
 from torch import nn
 
 from vidtune.datasets.config import DataConfig
-from vidtune.trainer import models
-from vidtune.trainer.build_trainer import build_torch_trainer
-from vidtune.trainer.checkpointing import (
+from vidtune.trainer.cluster.build_trainer import build_torch_trainer
+from vidtune.trainer.cluster.worker import METRIC_KEYS, train_loop_per_worker
+from vidtune.trainer.models import registry as models
+from vidtune.trainer.models.registry import build_model, get_spec
+from vidtune.trainer.training.checkpointing import (
     CheckpointError,
     load_checkpoint,
     restore_training_state,
     save_checkpoint,
 )
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.loop import make_optimizer, make_scheduler
-from vidtune.trainer.models import build_model, get_spec
-from vidtune.trainer.precision import is_out_of_memory
-from vidtune.trainer.run import ShardSampler
-from vidtune.trainer.worker import METRIC_KEYS, train_loop_per_worker
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.loop import make_optimizer, make_scheduler
+from vidtune.trainer.training.precision import is_out_of_memory
+from vidtune.trainer.training.run import ShardSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_free_device_lets_go_of_the_weights_and_optimiser_state_once_checkpointe
     on its device (here the CPU, as with simulated GPUs): what the lease records at release."""
     from types import SimpleNamespace
 
-    from vidtune.trainer.device_memory import free_device, held_device_mb
+    from vidtune.trainer.training.device_memory import free_device, held_device_mb
 
     model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Linear(256, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -155,7 +155,7 @@ def test_free_device_drops_ddp_inside_a_compiled_model(tmp_path):
 
     import torch.distributed as dist
 
-    from vidtune.trainer.device_memory import free_device, held_device_mb
+    from vidtune.trainer.training.device_memory import free_device, held_device_mb
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -182,9 +182,9 @@ def test_a_gpu_trial_waits_for_its_lease_in_host_memory(monkeypatch):
 
     import torch.distributed as dist
 
-    from vidtune.trainer import precision
-    from vidtune.trainer.gpus import SIMULATE_ENV
-    from vidtune.trainer.process_group import GPU_BACKEND, LeasedTorchConfig
+    from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
+    from vidtune.trainer.training import precision
+    from vidtune.trainer.training.gpus import SIMULATE_ENV
 
     monkeypatch.delenv(SIMULATE_ENV, raising=False)
     config = build_torch_trainer(TrainConfig(), num_workers=2, use_gpu=True).backend_config
@@ -207,7 +207,7 @@ def test_build_run_leaves_nothing_on_the_device_until_place_model(synthetic_root
     optimiser and input transforms on the CPU (here `meta` stands for the GPU: any tensor moved
     there would show); place_model, called once the lease is held, moves them."""
     from vidtune.datasets.index import build_index
-    from vidtune.trainer.run import build_run, place_model
+    from vidtune.trainer.training.run import build_run, place_model
 
     cfg = _small(synthetic_root, channels_last=True)
     device = torch.device("meta")
@@ -229,8 +229,8 @@ def test_a_bf16_checkpoint_resumes_in_fp16_with_a_fresh_scaler(synthetic_root, t
     loss scaling); restored where fp16 is chosen (a T4), the run starts a fresh GradScaler
     instead of failing ("The source state dict is empty"), and the weights come back."""
     from vidtune.datasets.index import build_index
-    from vidtune.trainer.checkpointing import saved_precision
-    from vidtune.trainer.run import build_run, place_model, save_run_checkpoint
+    from vidtune.trainer.training.checkpointing import saved_precision
+    from vidtune.trainer.training.run import build_run, place_model, save_run_checkpoint
 
     cpu = torch.device("cpu")
     index = build_index(_small(synthetic_root).data)
@@ -254,8 +254,8 @@ def test_a_run_decides_its_precision_once_for_all_ranks_and_keeps_its_checkpoint
     reaching this rank through the all-reduce) every rank trains in fp16, a bf16 checkpoint too."""
     from types import SimpleNamespace
 
-    from vidtune.trainer import run as run_module
-    from vidtune.trainer.precision import BY_SUPPORT, choose_precision
+    from vidtune.trainer.training import run as run_module
+    from vidtune.trainer.training.precision import BY_SUPPORT, choose_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
 
@@ -351,7 +351,7 @@ def _actors_had(class_name: str) -> int:
                            filters=[("class_name", "=", class_name)], limit=10_000))
 
 
-UNUSED_ACTORS = ("DatasetManager", "PlacementGroupCleaner")   # Ray Train's; trainer.torch_trainer
+UNUSED_ACTORS = ("DatasetManager", "PlacementGroupCleaner")   # Ray Train's; trainer.cluster.torch_trainer
 
 
 @pytest.mark.slow
@@ -509,7 +509,7 @@ def test_a_learning_rate_of_1e6_ends_the_run_as_diverged(ray_session, synthetic_
 def test_loader_workers_default_from_the_cpus_a_worker_holds():
     """A GPU worker given 8 CPUs decodes on 7 (2 left a big GPU waiting for data); one with a
     CPU or less still decodes on 2 beside training; --loader-workers wins, 0 included."""
-    from vidtune.trainer.run import loader_workers
+    from vidtune.trainer.training.run import loader_workers
 
     assert [loader_workers(None, cpus) for cpus in (0.5, 0.9, 1, 3, 4, 8, 16.0)] == [2, 2, 2, 2, 3, 7, 15]
     assert loader_workers(0, 8) == 0 and loader_workers(5, 1) == 5

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import ray.train
 
-from vidtune.trainer import mlflow_model
-from vidtune.tune import faults
-from vidtune.tune.options import SearchOptions
+from vidtune.trainer.serving import mlflow_model
+from vidtune.tune.config.options import SearchOptions
+from vidtune.tune.outputs.found import Summary
 from vidtune.tune.preflight import Plan
-from vidtune.tune.summary import Summary
+from vidtune.tune.running import faults
 from vidtune.tune.tracking import registry
 from vidtune.tune.tracking.tracker import MLflowTracker
 
@@ -28,7 +28,7 @@ class BestModel:
 
 def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: MLflowTracker) -> BestModel:
     """Log the search's best whole checkpoint as an MLflow model in its trial's run, registered
-    under --register-model (`trainer.mlflow_model`); returns its URI and the summary's lines saying
+    under --register-model (`trainer.serving.mlflow_model`); returns its URI and the summary's lines saying
     how to load and serve it, or the one line saying why it is not in MLflow. Never raises: the
     search's results and exit code stand either way. Not with --no-log-model, nor for an
     interrupted search (its --resume logs the model of the finished search)."""
@@ -44,7 +44,7 @@ def log_best_model(plan: Plan, opts: SearchOptions, summary: Summary, tracker: M
             uri, registered = opts.tracking.mlflow_uri, opts.tracking.model_name
             trial = f"{row.name}'s epoch {row.checkpoint_epoch}"
             # already registered (a resume of a search that registered it, whose search.json
-            # could not say it had finished: tune/finished.py): said, not registered again
+            # could not say it had finished: tune/state/finished.py): said, not registered again
             known = registered and registered_version(tracker, registered, run_id, row.checkpoint_epoch)
             if known:
                 return BestModel(mlflow_model.usage_lines(known, uri, trial=trial) + [

@@ -3,7 +3,7 @@ leaves. `prepare` runs every check that needs no Ray cluster (no driver already 
 options, training config, stores, storage, the dataset indexed once, the experiment name, a
 resumed search's saved state and its signature); `describe` is `--dry-run`'s printout. A plan
 that passes is what `tune.runner.execute` runs; a --resume of a finished search stops at its
-state (`Plan.finished`, `tune.finished`), and nothing runs.
+state (`Plan.finished`, `tune.state.finished`), and nothing runs.
 
 Bad input raises ConfigError / DataError naming the flag or file, which `tune.search.main` turns
 into exit code 2, in seconds and before any Ray process exists."""
@@ -19,19 +19,22 @@ from ray import tune
 
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.launch import check_output_folders, check_training_inputs
-from vidtune.tune import faults, last_good, layout, saved_options, space, trust
-from vidtune.tune.budget import parse_duration
-from vidtune.tune.demo import ensure_demo_data
-from vidtune.tune.finished import finished_search
-from vidtune.tune.lock import check_not_running
-from vidtune.tune.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
-from vidtune.tune.ray_internals import check_experiment_state
-from vidtune.tune.search_record import SearchRecord
-from vidtune.tune.tracking.store import check_artifact_location, check_store_uri
-from vidtune.tune.tracking.study import default_storage
-from vidtune.tune.warm_start import load_warm_start
+from vidtune.trainer.cluster.launch import check_output_folders, check_training_inputs
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.tune.config import layout
+from vidtune.tune.config.demo import ensure_demo_data
+from vidtune.tune.config.options import CPU_BATCH_SIZES, GPU_BATCH_SIZES, SearchOptions, base_config
+from vidtune.tune.running import faults
+from vidtune.tune.running.budget import parse_duration
+from vidtune.tune.running.ray_internals import check_experiment_state
+from vidtune.tune.state import last_good, saved_options, trust
+from vidtune.tune.state.finished import finished_search
+from vidtune.tune.state.lock import check_not_running
+from vidtune.tune.state.search_record import SearchRecord
+from vidtune.tune.study import space
+from vidtune.tune.study.dashboard import default_storage
+from vidtune.tune.study.warm_start import load_warm_start
+from vidtune.tune.tracking.store import check_artifact_location, check_model_name, check_store_uri
 
 DEFAULT_STORAGE = "vidtune-results"
 
@@ -47,7 +50,7 @@ class Plan:
     name: str                 # experiment name (folder under storage)
     demo: bool
     index: VideoIndex | None = None   # the driver's index of the videos (None in tests that skip it)
-    # --resume of a finished search: its record; nothing runs (`tune.finished`), nothing was checked
+    # --resume of a finished search: its record; nothing runs (`tune.state.finished`), nothing was checked
     # past the search's own state
     finished: SearchRecord | None = None
     # When this run of the search began (unix time): the summary's "N trials in T". Set by
@@ -56,12 +59,12 @@ class Plan:
 
     @property
     def search_path(self) -> str:
-        """The search's folder: the user's files at its top (`tune.layout`)."""
+        """The search's folder: the user's files at its top (`tune.config.layout`)."""
         return layout.search_path(self.storage, self.name)
 
     @property
     def experiment_path(self) -> str:
-        """Ray Tune's experiment folder, inside the search's (`tune.layout.state_path`)."""
+        """Ray Tune's experiment folder, inside the search's (`tune.config.layout.state_path`)."""
         return layout.state_path(self.search_path)
 
     @property
@@ -72,10 +75,10 @@ class Plan:
 
 def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
     """The one validation on the driver, before Ray starts: no driver already running this
-    search (tune/lock.py), options, training config, stores, storage, the dataset (indexed here,
+    search (tune/state/lock.py), options, training config, stores, storage, the dataset (indexed here,
     and every candidate batch size checked against the training videos each worker gets), the
     experiment name. A --resume runs with the options the search saved when it started
-    (`tune.saved_options`); `given`, what its command line set, must agree with them. Raises
+    (`tune.state.saved_options`); `given`, what its command line set, must agree with them. Raises
     ConfigError / DataError naming the flag or file at fault; a plan that passes cannot fail for
     a reason known here."""
     storage = opts.storage or str(Path(DEFAULT_STORAGE).resolve())
@@ -93,6 +96,7 @@ def prepare(opts: SearchOptions, given: dict[str, Any] | None = None) -> Plan:
             return Plan(opts=opts, base=base_config(opts), storage=storage, name=name, demo=opts.demo,
                         finished=done)
     check_store_uri(opts.tracking.mlflow_uri, "--mlflow-uri")
+    check_model_name(opts.tracking)
     if opts.tracking.artifact_location:
         opts = replace(opts, tracking=replace(
             opts.tracking, artifact_location=check_artifact_location(opts.tracking.artifact_location)))
@@ -165,8 +169,8 @@ def experiment_name(o: SearchOptions, storage: str) -> str:
 
 def check_resumable(path: str, *, trust_state: bool) -> None:
     """Before anything of the search at `path` (its folder) is unpickled: no live driver holds it
-    (tune/lock.py), Tune's saved state (`tune.layout.state_path`) parses, and this user's key
-    signed every state file (tune/trust.py), unless --trust-state."""
+    (tune/state/lock.py), Tune's saved state (`tune.config.layout.state_path`) parses, and this user's key
+    signed every state file (tune/state/trust.py), unless --trust-state."""
     check_not_running(path, "--resume")
     path = layout.state_path(path)
     key = trust.load_key(create=False) if trust.key_path().exists() else None

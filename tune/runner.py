@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -22,33 +21,34 @@ from ray import tune
 from ray.tune import CLIReporter
 from ray.tune.search import Searcher
 
-from vidtune import __version__
 from vidtune.atomic import write_atomically
 from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
-from vidtune.trainer.batch_probe import BatchProbe, probe_batch_size
-from vidtune.trainer.config import TrainConfig
-from vidtune.trainer.devices import train_device
-from vidtune.trainer.gpus import simulated_gpus
-from vidtune.trainer.launch import check_batch_sizes, init_ray, joins_cluster
-from vidtune.trainer.lease import start_lease
-from vidtune.trainer.models import get_spec
-from vidtune.tune import (
-    best_model,
-    cleanup,
-    faults,
-    kinetics,
-    last_good,
-    node_cache,
-    saved_options,
-    search_record,
-    searched,
-    space,
+from vidtune.trainer.cluster import kinetics, node_cache
+from vidtune.trainer.cluster.devices import train_device
+from vidtune.trainer.cluster.launch import check_batch_sizes, init_ray, joins_cluster
+from vidtune.trainer.cluster.lease import start_lease
+from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.training.batch_probe import BatchProbe, probe_batch_size
+from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.gpus import simulated_gpus
+from vidtune.tune import best_model
+from vidtune.tune.config import searched
+from vidtune.tune.config.options import SearchOptions
+from vidtune.tune.outputs.console import SearchConsole
+from vidtune.tune.outputs.results import objective_key
+from vidtune.tune.outputs.search_log import (
+    LOG_FILE,
+    keep_ray_lines_off_the_console,
+    log_file_for,
+    quiet_libraries,
 )
-from vidtune.tune.budget import TimeBudget
-from vidtune.tune.cluster import (
+from vidtune.tune.preflight import Plan, unreadable_state
+from vidtune.tune.running import cleanup, faults
+from vidtune.tune.running.budget import TimeBudget
+from vidtune.tune.running.cluster import (
     AUTOSCALER_CONFIG,
     Fit,
     check_every_node,
@@ -57,23 +57,21 @@ from vidtune.tune.cluster import (
     trial_resources,
     waiting_line,
 )
-from vidtune.tune.console import SearchConsole
-from vidtune.tune.faults import DiskFullError
-from vidtune.tune.lock import SearchLock
-from vidtune.tune.options import SearchOptions
-from vidtune.tune.preflight import Plan, unreadable_state
-from vidtune.tune.ray_internals import (
+from vidtune.tune.running.faults import DiskFullError
+from vidtune.tune.running.ray_internals import (
     check_experiment_state,
     drop_unreadable_error_pickles,
     restored_searcher,
 )
-from vidtune.tune.results import objective_key
-from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
+from vidtune.tune.running.trial import DRIVER_CPUS, make_trial_driver, short_name
+from vidtune.tune.state import last_good, saved_options, search_record
+from vidtune.tune.state.lock import SearchLock
+from vidtune.tune.state.trust import SignAfterSave, StateSigner
+from vidtune.tune.study import space
 from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
+from vidtune.tune.tracking.runs import parent_tags
 from vidtune.tune.tracking.tracker import MLflowTracker
-from vidtune.tune.trial import DRIVER_CPUS, make_trial_driver, short_name
-from vidtune.tune.trust import SignAfterSave, StateSigner
 
 
 def execute(plan: Plan) -> int:
@@ -110,7 +108,7 @@ def _execute(plan: Plan) -> int:
     try:
         started = init_ray(address=plan.opts.resources.address, ray_start=plan.opts.resources.ray_start,
                            **log_options)
-        # Tags Tune's state files as it saves them, so that a later --resume trusts them (tune/trust.py)
+        # Tags Tune's state files as it saves them, so that a later --resume trusts them (tune/state/trust.py)
         signer = StateSigner(plan.experiment_path).start()
         return run_search(plan)
     finally:
@@ -180,7 +178,7 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     """Decode every indexed video once into the clip cache of each node that trains, before the
     first trial, so no trial's epoch 1 pays for decoding: this node's here (not when no trial
     trains on it, `trains_here` False: a head without the GPUs, or the CPUs, trials train on),
-    the other nodes' by a task on each (`tune.node_cache`). Returns `base` with the cache format
+    the other nodes' by a task on each (`trainer.cluster.node_cache`). Returns `base` with the cache format
     resolved (auto: jpeg when trials train on GPUs, else raw), so every worker reads the same
     format."""
     d = base.data
@@ -203,8 +201,8 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
 
 def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None) -> int:
     """Run the planned search to the end (or resume it); print and record the summary.
-    `trainer_factory`: see `tune.trial.make_trial_driver` (tests)."""
-    if not plan.opts.resume:   # the options a --resume continues with (tune/saved_options.py)
+    `trainer_factory`: see `tune.running.trial.make_trial_driver` (tests)."""
+    if not plan.opts.resume:   # the options a --resume continues with (tune/state/saved_options.py)
         try:
             saved_options.save(plan.opts, plan.search_path, demo=plan.demo)
         except OSError as e:
@@ -253,7 +251,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tuner, searcher = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
     results, failure = None, None
     announce_mlflow(tracker)
-    faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/faults.py)
+    faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/running/faults.py)
     try:
         results = tuner.fit()
         full = faults.trial_disk_full(results, plan.storage)
@@ -285,7 +283,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
 
 
 def save_lease_record(lease: Any, log: Path) -> Path | None:
-    """Write the device lease's record (`trainer.lease.LeaseBook.record`: every grant, release and
+    """Write the device lease's record (`trainer.cluster.lease.LeaseBook.record`: every grant, release and
     end, with the device memory the trial's workers held) beside the search's log, as
     `device_lease.json` (NAME.device_lease.json beside a remote search's log); None when the lease
     could not be asked (the search goes on to its summary either way)."""
@@ -356,7 +354,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             trial_name_creator=short_name, trial_dirname_creator=short_name,
             # A trial driver's process (Python, Ray, Tune, torch: ~3 s of CPU to start) serves
             # the next trial too; the driver keeps no state between trials. A stopped trial's
-            # process is free once tune.cleanup has ended its Train run (see there).
+            # process is free once tune.running.cleanup has ended its Train run (see there).
             reuse_actors=True),
         run_config=tune.RunConfig(
             # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
@@ -364,7 +362,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             # Tune runs a trial again (from its Train run's last checkpoint) when the node of its
             # driver and Train controller was lost (a reclaimed spot node): --max-failures times,
             # as Train restarts a lost worker group. A trial that failed by itself is not rerun
-            # (tune.trial_retry), and out of memory is an answer, not a failure.
+            # (tune.running.trial_retry), and out of memory is an answer, not a failure.
             failure_config=tune.FailureConfig(max_failures=opts.train.max_failures),
             # Tune's own reporter, silent at verbose 0: in a notebook Tune would pick its Jupyter
             # reporter, which puts an empty HTML block above the console's lines
@@ -374,34 +372,14 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
     return tuner, searcher
 
 
-# The clone this code runs from (editable install); an installed wheel has only its version.
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
-
-
-def git_commit(repo: Path) -> str | None:
-    """The commit checked out in `repo` (a tag of the parent run), or None outside a vidtune clone."""
-    if not (repo / "pyproject.toml").is_file():   # site-packages, perhaps inside someone else's repository
-        return None
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=5)
-        return (out.stdout.strip() or None) if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def make_tracker(plan: Plan, opts: SearchOptions) -> MLflowTracker:
     sp, res, train = opts.space, opts.resources, opts.train
     bounds = {k: v for d in searched.domains(sp).values() for k, v in d.option_values().items()}
-    commit = git_commit(SOURCE_ROOT)
-    tags = {"vidtune.objective": opts.objective, "vidtune.kind": "search", "vidtune.version": __version__}
-    if commit:
-        tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
     gpus = (res.gpus_per_worker or 0.0) * res.workers_per_trial
     return MLflowTracker(
         tracking_uri=opts.tracking.mlflow_uri, experiment=opts.tracking.experiment,
         artifact_location=opts.tracking.artifact_location, experiment_path=plan.search_path,
-        epochs=train.epochs, parent_tags=tags,
+        epochs=train.epochs, parent_tags=parent_tags(opts.objective),
         objective=opts.objective, val_clips=len(plan.index.val) if plan.index is not None else 0,
         parent_params={**bounds, "dataset": plan.base.data.root, "model": train.model,
                        "weights": train.weights, "objective": opts.objective, "epochs": train.epochs,

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 from vidtune.errors import DataError, SearchInterrupted, VidtuneError
 from vidtune.flags import ConfigError
-from vidtune.trainer.ray_start import import_failure_message
-from vidtune.tune.options import SearchOptions, build_parser, given_options, parse_options
+from vidtune.trainer.cluster.ray_start import import_failure_message
+from vidtune.tune.config.options import SearchOptions, build_parser, given_options, parse_options
 
 if TYPE_CHECKING:
     from vidtune.tune.preflight import Plan
@@ -69,15 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> tuple[int, Plan | None]:
     """Check everything on the driver (`tune.preflight.prepare`), then run the search
     (`tune.runner.execute`) or, with --dry-run, print the resolved configuration; a --resume of a
-    finished search prints one line and runs nothing (`tune.finished`). Returns the exit code (a
+    finished search prints one line and runs nothing (`tune.state.finished`). Returns the exit code (a
     finished search's own) and the plan (None for a dry run). `given`: the options the caller set
-    (`tune.options.given_options`), which a --resume checks against the search's saved ones.
+    (`tune.config.options.given_options`), which a --resume checks against the search's saved ones.
     The command (`main`) and the Python API (`vidtune.search`) both run a search through here."""
-    from vidtune.tune import (  # heavy (Ray, Optuna, MLflow, torch): not before the flags are checked
-        finished,
-        preflight,
-        runner,
-    )
+    from vidtune.tune import preflight, runner  # heavy (Ray, Optuna, MLflow, torch): flags first
+    from vidtune.tune.state import finished  # heavy (Ray): flags first
 
     started_at = time.time()    # the search's time, not the process's (a notebook runs several)
     # --quiet: nothing before the summary, which writes to the real stdout (tune.summary.summarise)
@@ -96,7 +93,7 @@ def run_search(opts: SearchOptions, given: dict[str, object] | None = None) -> t
             return 0, None
         if plan.finished is None:
             return runner.execute(plan), plan
-    # a finished search resumed: one line, its own exit code, nothing written (tune/finished.py)
+    # a finished search resumed: one line, its own exit code, nothing written (tune/state/finished.py)
     print(finished.finished_line(plan.finished, plan.search_path), flush=True)
     return (0, None) if opts.dry_run else (plan.finished.exit_code, plan)
 

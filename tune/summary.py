@@ -3,7 +3,7 @@
 trials.csv, best_config.json and the plots; no MLflow. `tune.runner.run_search` calls it when the
 Tuner returns, raises or is interrupted, hands the value to the MLflow tracker to record
 (`tune.tracking.tracker.MLflowTracker.record_summary`), then `print_summary` prints the last
-block, the answer first: the sentences a person acts on (`tune.answer.answer_lines`) and the
+block, the answer first: the sentences a person acts on (`tune.outputs.answer.answer_lines`) and the
 MLflow link to compare the trials; the trials by outcome and the total time; the trials table and
 what its columns mean; the Pareto front; the best checkpoint; and how to train it again, resume
 or flush."""
@@ -15,23 +15,20 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from ray import tune
 
 from vidtune.atomic import atomic_path, write_atomically
 from vidtune.servers import vidtune_line
-from vidtune.tune import faults, searched
-from vidtune.tune.answer import answer_lines
-from vidtune.tune.budget import TimeBudget
-from vidtune.tune.console import outcome_line
-from vidtune.tune.importance import MIN_TRIALS, Importance, param_importances
-from vidtune.tune.options import SearchOptions
-from vidtune.tune.plots import plot_history, plot_objective_vs_params, plot_scatter
-from vidtune.tune.preflight import Plan
-from vidtune.tune.ray_internals import FINISHED_STATES, trial_states
-from vidtune.tune.results import (
+from vidtune.tune.config import searched
+from vidtune.tune.config.options import SearchOptions
+from vidtune.tune.outputs.answer import answer_lines
+from vidtune.tune.outputs.console import outcome_line
+from vidtune.tune.outputs.found import Summary
+from vidtune.tune.outputs.importance import MIN_TRIALS, Importance, param_importances
+from vidtune.tune.outputs.plots import plot_history, plot_objective_vs_params, plot_scatter
+from vidtune.tune.outputs.results import (
     TrialResult,
     best_trial,
     best_whole_checkpoint,
@@ -41,34 +38,12 @@ from vidtune.tune.results import (
     ranked,
     row_from_result,
 )
-from vidtune.tune.tables import column_notes, format_markdown, format_table, write_csv
-from vidtune.tune.tracking.study import dashboard_line, save_study_note
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What a search found, as a plain value: what the console's last block shows and what the
-    tracker records in MLflow. The files in `files` are written when it is made."""
-
-    objective: str                 # the search's --objective: ranks the rows, chose `best`
-    rows: list[TrialResult]           # one per trial, in the Results' order
-    # (row, Tune result, Train run folder) per trial: what MLflow's reconcile writes epochs from
-    trials: list[tuple[TrialResult, tune.Result, str]]
-    trial_states: list[tuple[str, str]]   # Tune's (trial id, status) of every trial it knows
-    interrupted: bool              # Ctrl-C / SIGTERM, or no results at all: continue with --resume
-    val_clips: int                 # the validation set's size: the accuracies' 95% intervals (0: none)
-    answer: list[str]              # the sentences a person acts on (`tune.answer.answer_lines`)
-    best: TrialResult | None          # by the objective; None without a usable trial
-    # The row whose checkpoint is the search's best whole one (`best_whole_checkpoint`): `best`,
-    # unless its best epoch's checkpoint is damaged or gone
-    checkpoint: TrialResult | None
-    importance: Importance         # the searched parameters' shares (fANOVA), or why there are none
-    files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
-
-    @property
-    def table_markdown(self) -> str:
-        """The trials table, ranked by the objective, as MLflow's description shows it."""
-        return format_markdown(ranked(self.rows, self.objective), self.val_clips)
+from vidtune.tune.outputs.tables import column_notes, format_table, write_csv
+from vidtune.tune.preflight import Plan
+from vidtune.tune.running import faults
+from vidtune.tune.running.budget import TimeBudget
+from vidtune.tune.running.ray_internals import FINISHED_STATES, trial_states
+from vidtune.tune.study.dashboard import dashboard_line, save_study_note
 
 
 def summarise(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | None) -> Summary:
@@ -177,7 +152,7 @@ def collect_rows(plan: Plan, opts: SearchOptions, results: tune.ResultGrid | Non
         return rows, pairs, states
     states = trial_states(results)
     for (trial_id, status), result in zip(states, results, strict=True):
-        # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/faults.py)
+        # Tune marks the trials it stops on Ctrl-C TERMINATED, like finished ones (tune/running/faults.py)
         finished = status in FINISHED_STATES and not faults.trial_unfinished(trial_id)
         name = Path(result.path).name if result.path else trial_id   # the trial's folder: short_name
         train_run = f"{plan.experiment_path}/train_runs/{name}"
@@ -211,7 +186,7 @@ REMOTE_COPIES = Path(tempfile.gettempdir()) / "vidtune-results"
 
 def results_folder(plan: Plan) -> Path | None:
     """Where trials.csv, best_config.json, the plots and search.json are written: the top of the
-    search's folder (`tune.layout`); on remote storage a local copy, REMOTE_COPIES/<name> (the
+    search's folder (`tune.config.layout`); on remote storage a local copy, REMOTE_COPIES/<name> (the
     files are in MLflow too). None when that folder is not there (nor can be made)."""
     if "://" in plan.search_path:
         try:
@@ -227,7 +202,7 @@ def write_results(plan: Plan, opts: SearchOptions, rows: list[TrialResult], best
                   folder: Path | None, *, val_clips: int = 0, importance: Importance | None = None,
                   checkpoint: TrialResult | None = None) -> dict[str, Path]:
     """The search's results as files: trials.csv (ranked by the objective), best_config.json
-    (the best trial's row and its whole TrainConfig, which `trainer.train --config` reads) and
+    (the best trial's row and its whole TrainConfig, which `trainer.commands.train --config` reads) and
     the three plots. In `folder`, or a temporary folder when None or when `folder` cannot take
     them (a full disk): MLflow gets them either way. `val_clips`: the validation set's size (the
     CSV's intervals); `importance`: its bar chart joins the plots when it was computed;

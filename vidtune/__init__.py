@@ -39,7 +39,7 @@ _API = {
     "load": "vidtune.api.result:load",
     "SearchResult": "vidtune.api.result:SearchResult",
     "TrainResult": "vidtune.api.result:TrainResult",
-    "TrialResult": "vidtune.tune.results:TrialResult",
+    "TrialResult": "vidtune.tune.outputs.results:TrialResult",
     "ui": "vidtune.mlflow_ui:ui",
     "video_model": "vidtune.own_model_spec:video_model",
     "synth": "vidtune.datasets.synthetic:generate",

@@ -1,7 +1,8 @@
 """A configuration field's command-line flag, defined once, beside the field.
 
-The typed configurations (`vidtune.datasets.config.DataConfig`, `vidtune.trainer.config.TrainConfig`,
-`vidtune.tune.options.SearchOptions`) declare each field with `option(...)`: its default, flag, help text
+The typed configurations (`vidtune.datasets.config.DataConfig`, `vidtune.trainer.training.config.TrainConfig`,
+`vidtune.tune.config.options.SearchOptions`) declare each field with `option(...)`: its default, flag, help
+text
 and bounds. From that one definition come
 
 - the argparse flags of every CLI that exposes the field (`add_flags`), with the same flag name

@@ -11,7 +11,7 @@ The spec is the factory's `input_spec` attribute, a dict with the keys `SPEC_KEY
 `num_frames x height x width` RGB frames, normalised as `(x / 255 - mean) / std`. `video_model`
 only sets it (checked at once, so a mistake shows when the module is imported); a module that
 sets `build.input_spec = {...}` itself need not import vidtune. Standard library only: importing
-this costs nothing, and `trainer.own_models` reads the same attribute with `checked_input_spec`.
+this costs nothing, and `trainer.models.own_models` reads the same attribute with `checked_input_spec`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Ray minor version vidtune's uses of Ray internals are tested on, and the check of it.
 
 Two modules touch Ray's private APIs (`tests/test_ray_internals.py` keeps it so): the search's
-`vidtune.tune.ray_internals` and the trainer's `vidtune.trainer.torch_trainer`. Both call
+`vidtune.tune.running.ray_internals` and the trainer's `vidtune.trainer.cluster.torch_trainer`. Both call
 `check_ray_version()` on import. It lives on the floor because the trainer layer cannot import
 from the search layer above it; only those two import it (the floor's other modules stay Ray-free).
 """
@@ -51,8 +51,9 @@ def check_ray_version(version: str | None = None) -> str:
     if match and (int(match.group(1)), int(match.group(2))) == SUPPORTED_RAY:
         return version
     message = (f"vidtune is tested with Ray {supported()}.x, but Ray {version} is installed; it relies on "
-               f"Ray internals that change between minor versions (see tune/ray_internals.py and "
-               f"trainer/torch_trainer.py). Install the tested version with `{INSTALL_HINT}` (from the "
+               f"Ray internals that change between minor versions (see tune/running/ray_internals.py and "
+               f"trainer/cluster/torch_trainer.py). Install the tested version with `{INSTALL_HINT}` "
+               f"(from the "
                f"repository root), or set {ALLOW_UNTESTED_ENV}=1 to try this one anyway.")
     if os.environ.get(ALLOW_UNTESTED_ENV, "").strip().lower() in ("1", "true", "yes"):
         log.warning("%s (going on: %s is set)", message, ALLOW_UNTESTED_ENV)

@@ -1,6 +1,6 @@
 """MLflow's UI and model server started from the environment vidtune is installed in, whatever
 the shell's PATH: what `vidtune ui` (`vidtune.ui_cli`) and `vidtune serve`
-(`vidtune.trainer.serve_cli`) run, and the lines the search's summary prints to run them.
+(`vidtune.trainer.serving.serve_cli`) run, and the lines the search's summary prints to run them.
 
 MLflow's `mlflow ui` and `mlflow models serve` start `uvicorn` (and gunicorn, huey) by name from
 PATH; in a shell where the venv is not activated neither `mlflow` nor `uvicorn` is there and the

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from vidtune.servers import ui_line
-from vidtune.trainer.report_keys import Key
+from vidtune.trainer.training.report_keys import Key
 from vidtune.tune.tracking import view
 from vidtune.tune.tracking.schema import BEST_TAG, GPU_IDS_TAG, INTERVAL_TAG, NODE_TAG, OUTCOME_TAG
 from vidtune.tune.tracking.store import sqlite_path

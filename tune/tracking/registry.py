@@ -1,11 +1,11 @@
 """The registered model version as MLflow's registry shows it: a description that explains it
 (which search, trial and epoch, the accuracy with its 95% interval, the training speed, what
-goes in and comes out, how a video is scored (`trainer.scoring_rule.SCORING_RULE`, the rule
+goes in and comes out, how a video is scored (`trainer.serving.scoring_rule.SCORING_RULE`, the rule
 `vidtune predict` and the served model apply), links to the search's run and the trial's run),
 tags (objective, model, data, the score that ranks it) and the alias `best`, which moves to a
 version that scores at least as well as the one holding it (on the same data and objective).
 
-`tune.best_model.log_best_model` calls `describe_version` right after `trainer.mlflow_model` has
+`tune.best_model.log_best_model` calls `describe_version` right after `trainer.serving.mlflow_model` has
 logged and registered the search's best checkpoint.
 """
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.report_keys import Key
-from vidtune.trainer.scoring_rule import SCORING_RULE
+from vidtune.trainer.serving.scoring_rule import SCORING_RULE
+from vidtune.trainer.training.report_keys import Key
+from vidtune.tune.outputs.uncertainty import accuracy_interval, format_interval
 from vidtune.tune.tracking import view
-from vidtune.tune.uncertainty import accuracy_interval, format_interval
 
 BEST_ALIAS = "best"
 OBJECTIVE_TAG, MODEL_TAG, DATA_TAG = "objective", "model", "data"

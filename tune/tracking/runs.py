@@ -12,6 +12,7 @@ UI (`tune.tracking.description`) and the console's links to it (`summary_links`)
 from __future__ import annotations
 
 import math
+import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -21,9 +22,10 @@ from typing import Any
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.report_keys import Key, number
-from vidtune.tune.faults import error_text, exception_line, keep_traceback
-from vidtune.tune.results import (
+from vidtune import __version__
+from vidtune.numbers import significant
+from vidtune.trainer.training.report_keys import Key, number
+from vidtune.tune.outputs.results import (
     NO_RESULT,
     RECORD_NAMES,
     SPEED_METRIC,
@@ -31,8 +33,9 @@ from vidtune.tune.results import (
     rounded_speed,
     summary_metrics,
 )
-from vidtune.tune.status import word_of
-from vidtune.tune.tables import significant
+from vidtune.tune.outputs.status import word_of
+from vidtune.tune.outputs.uncertainty import format_interval
+from vidtune.tune.running.faults import error_text, exception_line, keep_traceback
 from vidtune.tune.tracking import description
 from vidtune.tune.tracking.schema import (
     FAILURE_TAG,
@@ -48,7 +51,6 @@ from vidtune.tune.tracking.schema import (
     STOP_TAG,
     TRACEBACK_ARTIFACT,
 )
-from vidtune.tune.uncertainty import format_interval
 
 
 class RunWriter:
@@ -81,7 +83,7 @@ class RunWriter:
 
     def mlflow_status(self, status: str, last: dict[str, Any],
                       error: BaseException | str | None = None) -> tuple[str, dict[str, str]]:
-        """The MLflow status and reason tag of a trial's `tune.results.trial_status`: FAILED for
+        """The MLflow status and reason tag of a trial's `tune.outputs.results.trial_status`: FAILED for
         out of memory, divergence or an error, KILLED when interrupted, else FINISHED (stopped
         early by ASHA too, with the reason in STOP_TAG)."""
         if status == "OOM":
@@ -104,7 +106,7 @@ class RunWriter:
         return "FINISHED", {}
 
     def record_failure(self, run_id: str, name: str, text: str, *, fallback: str | None = None) -> str:
-        """Keep a failed trial's whole traceback `text` (`tune.faults.keep_traceback`: the first
+        """Keep a failed trial's whole traceback `text` (`tune.running.faults.keep_traceback`: the first
         one kept wins) and upload it as the run's TRACEBACK_ARTIFACT (once); returns its reason
         tag: the exception's `Type: message` and where the traceback is (`fallback`, Tune's error
         file, when it could not be kept)."""
@@ -209,7 +211,7 @@ class RunWriter:
 
 
 def placement_tags(result: dict[str, Any]) -> dict[str, str]:
-    """The tags saying where a trial trained, from one of its reports (`trainer.worker`):
+    """The tags saying where a trial trained, from one of its reports (`trainer.cluster.worker`):
     NODE_TAG (the nodes' IPs, else the Ray node id), GPU_IDS_TAG ("" on the CPU) and
     NODE_ID_TAG; only those the report holds as strings."""
     text = {k: result.get(k) for k in (Key.NODE_ID, Key.NODE_IP, Key.GPU_IDS)}
@@ -257,6 +259,32 @@ def shown_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def from_scratch(result: dict[str, Any]) -> bool:
     """The report is the first epoch of a run that found every checkpoint damaged and started
-    again from epoch 1 (`trainer.worker._read_checkpoint`)."""
+    again from epoch 1 (`trainer.cluster.worker._read_checkpoint`)."""
     damaged, resumed = (int(result.get(k) or 0) for k in (Key.DAMAGED_CHECKPOINTS, Key.RESUMED_FROM_EPOCH))
     return damaged > 0 and resumed == 0
+
+
+# The clone this code runs from (editable install); an installed wheel has only its version.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit(repo: Path) -> str | None:
+    """The commit checked out in `repo` (a tag of the parent run), or None outside a vidtune clone."""
+    if not (repo / "pyproject.toml").is_file():   # site-packages, perhaps inside someone else's repository
+        return None
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=5)
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def parent_tags(objective: str) -> dict[str, str]:
+    """The search's parent run's own tags: its objective and kind, vidtune's version, and the
+    clone's commit where there is one (also as MLflow's `mlflow.source.git.commit`)."""
+    tags = {"vidtune.objective": objective, "vidtune.kind": "search", "vidtune.version": __version__}
+    commit = git_commit(SOURCE_ROOT)
+    if commit:
+        tags.update({"mlflow.source.git.commit": commit, "vidtune.git_commit": commit})
+    return tags

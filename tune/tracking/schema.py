@@ -1,6 +1,6 @@
 """What vidtune writes in MLflow, and under which names: the tags of the parent run and of each
 trial's child run, the words of a trial's outcome, and which values of a trial's report are
-metrics (`numeric_metrics`: those `trainer.report_keys` declares). The writer is
+metrics (`numeric_metrics`: those `trainer.training.report_keys` declares). The writer is
 `tune.tracking.tracker`; the parent's description (`tune.tracking.description`), bench/ and the
 tests read the same names from here.
 """
@@ -11,17 +11,17 @@ from typing import Any
 
 from ray.tune.result import AUTO_RESULT_KEYS
 
-from vidtune.trainer.report_keys import EPOCH_METRICS, SETTING_KEYS, Key, declared
-from vidtune.tune.results import rounded_speed
-from vidtune.tune.status import Status
+from vidtune.trainer.training.report_keys import EPOCH_METRICS, SETTING_KEYS, Key, declared
+from vidtune.tune.outputs.results import rounded_speed
+from vidtune.tune.outputs.status import Status
 
 EXPERIMENT_PATH_TAG = "vidtune.experiment_path"
 TRIAL_ID_TAG = "vidtune.trial_id"
-# The tags a report's keys set (`trainer.report_keys` names each key's tag)
+# The tags a report's keys set (`trainer.training.report_keys` names each key's tag)
 NODE_ID_TAG = Key.NODE_ID.mlflow
 NODE_TAG = Key.NODE_IP.mlflow          # the IPs of the nodes the trial trained on (else NODE_ID_TAG's id)
 GPU_IDS_TAG = Key.GPU_IDS.mlflow       # physical ids of the GPUs it trained on ("0", "2,3"); "" on the CPU
-# What the trial's workers trained with, as they reported it (`trainer.settings.worker_settings`):
+# What the trial's workers trained with, as they reported it (`trainer.training.settings.worker_settings`):
 # report key -> tag on the trial's run.
 SETTING_TAGS = {key: key.mlflow for key in SETTING_KEYS}
 NOTE_TAG = "mlflow.note.content"   # a run's description in MLflow's UI (the top of its page)
@@ -43,9 +43,9 @@ BEST_TAG = "vidtune.best"
 INTERVAL_TAG = "best_val_acc_95ci"
 READER_TAG = Key.READER_FAILURES.mlflow
 TRACEBACK_ARTIFACT = "failure/traceback.txt"   # a failed trial's whole traceback, on its child run
-# OUTCOME_TAG's word for each trial status (`tune.status.Status`)
+# OUTCOME_TAG's word for each trial status (`tune.outputs.status.Status`)
 OUTCOMES = {s.value: s.word for s in Status}
-# An epoch's speeds, logged to `tune.results.SPEED_DECIMALS` as the trial's speed is
+# An epoch's speeds, logged to `tune.outputs.results.SPEED_DECIMALS` as the trial's speed is
 SPEED_KEYS = frozenset({Key.CLIPS_PER_S.value, Key.COMPUTE_CLIPS_PER_S.value})
 
 
@@ -54,7 +54,7 @@ _UNDECLARED: set[str] = set()   # the undeclared keys `numeric_metrics` has warn
 
 def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The training metrics of one Tune result (a live result, or a row of Tune's per-epoch
-    dataframe): the numbers of the keys `trainer.report_keys` declares metrics, under their MLflow
+    dataframe): the numbers of the keys `trainer.training.report_keys` declares metrics, under their MLflow
     names (`lr` as `lr_current`); the speeds (SPEED_KEYS) rounded as trials.csv rounds them."""
     out = {}
     for key, value in result.items():
@@ -69,7 +69,8 @@ def numeric_metrics(result: dict[str, Any]) -> dict[str, float]:
             # no chart loses it, and said once, so it is declared (tests/test_report_keys.py fails).
             if key not in _UNDECLARED:
                 _UNDECLARED.add(key)
-                print(f"MLflow: the report key {key!r} is not declared in trainer/report_keys.py; logged "
+                print(f"MLflow: the report key {key!r} is not declared in "
+                      f"trainer/training/report_keys.py; logged "
                       "as a metric", flush=True)
             out[key] = float(value)
     return out

@@ -1,5 +1,6 @@
 """Checks of the MLflow and Optuna stores before anything starts (`tune.preflight`): a tracking
-server answers, a SQLite file's folder exists and is writable; a plain file store is refused.
+server answers, a SQLite file's folder exists and is writable; a plain file store is refused; the
+registered model's name is one MLflow's registry takes.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from vidtune.flags import ConfigError
+from vidtune.tune.config.option_groups import Tracking
 
 HEALTH_TIMEOUT_S = 3.0
 
@@ -91,3 +93,28 @@ def check_store_uri(uri: str, flag: str) -> None:
         raise ConfigError(flag, f"{uri}: MLflow 3 refuses plain file stores without an opt-in; "
                           "use sqlite:///mlruns.db or a server URI")
     # databricks, postgresql, mysql, ...: MLflow checks these itself when it connects.
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why MLflow's Model Registry refuses `name`, or None: what `mlflow.utils.validation.
+    _validate_model_name` checks (tests/test_model_registry.py holds the two together), here so
+    that the search refuses it before it runs, without importing MLflow."""
+    if not name.strip():
+        return "it is empty"
+    refused = [c for c in "/:" if c in name]
+    if refused:
+        return f"it holds {' and '.join(map(repr, refused))}"
+    if name == "." or name.startswith(".."):
+        return "it reads as a relative folder"
+    return None
+
+
+def check_model_name(t: Tracking) -> None:
+    """--register-model (or --experiment, its default) is a name MLflow's registry takes:
+    ConfigError naming the flag otherwise, before anything starts (`tune.preflight`)."""
+    problem = model_name_problem(t.model_name) if t.model_name is not None else None
+    if problem:
+        flag = "--register-model" if t.register_model is not None else "--experiment"
+        also = "" if t.register_model is not None else " (or --no-register-model)"
+        raise ConfigError(flag, f"{t.model_name!r} cannot name a registered MLflow model ({problem}); pass "
+                          f"--register-model with another name, such as rwf-mvit{also}")

@@ -11,7 +11,7 @@ resumed search finds its parent run by the tag `vidtune.experiment_path` and its
 `vidtune.trial_id` under that parent, so nothing is logged twice as a new run.
 
 Each child run holds its per-epoch history (step = epoch) and the summary the trials table shows,
-under `tune.results.SUMMARY_KEYS` (best_val_acc, its 95% interval, best_epoch, speed_clips_per_s),
+under `tune.outputs.results.SUMMARY_KEYS` (best_val_acc, its 95% interval, best_epoch, speed_clips_per_s),
 plus best_val_f1, rounded as trials.csv writes them: from the tracker's own epoch records when the
 trial ends, then from its final `TrialResult` in `reconcile`, so the numbers equal trials.csv's.
 This module decides which runs exist and when to write; what goes into a run is
@@ -39,9 +39,9 @@ from mlflow.tracking import MlflowClient
 from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
-from vidtune.trainer.report_keys import Key
-from vidtune.tune.faults import error_text, one_line, read_error_file
-from vidtune.tune.results import (
+from vidtune.trainer.training.report_keys import Key
+from vidtune.tune.outputs.found import Summary
+from vidtune.tune.outputs.results import (
     SUMMARY_INPUTS,
     TrialResult,
     completed_trial_status,
@@ -49,14 +49,16 @@ from vidtune.tune.results import (
     live_row,
     objective_key,
 )
-from vidtune.tune.status import Status, word_of
-from vidtune.tune.summary import Summary
+from vidtune.tune.outputs.status import Status, word_of
+from vidtune.tune.running.faults import error_text, one_line, read_error_file
+from vidtune.tune.running.trial import short_name
 from vidtune.tune.tracking import store
 from vidtune.tune.tracking.runs import RunWriter, from_scratch, placement_tags, setting_tags, shown_config
 from vidtune.tune.tracking.schema import (
     EXPERIMENT_PATH_TAG,
     FAILURE_TAG,
     INTERRUPTED_REASON,
+    MLFLOW_RUN_KEY,
     OUTCOME_TAG,
     PARENT_TAG,
     STEP_METRIC,
@@ -64,8 +66,6 @@ from vidtune.tune.tracking.schema import (
     TRIAL_ID_TAG,
     numeric_metrics,
 )
-from vidtune.tune.tracking.study import MLFLOW_RUN_KEY
-from vidtune.tune.trial import short_name
 
 RETRY_AFTER_S = 30.0         # after a failed write, the Tune hooks leave the store alone this long
 
@@ -200,7 +200,7 @@ class MLflowTracker(RunWriter, Callback):
                         **info: Any) -> None:
         self.log_result(trial.trial_id, result)
         # into the trial's last result (Tune lets a callback add to it in place): the searcher
-        # puts the run id on the trial's Optuna trial when it ends (`tune.tracking.study`)
+        # puts the run id on the trial's Optuna trial when it ends (`tune.study.dashboard`)
         run_id = self.child_runs.get(trial.trial_id)
         if run_id:
             result[MLFLOW_RUN_KEY] = run_id
@@ -310,9 +310,9 @@ class MLflowTracker(RunWriter, Callback):
 
     def reconcile(self, trials: list[tuple[TrialResult, Result, str | None]]) -> int:
         """Bring every child run up to date with what its trial did. Each `(row, result,
-        train_run)` holds a `tune.results.TrialResult` (final status), the trial's Tune `Result`
+        train_run)` holds a `tune.outputs.results.TrialResult` (final status), the trial's Tune `Result`
         (every epoch Tune received, `metrics_dataframe`) and its Train run folder, whose latest
-        checkpoint keeps every epoch the run reported (`trainer.history`, which covers an epoch
+        checkpoint keeps every epoch the run reported (`trainer.training.history`, which covers an epoch
         checkpointed just before an interruption, one Tune never received). Logs each epoch
         MLflow does not have yet (one point per epoch) and sets the run's final status and tags.
         Raises when the store fails. Returns the number of epochs written."""

@@ -40,9 +40,9 @@ from uuid import NAMESPACE_URL, uuid5
 import mlflow
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from vidtune.trainer.report_keys import Key
-from vidtune.tune import searched
-from vidtune.tune.results import objective_key
+from vidtune.trainer.training.report_keys import Key
+from vidtune.tune.config import searched
+from vidtune.tune.outputs.results import objective_key
 from vidtune.tune.tracking.schema import INTERVAL_TAG
 
 WORKFLOW_QUERY = {"workflowType": "machine_learning"}   # MLflow 3's model-training UI, not GenAI's
@@ -56,7 +56,7 @@ ALL_RUNS = 100                   # a chart's `runsCountToCompare`: every trial o
 
 
 def _mlflow(*keys: Key) -> tuple[str, ...]:
-    """The names MLflow logs `keys` under (`lr` as lr_current: trainer/report_keys.py)."""
+    """The names MLflow logs `keys` under (`lr` as lr_current: trainer/training/report_keys.py)."""
     return tuple(k.mlflow for k in keys)
 
 
@@ -97,7 +97,7 @@ def objective_metric(objective: str) -> str:
 
 
 def view_columns(objective: str, tags: Sequence[str] = ()) -> list[str]:
-    """The view's columns, in order: each declared parameter (`tune.searched.PARAMS`: every child
+    """The view's columns, in order: each declared parameter (`tune.config.searched.PARAMS`: every child
     run has them, searched or fixed), the objective (and the accuracy beside an
     F1 objective), the accuracy's 95% interval as one column (the tag INTERVAL_TAG, "[0.58,
     0.87]", not the two unrounded bounds), the best epoch, the one speed, then `tags` (the

@@ -7,7 +7,7 @@
 
 Every option is a keyword named as its flag with underscores (`--lr-min` is `lr_min`,
 `--no-early-stop` is `early_stop=False`), read through the same declaration, presets, checks and
-messages as the command (`tune.options.resolve`). Bad input raises `vidtune.errors.ConfigError`
+messages as the command (`tune.config.options.resolve`). Bad input raises `vidtune.errors.ConfigError`
 (or `DataError`) naming the keyword and saying what to do; nothing here calls `sys.exit`. A
 search interrupted by Ctrl-C or a notebook kernel's interrupt stops as the command does and
 raises `vidtune.errors.SearchInterrupted` (`resume=True` continues it).
@@ -25,11 +25,12 @@ import pandas as pd
 from vidtune.api.keywords import keyword_values, model_reference, python_terms
 from vidtune.api.result import SearchResult, TrainResult, load
 from vidtune.errors import ConfigError, DataError, SearchInterrupted
-from vidtune.trainer import checkpointing, scoring
-from vidtune.trainer import train as train_cli
-from vidtune.trainer.predict import DEFAULT_STORE, PredictOptions, registered_checkpoint
-from vidtune.trainer.train_run import fit
-from vidtune.tune.options import SPECS, load_config_file, resolve
+from vidtune.trainer.commands import train as train_cli
+from vidtune.trainer.commands.train_run import fit
+from vidtune.trainer.serving import scoring
+from vidtune.trainer.serving.predict import DEFAULT_STORE, PredictOptions, registered_checkpoint
+from vidtune.trainer.training import checkpointing
+from vidtune.tune.config.options import SPECS, load_config_file, resolve
 from vidtune.tune.search import run_search
 from vidtune.tune.summary import results_folder
 

@@ -5,7 +5,7 @@ result is the same whether it was just returned or loaded a week later from its 
 A search's folder (<storage>/<name>) holds, at its top: trials.csv (one row per trial, best first:
 `SearchResult.trials`), best_config.json (the best trial's row and TrainConfig: `best`,
 `best_config`, `best_checkpoint`) and search.json (the summary's answer, the MLflow store, the
-runs-table link and the registered model: `tune.search_record`).
+runs-table link and the registered model: `tune.state.search_record`).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from typing import Any
 import pandas as pd
 
 from vidtune.errors import ConfigError
-from vidtune.trainer.report_keys import Key
-from vidtune.tune import search_record
-from vidtune.tune.results import RECORD_NAMES, TrialResult
+from vidtune.trainer.training.report_keys import Key
+from vidtune.tune.outputs.results import RECORD_NAMES, TrialResult
+from vidtune.tune.state import search_record
 from vidtune.tune.summary import REMOTE_COPIES
 
 TRIALS_FILE = "trials.csv"
@@ -147,7 +147,7 @@ def load(path: str | Path) -> SearchResult:
 
 
 def trial_from_record(doc: dict[str, Any]) -> TrialResult:
-    """The TrialResult that best_config.json was written from (`tune.results.named_record`: the
+    """The TrialResult that best_config.json was written from (`tune.outputs.results.named_record`: the
     summary numbers under their summary names)."""
     back = {summary: name for name, summary in RECORD_NAMES.items()}
     known = {f.name for f in fields(TrialResult)}
