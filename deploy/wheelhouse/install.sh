@@ -63,15 +63,20 @@ for entry in sys.path:
 EOF
 "$venv_py" -c 'import torch, torchvision' \
     || die "$dest/venv cannot import the node's torch through $site/node-python.pth: check that $py imports it outside this script"
+# The venv's setuptools from ensurepip (65.5 on Python 3.11) would hide the node's, which torch
+# requires (>=77: torch.utils.cpp_extension); the node's shows through once it is gone.
+if "$py" -c 'import setuptools' 2>/dev/null && [ -d "$site/setuptools" ]; then
+    PIP_CONFIG_FILE=/dev/null "$venv_py" -m pip --isolated uninstall --quiet --yes setuptools >/dev/null
+fi
 
 wheels=("$here"/wheels/*.whl "$dest"/joined/*.whl)
-PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null "$venv_py" -m pip install --quiet --no-index --no-deps \
+PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null "$venv_py" -m pip --isolated install --quiet --no-index --no-deps \
     --no-cache-dir --no-compile --disable-pip-version-check "${wheels[@]}" \
     || die "pip could not install the wheelhouse into $dest/venv (above); is it for this machine (x86_64 Linux, glibc of wheelhouse.json)?"
 
 # pip check, less what concerns torch and torchvision (the node's) and packages of the node's
 # own folders: one line on the first problem of a package this wheelhouse installed.
-PIP_CONFIG_FILE=/dev/null "$venv_py" -m pip check --disable-pip-version-check >"$dest/pip-check.txt" 2>&1 || true
+PIP_CONFIG_FILE=/dev/null "$venv_py" -m pip --isolated check --disable-pip-version-check >"$dest/pip-check.txt" 2>&1 || true
 "$venv_py" - "$here/requirements.txt" "$dest/pip-check.txt" <<'EOF' || exit 1
 import re, sys
 canon = lambda name: re.sub(r"[-_.]+", "-", name).lower()
