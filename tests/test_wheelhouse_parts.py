@@ -182,6 +182,24 @@ def test_install_refuses_a_python_without_torch_in_one_line(tmp_path):
     assert not (tmp_path / "node").exists()
 
 
+def test_install_refuses_a_torch_older_than_vidtune_needs_in_one_line(tmp_path):
+    """A node Python whose torch is 2.5 (packages standing in for torch and torchvision, that
+    import and say their version, as an old node's would)."""
+    old = tmp_path / "old"
+    venv.create(old, with_pip=False, symlinks=True)
+    site = next((old / "lib").glob("python3*/site-packages"))
+    for name, version in (("torch", "2.5.1+cu121"), ("torchvision", "0.20.1")):
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    script = fake_wheelhouse(tmp_path / "wh", f"{sys.version_info.major}.{sys.version_info.minor}")
+    proc = run_install(script, str(old / "bin" / "python"), tmp_path / "node")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"install.sh: {old / 'bin' / 'python'} has torch 2.5.1+cu121; vidtune needs torch 2.9 or newer: "
+        "load a newer PyTorch on the node"]
+    assert not (tmp_path / "node").exists()
+
+
 def third_party_imports(module: Path, seen: set[Path]) -> set[str]:
     """Top-level names a bench module imports, following the bench modules it imports."""
     seen.add(module)

@@ -41,6 +41,9 @@ have="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 [ "$have" = "$want" ] || die "$py is Python $have, this wheelhouse is for Python $want: set PYTHON to the node's Python $want that has torch, or build one with make wheelhouse PYTHON_VERSION=$have"
 "$py" -c 'import torch, torchvision' 2>/dev/null \
     || die "$py cannot import torch and torchvision: load the node's PyTorch first (module load, conda activate) or set PYTHON=/path/to/the/python that has it"
+torch_version="$("$py" -c 'import torch; print(torch.__version__)')"
+"$py" -c 'import sys; sys.exit(tuple(map(int, sys.argv[1].split("+")[0].split(".")[:2])) < (2, 9))' "$torch_version" \
+    || die "$py has torch $torch_version; vidtune needs torch 2.9 or newer: load a newer PyTorch on the node"
 
 mkdir -p "$dest"
 dest="$(cd "$dest" && pwd)"
@@ -88,7 +91,8 @@ if bad:
     sys.exit(f"install.sh: pip check: {bad[0]} ({len(bad)} problem(s), all in {sys.argv[2]})")
 EOF
 
-tar -xzf "$here/vidtune-src.tar.gz" -C "$dest" && rm -rf "$dest/src" && mv "$dest/vidtune-src" "$dest/src"
+{ tar -xzf "$here/vidtune-src.tar.gz" -C "$dest" && rm -rf "$dest/src" && mv "$dest/vidtune-src" "$dest/src"; } \
+    || die "could not unpack $here/vidtune-src.tar.gz into $dest/src (above)"
 touch "$dest/venv/.installed"      # the Makefile's install stamp: `make gpu-check` installs nothing
 torch_line="$("$venv_py" -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) from {torch.__file__}")')"
 echo "installed: vidtune into $dest/venv (Python $have), with the node's $torch_line"
