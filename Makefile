@@ -66,3 +66,13 @@ IMAGE ?= vidtune:$(VERSION)
 image:
 	docker build -f deploy/Dockerfile -t $(IMAGE) .
 	docker run --rm $(IMAGE) vidtune --help
+
+# An offline GPU node (docs/gpus.md, "A GPU node without internet"): everything vidtune and
+# `make gpu-check` need but torch and torchvision, as wheels for the node's Python (3.11 or 3.12)
+# in files of at most 60 MB, with the one command to run there (WHEELHOUSE/install.sh). Needs the
+# package index; uses none of .venv (deploy/wheelhouse/build.py).
+PYTHON_VERSION ?= 3.11
+WHEELHOUSE ?= wheelhouse-py$(subst .,,$(PYTHON_VERSION))
+.PHONY: wheelhouse
+wheelhouse:
+	$(PYTHON) -m deploy.wheelhouse.build --python-version $(PYTHON_VERSION) --out $(WHEELHOUSE)
