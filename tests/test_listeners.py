@@ -64,3 +64,47 @@ def test_gloo_gets_the_interface_that_holds_the_nodes_address():
     loopback = interface_of("127.0.0.1")
     assert loopback is not None and any(a.address == "127.0.0.1" for a in psutil.net_if_addrs()[loopback])
     assert interface_of("198.51.100.7") is None          # TEST-NET-2: on no interface here
+
+
+def _listening_on(port: int) -> list[str]:
+    return [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def test_a_one_rank_group_serves_its_store_on_the_nodes_address_and_gloo_is_given_its_interface(monkeypatch):
+    import ray.util
+    import torch
+    import torch.distributed as dist
+
+    from vidtune.trainer import process_group_ports as pg
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    for name in ("MASTER_ADDR", "MASTER_PORT", pg.GLOO_INTERFACE_ENV):
+        monkeypatch.setenv(name, "")          # restored after the test, whatever join_process_group sets
+    address, port = pg.bind_store_socket()
+    assert address == "127.0.0.1" and _listening_on(port) == ["127.0.0.1"]
+    pg.join_process_group("gloo", world_rank=0, world_size=1, address=address, port=port, timeout_s=60)
+    try:
+        assert os.environ[pg.GLOO_INTERFACE_ENV] == pg.interface_of("127.0.0.1")
+        assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (address, str(port))
+        assert _listening_on(port) == ["127.0.0.1"]           # the store, on that socket, not `*`
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_node_address_on_no_interface_here_leaves_the_store_on_every_interface(monkeypatch):
+    import ray.util
+
+    from vidtune.trainer import process_group_ports as pg
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.51.100.7")
+    address, port = pg.bind_store_socket()
+    try:
+        assert address == "198.51.100.7" and _listening_on(port) == ["0.0.0.0"]
+    finally:
+        if pg._store_socket is not None:
+            pg._store_socket.close()
+        pg._store_socket = None

@@ -10,7 +10,8 @@ node and lets `torch.distributed.init_process_group("env://")` make the rest; wi
   127.0.0.1 (/etc/hosts), which a worker on another node cannot reach, elsewhere whatever the
   name gives. torch's GLOO_SOCKET_IFNAME names the interface instead: here the one that holds the
   node's address (one the user set is kept).
-The node's address is Ray's (`ray.util.get_node_ip_address`, as Ray's MASTER_ADDR). NCCL (GPU
+The node's address is Ray's (`ray.util.get_node_ip_address`, as Ray's MASTER_ADDR); one that is
+on no interface of the node (an address behind NAT) leaves both where torch puts them. NCCL (GPU
 runs) opens sockets of its own, on the interface it picks or NCCL_SOCKET_IFNAME names; untouched.
 
 Ray's backend is replaced whole (`NodeBoundTorchBackend.on_start`) because it offers no step
@@ -20,7 +21,9 @@ layer's one home for Ray internals, behind its version check).
 """
 from __future__ import annotations
 
+import errno
 import ipaddress
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -30,6 +33,8 @@ import ray
 import torch.distributed as dist
 
 from vidtune.trainer.torch_trainer import _set_torch_distributed_env_vars, _TorchBackend
+
+log = logging.getLogger(__name__)
 
 GLOO_INTERFACE_ENV = "GLOO_SOCKET_IFNAME"
 # What Ray's own setup sets for NCCL (ray.train.torch.config._setup_torch_process_group): a
@@ -62,7 +67,13 @@ def bind_store_socket() -> tuple[str, int]:
     if _store_socket is not None:
         _store_socket.close()
     _store_socket = socket.socket(family, socket.SOCK_STREAM)
-    _store_socket.bind((address, 0))
+    try:
+        _store_socket.bind((address, 0))
+    except OSError as e:     # an address on no interface here (behind NAT): every one, as torch would
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise
+        log.warning("the process group's store listens on every interface: %s is on none here", address)
+        _store_socket.bind(("", 0))
     _store_socket.listen(128)
     return address, int(_store_socket.getsockname()[1])
 
