@@ -68,6 +68,7 @@ from vidtune.tune.ray_internals import (
     restored_searcher,
 )
 from vidtune.tune.results import objective_key
+from vidtune.tune.resume_line import announce_resume
 from vidtune.tune.search_log import LOG_FILE, keep_ray_lines_off_the_console, log_file_for, quiet_libraries
 from vidtune.tune.summary import print_summary, summarise
 from vidtune.tune.tracking.description import ui_hint
@@ -93,12 +94,10 @@ def execute(plan: Plan) -> int:
 
 
 def _execute(plan: Plan) -> int:
-    # A tracking server that stops answering must not hold the search (MLflow's client retries for
-    # minutes): one try, a short wait; tune/tracking/tracker.py catches up later.
+    # A tracking server that stops answering must not hold the search: one try, a short wait, caught up later
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    log_options, ray_lines = {}, None
-    streams = sys.stdout, sys.stderr
+    log_options, ray_lines, streams = {}, None, (sys.stdout, sys.stderr)
     if not plan.opts.verbose:
         log = quiet_libraries(log_file_for(plan.search_path, plan.name))
         ray_lines = keep_ray_lines_off_the_console(log)
@@ -234,6 +233,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
     if fit.note:
         print(fit.note)
+    announce_resume(plan, opts)     # before any trial: a killed driver prints nothing at its end
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
     lease_name = f"vidtune-device-lease-{plan.name}"
