@@ -56,6 +56,8 @@ def test_a_free_port_is_not_held_and_a_setting_that_is_no_port_is_left_to_ray(mo
     monkeypatch.setenv("AUTOSCALER_METRIC_PORT", "not-a-port")
     monkeypatch.setenv("DASHBOARD_METRIC_PORT", "70000")
     assert [p.port for p in fixed_ports()] == [AGENT_HTTP_PORT]
+    monkeypatch.setenv("DASHBOARD_METRIC_PORT", "44227")
+    assert [p.port for p in fixed_ports(dashboard=False)] == [AGENT_HTTP_PORT]     # no dashboard, no metrics
 
 
 def test_gloo_gets_the_interface_that_holds_the_nodes_address():

@@ -27,12 +27,15 @@ class FixedPort:
     setting: str | None       # Ray's environment variable that moves it (read by Ray's processes)
 
 
-def fixed_ports() -> tuple[FixedPort, ...]:
+def fixed_ports(*, dashboard: bool = True) -> tuple[FixedPort, ...]:
     """The fixed ports of a Ray started here, as this environment sets them (a value that is not
-    a port is left to Ray to refuse)."""
+    a port is left to Ray to refuse); `dashboard`: False for a Ray started without its dashboard
+    (`include_dashboard=False`), which has no dashboard metrics to lose."""
     ports = [FixedPort(AGENT_HTTP_PORT, "the dashboard agent's HTTP API: job submission", None)]
     for setting, default, serves in (("DASHBOARD_METRIC_PORT", 44227, "the dashboard's metrics"),
                                      ("AUTOSCALER_METRIC_PORT", 44217, "the autoscaler's metrics")):
+        if setting == "DASHBOARD_METRIC_PORT" and not dashboard:
+            continue
         value = os.environ.get(setting, str(default)).strip()
         if value.isdigit() and 0 < int(value) < 65536:
             ports.append(FixedPort(int(value), serves, setting))
@@ -62,9 +65,9 @@ def holder(port: int) -> str | None:
     return None
 
 
-def taken_fixed_ports() -> list[FixedPort]:
-    """The fixed ports that something holds now, before Ray starts here."""
-    return [p for p in fixed_ports() if is_held(p.port)]
+def taken_fixed_ports(*, dashboard: bool = True) -> list[FixedPort]:
+    """The fixed ports (`fixed_ports`) that something holds now, before Ray starts here."""
+    return [p for p in fixed_ports(dashboard=dashboard) if is_held(p.port)]
 
 
 def taken_line(taken: list[FixedPort]) -> str | None:

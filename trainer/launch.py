@@ -124,7 +124,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     if py_modules:
         runtime_env["py_modules"] = py_modules
     if local:
-        taken = taken_fixed_ports()     # before Ray starts: what it will not bind (trainer.fixed_ports)
+        # before Ray starts: what it will not bind (trainer.fixed_ports)
+        taken = taken_fixed_ports(dashboard=kw.get("include_dashboard") is not False)
         start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
                         **kw)
         if line := taken_line(taken):
