@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from vidtune import servers
 from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
+from vidtune.tune.outputs.resume_line import AT_START
 from vidtune.tune.running.ray_internals import optuna_study
 from vidtune.tune.study.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG, TRIAL_ID_TAG
@@ -255,9 +256,10 @@ def test_a_killed_worker_restarts_then_a_killed_and_a_sigtermed_driver_resume_on
        the worker group from it (--max-failures, default 1), the trial finishes every epoch, and
        MLflow shows the restart.
     2. SIGKILL the driver after trial 1 finished (Ray ends its job's actors): MLflow keeps the
-       one finished run.
-    3. --resume, then SIGTERM once trial 2 has a checkpoint (a job scheduler's stop, the driver
-       only): an interruption too (exit 130, how to continue, the runs KILLED, none RUNNING).
+       one finished run, and the console and the search's log keep the --resume line the search
+       printed when it started (a killed driver prints nothing at its end).
+    3. that line as printed, then SIGTERM once trial 2 has a checkpoint (a job scheduler's stop,
+       the driver only): an interruption too (exit 130, how to continue, the runs KILLED, none RUNNING).
     A last --resume runs the rest: MLflow ends with one parent and one child run per trial, the
     finished trial kept (not re-run as a new run), every epoch there and every run FINISHED."""
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
@@ -292,9 +294,20 @@ def test_a_killed_worker_restarts_then_a_killed_and_a_sigtermed_driver_resume_on
                                                                                          steps)
     assert "restarted from its epoch-" in done.data.tags.get(RESUMED_TAG, ""), done.data.tags
 
-    # 3. SIGTERM the resumed search once trial 2 has a checkpoint of its own
+    # the line printed at the start, once, before the first trial's; in the search's log too
+    console = log.read_text(errors="replace").splitlines()
+    starts = [i for i, ln in enumerate(console) if ln.startswith(AT_START)]
+    first_trial_line = min(i for i, ln in enumerate(console) if ln.startswith(name))
+    assert len(starts) == 1 and starts[0] < first_trial_line, console
+    line = console[starts[0]].removeprefix(AT_START)
+    assert shlex.split(line) == [VIDTUNE, "search", "--resume", "--name", "k", "--storage", str(storage),
+                                 "--mlflow-uri", uri], line
+    assert console[starts[0]] in (storage / "k" / "search.log").read_text(errors="replace").splitlines()
+
+    # 3. that line, as printed (joined to the tests' Ray); SIGTERM once trial 2 has a checkpoint
     log = tmp_path / "resume.log"
-    proc = _start([*args, "--resume"], tmp_path, log, shared_ray)
+    proc = subprocess.Popen([*shlex.split(line), "--address", shared_ray], cwd=tmp_path, env=_env(),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     _wait_for(lambda: sum(bool(kept) for kept in _registered_checkpoints(storage, "k").values()) == 2, proc,
               "trial 2's first checkpoint")
     proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, validate_config
 from vidtune.trainer.commands import train
 from vidtune.trainer.training.precision import choose_precision
+from vidtune.tune.outputs.resume_line import AT_START
 from vidtune.tune.tracking.description import CELL_PAD
 from vidtune.tune.tracking.schema import FAILURE_TAG, NODE_ID_TAG, PARENT_TAG, STOP_TAG, TRIAL_ID_TAG
 
@@ -226,13 +228,22 @@ def test_smoke_test_console_is_short_and_ends_with_the_summary(smoke_search, sha
     optional = ("~ other processes", "Disk per video ", "note: no Ray token here")
     counted = [ln for ln in lines
                if not ln.startswith(optional) and not ln.endswith("before the first trial")]
-    assert len(counted) <= 50, "\n".join(lines)
+    assert len(counted) <= 51, "\n".join(lines)     # 50, and the resume line printed before the trials
     answer = max(i for i, ln in enumerate(lines) if ln.startswith("Best: "))   # the last block, answer first
     assert any(ln.startswith("compare the trials in MLflow:") for ln in lines[answer:answer + 6])
     assert any(ln.startswith("the Optuna study ") for ln in lines[answer:answer + 8])
     assert lines[-1].startswith("results: ")
     assert sum(" epoch 1/1 " in ln for ln in lines) == 2 and \
         any("2/2 trials done" in ln or "1/2 trials done" in ln for ln in lines)
+    # The line that continues the search, printed once before the first trial's (after kill -9 it
+    # is all there is), and in the search's log; not again at its end, which finished.
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(AT_START)]
+    assert len(starts) == 1 and starts[0] < min(i for i, ln in enumerate(lines) if " epoch 1/1 " in ln), lines
+    command = shlex.split(lines[starts[0]].removeprefix(AT_START))
+    assert command[1:3] == ["search", "--resume"] and command[command.index("--storage") + 1] == \
+        str(out.results.parent), command
+    assert lines[starts[0]] in (out.results / "search.log").read_text().splitlines()
+    assert sum("--resume" in ln for ln in lines) == 1, lines
     # The second search is quiet, one trial, and warm-started from the first: its study holds the
     # first's two trials (as trials.csv has them) before its own.
     first = out.results / "trials.csv"

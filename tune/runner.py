@@ -39,6 +39,7 @@ from vidtune.tune.config import searched
 from vidtune.tune.config.options import SearchOptions
 from vidtune.tune.outputs.console import SearchConsole
 from vidtune.tune.outputs.results import objective_key
+from vidtune.tune.outputs.resume_line import announce_resume
 from vidtune.tune.outputs.search_log import (
     LOG_FILE,
     keep_ray_lines_off_the_console,
@@ -91,12 +92,10 @@ def execute(plan: Plan) -> int:
 
 
 def _execute(plan: Plan) -> int:
-    # A tracking server that stops answering must not hold the search (MLflow's client retries for
-    # minutes): one try, a short wait; tune/tracking/tracker.py catches up later.
+    # A tracking server that stops answering must not hold the search: one try, a short wait, caught up later
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    log_options, ray_lines = {}, None
-    streams = sys.stdout, sys.stderr
+    log_options, ray_lines, streams = {}, None, (sys.stdout, sys.stderr)
     if not plan.opts.verbose:
         log = quiet_libraries(log_file_for(plan.search_path, plan.name))
         ray_lines = keep_ray_lines_off_the_console(log)
@@ -232,6 +231,8 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
           f"early stopping {'ASHA' if space.early_stopping_enabled(opts) else 'off'}")
     if fit.note:
         print(fit.note)
+    # before any trial: a killed driver prints nothing at its end
+    announce_resume(plan.name, str(plan.storage), plan.search_path, opts)
 
     registry_name = f"vidtune-pg-registry-{plan.name}"
     lease_name = f"vidtune-device-lease-{plan.name}"

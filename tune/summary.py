@@ -38,6 +38,7 @@ from vidtune.tune.outputs.results import (
     ranked,
     row_from_result,
 )
+from vidtune.tune.outputs.resume_line import resume_command
 from vidtune.tune.outputs.tables import column_notes, format_table, write_csv
 from vidtune.tune.preflight import Plan
 from vidtune.tune.running import faults
@@ -78,10 +79,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
     rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips
     interrupted, importance = summary.interrupted, summary.importance
-    uri = opts.tracking.mlflow_uri
-    # every command printed runs as printed in a shell without the venv (`vidtune.servers`)
-    resume = vidtune_line("search", "--resume", "--name", plan.name, "--storage", str(plan.storage),
-                          *(() if uri == "sqlite:///mlruns.db" else ("--mlflow-uri", uri)))
+    resume = resume_command(plan.name, str(plan.storage), opts)     # also printed at the start
 
     say("")   # the last block: the answer first
     for line in summary.answer:

@@ -16,6 +16,7 @@ from typing import Any
 
 from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
+from vidtune.trainer.cluster.fixed_ports import taken_fixed_ports, taken_line
 from vidtune.trainer.cluster.ray_auth import token_refusal_explained
 from vidtune.trainer.cluster.ray_start import RayStart, start_local_ray
 from vidtune.trainer.models.own_models import modules_to_ship
@@ -97,7 +98,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     win), so the own model checked on the driver reaches every worker, of a Ray started or joined.
     A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.training.gpus`),
     and starts as `ray_start` says (`vidtune.trainer.cluster.ray_start`: object store, time limit;
-    RayStartError when it cannot).
+    RayStartError when it cannot); one line says which of Ray's fixed ports another process held,
+    so that it runs without them (`vidtune.trainer.cluster.fixed_ports`).
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
@@ -122,8 +124,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     if py_modules:
         runtime_env["py_modules"] = py_modules
     if local:
+        # before Ray starts: what it will not bind (trainer.cluster.fixed_ports)
+        taken = taken_fixed_ports(dashboard=kw.get("include_dashboard") is not False)
         start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
                         **kw)
+        if line := taken_line(taken):
+            print(line, flush=True)
     else:
         with token_refusal_explained(address, ray.exceptions.AuthenticationError):
             ray.init(address=address, num_cpus=num_cpus, runtime_env=runtime_env or None, **kw)

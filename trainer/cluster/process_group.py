@@ -11,6 +11,8 @@ import contextlib
 
 from ray.train.torch import TorchConfig
 
+from vidtune.trainer.cluster.process_group_ports import NodeBoundTorchBackend
+
 # With GPUs, the process group is gloo for CPU tensors and NCCL for CUDA ones (torch's
 # "device:backend" form). The worker's own collectives (agreeing on an outcome, gathering where
 # it runs, the metrics) hold a few numbers: they go over gloo, in host memory
@@ -24,7 +26,13 @@ class LeasedTorchConfig(TorchConfig):
     """Ray Train's TorchConfig, except that the worker's CUDA device is not made current before
     the training function starts: Ray's own `train_func_context` calls `torch.cuda.set_device`,
     which with CUDA 12 makes the device's context (hundreds of MB) at once. The worker makes it
-    current itself once it holds its lease (`trainer.cluster.worker.train_loop_per_worker`)."""
+    current itself once it holds its lease (`trainer.cluster.worker.train_loop_per_worker`). And the
+    process group listens on the node's address, not every interface
+    (`trainer.cluster.process_group_ports`)."""
+
+    @property
+    def backend_cls(self):
+        return NodeBoundTorchBackend
 
     @property
     def train_func_context(self):

@@ -20,8 +20,10 @@ only fills the same disk again (~10 s a restart, and the message the user needs 
 This is the trainer layer's one home for Ray internals (`DatasetsCallback` and
 `PlacementGroupCleanerCallback`, the callbacks that start the actors, and
 `_create_default_callbacks`, where Train lists its callbacks; Train has no public switch for
-either; its failure policy, `_initialize_and_run_controller`'s `failure_policy`; and the logger of
-a worker's reports, `quiet_report_lines`). Like
+either; its failure policy, `_initialize_and_run_controller`'s `failure_policy`; the logger of
+a worker's reports, `quiet_report_lines`; and Ray's torch backend with its helper that sets
+RANK/LOCAL_RANK, which `trainer.cluster.process_group_ports` reuses to place the process group's sockets).
+Like
 `vidtune.tune.running.ray_internals`, it checks the Ray minor on import.
 """
 from __future__ import annotations
@@ -53,7 +55,13 @@ try:
 except ImportError as e:
     raise moved_internal("ray.train.v2._internal.execution.failure_handling.DefaultFailurePolicy", e) from e
 
-__all__ = ["DiskFullNotRetried", "TorchTrainer", "VidtuneTorchTrainer", "quiet_report_lines"]
+try:
+    from ray.train.torch.config import _set_torch_distributed_env_vars, _TorchBackend
+except ImportError as e:
+    raise moved_internal("ray.train.torch.config._TorchBackend", e) from e
+
+__all__ = ["DiskFullNotRetried", "TorchTrainer", "VidtuneTorchTrainer", "_TorchBackend",
+           "_set_torch_distributed_env_vars", "quiet_report_lines"]
 
 
 def quiet_report_lines() -> None:
