@@ -37,7 +37,7 @@ import ray.train
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
-from vidtune.trainer.cluster.launch import (
+from vidtune.trainer.ray_setup.launch import (
     DEFAULT_HEALTH_CHECK_INTERVAL_S,
     HEALTH_CHECK_ENV,
     LOCAL_ADDRESS,

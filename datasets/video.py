@@ -229,7 +229,7 @@ def build_loader(dataset: VideoClipDataset, *, batch_size: int, train: bool, num
     Train: shuffled (by `sampler`, else by a generator seeded by `seed`, so the order is
     reproducible) and `drop_last`, so every batch has the same shape (cudnn.benchmark re-tunes for
     each new shape); a dataset (or sampler) smaller than `batch_size` gives no batch (the one
-    check is `trainer.cluster.launch.check_batch_sizes`, on the driver). Val: in `sampler`'s order, else
+    check is `trainer.ray_setup.launch.check_batch_sizes`, on the driver). Val: in `sampler`'s order, else
     in order, every clip. Workers > 0 are persistent (decoding workers are not restarted each
     epoch) and prefetch 2 batches each. `pin_memory`: True on CUDA (faster, async copies).
     """

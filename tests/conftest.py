@@ -21,11 +21,11 @@ os.environ["HOME"] = str(TEST_HOME)
 os.environ["XDG_CACHE_HOME"] = str(TEST_HOME / ".cache")
 os.environ["XDG_CONFIG_HOME"] = str(TEST_HOME / ".config")
 
-from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV  # noqa: E402
+from vidtune.trainer.ray_setup.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]   # first on sys.path: pyproject's pytest `pythonpath`
 
-# Train's poll of its workers as vidtune sets it (trainer.cluster.launch), for the Rays the tests start
+# Train's poll of its workers as vidtune sets it (trainer.ray_setup.launch), for the Rays the tests start
 os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
 # torch's OpenMP threads (GNU libgomp) spin ~300,000 times before they sleep; with more runnable
 # threads than cores (two trainings at once, a trial starting beside one, anything else on a CI
@@ -61,7 +61,7 @@ from ray.cluster_utils import Cluster
 from ray.util import get_node_ip_address
 from ray.util.placement_group import placement_group_table, remove_placement_group, PlacementGroup
 from ray.util.state import list_actors
-from vidtune.trainer.cluster.launch import PREEMPTION_WATCHER_ENV
+from vidtune.trainer.ray_setup.launch import PREEMPTION_WATCHER_ENV
 
 def free_port():
     with socket.socket() as s:
@@ -93,7 +93,7 @@ def settle(wait_s):
 
 port = free_port()
 os.environ["RAY_ADDRESS"] = f"{get_node_ip_address()}:{port}"
-os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")     # as vidtune's own local Ray (trainer.cluster.launch)
+os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")     # as vidtune's own local Ray (trainer.ray_setup.launch)
 cluster = Cluster(initialize_head=True, head_node_args={
     "num_cpus": 2, "gcs_server_port": port, "dashboard_port": free_port()})
 reset_ray_address()
@@ -280,7 +280,7 @@ def shared_ray_settles(request):
     if "ray_session" in request.fixturenames:
         import ray
 
-        from vidtune.trainer.cluster.launch import init_ray
+        from vidtune.trainer.ray_setup.launch import init_ray
 
         if not ray.is_initialized():
             _NOTES.append(f"the session's Ray connection was closed before {request.node.nodeid}; reopened")
@@ -292,7 +292,7 @@ def shared_ray_settles(request):
     if "ray_session" in request.fixturenames and (report is None or report.failed):
         import ray
 
-        from vidtune.trainer.cluster.launch import init_ray
+        from vidtune.trainer.ray_setup.launch import init_ray
 
         ray.shutdown()
         init_ray(address=request.getfixturevalue("shared_ray"))
@@ -312,7 +312,7 @@ def ray_session(shared_ray):
     """This process joined to the session's Ray (`shared_ray`; a process can join only one)."""
     import ray
 
-    from vidtune.trainer.cluster.launch import init_ray
+    from vidtune.trainer.ray_setup.launch import init_ray
 
     init_ray(address=shared_ray)
     yield ray

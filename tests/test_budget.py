@@ -10,7 +10,7 @@ from ray.tune.search import Searcher, SearchGenerator
 from ray.tune.search.optuna import OptunaSearch
 
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import init_ray
+from vidtune.trainer.ray_setup.launch import init_ray
 from vidtune.tune.running.budget import TimeBudget, format_duration, parse_duration
 from vidtune.tune.running.ray_internals import optuna_study, restored_searcher
 

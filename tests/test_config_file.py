@@ -9,8 +9,8 @@ import pytest
 
 from vidtune.config_file import read_config_file
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import TRAIN_FLAGS
 from vidtune.trainer.commands import train
+from vidtune.trainer.ray_setup.launch import TRAIN_FLAGS
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune.config.options import load_config_file, parse_options
 

@@ -1,5 +1,5 @@
 """docs/troubleshooting.md's table of what a search exposes, checked against `ss -ltnp` for a Ray
-that vidtune starts (trainer.cluster.launch.init_ray) and a 2-worker Train run on it (gloo, as on CPUs):
+that vidtune starts (trainer.ray_setup.launch.init_ray) and a 2-worker Train run on it (gloo, as on CPUs):
 every listening socket of that Ray's processes and of the run's workers is in the table with
 where it listens, the process group's own (torch's store, gloo) on the node's address only, and
 the Prometheus metrics ports the table says answer without the token do. That Ray starts with
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import ray.train
 from vidtune.trainer.cluster.build_trainer import build_torch_trainer
 from vidtune.trainer.training.config import TrainConfig
-from vidtune.trainer.cluster.launch import init_ray
+from vidtune.trainer.ray_setup.launch import init_ray
 
 def waiting_loop(folder):
     def loop(config):

@@ -24,7 +24,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from vidtune import servers
-from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
+from vidtune.trainer.ray_setup.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
 from vidtune.tune.outputs.resume_line import AT_START
 from vidtune.tune.running.ray_internals import optuna_study
 from vidtune.tune.study.space import VidtuneOptunaSearch

@@ -38,7 +38,7 @@ SIMULATED_GPUS_SCRIPT = textwrap.dedent("""
     from vidtune.trainer.cluster.build_trainer import build_torch_trainer
     from vidtune.trainer.training.config import TrainConfig
     from vidtune.trainer.cluster.devices import train_device
-    from vidtune.trainer.cluster.launch import init_ray
+    from vidtune.trainer.ray_setup.launch import init_ray
     from vidtune.trainer.cluster.lease import LeaseBook, device_keys, physical_gpu_ids
     from vidtune.tune.running.trial import TrialResources
 

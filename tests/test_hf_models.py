@@ -13,8 +13,8 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.datasets.records import VideoInfo
 from vidtune.datasets.transforms import ClipTransform
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import validate_config
 from vidtune.trainer.models import registry as models
+from vidtune.trainer.ray_setup.launch import validate_config
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.run import clip_datasets
 
@@ -178,9 +178,9 @@ def test_a_hub_id_loads_from_a_filled_cache_offline_and_a_missing_one_is_one_lin
 
 def test_workers_read_the_drivers_hub_cache_offline_as_it_does_and_never_get_the_token(monkeypatch, tmp_path):
     """The driver fetched the checkpoint into HF_HOME (or HF_HUB_CACHE); every Ray worker gets the
-    same settings through the runtime env (trainer.cluster.launch.worker_env_vars), HF_HUB_OFFLINE with
+    same settings through the runtime env (trainer.ray_setup.launch.worker_env_vars), HF_HUB_OFFLINE with
     them, but not HF_TOKEN: workers only read the cache."""
-    from vidtune.trainer.cluster.launch import worker_env_vars
+    from vidtune.trainer.ray_setup.launch import worker_env_vars
 
     for name in ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
         monkeypatch.delenv(name, raising=False)

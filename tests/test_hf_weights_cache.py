@@ -15,10 +15,10 @@ from tests.test_hf_models import fill_hub_cache, save_tiny
 from tests.test_saved_options import _started_search
 from vidtune.datasets.config import DataConfig
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import validate_config, worker_env_vars
 from vidtune.trainer.commands import train
 from vidtune.trainer.models import hf_models
 from vidtune.trainer.models import registry as models
+from vidtune.trainer.ray_setup.launch import validate_config, worker_env_vars
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune import search
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vidtune.trainer.cluster.ray_reaper import is_ray_process
+from vidtune.trainer.ray_setup.ray_reaper import is_ray_process
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = [sys.executable, str(REPO / "tune" / "search.py")]

@@ -302,7 +302,7 @@ RANK_FAILS_SCRIPT = textwrap.dedent("""
     from vidtune.trainer.cluster import worker
     from vidtune.trainer.training.config import TrainConfig
     from vidtune.trainer.cluster.build_trainer import build_torch_trainer
-    from vidtune.trainer.cluster.launch import init_ray
+    from vidtune.trainer.ray_setup.launch import init_ray
     from vidtune.trainer.cluster.lease import LeaseSettings, start_lease
 
     def loop(config):

@@ -1,5 +1,5 @@
 """The pieces behind what a search listens on (tests/test_exposed_ports.py runs them on a real Ray):
-the fixed ports another process holds (trainer.cluster.fixed_ports) and the interface of the node's address
+the fixed ports another process holds (trainer.ray_setup.fixed_ports) and the interface of the node's address
 that gloo is given (trainer.cluster.process_group_ports)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 
 import psutil
 
-from vidtune.trainer.cluster.fixed_ports import (
+from vidtune.trainer.ray_setup.fixed_ports import (
     AGENT_HTTP_PORT,
     FixedPort,
     fixed_ports,

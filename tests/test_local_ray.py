@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from vidtune.trainer.cluster import launch, ray_start
-from vidtune.trainer.cluster.ray_start import RayStart, RayStartError, start_local_ray
+from vidtune.trainer.ray_setup import launch, ray_start
+from vidtune.trainer.ray_setup.ray_start import RayStart, RayStartError, start_local_ray
 from vidtune.tune.outputs.search_log import LOG_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def _search_and_stale_record(synthetic_root: Path, tmp_path: Path, temp_root: st
     assert record.exists()
     started = time.monotonic()
     probe = subprocess.run([sys.executable, "-c", (
-        "import ray\nfrom vidtune.trainer.cluster.launch import init_ray\n"
+        "import ray\nfrom vidtune.trainer.ray_setup.launch import init_ray\n"
         "init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
         "print('own', ray.get_runtime_context().gcs_address)\nray.shutdown()\n")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)

@@ -87,7 +87,7 @@ def test_trial_overhead_bench_refuses_bad_flags_before_starting_ray(argv, flag, 
     def no_ray(*args, **kwargs):
         raise AssertionError("the bench started Ray despite a bad flag")
 
-    monkeypatch.setattr("vidtune.trainer.cluster.launch.init_ray", no_ray)
+    monkeypatch.setattr("vidtune.trainer.ray_setup.launch.init_ray", no_ray)
     with pytest.raises(SystemExit) as exc:
         trial_overhead.main(argv)
     assert flag in str(exc.value)

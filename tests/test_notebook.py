@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vidtune.trainer.cluster.ray_reaper import ray_processes_under
+from vidtune.trainer.ray_setup.ray_reaper import ray_processes_under
 
 nbformat = pytest.importorskip("nbformat")
 
@@ -148,7 +148,7 @@ def _run(kc, code: str, timeout_s: float, on_text=None) -> tuple[dict, str]:
 
 def _ray_processes(root) -> dict:
     """{process: its name} of Ray's processes under `root` (GCS, raylet, agents, workers), as
-    the search's own reaper finds them (`trainer.cluster.ray_reaper`)."""
+    the search's own reaper finds them (`trainer.ray_setup.ray_reaper`)."""
     found = {}
     for p in ray_processes_under(root):
         try:

@@ -22,13 +22,6 @@ import vidtune
 from vidtune.datasets.config import DataConfig
 from vidtune.flags import ConfigError
 from vidtune.own_model_spec import IMAGENET_MEAN, checked_input_spec, video_model
-from vidtune.trainer.cluster.launch import (
-    DEFAULT_HEALTH_CHECK_INTERVAL_S,
-    HEALTH_CHECK_ENV,
-    init_ray,
-    validate_config,
-    worker_runtime_env,
-)
 from vidtune.trainer.commands import train, train_run
 from vidtune.trainer.models import own_models
 from vidtune.trainer.models.registry import (
@@ -37,6 +30,13 @@ from vidtune.trainer.models.registry import (
     get_spec,
     is_own_model,
     prepare_model_memory_format,
+)
+from vidtune.trainer.ray_setup.launch import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    HEALTH_CHECK_ENV,
+    init_ray,
+    validate_config,
+    worker_runtime_env,
 )
 from vidtune.trainer.training import model_checks
 from vidtune.trainer.training.config import TrainConfig

@@ -1,5 +1,5 @@
 """Joining a Ray cluster with token authentication (Ray 2.60): a refusal for want of the token is
-one line naming the variables to set (trainer/cluster/ray_auth.py), and a join with no token anywhere
+one line naming the variables to set (trainer/ray_setup/ray_auth.py), and a join with no token anywhere
 gets a note first. The Jobs API path itself, token and all, is tests/test_jobs_api.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import ray
 from ray.exceptions import AuthenticationError
 
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster import launch, ray_auth
+from vidtune.trainer.ray_setup import launch, ray_auth
 
 VIDTUNE = str(Path(sys.executable).parent / "vidtune")
 

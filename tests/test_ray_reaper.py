@@ -1,4 +1,4 @@
-"""vidtune.trainer.cluster.ray_reaper: the Ray processes of a killed command end with it, and nothing else.
+"""vidtune.trainer.ray_setup.ray_reaper: the Ray processes of a killed command end with it, and nothing else.
 
 A stand-in command starts two children, one titled like a Ray agent (`ray::DashboardAgent`) and
 one that is not Ray's, then is SIGKILLed: the reaper kills the first, leaves the second. A slow
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vidtune.trainer.cluster import ray_reaper
+from vidtune.trainer.ray_setup import ray_reaper
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_a_ray_stopped_while_its_command_goes_on_ends_the_reaper_at_once():
 
 def test_the_reaper_refuses_a_bad_argument(capsys):
     assert ray_reaper.main(["not-a-pid"]) == 2
-    assert "usage: python -m vidtune.trainer.cluster.ray_reaper PID" in capsys.readouterr().err
+    assert "usage: python -m vidtune.trainer.ray_setup.ray_reaper PID" in capsys.readouterr().err
 
 
 @pytest.mark.slow   # a real search, killed once its trial trains (about a minute)

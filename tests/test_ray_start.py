@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from vidtune.trainer.cluster import ray_start
-from vidtune.trainer.cluster.ray_start import RayStart, RayStartError, object_store_bytes, start_local_ray
+from vidtune.trainer.ray_setup import ray_start
+from vidtune.trainer.ray_setup.ray_start import RayStart, RayStartError, object_store_bytes, start_local_ray
 
 
 def test_the_object_store_is_sized_to_an_address_space_limit(monkeypatch):
@@ -67,7 +67,7 @@ def test_a_start_that_fails_is_one_error_naming_the_cause_and_the_flags(monkeypa
 
 HANGING_START = textwrap.dedent("""
     import subprocess, sys, time
-    from vidtune.trainer.cluster.ray_start import RayStart, start_local_ray
+    from vidtune.trainer.ray_setup.ray_start import RayStart, start_local_ray
 
     def hanging_init(**kw):
         # stands in for a Ray whose raylet died: a process ('raylet' in its command), then silence

@@ -16,7 +16,7 @@ import pytest
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.index import build_index
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster import launch
+from vidtune.trainer.ray_setup import launch
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune import search
 from vidtune.tune.config import demo
@@ -354,7 +354,7 @@ def test_without_data_the_demo_dataset_is_generated_once(monkeypatch, tmp_path, 
 
 def test_a_search_with_ray_token_authentication_off_says_so(monkeypatch, capsys):
     """vidtune never turns Ray's token authentication off; started with it off, it says so in one
-    line before Ray starts (trainer.cluster.launch.init_ray, which the search and vidtune train call)."""
+    line before Ray starts (trainer.ray_setup.launch.init_ray, which the search and vidtune train call)."""
     import ray
 
     started = []

@@ -19,8 +19,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from vidtune.trainer.cluster.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV, validate_config
 from vidtune.trainer.commands import train
+from vidtune.trainer.ray_setup.launch import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    HEALTH_CHECK_ENV,
+    validate_config,
+)
 from vidtune.trainer.training.precision import choose_precision
 from vidtune.tune.outputs.resume_line import AT_START
 from vidtune.tune.tracking.description import CELL_PAD
@@ -384,7 +388,8 @@ def test_asha_stops_trials_and_their_resources_are_released(ray_session, synthet
     reused_after_a_stop = [trials for trials in trials_by_pid.values()
                            if any(name in stopped_names for _, name in sorted(trials)[:-1])]
     assert reused_after_a_stop, trials_by_pid
-    # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off (trainer.cluster.launch).
+    # On a local Ray (never drained), Train's per-run PreemptionWatcher actor is off
+    # (trainer.ray_setup.launch).
     from ray.util.state import list_actors
 
     actors = list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000)   # this Ray's

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from vidtune.datasets.config import DataConfig
-from vidtune.trainer.cluster.launch import TRAIN_FLAGS, ConfigError, validate_config
 from vidtune.trainer.commands import train, train_run
 from vidtune.trainer.models.registry import build_model
+from vidtune.trainer.ray_setup.launch import TRAIN_FLAGS, ConfigError, validate_config
 from vidtune.trainer.serving import predict
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune.config.options import build_parser as search_parser
@@ -131,7 +131,7 @@ def test_cli_batch_larger_than_dataset_exits_2(synthetic_root, capsys):
 
 
 def test_cli_num_frames_above_the_shortest_video_exits_2_before_ray(synthetic_root, capsys, monkeypatch):
-    """The search's check, shared (trainer.cluster.launch.check_training_inputs): a clip longer than the
+    """The search's check, shared (trainer.ray_setup.launch.check_training_inputs): a clip longer than the
     shortest video is refused before Ray starts, after the data report."""
     def no_ray(*args, **kwargs):
         raise AssertionError("vidtune train started Ray despite a clip longer than every video")

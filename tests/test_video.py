@@ -27,7 +27,7 @@ from vidtune.datasets.video import (
 )
 from vidtune.errors import DataError
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import check_batch_sizes
+from vidtune.trainer.ray_setup.launch import check_batch_sizes
 
 SMALL = dict(num_frames=4, frame_stride=2, height=32, width=32)
 

@@ -19,7 +19,7 @@ from ray import tune
 
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.launch import check_output_folders, check_training_inputs
+from vidtune.trainer.ray_setup.launch import check_output_folders, check_training_inputs
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.tune.config import layout
 from vidtune.tune.config.demo import ensure_demo_data

@@ -28,9 +28,9 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.cluster import kinetics, node_cache
 from vidtune.trainer.cluster.devices import train_device
-from vidtune.trainer.cluster.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.cluster.lease import start_lease
 from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.ray_setup.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.training.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.gpus import simulated_gpus

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from vidtune.errors import DataError, SearchInterrupted, VidtuneError
 from vidtune.flags import ConfigError
-from vidtune.trainer.cluster.ray_start import import_failure_message
+from vidtune.trainer.ray_setup.ray_start import import_failure_message
 from vidtune.tune.config.options import SearchOptions, build_parser, given_options, parse_options
 
 if TYPE_CHECKING:

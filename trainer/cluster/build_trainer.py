@@ -2,7 +2,7 @@
 ranking, failure and logging settings, its workers and their process group.
 
 The heavy half of launching (Ray Train, torch, the worker's code); the light half, the checks
-run before Ray starts and `init_ray`, is `trainer.cluster.launch`. Used by `trainer.commands.train_run` (one
+run before Ray starts and `init_ray`, is `trainer.ray_setup.launch`. Used by `trainer.commands.train_run` (one
 run), `tune.running.trial` (one trainer per trial) and the tests.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import ray.train
 
 from vidtune.datasets.index import VideoIndex
-from vidtune.trainer.cluster.launch import worker_env_vars
 from vidtune.trainer.cluster.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
 from vidtune.trainer.cluster.torch_trainer import VidtuneTorchTrainer
 from vidtune.trainer.cluster.worker_entry import train_loop_per_worker
+from vidtune.trainer.ray_setup.launch import worker_env_vars
 from vidtune.trainer.training.config import INDEX_CONFIG_KEY, TrainConfig
 from vidtune.trainer.training.gpus import simulated_gpus
 from vidtune.trainer.training.report_keys import Key

@@ -161,7 +161,7 @@ def local_gpus() -> float:
 
 
 def local_capacity() -> ClusterCapacity:
-    """This machine as one node: what a local Ray started by `trainer.cluster.launch.init_ray` offers."""
+    """This machine as one node: what a local Ray started by `trainer.ray_setup.launch.init_ray` offers."""
     node = (local_cpus(), local_gpus())
     return ClusterCapacity((node,), node)
 

@@ -36,9 +36,9 @@ from vidtune.flags import (
     join_negative_values,
 )
 from vidtune.trainer.cluster.capacity import check_gpus_per_worker, local_capacity
-from vidtune.trainer.cluster.launch import TRAIN_FLAGS, check_training_inputs, joins_cluster
-from vidtune.trainer.cluster.ray_start import RayStartError, import_failure_message
 from vidtune.trainer.commands.train_options import PROG, RUN_FLAGS, RunOptions, check_capacity
+from vidtune.trainer.ray_setup.launch import TRAIN_FLAGS, check_training_inputs, joins_cluster
+from vidtune.trainer.ray_setup.ray_start import RayStartError, import_failure_message
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.report_keys import Key
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vidtune.flags import flag_specs, option
 from vidtune.trainer.cluster.capacity import ClusterCapacity, WorkerRequest, check_fits
-from vidtune.trainer.cluster.ray_start import RayStart
+from vidtune.trainer.ray_setup.ray_start import RayStart
 
 PROG = "vidtune train"       # the command as the user typed it: its usage, errors and warnings
 

@@ -21,8 +21,8 @@ from vidtune.datasets.index import VideoIndex
 from vidtune.errors import VidtuneError
 from vidtune.trainer.cluster.build_trainer import build_torch_trainer
 from vidtune.trainer.cluster.capacity import AUTOSCALER_CONFIG, ClusterCapacity, capacity_of
-from vidtune.trainer.cluster.launch import init_ray, joins_cluster
 from vidtune.trainer.commands.train_options import PROG, RunOptions, check_capacity
+from vidtune.trainer.ray_setup.launch import init_ray, joins_cluster
 from vidtune.trainer.training.checkpointing import first_whole
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.report_keys import Key

@@ -13,7 +13,7 @@ Imports as uvicorn does `module:app`: the current folder first on `sys.path` (a 
 folder there instead. On a Ray worker and in a process loading a registered model, the module is
 importable by its name from the copy Ray or MLflow put on `sys.path`.
 
-No torch here (the user's module brings it): `trainer.cluster.launch` reads what to ship without loading
+No torch here (the user's module brings it): `trainer.ray_setup.launch` reads what to ship without loading
 it. The checks that build the model (an `nn.Module`, one clip's output shape) are
 `trainer.training.model_checks`', on the driver before Ray starts. Errors are `OwnModelError` (a
 ValueError, as for an unknown model name), one line naming the factory and what to do.
@@ -220,7 +220,7 @@ def _installed(path: Path) -> bool:
 
 def modules_to_ship() -> list[str]:
     """The files and folders of the own models this process loaded that Ray workers cannot import
-    without them: `runtime_env={"py_modules": ...}` (`trainer.cluster.launch.worker_runtime_env`)."""
+    without them: `runtime_env={"py_modules": ...}` (`trainer.ray_setup.launch.worker_runtime_env`)."""
     return sorted({str(p) for p in _TO_SHIP.values() if p.exists()})
 
 

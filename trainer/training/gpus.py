@@ -10,7 +10,7 @@ A torch build carries kernels for a list of GPU architectures (`torch.cuda.get_a
 `gpu_supported` is the rule for whether a GPU of a compute capability is on it
 (`trainer.cluster.devices` applies it to the GPUs a process sees).
 
-Every CLI's --help imports this module (through trainer.cluster.launch): it imports neither torch nor Ray.
+Every CLI's --help imports this module (through trainer.ray_setup.launch): it imports neither torch nor Ray.
 """
 from __future__ import annotations
 

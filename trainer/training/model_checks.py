@@ -1,7 +1,7 @@
 """The checks of a config that need the model registry (torch, torchvision: seconds to import):
 the model name, its Kinetics weights, the clip size against the model, an own model's factory
 (built once, one dummy clip through it), a weights file. Run on the driver, last among
-`trainer.cluster.launch.validate_config`'s checks, so a bad flag is refused first.
+`trainer.ray_setup.launch.validate_config`'s checks, so a bad flag is refused first.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ optimizer and input transform. Under torch.distributed the epoch's collectives (
 combine the ranks; in one process they are no-ops.
 
 Precondition: each of the `world` workers gets at least one full batch of training videos
-(`trainer.cluster.launch.check_batch_sizes`, the one check, run on the driver before any worker starts).
+(`trainer.ray_setup.launch.check_batch_sizes`, the one check, run on the driver before any worker starts).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vidtune.flags import ConfigError, option
 from vidtune.trainer.cluster.capacity import check_gpus_per_worker
-from vidtune.trainer.cluster.ray_start import RayStart
+from vidtune.trainer.ray_setup.ray_start import RayStart
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ group does not end it first) that notes the Ray processes under the command ever
 the command runs and, once it has ended however it ended, kills those still running. After a
 clean exit `ray.shutdown()` has stopped them already, and it kills nothing.
 
-    python -m vidtune.trainer.cluster.ray_reaper PID      # what start_reaper runs
+    python -m vidtune.trainer.ray_setup.ray_reaper PID      # what start_reaper runs
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def ray_processes_under(process: psutil.Process) -> list[psutil.Process]:
 def start_reaper(pid: int | None = None) -> subprocess.Popen:
     """Start the reaper of the Ray processes under `pid` (default: this process)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "vidtune.trainer.cluster.ray_reaper", str(pid or os.getpid())],
+        [sys.executable, "-m", "vidtune.trainer.ray_setup.ray_reaper", str(pid or os.getpid())],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True)
 
@@ -105,7 +105,7 @@ def kill_all(processes: Iterable[psutil.Process]) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not args[0].isdigit():
-        print("usage: python -m vidtune.trainer.cluster.ray_reaper PID", file=sys.stderr)
+        print("usage: python -m vidtune.trainer.ray_setup.ray_reaper PID", file=sys.stderr)
         return 2
     reap(int(args[0]))
     return 0

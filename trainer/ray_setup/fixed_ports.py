@@ -1,7 +1,7 @@
 """Ray's fixed ports, on a machine where something else (most often another Ray: a second local
 search) already holds them: the Ray started here runs without what they serve, and says so.
 
-A Ray that `ray.init` starts (vidtune's local Ray, `trainer.cluster.ray_start.start_local_ray`) listens
+A Ray that `ray.init` starts (vidtune's local Ray, `trainer.ray_setup.ray_start.start_local_ray`) listens
 on three ports that do not move when they are taken (Ray 2.60): the dashboard agent's HTTP API
 (52365; Ray's Jobs API reaches a node through it), the dashboard's Prometheus metrics (44227) and
 the autoscaler monitor's (44217). When one is held, Ray starts all the same and only its own log

@@ -27,7 +27,7 @@ import psutil
 
 from vidtune.errors import VidtuneError
 from vidtune.flags import option
-from vidtune.trainer.cluster.ray_reaper import kill_all, ray_processes_under, start_reaper
+from vidtune.trainer.ray_setup.ray_reaper import kill_all, ray_processes_under, start_reaper
 
 GB = 1e9
 # Ray's smallest object store (ray_constants.OBJECT_STORE_MINIMUM_MEMORY_BYTES: 75 MiB)
@@ -93,9 +93,11 @@ def memory_facts(store: int | None = None, *, with_store: bool = True) -> str:
 
 def training_footprint_bytes() -> int:
     """The address space a process holds once the training libraries are loaded (bytes): this
-    process's, after loading here what every Train worker loads. An ImportError here is the limit
-    already biting (`import_failure_message`)."""
-    import vidtune.trainer.cluster.worker  # noqa: F401  (heavy: torch, torchvision, Ray Train; what a Train worker maps)
+    process's, after loading here what every Train worker loads: torch, torchvision and decord,
+    through the Ray-free run (not the worker module itself, in a room above this one; Ray's core
+    is loaded already by `trainer.ray_setup.launch.init_ray`, and Ray Train's own modules add
+    little). An ImportError here is the limit already biting (`import_failure_message`)."""
+    from vidtune.trainer.training import run  # noqa: F401  (heavy: torch, torchvision, decord)
 
     return int(psutil.Process().memory_info().vms)
 
@@ -232,4 +234,4 @@ def start_local_ray(init: Callable[..., object], options: RayStart, **kw) -> Non
         raise RayStartError(failure_message(f"{type(e).__name__}: {reason[:200]}", options, store)) from None
     finally:
         done.set()
-    start_reaper()   # its processes end with this one, even when it is killed (trainer.cluster.ray_reaper)
+    start_reaper()   # its processes end with this one, even when it is killed (trainer.ray_setup.ray_reaper)

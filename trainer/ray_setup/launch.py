@@ -16,10 +16,10 @@ from typing import Any
 
 from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.flags import ConfigError, check_bounds, flag_specs
-from vidtune.trainer.cluster.fixed_ports import taken_fixed_ports, taken_line
-from vidtune.trainer.cluster.ray_auth import token_refusal_explained
-from vidtune.trainer.cluster.ray_start import RayStart, start_local_ray
 from vidtune.trainer.models.own_models import modules_to_ship
+from vidtune.trainer.ray_setup.fixed_ports import taken_fixed_ports, taken_line
+from vidtune.trainer.ray_setup.ray_auth import token_refusal_explained
+from vidtune.trainer.ray_setup.ray_start import RayStart, start_local_ray
 from vidtune.trainer.training.config import PRECISIONS, TrainConfig
 from vidtune.trainer.training.gpus import SIMULATE_ENV, simulated_gpus
 
@@ -97,9 +97,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     `ray.init`; a `runtime_env` given there is merged with `worker_runtime_env()` (its own env_vars
     win), so the own model checked on the driver reaches every worker, of a Ray started or joined.
     A local Ray gets VIDTUNE_SIMULATE_GPUS GPUs when that is set (`vidtune.trainer.training.gpus`),
-    and starts as `ray_start` says (`vidtune.trainer.cluster.ray_start`: object store, time limit;
+    and starts as `ray_start` says (`vidtune.trainer.ray_setup.ray_start`: object store, time limit;
     RayStartError when it cannot); one line says which of Ray's fixed ports another process held,
-    so that it runs without them (`vidtune.trainer.cluster.fixed_ports`).
+    so that it runs without them (`vidtune.trainer.ray_setup.fixed_ports`).
     Returns True when this call started or connected Ray, False when it was already running.
     """
     os.environ.setdefault(HEALTH_CHECK_ENV, DEFAULT_HEALTH_CHECK_INTERVAL_S)
@@ -124,7 +124,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, *,
     if py_modules:
         runtime_env["py_modules"] = py_modules
     if local:
-        # before Ray starts: what it will not bind (trainer.cluster.fixed_ports)
+        # before Ray starts: what it will not bind (trainer.ray_setup.fixed_ports)
         taken = taken_fixed_ports(dashboard=kw.get("include_dashboard") is not False)
         start_local_ray(ray.init, ray_start or RayStart(), num_cpus=num_cpus, runtime_env=runtime_env or None,
                         **kw)
@@ -143,7 +143,7 @@ def joins_cluster(address: str | None) -> bool:
     """Whether `init_ray(address)` joins a running Ray (--address, or RAY_ADDRESS in the
     environment) rather than starting one on this machine. "local" (either way) starts one, as
     it does for ray.init; so does neither: a local search never follows the machine's last
-    `ray start` (`trainer.cluster.ray_start.start_local_ray`)."""
+    `ray start` (`trainer.ray_setup.ray_start.start_local_ray`)."""
     if address is None:
         address = os.environ.get("RAY_ADDRESS") or None
     return address is not None and address.strip().lower() != LOCAL_ADDRESS
