@@ -66,6 +66,11 @@ class Summary:
     files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
 
     @property
+    def trials_ended(self) -> int:
+        """The trials that ran to an end (not UNFINISHED: a --resume continues those)."""
+        return sum(r.status != "UNFINISHED" for r in self.rows)
+
+    @property
     def table_markdown(self) -> str:
         """The trials table, ranked by the objective, as MLflow's description shows it."""
         return format_markdown(ranked(self.rows, self.objective), self.val_clips)
@@ -103,10 +108,7 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     say = functools.partial(print, file=sys.__stdout__ if opts.quiet else sys.stdout, flush=True)
     rows, best, files, val_clips = summary.rows, summary.best, summary.files, summary.val_clips
     interrupted, importance = summary.interrupted, summary.importance
-    uri = opts.tracking.mlflow_uri
-    # every command printed runs as printed in a shell without the venv (`vidtune.servers`)
-    resume = vidtune_line("search", "--resume", "--name", plan.name, "--storage", str(plan.storage),
-                          *(() if uri == "sqlite:///mlruns.db" else ("--mlflow-uri", uri)))
+    resume = resume_line(plan, opts)
 
     say("")   # the last block: the answer first
     for line in summary.answer:
@@ -151,6 +153,14 @@ def print_summary(plan: Plan, opts: SearchOptions, summary: Summary, *, mlflow_l
     if not best and rows:
         say(no_usable_trial(opts, rows))
     return 0 if best else 1
+
+
+def resume_line(plan: Plan, opts: SearchOptions) -> str:
+    """The command that continues this search; it runs as printed in a shell without the venv
+    (`vidtune.servers`)."""
+    uri = opts.tracking.mlflow_uri
+    return vidtune_line("search", "--resume", "--name", plan.name, "--storage", str(plan.storage),
+                        *(() if uri == "sqlite:///mlruns.db" else ("--mlflow-uri", uri)))
 
 
 def checkpoint_line(best: TrialResult, checkpoint: TrialResult | None) -> str:
