@@ -144,3 +144,24 @@ def test_the_last_line_says_where_how_much_to_free_and_the_command_that_continue
     assert "a checkpoint is 1.0 MB; each of the 2 trials left keeps up to 3" in line
     assert "free at least " in line and line.endswith("with: vidtune search --resume --name s --storage DIR")
     assert disk_full.space_needed(str(experiment), "s3://bucket", 2) == ""
+
+
+def test_a_checkpoint_in_a_local_storage_is_read_in_place_not_copied_first(tmp_path, monkeypatch):
+    """Train hands a resumed worker its checkpoint on the storage's filesystem; on the atomic one
+    Ray's `as_directory` would copy it to a temporary folder first (a whole model, each resume)."""
+    import ray.train
+
+    from vidtune.trainer.checkpointing import write_checksums
+    from vidtune.trainer.resume import first_whole_checkpoint
+
+    folder = tmp_path / "run" / "epoch_0001"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.pt").write_bytes(b"not a model")
+    write_checksums(folder)
+
+    def copied(self):
+        raise AssertionError("copied to a temporary folder")
+
+    monkeypatch.setattr(ray.train.Checkpoint, "as_directory", copied)
+    found, damaged = first_whole_checkpoint([ray.train.Checkpoint(str(folder), filesystem=atomic_local_fs())])
+    assert found is None and len(damaged) == 1 and str(folder) in damaged[0]   # read, in place

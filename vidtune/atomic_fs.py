@@ -182,3 +182,10 @@ def storage_filesystem(storage: str | None) -> pafs.FileSystem | None:
     if storage is not None and "://" in storage:
         return None
     return atomic_local_fs()
+
+
+def is_local(filesystem: pafs.FileSystem | None) -> bool:
+    """Whether `filesystem` is this machine's own: pyarrow's local one or `atomic_local_fs()`
+    (a path on it is read in place)."""
+    return isinstance(filesystem, pafs.LocalFileSystem) or (
+        isinstance(filesystem, pafs.PyFileSystem) and isinstance(filesystem.handler, AtomicLocalHandler))
