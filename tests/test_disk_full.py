@@ -165,3 +165,35 @@ def test_a_checkpoint_in_a_local_storage_is_read_in_place_not_copied_first(tmp_p
     monkeypatch.setattr(ray.train.Checkpoint, "as_directory", copied)
     found, damaged = first_whole_checkpoint([ray.train.Checkpoint(str(folder), filesystem=atomic_local_fs())])
     assert found is None and len(damaged) == 1 and str(folder) in damaged[0]   # read, in place
+
+
+def test_the_console_and_mlflow_say_nothing_of_the_error_of_a_trial_the_disk_stopped(tmp_path, usr1, capsys):
+    """With --max-failures 0 Tune reports the trial as an error (`on_trial_error`) after
+    `DiskFullStop`: the console prints no FAILED line nor traceback, and its MLflow run stays open
+    (KILLED at the end, reopened by --resume), not FAILED; another trial's error is said as before."""
+    from mlflow.tracking import MlflowClient
+
+    from vidtune.tune.console import SearchConsole
+    from vidtune.tune.tracking.tracker import MLflowTracker
+
+    tracker = MLflowTracker(tracking_uri=f"sqlite:///{tmp_path / 'mlruns.db'}", experiment="e",
+                            experiment_path=str(tmp_path / "s" / "ray"), epochs=2, parent_params={},
+                            parent_tags={}, child_params={})
+    tracker.setup()
+    screen = SearchConsole(num_samples=2, epochs=2, objective="val_acc", tty=False)
+    stopped = SimpleNamespace(**vars(_trial(tmp_path, "a", "ERROR", ENOSPC_TEXT)), config={"batch_size": 4})
+    own = SimpleNamespace(**vars(_trial(tmp_path, "b", "ERROR", "ValueError: a bug\n")),
+                          config={"batch_size": 4})
+    for trial in (stopped, own):
+        tracker.on_trial_start(0, [], trial)
+    capsys.readouterr()
+    disk_full.DiskFullStop().on_trial_error(1, [stopped, own], stopped)
+    for callback in (tracker, screen):
+        callback.on_trial_error(1, [stopped, own], stopped)
+    assert capsys.readouterr().out == ""
+    for callback in (tracker, screen):
+        callback.on_trial_error(1, [stopped, own], own)
+    assert "FAILED: ValueError: a bug" in capsys.readouterr().out
+    c = MlflowClient(tracker.tracking_uri)
+    assert c.get_run(tracker.child_runs["a"]).info.status == "RUNNING"
+    assert c.get_run(tracker.child_runs["b"]).info.status == "FAILED"

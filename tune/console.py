@@ -31,6 +31,7 @@ from vidtune.trainer.metrics import steady_state
 from vidtune.trainer.report_keys import Key, number
 from vidtune.tune import searched
 from vidtune.tune.budget import format_duration
+from vidtune.tune.disk_full import stopped_by_full_disk
 from vidtune.tune.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.results import STATUSES, TrialResult, completed_trial_status
 from vidtune.tune.trial import short_name
@@ -178,6 +179,8 @@ class SearchConsole(Callback):
         self._print(f"{short_name(trial)} {how}{result}")
 
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        if stopped_by_full_disk(trial.trial_id):   # unfinished, not failed: the search's last line says why
+            return
         path = getattr(trial, "error_file", None)
         text = read_error_file(path)
         experiment = _experiment_path(trial)

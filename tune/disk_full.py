@@ -7,8 +7,11 @@ just queued its retry; `on_trial_error` with `--max-failures 0`) and asks Tune f
 stop (SIGUSR1, as `tune.faults` does for Ctrl-C): the loop ends before the retry or any other
 trial starts. The trials live then are recorded as unfinished (`tune.faults.STATE`), so the
 summary counts the trials that ran, shows them UNFINISHED, MLflow ends their runs KILLED, and
-Optuna is not told they failed: `--resume`, once space is freed, continues them under the same
-trial ids, from their last whole checkpoint (`vidtune.atomic_fs` keeps every file whole or absent).
+Optuna is not told they failed (with `--max-failures 0` Tune tells the searcher FAIL before any
+callback runs, and that stays: docs/troubleshooting.md): `--resume`, once space is freed,
+continues them under the same trial ids, from their last whole checkpoint (`vidtune.atomic_fs`
+keeps every file whole or absent). The console and the MLflow tracker, called after
+`DiskFullStop`, say nothing of such a trial's error (`stopped_by_full_disk`).
 
 `message` is the line the search ends with: where, how much space to free, what was kept, how to
 continue.
@@ -53,6 +56,12 @@ def stop_on_disk_full(trials: list[Trial], trial: Trial, why: str) -> None:
     usr1 = getattr(signal, "SIGUSR1", None)
     if usr1 is not None and signal.getsignal(usr1) not in (signal.SIG_IGN, signal.SIG_DFL):
         os.kill(os.getpid(), usr1)   # Tune's graceful stop: no further trial starts
+
+
+def stopped_by_full_disk(trial_id: str) -> bool:
+    """Whether the full disk stopped trial `trial_id` (an unfinished trial, not a failed one):
+    the console and the MLflow tracker, called after `DiskFullStop`, say nothing of its error."""
+    return faults.STATE.disk_full is not None and trial_id in faults.STATE.unfinished
 
 
 class DiskFullStop(Callback):

@@ -40,6 +40,7 @@ from ray.tune import Callback, Result
 from ray.tune.experiment import Trial
 
 from vidtune.trainer.report_keys import Key
+from vidtune.tune.disk_full import stopped_by_full_disk
 from vidtune.tune.faults import error_text, one_line, read_error_file
 from vidtune.tune.results import (
     SUMMARY_INPUTS,
@@ -219,6 +220,8 @@ class MLflowTracker(RunWriter, Callback):
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        if stopped_by_full_disk(trial.trial_id):   # KILLED at the end, continued by --resume
+            return
         path = getattr(trial, "error_file", None)
         text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
         run_id = self.child_runs.get(trial.trial_id)
