@@ -22,6 +22,7 @@ from ray.tune import CLIReporter
 from ray.tune.search import Searcher
 
 from vidtune.atomic import write_atomically
+from vidtune.atomic_fs import storage_filesystem
 from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
@@ -39,7 +40,7 @@ from vidtune.tune.config import searched
 from vidtune.tune.config.options import SearchOptions
 from vidtune.tune.outputs.console import SearchConsole
 from vidtune.tune.outputs.results import objective_key
-from vidtune.tune.outputs.resume_line import announce_resume
+from vidtune.tune.outputs.resume_line import announce_resume, resume_command
 from vidtune.tune.outputs.search_log import (
     LOG_FILE,
     keep_ray_lines_off_the_console,
@@ -47,7 +48,7 @@ from vidtune.tune.outputs.search_log import (
     quiet_libraries,
 )
 from vidtune.tune.preflight import Plan, unreadable_state
-from vidtune.tune.running import cleanup, faults
+from vidtune.tune.running import cleanup, disk_full, faults
 from vidtune.tune.running.budget import TimeBudget
 from vidtune.tune.running.cluster import (
     AUTOSCALER_CONFIG,
@@ -244,20 +245,20 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
                                trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
-    callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
-                 SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
-                                                objective=opts.objective, quiet=opts.quiet,
-                                                concurrency=concurrency, rungs=space.asha_rungs(opts),
-                                                reduction_factor=opts.reduction_factor)]
+    callbacks = [disk_full.DiskFullStop(), tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
+                 faults.InterruptWatch(), SignAfterSave(),
+                 SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
+                               objective=opts.objective, quiet=opts.quiet,
+                               concurrency=concurrency, rungs=space.asha_rungs(opts),
+                               reduction_factor=opts.reduction_factor)]
     tuner, searcher = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
     results, failure = None, None
     announce_mlflow(tracker)
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/running/faults.py)
     try:
         results = tuner.fit()
-        full = faults.trial_disk_full(results, plan.storage)
-        if full is not None:   # a checkpoint filled the disk before Tune's state did: as if Tune raised
-            results, failure = None, full
+        # a trial's checkpoint filled the disk, which stopped the search (tune/running/disk_full.py)
+        failure = faults.trial_disk_full(results, plan.storage) or disk_full.stopped_error()
     except Exception as e:
         failure = e
     finally:
@@ -279,7 +280,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         del registry, lease
         faults.uninstall()
     if failure is not None:
-        raise_failure(plan, opts, failure)
+        raise_failure(plan, opts, failure, trials_left=opts.num_samples - summary.trials_ended)
     return faults.late_exit_code(code)
 
 
@@ -292,29 +293,23 @@ def save_lease_record(lease: Any, log: Path) -> Path | None:
     try:
         record = ray.get(lease.snapshot.remote(), timeout=30)["record"]
         return write_atomically(path, json.dumps(record, indent=1))   # whole or not at all (a full disk)
-    except Exception as e:    # bookkeeping: never the reason a search fails
-        print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
+    except Exception as e:    # bookkeeping: never the reason a search fails (a full disk says itself)
+        if not faults.disk_full(e, str(log.parent)):
+            print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
         return None
 
 
-def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoReturn:
+def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception, trials_left: int = 0) -> NoReturn:
     """Re-raise what ended the Tuner, said for the user: a full disk (DiskFullError, with
     whether the search can be resumed), a resume whose state could not be read (ConfigError)."""
     full = faults.disk_full(failure, plan.storage)
     if full:
-        try:
-            check_experiment_state(plan.experiment_path)
-            then = (f"free space there (or pass another --storage and copy {plan.search_path} to "
-                    "it), then continue the search with --resume; the epochs already checkpointed are "
-                    "kept")
-        except ValueError:
-            then = ("Tune's saved state was cut short; free space there, then --resume continues from its "
-                    "last whole copy" if last_good.has_copy(plan.experiment_path) else
-                    "the search's saved state was cut short, so it cannot be resumed: free space and "
-                    "start a new search under another --name; the runs recorded so far stay in MLflow")
-        kept = faults.kept_checkpoints(plan.experiment_path)
-        kept = f"; {kept}" if kept else ""
-        raise DiskFullError(f"disk full at {plan.storage} ({full}){kept}: {then}") from None
+        raise DiskFullError(disk_full.message(
+            plan.storage, plan.experiment_path, plan.search_path, full,
+            resumable=disk_full.state_readable(plan.experiment_path),
+            trials_left=trials_left or opts.num_samples,
+            resume=resume_command(plan.name, str(plan.storage), opts),
+            last_good=last_good.has_copy(plan.experiment_path))) from None
     if opts.resume:
         raise ConfigError("--resume", unreadable_state(plan.experiment_path, failure)) from failure
     raise failure
@@ -338,7 +333,8 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             # Errored trials continue from their last checkpoint too (a full disk, a lost node);
             # out of memory is not an error (the trial ended normally with oom=1) and stays done.
             tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True, param_space=param_space)
+                                       resume_errored=True, param_space=param_space,
+                                       storage_filesystem=storage_filesystem(plan.storage))
         except Exception as e:   # a damaged state must stop the resume, never restart the search
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
         return tuner, restored_searcher(tuner)
@@ -360,6 +356,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
         run_config=tune.RunConfig(
             # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
             name=plan.tune_name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
+            storage_filesystem=storage_filesystem(plan.storage),   # whole files on a full disk
             # Tune runs a trial again (from its Train run's last checkpoint) when the node of its
             # driver and Train controller was lost (a reclaimed spot node): --max-failures times,
             # as Train restarts a lost worker group. A trial that failed by itself is not rerun

@@ -12,6 +12,7 @@ from typing import Any
 
 import ray.train
 
+from vidtune.atomic_fs import storage_filesystem
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.cluster.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
@@ -63,6 +64,8 @@ def build_torch_trainer(
     run_config = ray.train.RunConfig(
         name=name,
         storage_path=storage_path,
+        # each checkpoint file whole or absent on a full disk (vidtune/atomic_fs.py)
+        storage_filesystem=storage_filesystem(storage_path) if storage_path else None,
         callbacks=callbacks,
         # At least two: Ray always keeps the latest on top of the best `num_to_keep` by the score,
         # so with two the run holds at least one checkpoint besides the latest, which a worker
