@@ -133,7 +133,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         place_model(run, state, wrap=lambda model: _prepare_ddp(model, run))
         _use_device_threads(w)
-        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy)))
+        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy, run.model)))
         utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
