@@ -12,7 +12,7 @@ from typing import Any
 
 import ray.train
 
-from vidtune.atomic_fs import storage_filesystem
+from vidtune import atomic_fs
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.cluster.lease import LEASE_CONFIG_KEY
 from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
@@ -37,6 +37,7 @@ def build_torch_trainer(
     resources_per_worker: dict | None = None,
     name: str | None = None,
     storage_path: str | None = None,
+    storage_filesystem: Any = None,
     callbacks: list | None = None,
     checkpoint_keep: int = 1,
     train_loop: Callable[[dict], None] | None = None,
@@ -50,6 +51,8 @@ def build_torch_trainer(
     metric that picks its best epoch; the best `checkpoint_keep`, at least 2, are kept, plus
     always the latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
+    `storage_filesystem`: a `pyarrow.fs.FileSystem` that `storage_path` is on, when Ray cannot
+    infer it from the path (Ray's `RunConfig(storage_filesystem=...)`: custom credentials, ...).
     A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
     (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
     A rank left waiting in a collective by another (failed, stuck) fails after
@@ -64,8 +67,10 @@ def build_torch_trainer(
     run_config = ray.train.RunConfig(
         name=name,
         storage_path=storage_path,
-        # each checkpoint file whole or absent on a full disk (vidtune/atomic_fs.py)
-        storage_filesystem=storage_filesystem(storage_path) if storage_path else None,
+        # each checkpoint file whole or absent on a full disk (vidtune/atomic_fs.py), unless the
+        # caller gives its own filesystem
+        storage_filesystem=storage_filesystem if storage_filesystem is not None else (
+            atomic_fs.storage_filesystem(storage_path) if storage_path else None),
         callbacks=callbacks,
         # At least two: Ray always keeps the latest on top of the best `num_to_keep` by the score,
         # so with two the run holds at least one checkpoint besides the latest, which a worker

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.trainer.cluster.checkpoint_upload import CheckpointUploads
 from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import (
     LEASE_CONFIG_KEY,
@@ -86,6 +86,7 @@ class _Worker:
     device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
     cpu_window: CpuWindow | None = None              # this rank's OtherCpuLoad view of the last epoch
     settings: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTING_KEYS, ""))  # all ranks'
+    uploads: CheckpointUploads = field(default_factory=CheckpointUploads)   # rank 0's, on their way
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -132,7 +133,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         place_model(run, state, wrap=lambda model: _prepare_ddp(model, run))
         _use_device_threads(w)
-        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy)))
+        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy, run.model)))
         utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
@@ -320,24 +321,25 @@ def _epoch_metrics(w: _Worker, epoch: int, metrics: dict[str, float], *, window:
 def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = False) -> None:
     """All ranks report (it is a barrier); only rank 0 writes and passes a checkpoint.
 
-    `last`: the run's last epoch. The checkpoint is written (to a local folder) while the
-    weights are still on the device; then every rank frees its device and the devices are handed
-    over (`_hand_over`), and only then is the checkpoint reported, which copies it to the storage
-    (seconds, to a bucket): the next trial trains meanwhile, on a device this one has left."""
+    The checkpoint is written to a local folder (`trainer.cluster.checkpoint_upload`), and Ray
+    copies it to the storage in the background (a bucket: seconds to minutes for a large model)
+    while the next epoch trains; Ray commits it (and deletes the local copy) only once the copy
+    is whole. `last`: the run's last epoch: it is written while the weights are still on the
+    device; then every rank frees its device and the devices are handed over (`_hand_over`)
+    before the upload, so the next trial trains meanwhile, on a device this one has left."""
     if w.run.rank != 0:
         if last:
             _hand_over(w)
         ray.train.report(metrics)
         return
     w.history = {**w.history, epoch: metrics}
-    with tempfile.TemporaryDirectory(prefix="vidtune-ckpt-") as directory:
-        write_history(directory, w.history)
-        save_run_checkpoint(w.run, directory, epoch=epoch,
-                            metrics={**metrics, "speed_by_epoch": dict(w.speed_by_epoch)})
-        if last:
-            _hand_over(w)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=f"epoch_{epoch:04d}{w.checkpoint_suffix}")
+    directory = w.uploads.new_folder()
+    write_history(directory, w.history)
+    save_run_checkpoint(w.run, directory, epoch=epoch,
+                        metrics={**metrics, "speed_by_epoch": dict(w.speed_by_epoch)})
+    if last:
+        _hand_over(w)
+    w.uploads.report(metrics, directory, f"epoch_{epoch:04d}{w.checkpoint_suffix}")
 
 
 def _hand_over(w: _Worker) -> None:
