@@ -26,6 +26,7 @@ from mlflow.server.security_utils import is_allowed_host_header
 
 from vidtune.trainer.cluster.capacity import NodeType, read_node_types
 from vidtune.tune.config.options import parse_options
+from vidtune.tune.running.cluster import ClusterCapacity, fit_to_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERAY = REPO / "deploy" / "kuberay"
@@ -221,7 +222,13 @@ def test_the_entrypoint_is_a_search_vidtunes_parser_accepts_and_fits_the_gpu_pod
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     gpus, cpus = float(limits["nvidia.com/gpu"]), float(limits["cpu"])
     assert res.gpus_per_worker is not None and 0 < res.gpus_per_worker <= gpus
-    assert res.cpus_per_worker * res.workers_per_trial + 0.1 <= cpus   # 0.1: the trial's own driver
+    # --cpus-per-worker as the search fills it in for these pods (the head alone, the group to start)
+    gpu_type = NodeType("gpu", cpus, gpus, group["maxReplicas"])
+    capacity = ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), (gpu_type,))
+    res = fit_to_cluster(opts, capacity).opts.resources
+    assert res.cpus_per_worker is not None
+    # two trials a pod, one training and one starting behind it; 0.1: each trial's own driver
+    assert 2 * (res.cpus_per_worker * res.workers_per_trial + 0.1) <= cpus
     # the data is at the same path on every Ray pod: the shared volume's mount
     for where, c in _ray_containers():
         if "submitter" not in where:
