@@ -31,6 +31,7 @@ from vidtune.trainer.cluster.lease import (
     device_keys,
     physical_gpu_ids,
 )
+from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup, prepare_for_run
 from vidtune.trainer.cluster.torch_trainer import quiet_report_lines
 from vidtune.trainer.training.checkpointing import saved_epoch
 from vidtune.trainer.training.config import INDEX_CONFIG_KEY, TrainConfig
@@ -111,9 +112,10 @@ def train_loop_per_worker(config: dict) -> None:
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
     index = config.pop(INDEX_CONFIG_KEY, None)
+    node_setup = NodeSetup.from_dict(config.pop(NODE_SETUP_CONFIG_KEY, None))
     cfg = TrainConfig.from_dict(config)
     started, started_ts = time.perf_counter(), time.time()
-    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index)
+    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index, node_setup)
     if any_rank(w is None):   # agreed before any other collective, so no rank waits for a lost one
         _report_setup_oom(cfg, time.perf_counter() - started, _epoch_window(started_ts, time.time()))
         return
@@ -160,15 +162,21 @@ def train_loop_per_worker(config: dict) -> None:
             # group Train restarts on the same devices gets them back at once (a regrant).
 
 
-def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _Worker:
-    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU.
-    Runs no collective: a rank that runs out of memory here must not leave the others waiting."""
+def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None,
+           node_setup: NodeSetup | None = None) -> _Worker:
+    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU,
+    on a node that has what the search prepared at its start (`node_setup`: a node that joined
+    later gets it now, `trainer.cluster.node_setup`). Runs no collective: a rank that runs out of
+    memory here must not leave the others waiting."""
     ctx = ray.train.get_context()
     device = train_device()
     plan = _use_allocated_cpus(cfg, on_gpu=device.type == "cuda")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, loader_workers=plan.loaders))
     if index is None:
         index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
+    if node_setup is not None:
+        for line in prepare_for_run(node_setup, cfg, index, on_gpu=device.type == "cuda"):
+            print(f"vidtune: node {ray.util.get_node_ip_address()}: {line}", flush=True)
     run = build_run(cfg, index, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
     return _Worker(run=run, slot=slot)
 
