@@ -24,13 +24,13 @@ from ray.tune.search import Searcher
 from vidtune.atomic import write_atomically
 from vidtune.atomic_fs import storage_filesystem
 from vidtune.datasets.cache import FrameCache
-from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.cluster import kinetics, node_cache
 from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import start_lease
-from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.cluster.node_setup import NodeSetup
+from vidtune.trainer.models.registry import get_spec, kinetics_file
 from vidtune.trainer.ray_setup.launch import check_batch_sizes, init_ray, joins_cluster
 from vidtune.trainer.training.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.training.config import TrainConfig
@@ -193,7 +193,7 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     videos = list(index.train) + list(index.val)
     if trains_here:   # every video decoded once at the model's size (its summary says so)
         print(f"Clip cache {cache.root}: decoding {len(videos)} videos before the first trial", flush=True)
-        print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
+        print(node_cache.fill_this_node(base.data, videos, height, width, on_gpu))   # marks it filled
     node_cache.fill_every_node(base.data, videos, height=height, width=width, on_gpu=on_gpu,
                                skip=ray.get_runtime_context().get_node_id() if trains_here else None)
     return base
@@ -243,7 +243,11 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
-                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
+                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective),
+                               node_setup=NodeSetup(  # for nodes that join later: what every node got above
+                                   ray.get_runtime_context().get_node_id(), fill_cache=base.data.clip_cache,
+                                   kinetics_path=str(kinetics_file(opts.train.model))
+                                   if opts.train.weights == "kinetics" else None))
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
     callbacks = [disk_full.DiskFullStop(), tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
                  faults.InterruptWatch(), SignAfterSave(),

@@ -15,6 +15,7 @@ import ray.train
 from vidtune import atomic_fs
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.cluster.lease import LEASE_CONFIG_KEY
+from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup
 from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
 from vidtune.trainer.cluster.torch_trainer import VidtuneTorchTrainer
 from vidtune.trainer.cluster.worker_entry import train_loop_per_worker
@@ -44,6 +45,7 @@ def build_torch_trainer(
     device_lease: Any = None,
     index: VideoIndex | None = None,
     score_metric: str = Key.VAL_ACC.value,
+    node_setup: NodeSetup | None = None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -63,6 +65,8 @@ def build_torch_trainer(
     their devices before the first epoch and give them back after the last (`trainer.cluster.lease`).
     `index`: the `datasets.index.VideoIndex` the driver checked; the workers train on exactly
     those videos instead of indexing the dataset again.
+    `node_setup`: what a search prepared on every node at its start, which each worker makes sure
+    its own node has before it trains (a node that joined later: `trainer.cluster.node_setup`).
     """
     run_config = ray.train.RunConfig(
         name=name,
@@ -98,6 +102,8 @@ def build_torch_trainer(
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
+    if node_setup is not None:
+        loop_config[NODE_SETUP_CONFIG_KEY] = node_setup.to_dict()
     # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's
     # (trainer.cluster.process_group.GPU_BACKEND),
     # and no CUDA context before the lease (LeasedTorchConfig). Simulated GPUs (trainer.training.gpus): the

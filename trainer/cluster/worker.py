@@ -22,6 +22,7 @@ from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
 from vidtune.trainer.cluster.checkpoint_upload import CheckpointUploads
+from vidtune.trainer.cluster.cpu_share import CpuPlan, cpu_plan, cpus_per_gpu
 from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import (
     LEASE_CONFIG_KEY,
@@ -30,6 +31,7 @@ from vidtune.trainer.cluster.lease import (
     device_keys,
     physical_gpu_ids,
 )
+from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup, prepare_for_run
 from vidtune.trainer.cluster.torch_trainer import quiet_report_lines
 from vidtune.trainer.training.checkpointing import saved_epoch
 from vidtune.trainer.training.config import INDEX_CONFIG_KEY, TrainConfig
@@ -54,7 +56,6 @@ from vidtune.trainer.training.run import (
     build_run,
     current_lr,
     data_counts,
-    loader_workers,
     place_model,
     run_epoch,
     save_run_checkpoint,
@@ -112,9 +113,10 @@ def train_loop_per_worker(config: dict) -> None:
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
     index = config.pop(INDEX_CONFIG_KEY, None)
+    node_setup = NodeSetup.from_dict(config.pop(NODE_SETUP_CONFIG_KEY, None))
     cfg = TrainConfig.from_dict(config)
     started, started_ts = time.perf_counter(), time.time()
-    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index)
+    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index, node_setup)
     if any_rank(w is None):   # agreed before any other collective, so no rank waits for a lost one
         _report_setup_oom(cfg, time.perf_counter() - started, _epoch_window(started_ts, time.time()))
         return
@@ -161,16 +163,22 @@ def train_loop_per_worker(config: dict) -> None:
             # group Train restarts on the same devices gets them back at once (a regrant).
 
 
-def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _Worker:
-    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU.
-    Runs no collective: a rank that runs out of memory here must not leave the others waiting."""
+def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None,
+           node_setup: NodeSetup | None = None) -> _Worker:
+    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU,
+    on a node that has what the search prepared at its start (`node_setup`: a node that joined
+    later gets it now, `trainer.cluster.node_setup`). Runs no collective: a rank that runs out of
+    memory here must not leave the others waiting."""
     ctx = ray.train.get_context()
-    cpus = _use_allocated_cpus(cfg.cpu_threads)
-    data = dataclasses.replace(cfg.data, loader_workers=loader_workers(cfg.data.loader_workers, cpus))
-    cfg = dataclasses.replace(cfg, data=data)
+    device = train_device()
+    plan = _use_allocated_cpus(cfg, on_gpu=device.type == "cuda")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, loader_workers=plan.loaders))
     if index is None:
         index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
-    run = build_run(cfg, index, device=train_device(), rank=ctx.get_world_rank(), world=ctx.get_world_size())
+    if node_setup is not None:
+        for line in prepare_for_run(node_setup, cfg, index, on_gpu=device.type == "cuda"):
+            print(f"vidtune: node {ray.util.get_node_ip_address()}: {line}", flush=True)
+    run = build_run(cfg, index, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
     return _Worker(run=run, slot=slot)
 
 
@@ -183,12 +191,22 @@ def _prepare_ddp(model: nn.Module, run: Run) -> nn.Module:
                                          parallel_strategy_kwargs=ddp_kwargs)
 
 
-def _use_allocated_cpus(threads: int | None) -> float:
-    """Give torch `threads` threads (--cpu-threads), by default as many as the CPUs Ray reserved
-    for this worker (at least 1); returns those CPUs."""
+def _use_allocated_cpus(cfg: TrainConfig, *, on_gpu: bool) -> CpuPlan:
+    """Split the CPUs Ray granted this worker between torch threads (set here) and DataLoader
+    processes (`trainer.cluster.cpu_share.cpu_plan`; `--cpu-threads` and `--loader-workers` win);
+    on a GPU, with its node's CPUs per GPU."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    torch.set_num_threads(threads or max(1, int(cpus)))
-    return cpus
+    plan = cpu_plan(cpus, on_gpu=on_gpu, node_cpus_per_gpu=_node_cpus_per_gpu() if on_gpu else None,
+                    threads=cfg.cpu_threads, loaders=cfg.data.loader_workers)
+    torch.set_num_threads(plan.threads)
+    return plan
+
+
+def _node_cpus_per_gpu() -> float | None:
+    """This worker's node's CPUs per GPU, as Ray counts them (None without GPUs)."""
+    node = ray.get_runtime_context().get_node_id()
+    resources = next((n.get("Resources") or {} for n in ray.nodes() if n.get("NodeID") == node), {})
+    return cpus_per_gpu([(float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0)))])
 
 
 def _use_device_threads(w: _Worker) -> None:
