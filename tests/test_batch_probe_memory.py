@@ -132,7 +132,7 @@ def test_one_probe_site_per_gpu_kind_alive():
     assert [(s.kind, s.node_id, s.gpus) for s in sites] == [("A10G", "b1", 8.0), ("H100", "a", 8.0),
                                                             ("", "u", 1.0)]
     assert sites[0].describe() == "on node 10.0.0.2 (A10G, one of 8 such GPUs)"
-    assert "a kind Ray does not name" in sites[2].describe()
+    assert sites[2].describe() == "on node 10.0.0.6 (GPU of a kind Ray does not name, the only such GPU)"
     assert probe_sites([_node("h", "10.0.0.1", 0)]) == []
 
 

@@ -39,7 +39,8 @@ class ProbeSite:
     def describe(self) -> str:
         """E.g. `on node 10.0.0.3 (A100, one of 8 such GPUs)`."""
         kind = self.kind or "GPU of a kind Ray does not name"
-        return f"on node {self.node_ip} ({kind}, one of {self.gpus:g} such GPUs)"
+        count = "the only such GPU" if self.gpus <= 1 else f"one of {self.gpus:g} such GPUs"
+        return f"on node {self.node_ip} ({kind}, {count})"
 
 
 def probe_sites(nodes: Iterable[dict[str, Any]]) -> list[ProbeSite]:
