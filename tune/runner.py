@@ -27,12 +27,10 @@ from vidtune.datasets.cache import FrameCache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.cluster import kinetics, node_cache
-from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import start_lease
 from vidtune.trainer.cluster.node_setup import NodeSetup
 from vidtune.trainer.models.registry import get_spec, kinetics_file
 from vidtune.trainer.ray_setup.launch import check_batch_sizes, init_ray, joins_cluster
-from vidtune.trainer.training.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.gpus import simulated_gpus
 from vidtune.tune import best_model
@@ -60,6 +58,7 @@ from vidtune.tune.running.cluster import (
     waiting_line,
 )
 from vidtune.tune.running.faults import DiskFullError
+from vidtune.tune.running.probe_sites import probe_each_kind, probe_sites
 from vidtune.tune.running.ray_internals import (
     check_experiment_state,
     drop_unreadable_error_pickles,
@@ -139,8 +138,10 @@ def check_cluster(opts: SearchOptions) -> Fit:
 
 def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = None) -> SearchOptions:
     """--probe-batch-size: drop batch sizes above the largest that fits in a trial's share of a GPU
-    (--gpus-per-trial 0.5: half its memory), measured on a GPU of the cluster; with none up yet
-    but some to come (`fit.waits_for_nodes`), it waits for the first, saying so."""
+    (--gpus-per-trial 0.5: half its memory), measured with the trials' precision, --channels-last
+    and --compile on a GPU of each kind the cluster has (`tune.running.probe_sites`: the smallest
+    cap wins); with none up yet but some to come (`fit.waits_for_nodes`), it waits for the first,
+    saying so."""
     if not opts.space.probe_batch_size:
         return opts
     waits = fit is not None and fit.waits_for_nodes
@@ -149,24 +150,23 @@ def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = 
         return opts
     per_worker = opts.resources.gpus_per_worker or 1.0
     share = per_worker if opts.resources.workers_per_trial == 1 and 0 < per_worker < 1 else 1.0
-
-    @ray.remote(num_gpus=1)
-    def probe(model: str, precision: str, frames: int | None, height: int | None, width: int | None,
-              limit: int, share: float) -> BatchProbe:
-        return probe_batch_size(model, precision=precision, device=train_device(), num_frames=frames,
-                                height=height, width=width, limit=limit, share=share)
-
-    d = base.data
-    if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
+    d, t = base.data, opts.train
+    sites = probe_sites(ray.nodes())
+    if not sites:
         print("--probe-batch-size: waiting for the first GPU node to join, then probing on it", flush=True)
     asked = time.monotonic()
-    found = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
-                                 max(opts.space.batch_sizes), share))
+    found = probe_each_kind(sites, t.model, precision=t.precision, channels_last=t.channels_last,
+                            compile=t.compile, num_frames=d.num_frames, height=d.height, width=d.width,
+                            limit=max(opts.space.batch_sizes), share=share)
     if waits:
         print(f"--probe-batch-size: probed after {time.monotonic() - asked:.0f} s", flush=True)
-    largest = found.batch_size
+    for site, probe in found:
+        where = site.describe() if site is not None else "on the first GPU node to join"
+        print(f"--probe-batch-size: {where}: {probe.describe()}")
+    largest = min(probe.batch_size for _, probe in found)
     kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
-    print(f"--probe-batch-size: {found.describe()}; searching batch sizes {kept}")
+    print(f"--probe-batch-size: searching batch sizes {kept}" + (
+        f" (the smallest cap of the {len(found)} GPU kinds)" if len(found) > 1 else ""))
     if not kept:
         raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory "
                           f"(largest: {largest}); pass smaller sizes or lower --num-frames/--height/--width")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup,
 from vidtune.trainer.cluster.torch_trainer import quiet_report_lines
 from vidtune.trainer.training.checkpointing import saved_epoch
 from vidtune.trainer.training.config import INDEX_CONFIG_KEY, TrainConfig
-from vidtune.trainer.training.device_memory import free_device, held_device_mb, process_device_mb
+from vidtune.trainer.training.device_memory import free_device, process_device_mb, release_process_group
 from vidtune.trainer.training.history import write_history
 from vidtune.trainer.training.metrics import (
     EpochStats,
@@ -362,11 +363,14 @@ def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = Fal
 
 def _hand_over(w: _Worker) -> None:
     """Free this rank's device (`free_device`), wait for every rank to have done so (the
-    all-reduce is a barrier), then give the trial's devices back, saying the most device memory
-    any rank still holds (`trainer.cluster.lease` records it)."""
+    all-reduce is a barrier, and the run's last collective), release the process group (NCCL's
+    communicator: `release_process_group`), then give the trial's devices back saying what this
+    process still holds there as the driver counts it (`process_device_mb`: NVML; the lease
+    records the most any rank holds, once every rank has handed back: `trainer.cluster.lease`)."""
     free_device(w.run)
-    held = all_reduce_floats([held_device_mb(w.run)], dist.ReduceOp.MAX)[0]
-    w.slot.release(device_mb=held)
+    all_reduce_floats([0.0], dist.ReduceOp.MAX)
+    release_process_group(w.run.device)
+    w.slot.hand_back(w.run.rank, w.run.world, device_mb=process_device_mb(w.run))
 
 
 def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[float, float], *,
@@ -385,13 +389,12 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
     if stats is not None:
         loss_sum, clips = all_reduce_floats([stats.loss_sum, float(stats.clips)])
         train_loss = loss_sum / clips if clips else math.nan
-    _hand_over(w)
     _report_worst_case(
         run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
         diverged=diverged, train_loss=train_loss, measured={
             **w.where, **_data_metrics(w), **_lease_metrics(w, window, first=True),
             Key.RESUMED_FROM_EPOCH: w.resumed_from_epoch, Key.DAMAGED_CHECKPOINTS: w.damaged_checkpoints,
-            **w.settings})
+            **w.settings}, hand_over=lambda: _hand_over(w))
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
@@ -407,14 +410,17 @@ def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, f
 
 def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr: float, elapsed_s: float,
                        measured: dict[str, Any], diverged: bool = False,
-                       train_loss: float = math.nan) -> None:
+                       train_loss: float = math.nan, hand_over: Callable[[], None] | None = None) -> None:
     """Report the METRIC_KEYS of an epoch without a result (no checkpoint): `oom=1`, or
     `diverged=1`; no speed; an accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective
     into a failed trial that TPE ignores, where 0 with the constraint `tune.study.space` sets makes it an
-    infeasible one. `measured`: the keys the caller knows (where it ran, reader failures, cache hits, ...)."""
+    infeasible one. `measured`: the keys the caller knows (where it ran, reader failures, cache hits, ...).
+    `hand_over`: gives the devices back (`_hand_over`), after this report's collectives, before it is sent."""
     peak, allocated = peak_memory_mb(device), peak_allocated_mb(device)  # peaks: kept after a release
     free_memory(device)
     peak, allocated = all_reduce_floats([peak, allocated], dist.ReduceOp.MAX)
+    if hand_over is not None:
+        hand_over()
     ray.train.report(in_report_order({
         Key.EPOCH: epoch, Key.TRAIN_LOSS: float(train_loss), Key.VAL_LOSS: math.nan, Key.VAL_ACC: 0.0,
         Key.VAL_F1: 0.0, Key.VAL_RECALL: 0.0, Key.VAL_AUC: 0.0, Key.CLIPS_PER_S: 0.0,
