@@ -13,7 +13,9 @@ says. It needs a CUDA device and refuses without one (exit 2).
   4. learning (bench/learning_check.py): the `tiny` model trained 8 epochs on 200 generated videos
      without Ray, once in fp16 with GradScaler and once in bf16 (where the GPU has it), each
      reaching val_acc 0.8 on 40 balanced validation clips (chance 0.5), as on the CPU in fp32
-     (tests/test_learning.py); the steps GradScaler skipped are reported;
+     (tests/test_learning.py); the steps GradScaler skipped are reported; then what the lease would
+     record for this process after freeing (`process_device_mb`) against NVML's used memory of
+     the GPU by UUID (`check_process_record`);
   5. a real 4-trial search on the GPU: `vidtune search --model mvit_v2_s --weights none
      --epochs 2 --num-samples 4` on videos generated here (datasets.synthetic), with its own
      MLflow store (SQLite), Ray storage and clip cache in the work folder;
@@ -23,11 +25,13 @@ says. It needs a CUDA device and refuses without one (exit 2).
      CUDA, driver, torch); one training at a time on each GPU (`concurrent_trainings` == 1 in
      every epoch); tag `gpu_ids` on every child run; clips_per_s and peak_mem_mb > 0;
   7. the search's device lease record (device_lease.json): every trial waited for its GPU without
-     a CUDA context there and gave it back having freed its memory (`check_hand_over`);
+     a CUDA context there and gave it back having freed its memory, recording its live context
+     (above 0) and at most step 4's figure + HANDED_OVER_MB (`check_hand_over`);
   8. one epoch of mvit_v2_s as a worker trains it (trainer.training.run) with --compile and
      --channels-last: Inductor lowers its attention matmuls, where a TF32 setting once crashed it;
   9. the batch probe against a known answer: in a slice of the GPU's memory (--probe-share), the
-     size it finds fits, measured alone from a clean allocator, and one more clip does not;
+     size it finds fits, its steady step measured alone from a clean allocator, and one more
+     clip does not;
  10. a hub architecture: a tiny random VideoMAE, written with save_pretrained and trained as
      `--model hf:FOLDER` on the learning videos in fp16 and bf16, each learning (val_acc 0.8) and
      reporting its clips/s and peak memory.

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -24,6 +25,7 @@ from bench.gpu_check_results import (
     check_cudnn_benchmark,
     check_hand_over,
     check_precision_table,
+    check_process_record,
     load_trial_runs,
     mlflow_steps,
     require,
@@ -35,10 +37,13 @@ from vidtune.datasets.synthetic import generate
 from vidtune.trainer.models.registry import get_spec
 from vidtune.trainer.training.batch_probe import make_step_trial, probe_batch_size
 from vidtune.trainer.training.config import TrainConfig
+from vidtune.trainer.training.device_memory import process_device_mb
+from vidtune.trainer.training.gpus import nvml_device_used_mb
 from vidtune.trainer.training.precision import (
     choose_precision,
     configure_backends,
     default_device,
+    device_uuid,
     free_memory,
     peak_reserved_mb,
     reset_peak_memory,
@@ -241,6 +246,17 @@ class GpuCheck:
         return (f"{MODEL} --compile --channels-last ({run.policy.name}): {stats.steps} steps, train_loss "
                 f"{loss:.3f}, epoch {took:.0f} s with compiling")
 
+    def process_record(self) -> str:
+        """The lease's record of a process (`process_device_mb`) for this one after it trained and
+        decoded, against NVML's used memory of its GPU by UUID (run before the search: alone)."""
+        free_memory(self.device)
+        mine = process_device_mb(SimpleNamespace(device=self.device))
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = nvml_device_used_mb(device_uuid(self.device))
+        self.figures["process_record"] = {"process_mb": mine, "nvml_used_mb": used,
+                                          "cuda_used_mb": (total - free) / 2**20}
+        return check_process_record(mine, used, (total - free) / 2**20)
+
     def batch_probe(self) -> str:
         """`probe_batch_size` in a slice of the GPU's memory, against what each size takes alone."""
         share = self.args.probe_share
@@ -278,11 +294,13 @@ class GpuCheck:
                  ("precision auto", self.auto_precision),
                  ("cudnn.benchmark", self.cudnn_benchmark),
                  ("GPU decoding", self.device_decoding),
-                 ("learns (fp16, bf16)", self.learns)]
+                 ("learns (fp16, bf16)", self.learns),
+                 ("lease record vs NVML", self.process_record)]
         search = [(f"{a.num_samples}-trial search", self.search),
                   *mlflow_steps(self.runs, a.num_samples, a.epochs,   # self.runs: filled by the search step
                                 capability=torch.cuda.get_device_capability(self.device)),
-                  ("hand-over", lambda: check_hand_over(self.lease_record))]
+                  ("hand-over", lambda: check_hand_over(self.lease_record, self.figures.get(
+                      "process_record", {}).get("process_mb")))]
         # after the search: a crash while compiling must not cost the search's checks
         later = [("batch probe", self.batch_probe), ("compiled, channels-last", self.compiled_epoch),
                  ("hub architecture (VideoMAE)", self.hub_architecture)]

@@ -2,9 +2,10 @@
 same entries decoded on the CPU, as frames and as what a few seeded training steps make of them.
 
 On a GPU with a jpeg clip cache, training decodes each batch on the GPU (nvJPEG, in
-`datasets.video.clips_to_device`) while the previous step's kernels may still be queued; without
-`datasets.decode.wait_for_queued_work` the decoder can overwrite memory those kernels have yet to
-read (pytorch/vision PR #9606). This step, on videos it generates (`datasets.synthetic`):
+`datasets.video.clips_to_device`) while the previous step's kernels may still be queued; decoded on
+the training stream, the decoder could overwrite memory those kernels have yet to read
+(pytorch/vision PR #9606), which its own decoding stream (`datasets.decode._decode_on_own_stream`)
+prevents without waiting for them. This step, on videos it generates (`datasets.synthetic`):
 
   1. decodes every batch of cache entries on the GPU and on the CPU (libjpeg-turbo): each
      frame's mean |GPU - CPU| must stay within JPEG_MEAN_ABS_LEVELS;

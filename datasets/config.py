@@ -49,7 +49,9 @@ class DataConfig:
                              help="videos that decode fewer frames are left out at indexing")
     loader_workers: int | None = option(None, flag="--loader-workers", metavar="N", ge=0,
                                         help="DataLoader processes per training worker (default: "
-                                        "one fewer than the CPUs it holds, --cpus-per-worker; at least 2)")
+                                        "one fewer than the CPUs it holds, --cpus-per-worker, at least 2; "
+                                        "on a GPU all but its 1-2 torch threads, at least 4 where its "
+                                        "node has the cores)")
     probe_timeout_s: float = option(30.0, flag="--probe-timeout-s", metavar="S", gt=0,
                                     help="seconds allowed to probe one file "
                                     "(decord can hang on broken files)")

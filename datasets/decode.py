@@ -81,46 +81,66 @@ def _resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 def decode_jpeg_frames(jpegs: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
     """JPEG files (1-D uint8 tensors on the CPU) -> uint8 N x H x W x 3 on `device`, decoded there
-    in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU). On a GPU it
-    first waits for the work queued on the device's current stream (`wait_for_queued_work`)."""
+    in one batched call (torchvision: nvJPEG on a GPU; libjpeg-turbo on the CPU). On a GPU the
+    decode runs on a stream of its own (`_decode_on_own_stream`): ready for the caller's current
+    stream, without waiting for the work queued there."""
     if not jpegs:
         raise ValueError("decode_jpeg_frames got no frames")
     device = torch.device(device)
     if device.type != "cpu":
-        # A synchronisation, not stream ordering (wait_for_queued_work says why): the decoder
-        # must not be handed memory that kernels still queued on this stream will read.
-        wait_for_queued_work(device)
-    frames = decode_jpeg(list(jpegs), device=device)
+        return _decode_on_own_stream(jpegs, device)
+    return _stack_frames(decode_jpeg(list(jpegs), device=device))
+
+
+def _stack_frames(frames: list[torch.Tensor]) -> torch.Tensor:
     # On the CPU each frame is H x W x C memory seen as C x H x W: stacking the H x W x C views is a
     # plain copy, 15x faster than stacking the C x H x W ones (1.2 ms per 16 frames at 224 px).
     return torch.stack([f.permute(1, 2, 0) for f in frames])
 
 
-def wait_for_queued_work(device: torch.device) -> None:
-    """Block until the kernels queued on `device`'s current stream have run (a CPU-GPU sync point).
+# One decoding stream per device, made on first use (`_decode_on_own_stream`).
+_DECODE_STREAMS: dict[torch.device, torch.Stream] = {}
 
-    Called before every device decode. torchvision's `decode_jpeg(device="cuda")`
-    (decode_jpegs_cuda.cpp; PR #9606 was not merged) takes its output tensors from the caching
-    allocator on the caller's stream, then decodes on a private stream that never waits for the
-    caller's; and nvJPEG's hardware engine writes its output before work already queued on its
-    stream has run in any case. The allocator hands a block out again as soon as it is freed on
-    its stream, so the decoder can be given memory that the previous training step's queued
-    kernels have yet to read (its input clips, activations kept for backward) and overwrite it:
-    wrong inputs or NaNs, seen as spurious DIVERGED trials (pytorch/vision PR #9606: 134 of 200
-    iterations corrupted on an H100, torchvision 0.28).
 
-    Why a synchronisation and not stream ordering: the decoding stream is torchvision's, out of
-    reach, and the hardware engine ignores stream order, so no event orders its writes (a side
-    stream for the decode would only move the hazard to that stream's blocks). Once the caller's
-    stream has drained, every block the allocator can hand the decoder is idle (a block also
-    used on another stream, marked with `record_stream`, is held back until that use has run).
-    The same fix as torchcodec's (PR #1634, a stream synchronize before the hardware decode).
-    Its cost: the decode no longer overlaps the end of the previous step. The host could not run
-    ahead of it anyway (torchvision returns only once its stream has finished the decode), so a
-    step loses at most the decode's own time, which `make gpu-check` records
-    (decode_ms_per_batch_median).
-    """
-    torch.accelerator.current_stream(device).synchronize()
+def decode_stream(device: torch.device) -> torch.Stream:
+    """The stream device decodes run on, one per device (of this process)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.Stream(device=device)
+    return _DECODE_STREAMS[device]
+
+
+def _decode_on_own_stream(jpegs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`decode_jpeg` on `device` without draining the caller's stream (where training queues).
+
+    The hazard (pytorch/vision PR #9606, not merged): torchvision's `decode_jpeg(device="cuda")`
+    takes its output tensors from the caching allocator on the *current* stream, then decodes on
+    a private stream that never waits for it, and nvJPEG's hardware engine writes before work
+    already queued on its stream has run. The allocator hands a block out again as soon as it is
+    freed on its stream, so a decode on the training stream can be given memory the previous
+    step's queued kernels have yet to read, and overwrite it (wrong inputs or NaNs, seen as
+    spurious DIVERGED trials: 134 of 200 iterations corrupted on an H100, torchvision 0.28).
+
+    Here the current stream is this device's decoding stream (`decode_stream`) instead. The only
+    kernels ever queued there are the decoder's and the stack that copies its frames into one
+    tensor, so draining it before each decode (a sync point, as torchcodec's PR #1634 drains
+    before its hardware decode) waits for the last decode's copy, never for a training step: the
+    blocks the allocator can then hand the decoder on that stream are idle. The result is used on
+    the caller's stream in order (`wait_stream`, an event: no host wait) and marked used there
+    (`record_stream`), so its block goes back to the decoding stream's pool only once the
+    caller's kernels that read it have run. torchvision returns only once its decode is done, so
+    the host time spent here is the decode's own: the training loop counts it as time spent
+    waiting for data (`trainer.training.loop`), and `make gpu-check` records it
+    (decode_ms_per_batch_median) and checks the decoded frames against the CPU's."""
+    consumer = torch.accelerator.current_stream(device)
+    side = decode_stream(device)
+    side.synchronize()   # the last decode's copy only: nothing of the caller's is queued here
+    with side:
+        frames = _stack_frames(decode_jpeg(list(jpegs), device=device))
+    consumer.wait_stream(side)
+    frames.record_stream(consumer)
+    return frames
 
 
 def encode_jpeg_frames(frames: np.ndarray, *, quality: int) -> list[torch.Tensor]:

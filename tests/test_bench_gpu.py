@@ -204,8 +204,27 @@ def test_the_hand_over_check_reads_the_lease_record():
     assert "1 grants at 0 MB" in gpu_check_results.check_hand_over([[grant, release]])
     with pytest.raises(CheckFailed, match="before its lease: t2: 512.0 MB"):
         gpu_check_results.check_hand_over([[grant, release, {**grant, "owner": "t2", "device_mb": 512.0}]])
-    with pytest.raises(CheckFailed, match="holding more than 64 MB: t1: 9000 MB"):
+    with pytest.raises(CheckFailed, match="or more than 2048 MB: t1: 9000 MB"):
         gpu_check_results.check_hand_over([[grant, {**release, "device_mb": 9000.0}]])
+    # The release counts the trial's live context (NVML): 0 is the allocator's view, uncounted.
+    with pytest.raises(CheckFailed, match=r"recording 0 \(its context uncounted\).*t1: 0 MB"):
+        gpu_check_results.check_hand_over([[grant, {**release, "device_mb": 0.0}]])
+    # Bounded by this check process's own footprint after freeing, plus HANDED_OVER_MB.
+    assert "bound 956" in gpu_check_results.check_hand_over([[grant, {**release, "device_mb": 900.0}]], 700.0)
+    with pytest.raises(CheckFailed, match="more than 956 MB: t1: 1300 MB"):
+        gpu_check_results.check_hand_over([[grant, {**release, "device_mb": 1300.0}]], 700.0)
+
+
+def test_the_process_record_is_checked_against_nvmls_used_memory():
+    """gpu-check's own process after freeing: the lease's figure for it (NVML's count) must be
+    above 0 and within NVML's used memory of the GPU; CUDA's used memory (the fallback) not below it."""
+    assert "holds 700 MB after freeing" in gpu_check_results.check_process_record(700.0, 1200.0, 1150.0)
+    with pytest.raises(CheckFailed, match="record 0 MB for this process"):
+        gpu_check_results.check_process_record(0.0, 1200.0, 1150.0)
+    with pytest.raises(CheckFailed, match="reads 600 MB, less than this process's 700 MB"):
+        gpu_check_results.check_process_record(700.0, 1200.0, 600.0)
+    with pytest.raises(CheckFailed, match="NVML cannot be asked"):
+        gpu_check_results.check_process_record(700.0, None, 1150.0)
 
 
 def test_the_learning_step_needs_every_precision_to_learn(monkeypatch, tmp_path):
@@ -252,8 +271,9 @@ def test_keep_going_runs_every_check_and_part_picks_the_checks(tmp_path, capsys,
     names = {part: [name for name, _ in gpu_check_steps.GpuCheck(
         gpu_check.build_parser().parse_args(["--part", part]), tmp_path).steps()]
         for part in gpu_check_steps.PARTS}
-    assert names["all"] == names["local"][:5] + names["search"] + names["local"][5:]
-    assert {"batch probe", "compiled, channels-last"} <= set(names["local"])
+    assert names["all"] == names["local"][:6] + names["search"] + names["local"][6:]
+    assert {"batch probe", "compiled, channels-last", "lease record vs NVML"} <= set(names["local"])
+    assert names["all"].index("lease record vs NVML") < names["all"].index("hand-over")   # its bound
     assert "hand-over" in names["search"] and "hand-over" not in names["local"]
 
 

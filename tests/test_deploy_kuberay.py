@@ -26,6 +26,7 @@ from mlflow.server.security_utils import is_allowed_host_header
 
 from vidtune.trainer.cluster.capacity import NodeType, read_node_types
 from vidtune.tune.config.options import parse_options
+from vidtune.tune.running.cluster import ClusterCapacity, fit_to_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 KUBERAY = REPO / "deploy" / "kuberay"
@@ -221,7 +222,13 @@ def test_the_entrypoint_is_a_search_vidtunes_parser_accepts_and_fits_the_gpu_pod
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     gpus, cpus = float(limits["nvidia.com/gpu"]), float(limits["cpu"])
     assert res.gpus_per_worker is not None and 0 < res.gpus_per_worker <= gpus
-    assert res.cpus_per_worker * res.workers_per_trial + 0.1 <= cpus   # 0.1: the trial's own driver
+    # --cpus-per-worker as the search fills it in for these pods (the head alone, the group to start)
+    gpu_type = NodeType("gpu", cpus, gpus, group["maxReplicas"])
+    capacity = ClusterCapacity(((4.0, 0.0),), (4.0, 0.0), (gpu_type,))
+    res = fit_to_cluster(opts, capacity).opts.resources
+    assert res.cpus_per_worker is not None
+    # two trials a pod, one training and one starting behind it; 0.1: each trial's own driver
+    assert 2 * (res.cpus_per_worker * res.workers_per_trial + 0.1) <= cpus
     # the data is at the same path on every Ray pod: the shared volume's mount
     for where, c in _ray_containers():
         if "submitter" not in where:
@@ -307,3 +314,54 @@ def test_mlflow_server_parses_and_answers_the_host_the_search_uses(tmp_path):
     assert params["backend_store_uri"].startswith("sqlite:////")
     mount = container["volumeMounts"][0]["mountPath"]
     assert params["backend_store_uri"].removeprefix("sqlite:///").startswith(mount + "/")
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _bytes(quantity: str | int) -> int:
+    """A Kubernetes memory quantity (`16Gi`, `500M`, `1073741824`) in bytes."""
+    text = str(quantity)
+    for suffix in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * _UNITS[suffix])
+    return int(text)
+
+
+def _ray_groups() -> list[tuple[str, dict]]:
+    """(where, group spec) of every Ray pod group: the head and worker groups, RayJob and RayCluster."""
+    groups = []
+    for name, d in DOCS:
+        cluster = d["spec"].get("rayClusterSpec") if d["kind"] == "RayJob" else (
+            d["spec"] if d["kind"] == "RayCluster" else None)
+        if cluster is not None:
+            groups.append((f"{name}: head", cluster["headGroupSpec"]))
+            groups += [(f"{name}: {g['groupName']}", g) for g in cluster["workerGroupSpecs"]]
+    return groups
+
+
+@pytest.mark.parametrize("where, group", _ray_groups(), ids=[w for w, _ in _ray_groups()])
+def test_every_ray_pod_has_a_memory_backed_dev_shm_counted_in_its_memory_limit(where, group):
+    """Ray's object store lives in /dev/shm (else on disk in /tmp: a container's own /dev/shm is
+    64 MB), and a memory-backed volume counts in the pod's memory limit: the limit must hold Ray's
+    `memory` (KubeRay passes the whole limit unless rayStartParams sets it) plus /dev/shm, and
+    /dev/shm the object store (plus, on a GPU pod, room for the DataLoader batches)."""
+    spec = group["template"]["spec"]
+    (container,) = spec["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory", where
+    shm = _bytes(volume["emptyDir"]["sizeLimit"])
+    resources = container["resources"]
+    limit = _bytes(resources["limits"]["memory"])
+    assert _bytes(resources["requests"]["memory"]) == limit, where   # Ray reads the limit; ask for it
+    params = group["rayStartParams"]
+    ray_memory, store = int(params["memory"]), int(params["object-store-memory"])
+    assert ray_memory + shm <= limit, (where, "Ray's memory + /dev/shm exceed the pod's memory limit")
+    assert store <= shm * 0.95, (where, "Ray would move an object store larger than /dev/shm to /tmp")
+    assert ray_memory >= 16 * 2**30, where   # no less room for processes than before /dev/shm counted
+    if "nvidia.com/gpu" in resources["limits"]:
+        # The batches of the pod's DataLoader processes (two trials of the default loaders, batch 32
+        # of mvit_v2_s's 16 x 224 x 224 uint8 clips, 2 prefetched each) beside the object store.
+        batch = 32 * 16 * 224 * 224 * 3
+        assert store + 2 * 4 * 2 * batch <= shm, where

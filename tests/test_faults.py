@@ -27,6 +27,7 @@ from vidtune import servers
 from vidtune.trainer.ray_setup.launch import DEFAULT_HEALTH_CHECK_INTERVAL_S, HEALTH_CHECK_ENV
 from vidtune.tune.outputs.resume_line import AT_START
 from vidtune.tune.running.ray_internals import optuna_study
+from vidtune.tune.study.dashboard import NAME_ATTR
 from vidtune.tune.study.space import VidtuneOptunaSearch
 from vidtune.tune.tracking.schema import INTERRUPTED_REASON, PARENT_TAG, RESUMED_TAG, STOP_TAG, TRIAL_ID_TAG
 
@@ -368,58 +369,71 @@ def test_tracking_server_dies_mid_search_nothing_is_lost(shared_ray, synthetic_r
         server.stop()
 
 
+def _study(tmp_path: Path, name: str) -> list[tuple[int, str, str, float | None]]:
+    """The search's Optuna study (beside the MLflow store): (number, trial name, state, value)."""
+    import optuna
+
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    return [(t.number, t.user_attrs.get(NAME_ATTR, ""), t.state.name, t.value) for t in study.trials]
+
+
 @pytest.mark.slow
-def test_disk_full_under_storage_is_named_and_resume_never_restarts_silently(shared_ray, synthetic_root,
-                                                                             tmp_path):
-    """--storage on a 3 MB tmpfs: the first checkpoints fill it. The search ends with one clear
-    'disk full at PATH' error (exit 1), no run left RUNNING, no zero-byte file left behind; after
-    space is freed, --resume continues (from Tune's last whole state: tune/state/last_good.py) and
-    finishes every trial, without trashing the runs that did run."""
+def test_disk_full_under_storage_stops_at_once_and_the_printed_resume_finishes_it(shared_ray, synthetic_root,
+                                                                                 tmp_path):
+    """--storage on a 4.5 MB tmpfs, 3 trials of 2 epochs: t01's two checkpoints (1.7 MB each)
+    fit, t02's first does not. The search stops there (t02 not retried, t03 never started) with
+    one line naming the path, the space to free and the resume command (exit 1), counts the 2
+    trials that ran, leaves no zero-byte file, and tells Optuna t02 did not fail. After space is
+    freed, the printed line finishes the search: Optuna's 3 trials COMPLETE with trials.csv's
+    values under their first numbers, one FINISHED MLflow run per trial (the same runs)."""
     full = tmp_path / "full"
     full.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs",
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4608k", "tmpfs",
                                                     str(full)], capture_output=True).returncode == 0
     if not mounted:
-        pytest.skip("needs root to mount a 3 MB tmpfs as the full disk")
+        pytest.skip("needs root to mount a 4.5 MB tmpfs as the full disk")
     try:
         uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-        # One trial: its second checkpoint (1.7 MB each) fills the disk. --max-failures is left at
-        # its default (1): a full disk is not retried (trainer.cluster.torch_trainer.DiskFullNotRetried).
-        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--num-samples", "1",
+        args = ["--data", str(synthetic_root), *SMALL, *SHORT, "--num-samples", "3",
                 "--storage", str(full), "--mlflow-uri", uri, "--name", "f"]
         log = tmp_path / "full.log"
-        out = _finish(_start(args, tmp_path, log, shared_ray), log)
+        proc = _start(args, tmp_path, log, shared_ray)
+        out = _finish(proc, log)
         last = out.strip().splitlines()[-1]
+        assert proc.returncode == 1, out[-3000:]
         assert last.startswith(f"vidtune search: error: disk full at {full}"), out[-3000:]
-        assert "1 trial ran; checkpoints kept: t01-" in last, last      # what is there to resume
-        assert "search interrupted" not in out                     # one message, not two
-        assert "Traceback" not in out, out[-3000:]
+        assert "free at least " in last and "t01-" in last, last          # the space to free, what is kept
+        # at once: no retry of t02, no t03; one message, not two, and no traceback
+        assert not re.search(r"Traceback|FAILED|started again|t03-|search interrupted", out), out[-3000:]
+        assert re.search(r"^2 trials in \S+: 1 done, 1 interrupted$", out, re.M), out[-3000:]
         c, parent, children = _runs(uri)
         assert parent.info.status == "KILLED" and all(r.info.status != "RUNNING" for r in children)
-        ran = {r.info.run_id for r in children}
-        # vidtune's own files are whole or absent, and no half-written temporary file is left.
-        # (Tune's may be cut short: a trial's result.json is empty until its first report anyway,
-        # and its experiment state has a last whole copy, tune/state/last_good.py.)
+        ran = {r.info.run_name: r.info.run_id for r in children}
+        before = _study(tmp_path, "f")
+        assert [(n, state) for n, _, state, _ in before] == [(0, "COMPLETE"), (1, "RUNNING")], before
+        assert before[0][1].startswith("t01-") and before[0][3] is not None   # t02: stopped, not failed
+        # Every file is whole or absent, and no temporary file is left. Empty by design: Ray's
+        # storage markers, and the result logs of t02, which reported no epoch.
         files = [p for p in (full / "f").rglob("*") if p.is_file()]
-        own = [p for p in files if p.name in ("trials.csv", "best_config.json", "device_lease.json",
-                                              "vidtune_options.json") or p.parent.name == "failures"]
-        assert not [p for p in own if p.stat().st_size == 0], own
+        logs = re.compile(r"result\.json|progress\.csv|events\.out\.tfevents\..*")
+        assert not [p for p in files if p.stat().st_size == 0 and p.name != ".validate_storage_marker"
+                    and not (p.parent.name.startswith("t02-") and logs.fullmatch(p.name))], files
         assert not [p for p in files if p.name.endswith(".tmp")], files
 
         subprocess.run(["mount", "-o", "remount,size=200m", str(full)], check=True)
-        log2 = tmp_path / "resume.log"
-        proc = _start([*args, "--resume"], tmp_path, log2, shared_ray)
-        out = _finish(proc, log2)
-        assert proc.returncode == 0, out[-3000:]
+        code, out = _run_line(shlex.split(last.rsplit("with: ", 1)[1]), tmp_path, tmp_path / "resume.log")
+        assert code == 0, out[-3000:]
+        rows = {r["name"]: r for r in csv.DictReader((full / "f" / "trials.csv").open())}
+        assert len(rows) == 3 and {r["status"] for r in rows.values()} == {"DONE"}, rows
+        after = _study(tmp_path, "f")          # t01 and t02 under their first numbers, no other trial
+        assert [n for n, *_ in after] == [0, 1, 2] and after[0][:2] == before[0][:2], after
+        assert sorted(name for _, name, *_ in after) == sorted(rows), after
+        for _, name, state, value in after:
+            assert state == "COMPLETE" and value == pytest.approx(float(rows[name]["best_val_acc"]), abs=1e-4)
         c, parent, children = _runs(uri)
-        assert ran <= {r.info.run_id for r in children}             # none moved to the trash
-        assert parent.info.status == "FINISHED"
-        # Tune's last whole state may predate the trial's start (tune/state/last_good.py): the trial is
-        # then started again as a new one, and the run of its first try stays, FAILED (disk full).
-        statuses = sorted(r.info.status for r in children)
-        assert statuses.count("FINISHED") == 1 and set(statuses) <= {"FINISHED", "FAILED"}, statuses
-        rows = list(csv.DictReader((full / "f" / "trials.csv").open()))
-        assert [r["status"] for r in rows] == ["DONE"], rows
+        assert parent.info.status == "FINISHED" and all(r.info.status == "FINISHED" for r in children)
+        assert sorted(r.info.run_name for r in children) == sorted(rows)   # one run per trial
+        assert {n: i for n, i in ((r.info.run_name, r.info.run_id) for r in children) if n in ran} == ran
     finally:
         subprocess.run(["umount", "-l", str(full)], capture_output=True)
 

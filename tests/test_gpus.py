@@ -154,8 +154,8 @@ def test_nvml_counts_this_process_on_the_gpu_named_by_uuid_and_is_unknown_when_b
 
 def test_a_waiting_worker_is_recorded_by_its_own_context_not_by_nvml_pids(monkeypatch):
     """The lease record asked when a worker takes its GPU: 0 without a CUDA context (asked
-    in-process: NVML's pid list is blind in containers), NVML's count with one, and the
-    allocator's reserved memory (a lower bound) where NVML does not list the process."""
+    in-process: NVML's pid list is blind in containers), NVML's count with one, and the device's
+    used memory as CUDA reports it where NVML does not list the process (tests/test_hand_over.py)."""
     from types import SimpleNamespace
 
     from vidtune.trainer.training import device_memory, precision
@@ -165,7 +165,7 @@ def test_a_waiting_worker_is_recorded_by_its_own_context_not_by_nvml_pids(monkey
     monkeypatch.setattr(device_memory, "has_cuda_context", lambda device: contexts["has"])
     monkeypatch.setattr(device_memory, "device_uuid", lambda device: "GPU-bbb")
     monkeypatch.setattr(device_memory, "nvml_process_memory_mb", lambda uuid: nvml_mb["mb"])
-    monkeypatch.setattr(device_memory, "held_device_mb", lambda run: 48.0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * 2**20, 1048 * 2**20))
     nvml_mb["mb"] = 700.0                    # another process's count must not leak in: no context
     assert device_memory.process_device_mb(run) == 0.0
     contexts["has"] = True

@@ -291,9 +291,11 @@ def test_the_actor_cancels_a_stopped_waiter(lease):
     assert ray.get(lease.snapshot.remote())["waiting"] == []
 
 
-# A real 2-worker Train run of the `tiny` model on 2 simulated GPUs under a search's lease, in
-# which rank 1 fails at its first epoch while rank 0 waits for it in the epoch's collective (until
-# --collective-timeout-min). Prints the lease's record of the trial once the search's side ends it.
+# Real 2-worker Train runs of the `tiny` model on 2 simulated GPUs under a search's lease: first
+# one that trains its epoch and hands over (each rank destroys its process group and hands back on
+# its own); then one in which rank 1 fails at its first epoch while rank 0 waits for it in the
+# epoch's collective (until --collective-timeout-min). Prints the lease's record of the trials
+# once the search's side ends the second.
 RANK_FAILS_SCRIPT = textwrap.dedent("""
     import json, sys
     import ray
@@ -322,6 +324,9 @@ RANK_FAILS_SCRIPT = textwrap.dedent("""
         lease = start_lease("lease-rank-fails")
         cfg = TrainConfig(data=DataConfig(root=str(root), loader_workers=0), model="tiny", precision="fp32",
                           epochs=1, batch_size=2, max_failures=0, collective_timeout_min=0.1)
+        build_torch_trainer(cfg, num_workers=2, use_gpu=True, resources_per_worker={"CPU": 1, "GPU": 1},
+                            name="hands-over", storage_path=sys.argv[1],
+                            device_lease=LeaseSettings("lease-rank-fails", "t0")).fit()
         trainer = build_torch_trainer(cfg, num_workers=2, use_gpu=True, train_loop=loop,
                                       resources_per_worker={"CPU": 1, "GPU": 1}, name="rank-fails",
                                       storage_path=sys.argv[1],
@@ -336,7 +341,7 @@ RANK_FAILS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(330)   # two Train runs
 def test_one_ranks_error_leaves_the_devices_to_the_trials_end(tmp_path):
     """The other rank still holds its memory while it waits in a collective for the failed one:
     the failed rank frees what it can but gives back nothing; the trial's devices are given back
@@ -346,9 +351,12 @@ def test_one_ranks_error_leaves_the_devices_to_the_trials_end(tmp_path):
     script = tmp_path / "rank_fails.py"
     script.write_text(RANK_FAILS_SCRIPT)
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=REPO_ROOT, env=env,
-                         capture_output=True, text=True, timeout=230)
+                         capture_output=True, text=True, timeout=320)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fit failed" in out.stdout, out.stdout[-2000:]
     record = json.loads(out.stdout.split("RECORD ", 1)[1].splitlines()[0])
+    # The run that trained: both ranks handed back (on simulated GPUs, 0 MB each), then the lease let go.
+    assert [(e["device_mb"], e["ranks_mb"]) for e in record
+            if e["owner"] == "t0" and e["event"] == "release"] == [(0.0, [0.0, 0.0])], record
     events = [e["event"] for e in record if e["owner"] == "t1"]   # the second rank's ask: a regrant
     assert events[0] == "grant" and events[-1] == "end" and "release" not in events, record

@@ -1,7 +1,9 @@
 """Multi-node behaviour on Ray's fake two-node cluster (both nodes on this machine): the clip
 cache filled on every node that trains before the first trial (trainer/cluster/node_cache.py), with a head
 (the driver's node, skipped: the driver fills its own) and a worker node whose cache folder
-differs ($XDG_CACHE_HOME per node, as two machines' disks).
+differs ($XDG_CACHE_HOME per node, as two machines' disks); then a node that joins later, whose
+workers' check copies the Kinetics weights there and fills its cache once
+(trainer/cluster/node_setup.py).
 
 A search spreading its trials over several nodes and collecting every result in the driver's
 MLflow store is checked on the autoscaling cluster's search (tests/test_autoscaling_cluster.py),
@@ -42,7 +44,24 @@ try:
     skip = ray.get_runtime_context().get_node_id()
     first = fill_every_node(data, videos, height=32, width=32, on_gpu=False, skip=skip)
     second = fill_every_node(data, videos, height=32, width=32, on_gpu=False, skip=skip)
-    print(json.dumps({"videos": len(videos), "first": first, "second": second}), flush=True)
+    # A node that joins after those fills (an autoscaled or KubeRay pod): a worker's check there,
+    # twice, as two trials' workers would (trainer/cluster/node_setup.py).
+    late_cache, late_torch, driver_weights = sys.argv[4], sys.argv[5], sys.argv[6]
+    late = cluster.add_node(num_cpus=1, env_vars={"XDG_CACHE_HOME": late_cache, "TORCH_HOME": late_torch})
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from vidtune.trainer.cluster.node_setup import NodeSetup, prepare_this_node
+    setup = NodeSetup(skip, kinetics_path=driver_weights, fill_cache=True)
+
+    def check_twice():
+        import torch.hub
+        lines = [prepare_this_node(setup, data, videos, height=32, width=32, on_gpu=False) for _ in range(2)]
+        return lines, (Path(torch.hub.get_dir()) / "checkpoints" / Path(driver_weights).name).read_text()
+
+    on_late = NodeAffinitySchedulingStrategy(late.node_id, soft=False)
+    check = ray.remote(num_cpus=0)(check_twice).options(scheduling_strategy=on_late)
+    late_lines, copied = ray.get(check.remote(), timeout=200)
+    print(json.dumps({"videos": len(videos), "first": first, "second": second, "late": late_lines,
+                      "copied": copied}), flush=True)
     ray.shutdown()
 finally:
     cluster.shutdown()
@@ -53,8 +72,13 @@ finally:
 @pytest.mark.timeout(300)
 def test_every_other_training_node_fills_its_own_cache_before_the_first_trial(synthetic_root, tmp_path):
     head_cache, node_cache = tmp_path / "head-cache", tmp_path / "node-cache"
+    late_cache, late_torch = tmp_path / "late-cache", tmp_path / "late-torch"
+    driver_weights = tmp_path / "driver-hub" / "checkpoints" / "mvit_v2_s-ae3be167.pth"
+    driver_weights.parent.mkdir(parents=True)
+    driver_weights.write_text("the driver's Kinetics-400 weights")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    argv = [sys.executable, "-c", CLUSTER, str(synthetic_root), str(head_cache), str(node_cache)]
+    argv = [sys.executable, "-c", CLUSTER, str(synthetic_root), str(head_cache), str(node_cache),
+            str(late_cache), str(late_torch), str(driver_weights)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,6 +89,15 @@ def test_every_other_training_node_fills_its_own_cache_before_the_first_trial(sy
     assert "wrote 0 entries" in second and f"{n} already cached" in second, second
     assert any((node_cache / "vidtune" / "clips").rglob("*")) and not head_cache.exists()
     assert "clip cache on node" in proc.stdout and "filling it on 1 other node(s)" in proc.stdout
+    # The late node: its first check copied the driver's weights into its own hub cache and
+    # decoded every video into its own clip cache, before training; the second did nothing.
+    first_check, second_check = result["late"]
+    assert any("Kinetics-400 weights mvit_v2_s-ae3be167.pth: copied to" in line and str(late_torch) in line
+               for line in first_check), first_check
+    assert any("joined after the search started" in line and f"wrote {n} entries" in line
+               and str(late_cache) in line for line in first_check), first_check
+    assert second_check == [] and result["copied"] == "the driver's Kinetics-400 weights"
+    assert any((late_cache / "vidtune" / "clips").rglob("*.json"))
 
 
 # bench/trial_overhead.py measures what a trial costs beyond training; its input

@@ -360,6 +360,8 @@ def test_a_search_with_ray_token_authentication_off_says_so(monkeypatch, capsys)
     started = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: started.append(kw))
+    # Ray's fixed ports free, whatever other Ray runs here (its own note: tests/test_listeners.py)
+    monkeypatch.setattr(launch, "taken_fixed_ports", lambda **_: [])
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert launch.init_ray(num_cpus=1) and started
     out = capsys.readouterr().out

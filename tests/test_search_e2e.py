@@ -299,7 +299,7 @@ def scripted_trainer_factory(oom_marker: Path):
     """A trainer factory with the signature of trainer.cluster.build_trainer.build_torch_trainer, around
     `scripted_worker`."""
     def scripted_trainer(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks,
-                         device_lease=None, index=None):
+                         device_lease=None, index=None, node_setup=None):
         import ray.train
         from ray.train.torch import TorchTrainer
 

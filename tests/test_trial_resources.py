@@ -109,6 +109,30 @@ def test_one_gpu_machine_is_local_mode_with_a_trial_starting_behind_the_training
     assert asked == 1
 
 
+def test_gpu_trials_by_default_reserve_the_cpus_that_go_with_their_gpu():
+    """A GPU trial's --cpus-per-worker defaults to its GPU's share of the node's CPUs (was 0.9,
+    which gave a GPU worker 2 loaders): split between the two trials per GPU (one trains, one
+    starts behind it) or the packed ones, less their drivers, rounded down to half a CPU, at least
+    0.9; a CPU-only trial keeps 0.9, and a value given is kept."""
+    from vidtune.tune.running.cluster import NodeType
+
+    def cpus(*args, **where):
+        opts, concurrency, _ = _fit(_opts("--num-samples", "20", *args), **where)
+        return opts.resources.cpus_per_worker, concurrency
+
+    # the README's / deploy/kuberay's GPU nodes: 8 CPUs, 1 GPU, none alive yet
+    assert cpus("--address", "auto", cpus=4.0, node_types=[NodeType("gpu", 8, 1, 4)]) == (3.5, 8)
+    assert cpus(cpus=8.0, gpus=1.0) == (3.5, 2)                      # one GPU, 8 cores: still two trials
+    assert cpus(cpus=16.0, gpus=1.0) == (7.5, 2)
+    assert cpus("--gpus-per-trial", "0.5", cpus=8.0, gpus=1.0) == (3.5, 2)   # two train side by side
+    assert cpus("--gpus-per-trial", "0.25", cpus=8.0, gpus=1.0) == (1.5, 4)
+    assert cpus("--workers-per-trial", "2", "--gpus-per-worker", "1", cpus=32.0, gpus=4.0) == (7.5, 2)
+    assert cpus("--address", "auto", cpus=4.0, node_types=[NodeType("gpu", 48, 4, 1)]) == (5.5, 8)
+    assert cpus(cpus=2.0, gpus=4.0) == (0.9, 2)                      # simulated GPUs on 2 cores: the floor
+    assert cpus(cpus=8.0) == (0.9, 1)                                # CPU-only: as before
+    assert cpus("--cpus-per-worker", "2", cpus=8.0, gpus=1.0) == (2.0, 2)
+
+
 def test_trials_the_cluster_cannot_hold_are_refused_naming_the_flag():
     import pytest
 

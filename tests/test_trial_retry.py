@@ -171,7 +171,7 @@ def test_a_search_does_not_rerun_a_trial_that_failed_by_itself(ray_session, synt
     built = tmp_path / "built.txt"
 
     def factory(cfg, *, num_workers, use_gpu, resources_per_worker, name, storage_path, callbacks,
-                device_lease=None, index=None):
+                device_lease=None, index=None, node_setup=None):
         with open(built, "a") as f:
             f.write(name + "\n")
         return TorchTrainer(functools.partial(failing_worker, claim=str(tmp_path / "claim")),

@@ -344,42 +344,6 @@ def test_data_loading_bench_prints_its_table(capsys, tmp_path):
     assert data["ratios"]["first_read_vs_decord"] > 0 and "first read of a raw entry" in out
 
 
-def test_device_decoding_first_waits_for_the_work_queued_on_the_stream(monkeypatch):
-    """nvJPEG can overwrite memory that kernels still queued on the stream will read
-    (datasets/decode.py, wait_for_queued_work): an encoded batch bound for a GPU drains that
-    device's current stream before decode_jpeg is called there; one decoded on the CPU waits for
-    nothing. The call order is recorded with torch's stream and torchvision's decoder faked (no
-    GPU here): removing the synchronize, or moving it after the decode, fails this test."""
-    from vidtune.datasets import decode
-
-    calls = []
-
-    class Stream:
-        def __init__(self, device):
-            self.device = torch.device(device)
-
-        def synchronize(self):
-            calls.append(("synchronize", self.device))
-
-    cpu_decode = decode.decode_jpeg
-
-    def fake_decode(jpegs, *, device):
-        calls.append(("decode_jpeg", torch.device(device)))
-        return cpu_decode(jpegs)            # frames as the GPU would give them, on the CPU
-
-    monkeypatch.setattr(torch.accelerator, "current_stream", Stream)
-    monkeypatch.setattr(decode, "decode_jpeg", fake_decode)
-    frames = torch.randint(0, 255, (4, 16, 16, 3), dtype=torch.uint8)
-    jpegs = [encode_jpeg(f.permute(2, 0, 1).contiguous(), quality=95) for f in frames]
-    gpu = torch.device("cuda", 1)
-    out = clips_to_device([jpegs, jpegs[::-1]], gpu)
-    assert calls == [("synchronize", gpu), ("decode_jpeg", gpu)]          # once per batch, first
-    assert out.shape == (2, 4, 16, 16, 3) and torch.equal(out[1], out[0].flip(0))
-    calls.clear()
-    clips_to_device([jpegs], "cpu")
-    assert calls == [("decode_jpeg", torch.device("cpu"))]
-
-
 @pytest.mark.gpu
 def test_jpeg_frames_are_decoded_on_the_gpu_like_on_the_cpu():
     """A mixed batch (one decoded clip, two of JPEG frames) lands on the GPU in batch order, its

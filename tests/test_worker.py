@@ -506,11 +506,52 @@ def test_a_learning_rate_of_1e6_ends_the_run_as_diverged(ray_session, synthetic_
     assert metrics["gpu_ids"] == "" and isinstance(metrics["node_id"], str)
 
 
-def test_loader_workers_default_from_the_cpus_a_worker_holds():
-    """A GPU worker given 8 CPUs decodes on 7 (2 left a big GPU waiting for data); one with a
-    CPU or less still decodes on 2 beside training; --loader-workers wins, 0 included."""
+def test_a_workers_cpus_split_into_torch_threads_and_loaders():
+    """On the CPU, as before: a GPU-less worker given 8 CPUs decodes on 7, one with a CPU or less
+    still decodes on 2 beside training. On a GPU the rule changed: the old default 0.9 CPU gave a
+    GPU worker 1 thread and 2 loaders, which starve a large GPU. Its process mostly launches
+    kernels, so it keeps 1 torch thread (2 from 6 CPUs) and the rest decode, at least 4 loaders
+    where its GPU's share of the node has the cores (the trial starting behind it on that GPU only
+    waits on the lease meanwhile). --cpu-threads and --loader-workers win, 0 included."""
+    from vidtune.trainer.cluster.cpu_share import CpuPlan, cpu_plan
     from vidtune.trainer.training.run import loader_workers
 
-    assert [loader_workers(None, cpus) for cpus in (0.5, 0.9, 1, 3, 4, 8, 16.0)] == [2, 2, 2, 2, 3, 7, 15]
+    grants = (0.5, 0.9, 1, 3, 4, 8, 16.0)
+    assert [loader_workers(None, cpus) for cpus in grants] == [2, 2, 2, 2, 3, 7, 15]
+    assert [(p.threads, p.loaders) for p in (cpu_plan(cpus, on_gpu=False) for cpus in grants)] == [
+        (1, 2), (1, 2), (1, 2), (3, 2), (4, 3), (8, 7), (16, 15)]
+    # 8 CPUs a GPU (g5.2xlarge): the old 0.9, the new default 3.5 (two trials a GPU), one trial a GPU
+    assert [cpu_plan(cpus, on_gpu=True, node_cpus_per_gpu=8) for cpus in (0.9, 3.5, 7.5)] == [
+        CpuPlan(1, 4), CpuPlan(1, 4), CpuPlan(2, 5)]
+    assert cpu_plan(1.5, on_gpu=True, node_cpus_per_gpu=4) == CpuPlan(1, 3)   # 4 cores a GPU: no more
+    assert cpu_plan(0.9, on_gpu=True, node_cpus_per_gpu=2) == CpuPlan(1, 2)   # at least 2, as on the CPU
+    assert cpu_plan(12, on_gpu=True, node_cpus_per_gpu=12) == CpuPlan(2, 10)
+    assert cpu_plan(3.5, on_gpu=True, node_cpus_per_gpu=8, threads=3, loaders=0) == CpuPlan(3, 0)
     assert loader_workers(0, 8) == 0 and loader_workers(5, 1) == 5
     assert DataConfig().loader_workers is None      # the default is decided where the CPUs are known
+
+
+def test_a_gpu_worker_sets_its_threads_and_loaders_from_the_cpus_ray_granted(monkeypatch):
+    """The worker's own step (`_use_allocated_cpus`): Ray's grant and the node's CPUs per GPU, as
+    Ray reports them, give torch's threads and the loader count the run is built with."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from vidtune.trainer.cluster import worker
+    from vidtune.trainer.cluster.cpu_share import CpuPlan
+
+    context = SimpleNamespace(get_assigned_resources=lambda: {"CPU": 3.5, "GPU": 0.6},
+                              get_node_id=lambda: "node-b")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "node-a", "Resources": {"CPU": 4.0}},
+                                                {"NodeID": "node-b", "Resources": {"CPU": 16.0, "GPU": 2.0}}])
+    before = torch.get_num_threads()
+    try:
+        cfg = TrainConfig(data=DataConfig(root="unused"))
+        assert worker._use_allocated_cpus(cfg, on_gpu=True) == CpuPlan(1, 4)
+        assert torch.get_num_threads() == 1
+        assert worker._use_allocated_cpus(cfg, on_gpu=False) == CpuPlan(3, 2)   # the CPU rule
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

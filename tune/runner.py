@@ -22,16 +22,15 @@ from ray.tune import CLIReporter
 from ray.tune.search import Searcher
 
 from vidtune.atomic import write_atomically
+from vidtune.atomic_fs import storage_filesystem
 from vidtune.datasets.cache import FrameCache
-from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.index import VideoIndex
 from vidtune.flags import ConfigError
 from vidtune.trainer.cluster import kinetics, node_cache
-from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import start_lease
-from vidtune.trainer.models.registry import get_spec
+from vidtune.trainer.cluster.node_setup import NodeSetup
+from vidtune.trainer.models.registry import get_spec, kinetics_file
 from vidtune.trainer.ray_setup.launch import check_batch_sizes, init_ray, joins_cluster
-from vidtune.trainer.training.batch_probe import BatchProbe, probe_batch_size
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.gpus import simulated_gpus
 from vidtune.tune import best_model
@@ -39,7 +38,7 @@ from vidtune.tune.config import searched
 from vidtune.tune.config.options import SearchOptions
 from vidtune.tune.outputs.console import SearchConsole
 from vidtune.tune.outputs.results import objective_key
-from vidtune.tune.outputs.resume_line import announce_resume
+from vidtune.tune.outputs.resume_line import announce_resume, resume_command
 from vidtune.tune.outputs.search_log import (
     LOG_FILE,
     keep_ray_lines_off_the_console,
@@ -47,7 +46,7 @@ from vidtune.tune.outputs.search_log import (
     quiet_libraries,
 )
 from vidtune.tune.preflight import Plan, unreadable_state
-from vidtune.tune.running import cleanup, faults
+from vidtune.tune.running import cleanup, disk_full, faults
 from vidtune.tune.running.budget import TimeBudget
 from vidtune.tune.running.cluster import (
     AUTOSCALER_CONFIG,
@@ -59,6 +58,7 @@ from vidtune.tune.running.cluster import (
     waiting_line,
 )
 from vidtune.tune.running.faults import DiskFullError
+from vidtune.tune.running.probe_sites import probe_each_kind, probe_sites
 from vidtune.tune.running.ray_internals import (
     check_experiment_state,
     drop_unreadable_error_pickles,
@@ -138,8 +138,10 @@ def check_cluster(opts: SearchOptions) -> Fit:
 
 def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = None) -> SearchOptions:
     """--probe-batch-size: drop batch sizes above the largest that fits in a trial's share of a GPU
-    (--gpus-per-trial 0.5: half its memory), measured on a GPU of the cluster; with none up yet
-    but some to come (`fit.waits_for_nodes`), it waits for the first, saying so."""
+    (--gpus-per-trial 0.5: half its memory), measured with the trials' precision, --channels-last
+    and --compile on a GPU of each kind the cluster has (`tune.running.probe_sites`: the smallest
+    cap wins); with none up yet but some to come (`fit.waits_for_nodes`), it waits for the first,
+    saying so."""
     if not opts.space.probe_batch_size:
         return opts
     waits = fit is not None and fit.waits_for_nodes
@@ -148,24 +150,23 @@ def probe_batch_sizes(opts: SearchOptions, base: TrainConfig, fit: Fit | None = 
         return opts
     per_worker = opts.resources.gpus_per_worker or 1.0
     share = per_worker if opts.resources.workers_per_trial == 1 and 0 < per_worker < 1 else 1.0
-
-    @ray.remote(num_gpus=1)
-    def probe(model: str, precision: str, frames: int | None, height: int | None, width: int | None,
-              limit: int, share: float) -> BatchProbe:
-        return probe_batch_size(model, precision=precision, device=train_device(), num_frames=frames,
-                                height=height, width=width, limit=limit, share=share)
-
-    d = base.data
-    if float(ray.cluster_resources().get("GPU", 0.0)) < 1:
+    d, t = base.data, opts.train
+    sites = probe_sites(ray.nodes())
+    if not sites:
         print("--probe-batch-size: waiting for the first GPU node to join, then probing on it", flush=True)
     asked = time.monotonic()
-    found = ray.get(probe.remote(opts.train.model, opts.train.precision, d.num_frames, d.height, d.width,
-                                 max(opts.space.batch_sizes), share))
+    found = probe_each_kind(sites, t.model, precision=t.precision, channels_last=t.channels_last,
+                            compile=t.compile, num_frames=d.num_frames, height=d.height, width=d.width,
+                            limit=max(opts.space.batch_sizes), share=share)
     if waits:
         print(f"--probe-batch-size: probed after {time.monotonic() - asked:.0f} s", flush=True)
-    largest = found.batch_size
+    for site, probe in found:
+        where = site.describe() if site is not None else "on the first GPU node to join"
+        print(f"--probe-batch-size: {where}: {probe.describe()}")
+    largest = min(probe.batch_size for _, probe in found)
     kept = tuple(b for b in opts.space.batch_sizes if b <= largest)
-    print(f"--probe-batch-size: {found.describe()}; searching batch sizes {kept}")
+    print(f"--probe-batch-size: searching batch sizes {kept}" + (
+        f" (the smallest cap of the {len(found)} GPU kinds)" if len(found) > 1 else ""))
     if not kept:
         raise ConfigError("--batch-sizes", f"none of {list(opts.space.batch_sizes)} fits in GPU memory "
                           f"(largest: {largest}); pass smaller sizes or lower --num-frames/--height/--width")
@@ -192,7 +193,7 @@ def fill_clip_cache(base: TrainConfig, index: VideoIndex | None, *, on_gpu: bool
     videos = list(index.train) + list(index.val)
     if trains_here:   # every video decoded once at the model's size (its summary says so)
         print(f"Clip cache {cache.root}: decoding {len(videos)} videos before the first trial", flush=True)
-        print(fill_cache(videos, height=height, width=width, cache=cache).summary(cache))
+        print(node_cache.fill_this_node(base.data, videos, height, width, on_gpu))   # marks it filled
     node_cache.fill_every_node(base.data, videos, height=height, width=width, on_gpu=on_gpu,
                                skip=ray.get_runtime_context().get_node_id() if trains_here else None)
     return base
@@ -242,22 +243,26 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
     tracker = make_tracker(plan, opts)
     driver = make_trial_driver(base, resources, train_storage=f"{plan.experiment_path}/train_runs",
                                registry_name=registry_name, lease_name=lease_name, index=plan.index,
-                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective))
+                               trainer_factory=trainer_factory, score_metric=objective_key(opts.objective),
+                               node_setup=NodeSetup(  # for nodes that join later: what every node got above
+                                   ray.get_runtime_context().get_node_id(), fill_cache=base.data.clip_cache,
+                                   kinetics_path=str(kinetics_file(opts.train.model))
+                                   if opts.train.weights == "kinetics" else None))
     trainable = tune.with_resources(driver, {"cpu": DRIVER_CPUS})
-    callbacks = [tracker, cleanup.ReleaseTrialResources(registry_name, lease_name), faults.InterruptWatch(),
-                 SignAfterSave(), SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
-                                                objective=opts.objective, quiet=opts.quiet,
-                                                concurrency=concurrency, rungs=space.asha_rungs(opts),
-                                                reduction_factor=opts.reduction_factor)]
+    callbacks = [disk_full.DiskFullStop(), tracker, cleanup.ReleaseTrialResources(registry_name, lease_name),
+                 faults.InterruptWatch(), SignAfterSave(),
+                 SearchConsole(num_samples=opts.num_samples, epochs=opts.train.epochs,
+                               objective=opts.objective, quiet=opts.quiet,
+                               concurrency=concurrency, rungs=space.asha_rungs(opts),
+                               reduction_factor=opts.reduction_factor)]
     tuner, searcher = make_tuner(plan, opts, trainable, concurrency=concurrency, callbacks=callbacks)
     results, failure = None, None
     announce_mlflow(tracker)
     faults.install()   # Ctrl-C / SIGTERM: Tune's graceful stop, remembered (tune/running/faults.py)
     try:
         results = tuner.fit()
-        full = faults.trial_disk_full(results, plan.storage)
-        if full is not None:   # a checkpoint filled the disk before Tune's state did: as if Tune raised
-            results, failure = None, full
+        # a trial's checkpoint filled the disk, which stopped the search (tune/running/disk_full.py)
+        failure = faults.trial_disk_full(results, plan.storage) or disk_full.stopped_error()
     except Exception as e:
         failure = e
     finally:
@@ -279,7 +284,7 @@ def run_search(plan: Plan, *, trainer_factory: Callable[..., Any] | None = None)
         del registry, lease
         faults.uninstall()
     if failure is not None:
-        raise_failure(plan, opts, failure)
+        raise_failure(plan, opts, failure, trials_left=opts.num_samples - summary.trials_ended)
     return faults.late_exit_code(code)
 
 
@@ -292,29 +297,23 @@ def save_lease_record(lease: Any, log: Path) -> Path | None:
     try:
         record = ray.get(lease.snapshot.remote(), timeout=30)["record"]
         return write_atomically(path, json.dumps(record, indent=1))   # whole or not at all (a full disk)
-    except Exception as e:    # bookkeeping: never the reason a search fails
-        print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
+    except Exception as e:    # bookkeeping: never the reason a search fails (a full disk says itself)
+        if not faults.disk_full(e, str(log.parent)):
+            print(f"vidtune: could not save the device lease's record: {e}", file=sys.stderr)
         return None
 
 
-def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception) -> NoReturn:
+def raise_failure(plan: Plan, opts: SearchOptions, failure: Exception, trials_left: int = 0) -> NoReturn:
     """Re-raise what ended the Tuner, said for the user: a full disk (DiskFullError, with
     whether the search can be resumed), a resume whose state could not be read (ConfigError)."""
     full = faults.disk_full(failure, plan.storage)
     if full:
-        try:
-            check_experiment_state(plan.experiment_path)
-            then = (f"free space there (or pass another --storage and copy {plan.search_path} to "
-                    "it), then continue the search with --resume; the epochs already checkpointed are "
-                    "kept")
-        except ValueError:
-            then = ("Tune's saved state was cut short; free space there, then --resume continues from its "
-                    "last whole copy" if last_good.has_copy(plan.experiment_path) else
-                    "the search's saved state was cut short, so it cannot be resumed: free space and "
-                    "start a new search under another --name; the runs recorded so far stay in MLflow")
-        kept = faults.kept_checkpoints(plan.experiment_path)
-        kept = f"; {kept}" if kept else ""
-        raise DiskFullError(f"disk full at {plan.storage} ({full}){kept}: {then}") from None
+        raise DiskFullError(disk_full.message(
+            plan.storage, plan.experiment_path, plan.search_path, full,
+            resumable=disk_full.state_readable(plan.experiment_path),
+            trials_left=trials_left or opts.num_samples,
+            resume=resume_command(plan.name, str(plan.storage), opts),
+            last_good=last_good.has_copy(plan.experiment_path))) from None
     if opts.resume:
         raise ConfigError("--resume", unreadable_state(plan.experiment_path, failure)) from failure
     raise failure
@@ -338,7 +337,8 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
             # Errored trials continue from their last checkpoint too (a full disk, a lost node);
             # out of memory is not an error (the trial ended normally with oom=1) and stays done.
             tuner = tune.Tuner.restore(plan.experiment_path, trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True, param_space=param_space)
+                                       resume_errored=True, param_space=param_space,
+                                       storage_filesystem=storage_filesystem(plan.storage))
         except Exception as e:   # a damaged state must stop the resume, never restart the search
             raise ConfigError("--resume", unreadable_state(plan.experiment_path, e)) from None
         return tuner, restored_searcher(tuner)
@@ -360,6 +360,7 @@ def make_tuner(plan: Plan, opts: SearchOptions, trainable: Any, *, concurrency: 
         run_config=tune.RunConfig(
             # Tune's own progress tables only with --verbose: SearchConsole prints vidtune's.
             name=plan.tune_name, storage_path=plan.storage, verbose=1 if opts.verbose else 0,
+            storage_filesystem=storage_filesystem(plan.storage),   # whole files on a full disk
             # Tune runs a trial again (from its Train run's last checkpoint) when the node of its
             # driver and Train controller was lost (a reclaimed spot node): --max-failures times,
             # as Train restarts a lost worker group. A trial that failed by itself is not rerun

@@ -12,8 +12,10 @@ from typing import Any
 
 import ray.train
 
+from vidtune import atomic_fs
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.cluster.lease import LEASE_CONFIG_KEY
+from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup
 from vidtune.trainer.cluster.process_group import GPU_BACKEND, LeasedTorchConfig
 from vidtune.trainer.cluster.torch_trainer import VidtuneTorchTrainer
 from vidtune.trainer.cluster.worker_entry import train_loop_per_worker
@@ -36,12 +38,14 @@ def build_torch_trainer(
     resources_per_worker: dict | None = None,
     name: str | None = None,
     storage_path: str | None = None,
+    storage_filesystem: Any = None,
     callbacks: list | None = None,
     checkpoint_keep: int = 1,
     train_loop: Callable[[dict], None] | None = None,
     device_lease: Any = None,
     index: VideoIndex | None = None,
     score_metric: str = Key.VAL_ACC.value,
+    node_setup: NodeSetup | None = None,
 ):
     """The Ray Train (V2) `TorchTrainer` of one training run of `cfg`.
 
@@ -49,6 +53,8 @@ def build_torch_trainer(
     metric that picks its best epoch; the best `checkpoint_keep`, at least 2, are kept, plus
     always the latest so a rerun with the same `name` and `storage_path` resumes from it). `storage_path`
     None means Ray's default `~/ray_results`; on a multi-node cluster pass shared storage.
+    `storage_filesystem`: a `pyarrow.fs.FileSystem` that `storage_path` is on, when Ray cannot
+    infer it from the path (Ray's `RunConfig(storage_filesystem=...)`: custom credentials, ...).
     A run whose worker dies restarts from its last checkpoint up to `cfg.max_failures` times
     (`--max-failures`); out of memory is not a failure (the worker reports `oom=1` and returns).
     A rank left waiting in a collective by another (failed, stuck) fails after
@@ -59,10 +65,16 @@ def build_torch_trainer(
     their devices before the first epoch and give them back after the last (`trainer.cluster.lease`).
     `index`: the `datasets.index.VideoIndex` the driver checked; the workers train on exactly
     those videos instead of indexing the dataset again.
+    `node_setup`: what a search prepared on every node at its start, which each worker makes sure
+    its own node has before it trains (a node that joined later: `trainer.cluster.node_setup`).
     """
     run_config = ray.train.RunConfig(
         name=name,
         storage_path=storage_path,
+        # each checkpoint file whole or absent on a full disk (vidtune/atomic_fs.py), unless the
+        # caller gives its own filesystem
+        storage_filesystem=storage_filesystem if storage_filesystem is not None else (
+            atomic_fs.storage_filesystem(storage_path) if storage_path else None),
         callbacks=callbacks,
         # At least two: Ray always keeps the latest on top of the best `num_to_keep` by the score,
         # so with two the run holds at least one checkpoint besides the latest, which a worker
@@ -90,6 +102,8 @@ def build_torch_trainer(
         loop_config[LEASE_CONFIG_KEY] = device_lease.to_dict()
     if index is not None:
         loop_config[INDEX_CONFIG_KEY] = index
+    if node_setup is not None:
+        loop_config[NODE_SETUP_CONFIG_KEY] = node_setup.to_dict()
     # GPUs: gloo for the worker's own (CPU) collectives, NCCL for DDP's
     # (trainer.cluster.process_group.GPU_BACKEND),
     # and no CUDA context before the lease (LeasedTorchConfig). Simulated GPUs (trainer.training.gpus): the

@@ -5,7 +5,8 @@ into its own node's cache, failing twice on an offline node).
 
 The copy goes through Ray's object store: one `ray.put` of the file's bytes, one small task
 pinned to each node that writes them to a temporary file and renames it into place. A node the
-autoscaler starts later has no copy; its first trial downloads the file there, as before.
+autoscaler starts later gets its copy from its first trial's workers, before they build the model
+(`trainer.cluster.node_setup`).
 """
 from __future__ import annotations
 

@@ -19,8 +19,10 @@ every holding interval, so each epoch can report how many trainings shared its d
 
 Free, then hand over: a worker gives its devices back only after it has freed what it held there
 (`trainer.cluster.worker`), and says how much device memory it still holds when it asks and when it gives
-back; a trial the search ends while it trains (ASHA, an error) keeps its devices until its worker
-processes have exited. Each grant, release and end is in `record`, with that memory, in order:
+back (NVML's count for its process: `trainer.training.device_memory.process_device_mb`); each rank
+hands back on its own, and the trial's devices go back once every rank has (`hand_back`); a trial
+the search ends while it trains (ASHA, an error) keeps its devices until its worker processes
+have exited. Each grant, release and end is in `record`, with that memory, in order:
 the search writes it to `device_lease.json` beside its log.
 """
 from __future__ import annotations
@@ -61,6 +63,7 @@ class LeaseBook:
         self.queue: list[tuple[str, tuple[str, ...]]] = []     # waiting (owner, keys), arrival order
         self.cancelled: set[str] = set()                       # released while waiting: never granted
         self.intervals: list[tuple[str, tuple[str, ...], float, float | None]] = []  # owner, keys, start, end
+        self.handed: dict[str, dict[int, float | None]] = {}  # owner -> rank -> MiB, ranks handed back so far
         self._changed: asyncio.Condition | None = None
 
     def _cap(self, key: str) -> int:
@@ -150,6 +153,22 @@ class LeaseBook:
                 self._changed.notify_all()
         return True
 
+    async def hand_back(self, owner: str, rank: int, ranks: int, device_mb: float | None = None) -> bool:
+        """Rank `rank` of the owner's `ranks` has freed what it could and gives its devices back,
+        still holding `device_mb` there. The owner's devices go back (`release`) once every rank
+        has: the record's `device_mb` is the most any rank still held, and `ranks_mb` each one's.
+        True when this call released them."""
+        got = self.handed.setdefault(owner, {})
+        got[int(rank)] = device_mb
+        if len(got) < ranks:
+            return False
+        del self.handed[owner]
+        said = [mb for mb in got.values() if mb is not None]
+        released = await self.release(owner, max(said) if said else None)
+        if released:
+            self.record[-1]["ranks_mb"] = [got[r] for r in sorted(got)]
+        return released
+
     def take_role(self, owner: str) -> str:
         """`LEAD` while fewer than `lead_slots` trials hold that role, else `FOLLOW` (the same
         answer again to an owner that already leads). See `tune.running.trial.TrialResources`: a lead
@@ -168,6 +187,7 @@ class LeaseBook:
         it held its devices (stopped, failed, killed) gives them back only once its workers have
         exited (at most `exit_wait_s`): until then their memory is still on the device."""
         self.leads.discard(owner)
+        self.handed.pop(owner, None)
         workers = self.workers.pop(owner, [])
         if owner not in self.held:
             return await self.release(owner)
@@ -299,6 +319,17 @@ class TrainingSlot:
             self.held = False
             try:
                 ray.get(self._actor.release.remote(self.settings.owner, device_mb), timeout=30)
+            except Exception:   # the search ends the lease for this trial too (tune.running.cleanup)
+                pass
+
+    def hand_back(self, rank: int, ranks: int, device_mb: float | None = None) -> None:
+        """This rank (of `ranks`) gives the devices back, still holding `device_mb` there, measured
+        after it freed what it could: the lease lets them go once every rank has (`LeaseBook.hand_back`),
+        so no rank needs a collective for it (the process group may be gone by then)."""
+        if self._actor is not None and self.held:
+            self.held = False
+            try:
+                ray.get(self._actor.hand_back.remote(self.settings.owner, rank, ranks, device_mb), timeout=30)
             except Exception:   # the search ends the lease for this trial too (tune.running.cleanup)
                 pass
 

@@ -5,9 +5,12 @@ node's trials read that node's cache, which its first trial would fill during it
 that epoch is then bound by decoding (and with several trials or DDP ranks on one node, each
 decodes the same videos). Here a task pinned to each such node decodes every video there at
 once, all nodes side by side, with a line per node as it finishes. A node the autoscaler starts
-later fills its cache during its first trial, as before.
+later is filled by its first trial's workers before they train (`trainer.cluster.node_setup`).
 """
 from __future__ import annotations
+
+import hashlib
+import sys
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -17,16 +20,47 @@ from vidtune.datasets.cache_fill import fill_cache
 from vidtune.datasets.config import DataConfig
 from vidtune.datasets.records import VideoInfo
 
+if sys.platform != "win32":   # POSIX file locks; on Windows two fills of a node may overlap (time only)
+    import fcntl
+
+FILLS_FOLDER = ".node-fills"   # in the cache root: the fill's lock file and its markers
 WAIT_S = 3600.0   # a large dataset on a slow disk; a node that takes longer is left to its first trial
 
 
-def fill_this_node(data: DataConfig, videos: list[VideoInfo], height: int, width: int, on_gpu: bool) -> str:
+def fill_this_node(data: DataConfig, videos: list[VideoInfo], height: int, width: int, on_gpu: bool,
+                   *, once: bool = False) -> str:
     """Run on a node: decode `videos` into this node's clip cache (its path as `data` resolves it
-    there); the fill's summary."""
+    there); the fill's summary. One process of a node fills at a time (a lock file in the cache),
+    and a fill leaves a marker of its videos, size and format there: with `once`, a marker
+    found means the fill is done ("" returned, nothing read), as when a worker checks its node
+    (`trainer.cluster.node_setup`)."""
     cache = FrameCache.from_config(data, on_gpu=on_gpu)
     if cache is None:
         return "no clip cache"
-    return fill_cache(videos, height=height, width=width, cache=cache).summary(cache)
+    folder = cache.root / FILLS_FOLDER
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / "lock", "a")   # noqa: SIM115 (held across the fill, closed below)
+    except OSError:   # an unwritable cache: the fill says so in its summary
+        return fill_cache(videos, height=height, width=width, cache=cache).summary(cache)
+    marker = folder / fill_key(videos, height, width, cache.format)
+    try:
+        if sys.platform != "win32":
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if once and marker.exists():
+            return ""
+        summary = fill_cache(videos, height=height, width=width, cache=cache).summary(cache)
+        marker.touch()
+        return summary
+    finally:
+        lock.close()   # releases the lock
+
+
+def fill_key(videos: list[VideoInfo], height: int, width: int, fmt: str) -> str:
+    """The name of a fill's marker: a digest of its videos' paths, the size and the format."""
+    digest = hashlib.sha256("\n".join(sorted(str(v.path) for v in videos)).encode())
+    digest.update(f"{height}x{width}:{fmt}".encode())
+    return f"filled-{digest.hexdigest()[:20]}"
 
 
 def training_nodes(on_gpu: bool, skip: str | None) -> list[dict]:
@@ -47,7 +81,8 @@ def fill_every_node(data: DataConfig, videos: list[VideoInfo], *, height: int, w
                     skip: str | None) -> dict[str, str]:
     """Fill the clip cache of every training node but `skip` (the driver's, filled already), all
     at once; node address -> its fill's summary, or why it was not filled. Never raises: a node
-    whose fill fails fills its cache during its first trial."""
+    whose fill fails is filled by its first trial's workers before they train
+    (`trainer.cluster.node_setup`), or during their first epoch if that fails too."""
     nodes = training_nodes(on_gpu, skip)
     if not nodes or not videos:
         return {}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from vidtune.datasets.index import VideoIndex, build_index
+from vidtune.trainer.cluster.checkpoint_upload import CheckpointUploads
+from vidtune.trainer.cluster.cpu_share import CpuPlan, cpu_plan, cpus_per_gpu
 from vidtune.trainer.cluster.devices import train_device
 from vidtune.trainer.cluster.lease import (
     LEASE_CONFIG_KEY,
@@ -30,10 +32,11 @@ from vidtune.trainer.cluster.lease import (
     device_keys,
     physical_gpu_ids,
 )
+from vidtune.trainer.cluster.node_setup import NODE_SETUP_CONFIG_KEY, NodeSetup, prepare_for_run
 from vidtune.trainer.cluster.torch_trainer import quiet_report_lines
 from vidtune.trainer.training.checkpointing import saved_epoch
 from vidtune.trainer.training.config import INDEX_CONFIG_KEY, TrainConfig
-from vidtune.trainer.training.device_memory import free_device, held_device_mb, process_device_mb
+from vidtune.trainer.training.device_memory import free_device, process_device_mb, release_process_group
 from vidtune.trainer.training.history import write_history
 from vidtune.trainer.training.metrics import (
     EpochStats,
@@ -54,7 +57,6 @@ from vidtune.trainer.training.run import (
     build_run,
     current_lr,
     data_counts,
-    loader_workers,
     place_model,
     run_epoch,
     save_run_checkpoint,
@@ -86,6 +88,7 @@ class _Worker:
     device_util_pct: float = math.nan                # this rank's device utilisation in the last epoch
     cpu_window: CpuWindow | None = None              # this rank's OtherCpuLoad view of the last epoch
     settings: dict[str, str] = field(default_factory=lambda: dict.fromkeys(SETTING_KEYS, ""))  # all ranks'
+    uploads: CheckpointUploads = field(default_factory=CheckpointUploads)   # rank 0's, on their way
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -111,9 +114,10 @@ def train_loop_per_worker(config: dict) -> None:
     config = dict(config)
     lease = LeaseSettings.from_dict(config.pop(LEASE_CONFIG_KEY, None))
     index = config.pop(INDEX_CONFIG_KEY, None)
+    node_setup = NodeSetup.from_dict(config.pop(NODE_SETUP_CONFIG_KEY, None))
     cfg = TrainConfig.from_dict(config)
     started, started_ts = time.perf_counter(), time.time()
-    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index)
+    w = unless_out_of_memory(_setup, cfg, TrainingSlot(lease), index, node_setup)
     if any_rank(w is None):   # agreed before any other collective, so no rank waits for a lost one
         _report_setup_oom(cfg, time.perf_counter() - started, _epoch_window(started_ts, time.time()))
         return
@@ -132,7 +136,7 @@ def train_loop_per_worker(config: dict) -> None:
             return
         place_model(run, state, wrap=lambda model: _prepare_ddp(model, run))
         _use_device_threads(w)
-        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy)))
+        w.settings = merge_settings(_all_gather(worker_settings(run.device, run.policy, run.model)))
         utilization, other_load = DeviceUtilization(run.device), OtherCpuLoad()
         for epoch in range(start_epoch, cfg.epochs + 1):
             started, started_ts = time.perf_counter(), time.time()
@@ -160,16 +164,22 @@ def train_loop_per_worker(config: dict) -> None:
             # group Train restarts on the same devices gets them back at once (a regrant).
 
 
-def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None) -> _Worker:
-    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU.
-    Runs no collective: a rank that runs out of memory here must not leave the others waiting."""
+def _setup(cfg: TrainConfig, slot: TrainingSlot, index: VideoIndex | None,
+           node_setup: NodeSetup | None = None) -> _Worker:
+    """The worker's run (`trainer.training.run.build_run`), with the model and optimiser on the CPU,
+    on a node that has what the search prepared at its start (`node_setup`: a node that joined
+    later gets it now, `trainer.cluster.node_setup`). Runs no collective: a rank that runs out of
+    memory here must not leave the others waiting."""
     ctx = ray.train.get_context()
-    cpus = _use_allocated_cpus(cfg.cpu_threads)
-    data = dataclasses.replace(cfg.data, loader_workers=loader_workers(cfg.data.loader_workers, cpus))
-    cfg = dataclasses.replace(cfg, data=data)
+    device = train_device()
+    plan = _use_allocated_cpus(cfg, on_gpu=device.type == "cuda")
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, loader_workers=plan.loaders))
     if index is None:
         index = build_index(cfg.data)  # probes once per dataset; later calls read the cache
-    run = build_run(cfg, index, device=train_device(), rank=ctx.get_world_rank(), world=ctx.get_world_size())
+    if node_setup is not None:
+        for line in prepare_for_run(node_setup, cfg, index, on_gpu=device.type == "cuda"):
+            print(f"vidtune: node {ray.util.get_node_ip_address()}: {line}", flush=True)
+    run = build_run(cfg, index, device=device, rank=ctx.get_world_rank(), world=ctx.get_world_size())
     return _Worker(run=run, slot=slot)
 
 
@@ -182,12 +192,22 @@ def _prepare_ddp(model: nn.Module, run: Run) -> nn.Module:
                                          parallel_strategy_kwargs=ddp_kwargs)
 
 
-def _use_allocated_cpus(threads: int | None) -> float:
-    """Give torch `threads` threads (--cpu-threads), by default as many as the CPUs Ray reserved
-    for this worker (at least 1); returns those CPUs."""
+def _use_allocated_cpus(cfg: TrainConfig, *, on_gpu: bool) -> CpuPlan:
+    """Split the CPUs Ray granted this worker between torch threads (set here) and DataLoader
+    processes (`trainer.cluster.cpu_share.cpu_plan`; `--cpu-threads` and `--loader-workers` win);
+    on a GPU, with its node's CPUs per GPU."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-    torch.set_num_threads(threads or max(1, int(cpus)))
-    return cpus
+    plan = cpu_plan(cpus, on_gpu=on_gpu, node_cpus_per_gpu=_node_cpus_per_gpu() if on_gpu else None,
+                    threads=cfg.cpu_threads, loaders=cfg.data.loader_workers)
+    torch.set_num_threads(plan.threads)
+    return plan
+
+
+def _node_cpus_per_gpu() -> float | None:
+    """This worker's node's CPUs per GPU, as Ray counts them (None without GPUs)."""
+    node = ray.get_runtime_context().get_node_id()
+    resources = next((n.get("Resources") or {} for n in ray.nodes() if n.get("NodeID") == node), {})
+    return cpus_per_gpu([(float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0)))])
 
 
 def _use_device_threads(w: _Worker) -> None:
@@ -320,33 +340,37 @@ def _epoch_metrics(w: _Worker, epoch: int, metrics: dict[str, float], *, window:
 def _report(w: _Worker, epoch: int, metrics: dict[str, Any], *, last: bool = False) -> None:
     """All ranks report (it is a barrier); only rank 0 writes and passes a checkpoint.
 
-    `last`: the run's last epoch. The checkpoint is written (to a local folder) while the
-    weights are still on the device; then every rank frees its device and the devices are handed
-    over (`_hand_over`), and only then is the checkpoint reported, which copies it to the storage
-    (seconds, to a bucket): the next trial trains meanwhile, on a device this one has left."""
+    The checkpoint is written to a local folder (`trainer.cluster.checkpoint_upload`), and Ray
+    copies it to the storage in the background (a bucket: seconds to minutes for a large model)
+    while the next epoch trains; Ray commits it (and deletes the local copy) only once the copy
+    is whole. `last`: the run's last epoch: it is written while the weights are still on the
+    device; then every rank frees its device and the devices are handed over (`_hand_over`)
+    before the upload, so the next trial trains meanwhile, on a device this one has left."""
     if w.run.rank != 0:
         if last:
             _hand_over(w)
         ray.train.report(metrics)
         return
     w.history = {**w.history, epoch: metrics}
-    with tempfile.TemporaryDirectory(prefix="vidtune-ckpt-") as directory:
-        write_history(directory, w.history)
-        save_run_checkpoint(w.run, directory, epoch=epoch,
-                            metrics={**metrics, "speed_by_epoch": dict(w.speed_by_epoch)})
-        if last:
-            _hand_over(w)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=f"epoch_{epoch:04d}{w.checkpoint_suffix}")
+    directory = w.uploads.new_folder()
+    write_history(directory, w.history)
+    save_run_checkpoint(w.run, directory, epoch=epoch,
+                        metrics={**metrics, "speed_by_epoch": dict(w.speed_by_epoch)})
+    if last:
+        _hand_over(w)
+    w.uploads.report(metrics, directory, f"epoch_{epoch:04d}{w.checkpoint_suffix}")
 
 
 def _hand_over(w: _Worker) -> None:
     """Free this rank's device (`free_device`), wait for every rank to have done so (the
-    all-reduce is a barrier), then give the trial's devices back, saying the most device memory
-    any rank still holds (`trainer.cluster.lease` records it)."""
+    all-reduce is a barrier, and the run's last collective), release the process group (NCCL's
+    communicator: `release_process_group`), then give the trial's devices back saying what this
+    process still holds there as the driver counts it (`process_device_mb`: NVML; the lease
+    records the most any rank holds, once every rank has handed back: `trainer.cluster.lease`)."""
     free_device(w.run)
-    held = all_reduce_floats([held_device_mb(w.run)], dist.ReduceOp.MAX)[0]
-    w.slot.release(device_mb=held)
+    all_reduce_floats([0.0], dist.ReduceOp.MAX)
+    release_process_group(w.run.device)
+    w.slot.hand_back(w.run.rank, w.run.world, device_mb=process_device_mb(w.run))
 
 
 def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[float, float], *,
@@ -365,13 +389,12 @@ def _report_no_result(w: _Worker, epoch: int, elapsed_s: float, window: tuple[fl
     if stats is not None:
         loss_sum, clips = all_reduce_floats([stats.loss_sum, float(stats.clips)])
         train_loss = loss_sum / clips if clips else math.nan
-    _hand_over(w)
     _report_worst_case(
         run.device, epoch=epoch, batch_size=run.cfg.batch_size, lr=current_lr(run), elapsed_s=elapsed_s,
         diverged=diverged, train_loss=train_loss, measured={
             **w.where, **_data_metrics(w), **_lease_metrics(w, window, first=True),
             Key.RESUMED_FROM_EPOCH: w.resumed_from_epoch, Key.DAMAGED_CHECKPOINTS: w.damaged_checkpoints,
-            **w.settings})
+            **w.settings}, hand_over=lambda: _hand_over(w))
 
 
 def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, float]) -> None:
@@ -387,14 +410,17 @@ def _report_setup_oom(cfg: TrainConfig, elapsed_s: float, window: tuple[float, f
 
 def _report_worst_case(device: torch.device, *, epoch: int, batch_size: int, lr: float, elapsed_s: float,
                        measured: dict[str, Any], diverged: bool = False,
-                       train_loss: float = math.nan) -> None:
+                       train_loss: float = math.nan, hand_over: Callable[[], None] | None = None) -> None:
     """Report the METRIC_KEYS of an epoch without a result (no checkpoint): `oom=1`, or
     `diverged=1`; no speed; an accuracy of 0, not NaN, since Optuna's `tell` turns a NaN objective
     into a failed trial that TPE ignores, where 0 with the constraint `tune.study.space` sets makes it an
-    infeasible one. `measured`: the keys the caller knows (where it ran, reader failures, cache hits, ...)."""
+    infeasible one. `measured`: the keys the caller knows (where it ran, reader failures, cache hits, ...).
+    `hand_over`: gives the devices back (`_hand_over`), after this report's collectives, before it is sent."""
     peak, allocated = peak_memory_mb(device), peak_allocated_mb(device)  # peaks: kept after a release
     free_memory(device)
     peak, allocated = all_reduce_floats([peak, allocated], dist.ReduceOp.MAX)
+    if hand_over is not None:
+        hand_over()
     ray.train.report(in_report_order({
         Key.EPOCH: epoch, Key.TRAIN_LOSS: float(train_loss), Key.VAL_LOSS: math.nan, Key.VAL_ACC: 0.0,
         Key.VAL_F1: 0.0, Key.VAL_RECALL: 0.0, Key.VAL_AUC: 0.0, Key.CLIPS_PER_S: 0.0,

@@ -19,8 +19,9 @@ DEFAULT_HEADROOM = 0.10   # vidtune.trainer.training.batch_probe.HEADROOM (tests
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    """The probe CLI's own flags. Its --precision is `TrainConfig.precision`'s (`PRECISION_FLAG`)
-    and the clip size `DataConfig`'s (`CLIP_FLAGS`), as in training."""
+    """The probe CLI's own flags. Its --precision, --channels-last and --compile are
+    `TrainConfig`'s (`TRAINING_FLAGS`: each changes what a step holds) and the clip size
+    `DataConfig`'s (`CLIP_FLAGS`), as in training."""
 
     # No argparse choices: the registry imports torch, which --help does not wait for; an
     # unknown name is refused by get_spec, listing the known ones.
@@ -35,7 +36,8 @@ class ProbeOptions:
 
 
 PROBE_FLAGS = tuple(flag_specs(ProbeOptions))
-PRECISION_FLAG = tuple(s for s in flag_specs(TrainConfig) if s.path == "precision")
+TRAINING_FLAGS = tuple(s for s in flag_specs(TrainConfig)
+                       if s.path in ("precision", "channels_last", "compile"))
 CLIP_FLAGS = tuple(s for s in flag_specs(DataConfig) if s.path in ("num_frames", "height", "width"))
 
 
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vidtune batch-probe",
                                 description="Print the largest per-device batch size whose training step "
                                 "fits in memory.")
-    add_flags(p, PROBE_FLAGS + PRECISION_FLAG, group_of=lambda s: "probe", suppress=False)
+    add_flags(p, PROBE_FLAGS + TRAINING_FLAGS, group_of=lambda s: "probe", suppress=False)
     add_flags(p, CLIP_FLAGS, group_of=lambda s: "clip size", suppress=False)
     return p
 
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
         probe = probe_batch_size(opts.model, precision=args.precision, device=opts.device,
                                  num_frames=clip.num_frames, height=clip.height, width=clip.width,
-                                 start=opts.start, limit=opts.limit, headroom=opts.headroom)
+                                 start=opts.start, limit=opts.limit, headroom=opts.headroom,
+                                 channels_last=args.channels_last, compile=args.compile)
     except ValueError as e:   # ConfigError (a flag's bounds) is one
         print(f"error: {e}", file=sys.stderr)
         return 2

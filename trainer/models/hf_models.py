@@ -181,6 +181,35 @@ class HFVideoClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.hf(pixel_values=x.transpose(1, 2)).logits
 
+    def use_training_options(self, *, attn_implementation: str, gradient_checkpointing: bool) -> str | None:
+        """Train with `attn_implementation` (sdpa | eager) where the model class has it, else
+        with what it has (TimeSformer: eager only), and with gradient checkpointing on or off
+        (transformers' `activation_checkpointing_enable`, 5.x's name for gradient checkpointing;
+        non-reentrant, which works under DDP with
+        frozen parameters and under autocast). Returns the line saying the attention differs
+        from what was asked, or None."""
+        with _quiet():   # transformers warns in its own words; the returned line says it once
+            try:
+                self.hf.set_attn_implementation(attn_implementation)
+            except (ValueError, ImportError):   # this class (or this torch) has no such kernel
+                pass
+        if gradient_checkpointing:
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif self.hf.is_activation_checkpointing:
+            self.hf.activation_checkpointing_disable()
+        used = self.attn_implementation()
+        if used == attn_implementation:
+            return None
+        return (f"{type(self.hf).__name__} has no {attn_implementation} attention (transformers "
+                f"{transformers.__version__}): it trains with {used} attention (--attn-implementation)")
+
+    def attn_implementation(self) -> str:
+        """The attention implementation the model runs (transformers keeps it in its config)."""
+        return str(self.hf.config._attn_implementation)
+
+    def gradient_checkpointing(self) -> bool:
+        return bool(self.hf.is_activation_checkpointing)
+
     def save_pretrained(self, folder: str | Path, *, weights: bool = True) -> Path:
         """The model as transformers writes it, for use outside vidtune: its config (with the
         head's labels), its checkpoint's image processor and, unless `weights` is False, its

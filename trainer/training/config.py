@@ -14,6 +14,8 @@ from vidtune.datasets.config import DataConfig
 from vidtune.flags import option
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+# hf: models' attention (transformers' attn_implementation): PyTorch's fused kernel, or plain matmuls.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 # Beside `to_dict()`'s keys in a worker's train_loop_config: the driver's datasets.index.VideoIndex.
 INDEX_CONFIG_KEY = "video_index"
 MODEL_CHOICES_HELP = ("tiny, tiny_deep (CPU), mvit_v2_s, mvit_v1_b, swin3d_t, swin3d_s, swin3d_b, a "
@@ -56,6 +58,14 @@ class TrainConfig:
     channels_last: bool = option(False, flag="--channels-last",
                                  help="channels_last_3d memory format (faster convolutions on CUDA)")
     compile: bool = option(False, flag="--compile", help="torch.compile the model (slow first steps)")
+    gradient_checkpointing: bool = option(False, flag="--gradient-checkpointing",
+                                          help="hf: models: recompute each layer's activations in the "
+                                          "backward pass instead of keeping them (far less memory, so a "
+                                          "larger batch fits; each step runs the forward pass twice)")
+    attn_implementation: str = option("sdpa", flag="--attn-implementation", choices=ATTN_IMPLEMENTATIONS,
+                                      help="hf: models: attention kernel, sdpa (PyTorch's fused "
+                                      "scaled_dot_product_attention) or eager; a model without sdpa "
+                                      "(TimeSformer) trains with eager and says so (default sdpa)")
     cpu_threads: int | None = option(None, flag="--cpu-threads", metavar="N", ge=1,
                                      help="torch threads per worker (default: training on the CPU, the "
                                      "node's cores shared by its workers while the trial trains; else the "

@@ -108,3 +108,15 @@ def nvml_process_memory_mb(uuid: str) -> float | None:
         except Exception:   # an NVML error: unknown, not zero
             return None
     return sum(mine) / 2**20 if mine and all(mine) else None
+
+
+def nvml_device_used_mb(uuid: str) -> float | None:
+    """GPU memory (MiB) in use on the GPU with this UUID, by every process (NVML's memory info:
+    the device's view, which containers do not hide); None when NVML cannot be asked."""
+    with nvml() as lib:
+        if lib is None:
+            return None
+        try:
+            return lib.nvmlDeviceGetMemoryInfo(lib.nvmlDeviceGetHandleByUUID(uuid)).used / 2**20
+        except Exception:   # an NVML error: unknown, not zero
+            return None

@@ -99,10 +99,16 @@ def _timed_batches(loader: Iterable, stats: EpochStats) -> Iterator[tuple[object
         batch = upcoming
 
 
-def _to_device(batch, transform: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _to_device(batch, transform: nn.Module, device: torch.device,
+               stats: EpochStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's model input and labels on `device`. A tensor is copied; JPEG frames from an
+    encoded loader (datasets.video.collate_clips) are decoded there, which is the input
+    pipeline's work done in this process: its time goes to `stats.data_wait_s`, not the step's."""
     clips, labels = batch
-    # A tensor is copied; JPEG frames from an encoded loader (datasets.video.collate_clips) are decoded there.
+    t0 = time.perf_counter()
     clips = clips_to_device(clips, device, non_blocking=True)
+    if stats is not None and not isinstance(batch[0], torch.Tensor):   # decoded here
+        stats.data_wait_s += time.perf_counter() - t0
     labels = torch.as_tensor(labels).to(device, non_blocking=True)
     return transform(clips), labels
 
@@ -145,7 +151,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, *, transform: nn.Module,
     optimizer.zero_grad(set_to_none=True)
     start = time.perf_counter()
     for batch, is_last in _timed_batches(loader, stats):
-        x, y = _to_device(batch, transform, device)
+        x, y = _to_device(batch, transform, device, stats)
         pending += 1
         step_now = pending == grad_accum_steps or is_last
         sync = contextlib.nullcontext() if step_now or not hasattr(model, "no_sync") else model.no_sync()

@@ -16,7 +16,8 @@ Definitions (class 1 = violent = positive; predicted positive when P(violent) >=
   Tune and MLflow store NaN as a value (no crash).
 - clips_per_s: training clips of all workers / slowest worker's training wall time (data wait
   + steps; evaluation excluded). This is the speed a user waits for; `data_wait_frac` says how
-  much of it was the input pipeline: data_wait_s / (data_wait_s + step_time_s), all workers.
+  much of it was the input pipeline (the loader, and JPEG frames decoded on the device):
+  data_wait_s / (data_wait_s + step_time_s), all workers.
 - compute_clips_per_s: the same clips / the slowest worker's time not spent waiting for data
   (forward, backward, optimizer step): the model's own speed, what a faster input pipeline
   could reach at most.
@@ -59,7 +60,7 @@ class EpochStats:
     steps: int = 0               # optimizer steps taken
     nonfinite_steps: int = 0     # of which the loss was inf/NaN (fp16: steps GradScaler skipped)
     step_time_s: float = 0.0     # wall time not spent waiting for data (forward/backward/step)
-    data_wait_s: float = 0.0     # wall time blocked in next(loader)
+    data_wait_s: float = 0.0     # wall time blocked in next(loader) or decoding a batch on the device
     epoch_time_s: float = 0.0    # wall time of the training epoch (excludes evaluation)
 
 

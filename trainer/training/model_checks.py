@@ -20,6 +20,7 @@ from vidtune.trainer.models.registry import (
     fetch_kinetics,
     get_spec,
     has_kinetics_weights,
+    is_hf_model,
     is_own_model,
 )
 from vidtune.trainer.training.config import TrainConfig
@@ -50,6 +51,10 @@ def check_model(cfg: TrainConfig) -> None:
         except WeightsError as e:
             raise ConfigError("--weights", str(e)) from None
     _check_clip_size(cfg)
+    if cfg.gradient_checkpointing and not is_hf_model(cfg.model):
+        raise ConfigError("--gradient-checkpointing", f"model {cfg.model!r} has no gradient checkpointing in "
+                          "vidtune (hf: models have it); drop the flag, or lower --batch-size and raise "
+                          "--grad-accum to keep the effective batch")
     if is_own_model(cfg.model):
         _check_own_model(cfg)
     if cfg.weights not in BUILTIN_WEIGHTS:

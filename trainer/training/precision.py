@@ -224,6 +224,11 @@ def peak_reserved_share(device: torch.device | str) -> float | None:
     return torch.cuda.max_memory_reserved(device) / torch.cuda.get_device_properties(device).total_memory
 
 
+def device_name(device: torch.device | str) -> str | None:
+    """The GPU's name ("NVIDIA H100 80GB HBM3"); None off CUDA."""
+    return torch.cuda.get_device_name(torch.device(device)) if is_cuda(device) else None
+
+
 def device_memory_gib(device: torch.device | str) -> float | None:
     """The device's total memory in GiB; None off CUDA."""
     if not is_cuda(device):

@@ -116,6 +116,12 @@ class Key(StrEnum):
                     "vidtune.cuda")
     DRIVER_VERSION = "driver_version", _T, _E, "the NVIDIA driver's version", "vidtune.driver"
     TORCH_VERSION = "torch_version", _T, _E, "torch's version", "vidtune.torch"
+    ATTN_IMPLEMENTATION = ("attn_implementation", _T, _E,
+                           "hf: models: the attention trained with, sdpa or eager (\"\" for other models)",
+                           "vidtune.attn_implementation")
+    GRADIENT_CHECKPOINTING = ("gradient_checkpointing", _T, _E,
+                              "activations recomputed in the backward pass: on or off",
+                              "vidtune.gradient_checkpointing")
 
     # -- a trial's summary (`tune.outputs.results.SUMMARY_KEYS`, and best_val_f1)
     BEST_VAL_ACC = "best_val_acc", _M, _SUM, "val_acc of the best epoch by the objective (ties: the later)"
@@ -131,7 +137,8 @@ REPORT_KEYS = tuple(k for k in Key if k.cadence is Cadence.EPOCH)     # a worker
 SUMMARY_KEYS = tuple(k for k in Key if k.cadence is Cadence.SUMMARY)
 # what the workers trained with (`trainer.training.settings`), in the order the tags show them
 SETTING_KEYS = (Key.PRECISION_USED, Key.TF32, Key.CUDNN_BENCHMARK, Key.DEVICE_NAME, Key.COMPUTE_CAPABILITY,
-                Key.CUDA_VERSION, Key.DRIVER_VERSION, Key.TORCH_VERSION)
+                Key.CUDA_VERSION, Key.DRIVER_VERSION, Key.TORCH_VERSION, Key.ATTN_IMPLEMENTATION,
+                Key.GRADIENT_CHECKPOINTING)
 # report key -> its MLflow metric name, for the metrics of a report
 EPOCH_METRICS = {k: k.mlflow for k in REPORT_KEYS if k.role is Role.METRIC}
 

@@ -4,12 +4,14 @@ whole). Used by the Train worker (`trainer.cluster.worker`) as a run starts agai
 """
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from typing import Any
 
 import ray.train
 from pyarrow import fs
 
+from vidtune.atomic_fs import is_local
 from vidtune.trainer.training.checkpointing import CheckpointError, checkpoint_problem, load_checkpoint
 from vidtune.trainer.training.history import read_history
 
@@ -31,7 +33,9 @@ def first_whole_checkpoint(candidates: list[ray.train.Checkpoint]
     why each one before it was skipped). Remote checkpoints are downloaded to be checked."""
     damaged: list[str] = []
     for checkpoint in candidates:
-        with checkpoint.as_directory() as directory:
+        # a local storage's own folder, read in place: no copy (Ray copies from any other filesystem)
+        local = is_local(checkpoint.filesystem)
+        with contextlib.nullcontext(checkpoint.path) if local else checkpoint.as_directory() as directory:
             problem = checkpoint_problem(directory)
             if problem is None:
                 try:

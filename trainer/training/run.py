@@ -181,6 +181,10 @@ def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank
     train_loader, val_loader = build_loaders(cfg, spec, index, device, rank=rank, world=world)
     torch.manual_seed(cfg.seed)  # same initial head on every rank and for every worker count
     model = prepare_model_memory_format(build_model(cfg.model, weights=cfg.weights), cfg.channels_last)
+    note = use_training_options(model, attn_implementation=cfg.attn_implementation,
+                                gradient_checkpointing=cfg.gradient_checkpointing)
+    if note and rank == 0:
+        print(f"vidtune: {note}", flush=True)
     # Built on the CPU parameters: `module.to(device)` keeps the same Parameter objects, and
     # the optimizer has no state yet (a checkpoint's is restored after the move).
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
@@ -194,6 +198,19 @@ def build_run(cfg: TrainConfig, index: VideoIndex, *, device: torch.device, rank
                val_transform=input_transform(spec, _CPU, train=False, channels_last=cfg.channels_last),
                model=model, optimizer=optimizer, scheduler=scheduler, scaler=policy.make_scaler(),
                rank=rank, world=world)
+
+
+def use_training_options(model: nn.Module, *, attn_implementation: str,
+                         gradient_checkpointing: bool) -> str | None:
+    """`--attn-implementation` and `--gradient-checkpointing` on `model` where it has them (an
+    hf: model, `trainer.models.hf_models.HFVideoClassifier.use_training_options`): the line to
+    print when its attention differs from what was asked, else None. Other models have one
+    attention of their own and no gradient checkpointing (the driver refuses the flag for them:
+    `trainer.training.model_checks`)."""
+    apply = getattr(unwrap(model), "use_training_options", None)
+    if apply is None:
+        return None
+    return apply(attn_implementation=attn_implementation, gradient_checkpointing=gradient_checkpointing)
 
 
 def place_model(run: Run, state: dict[str, Any] | None = None, *,

@@ -14,13 +14,16 @@ import platform
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from vidtune.trainer.models.registry import unwrap
 from vidtune.trainer.training.gpus import nvml
 from vidtune.trainer.training.precision import PrecisionPolicy
 from vidtune.trainer.training.report_keys import SETTING_KEYS, Key
 
 
-def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, str]:
+def worker_settings(device: torch.device, policy: PrecisionPolicy,
+                    model: nn.Module | None = None) -> dict[str, str]:
     """This worker's settings as torch has them now (call it after `configure_backends`, once the
     worker holds its device: on a GPU, naming it makes a CUDA context):
 
@@ -34,10 +37,14 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
     - cuda_version: the CUDA version torch was built for, "" on the CPU (a CUDA build of torch
       training on the CPU used none, so its run is not tagged with one);
     - driver_version: the NVIDIA driver's version (NVML), "" without one;
-    - torch_version.
+    - torch_version;
+    - attn_implementation: the attention `model` (an hf: one) runs, sdpa or eager; "" for other
+      models, or without `model`;
+    - gradient_checkpointing: "on" | "off", as the model has it.
     """
     cuda = device.type == "cuda"
     precision = policy.name + ("+scaler" if policy.use_scaler else "")
+    attention, checkpointing = training_options(model) if model is not None else ("", False)
     # Plain str each: they go into checkpoints too, which load with weights_only=True, and
     # torch.__version__ is a str subclass (TorchVersion) that such a load refuses.
     return {key: str(value) for key, value in {
@@ -49,6 +56,8 @@ def worker_settings(device: torch.device, policy: PrecisionPolicy) -> dict[str, 
         Key.CUDA_VERSION: (torch.version.cuda or "") if cuda else "",
         Key.DRIVER_VERSION: nvidia_driver_version() if cuda else "",
         Key.TORCH_VERSION: torch.__version__,
+        Key.ATTN_IMPLEMENTATION: attention,
+        Key.GRADIENT_CHECKPOINTING: "on" if checkpointing else "off",
     }.items()}
 
 
@@ -90,3 +99,12 @@ def nvidia_driver_version() -> str:
         except Exception:      # an NVML error: say nothing rather than guess
             return ""
     return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def training_options(model: nn.Module) -> tuple[str, bool]:
+    """(attention implementation, gradient checkpointing) `model` trains with, as the model says:
+    ("", False) for a model without that choice."""
+    plain = unwrap(model)
+    if not hasattr(plain, "use_training_options"):
+        return "", False
+    return plain.attn_implementation(), plain.gradient_checkpointing()

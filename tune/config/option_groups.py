@@ -18,10 +18,11 @@ class Resources:
                                  "ray://host:10001 (default: start a local Ray)")
     workers_per_trial: int = option(1, flag="--workers-per-trial", metavar="N", ge=1,
                                     help="Ray Train workers (data-parallel replicas) per trial")
-    # A core less the trial driver's 0.1 (tune/running/trial.py): N trials fit on N cores.
-    cpus_per_worker: float = option(0.9, flag="--cpus-per-worker", metavar="C", gt=0,
-                                    help="CPUs reserved per training worker "
-                                    "(a core less the trial driver's 0.1)")
+    # None: decided from the cluster (`tune.running.cluster.fit_to_cluster`, `trainer.cluster.cpu_share`).
+    cpus_per_worker: float | None = option(None, flag="--cpus-per-worker", metavar="C", gt=0,
+                                           help="CPUs reserved per training worker (default: 0.9 on CPUs, a "
+                                           "core less the trial driver's 0.1; on GPUs the node's CPUs per "
+                                           "GPU shared by the trials there, e.g. 3.5 with 8, at least 0.9)")
     gpus_per_worker: float | None = option(None, flag="--gpus-per-worker", metavar="G", ge=0,
                                            help="GPUs per training worker (default 1 if the cluster has "
                                            "GPUs, else 0)")

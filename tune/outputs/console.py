@@ -32,6 +32,7 @@ from vidtune.trainer.training.report_keys import Key, number
 from vidtune.tune.config import searched
 from vidtune.tune.outputs.results import STATUSES, TrialResult, completed_trial_status
 from vidtune.tune.running.budget import format_duration
+from vidtune.tune.running.disk_full import stopped_by_full_disk
 from vidtune.tune.running.faults import exception_line, keep_traceback, read_error_file
 from vidtune.tune.running.trial import short_name
 
@@ -179,6 +180,8 @@ class SearchConsole(Callback):
         self._print(f"{short_name(trial)} {how}{result}")
 
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        if stopped_by_full_disk(trial.trial_id):   # unfinished, not failed: the search's last line says why
+            return
         path = getattr(trial, "error_file", None)
         text = read_error_file(path)
         experiment = _experiment_path(trial)

@@ -35,6 +35,11 @@ class Summary:
     files: dict[str, Path]         # trials_csv, best_config, history, params, scatter, importance
 
     @property
+    def trials_ended(self) -> int:
+        """The trials that ran to an end (not UNFINISHED: a --resume continues those)."""
+        return sum(r.status != "UNFINISHED" for r in self.rows)
+
+    @property
     def table_markdown(self) -> str:
         """The trials table, ranked by the objective, as MLflow's description shows it."""
         return format_markdown(ranked(self.rows, self.objective), self.val_clips)

@@ -124,7 +124,8 @@ def row_from_result(result: Result, *, trial_id: str, epochs: int, finished: boo
     records, as MLflow logs them), also for a trial that failed after its last report."""
     m = dict(result.metrics or {})
     cfg = dict(result.config or {})
-    status = trial_status(m, epochs=epochs, error=result.error is not None, finished=finished)
+    # a trial stopped unfinished (Ctrl-C, a full disk: tune/running/disk_full.py) is continued, not failed
+    status = trial_status(m, epochs=epochs, error=result.error is not None and finished, finished=finished)
     records = epoch_records(result, train_run)
     speed = steady_speeds(result, records)
     val_acc, val_f1, best_epoch = number(m.get(Key.VAL_ACC)), number(m.get(Key.VAL_F1)), 0

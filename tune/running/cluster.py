@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -34,6 +34,7 @@ from vidtune.trainer.cluster.capacity import (  # noqa: F401 (some re-exported f
     describe_nodes,
     read_node_types,
 )
+from vidtune.trainer.cluster.cpu_share import CPU_WORKER_CPUS, cpus_per_gpu, gpu_worker_cpus, workers_per_gpu
 from vidtune.trainer.cluster.devices import unsupported_gpus
 from vidtune.trainer.training.gpus import simulated_gpus
 from vidtune.tune.config.options import SearchOptions, gpus_per_trial, with_defaults_for_hardware
@@ -105,10 +106,10 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     cores behind it."""
     nodes = capacity.planned
     cpus, gpus = sum(c for c, _ in nodes), sum(g for _, g in nodes)
-    opts = with_defaults_for_hardware(opts, cluster_gpus=gpus)
+    opts = with_cpus_per_worker(with_defaults_for_hardware(opts, cluster_gpus=gpus), nodes)
     r = opts.resources
     gpt = gpus_per_trial(opts)
-    cpu_per_trial = r.workers_per_trial * r.cpus_per_worker
+    cpu_per_trial = r.workers_per_trial * _cpus_per_worker(opts)
     check_fits(trial_request(opts), nodes, where="the Ray cluster", more="add GPU nodes")
     resources = trial_resources(opts)
     # One GPU on this machine: said as "local GPU mode" (one trial trains on the GPU at a time, the
@@ -129,6 +130,24 @@ def fit_to_cluster(opts: SearchOptions, capacity: ClusterCapacity) -> Fit:
     lead_slots = math.floor(gpus + 1e-9) if resources.takes_roles else 0
     waits = gpt > 0 and capacity.gpus_now + 1e-9 < gpt
     return Fit(opts, concurrency, local_gpu, lead_slots, waits, gpus if gpt > 0 else 0.0, note)
+
+
+def with_cpus_per_worker(opts: SearchOptions, nodes: tuple[Node, ...]) -> SearchOptions:
+    """--cpus-per-worker when not given (GPUs per worker already filled in): a CPU-only trial's
+    0.9, or for GPU trials the share of the CPUs that go with one GPU on `nodes`
+    (`trainer.cluster.cpu_share.gpu_worker_cpus`), so that a GPU worker's loaders keep it fed."""
+    r = opts.resources
+    if r.cpus_per_worker is not None:
+        return opts
+    per_gpu = cpus_per_gpu(nodes) if (r.gpus_per_worker or 0) > 0 else None
+    cpus = CPU_WORKER_CPUS if per_gpu is None else gpu_worker_cpus(
+        per_gpu, workers_per_gpu(r.workers_per_trial, r.gpus_per_worker or 0.0), DRIVER_CPUS)
+    return replace(opts, resources=replace(r, cpus_per_worker=cpus))
+
+
+def _cpus_per_worker(opts: SearchOptions) -> float:
+    """--cpus-per-worker, given or filled in (`with_cpus_per_worker`; a CPU trial's if neither)."""
+    return opts.resources.cpus_per_worker or CPU_WORKER_CPUS
 
 
 def _within_the_head(concurrency: int, head_memory_gb: float | None, *,
@@ -156,7 +175,7 @@ def trial_request(opts: SearchOptions) -> WorkerRequest:
     reads it: the same rules as `vidtune train`'s, with the trial's driver beside its workers."""
     r = opts.resources
     gpus_flag = "--gpus-per-trial" if r.gpus_per_trial is not None else "--gpus-per-worker"
-    return WorkerRequest(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0,
+    return WorkerRequest(r.workers_per_trial, _cpus_per_worker(opts), r.gpus_per_worker or 0.0,
                          extra_cpus=DRIVER_CPUS, workers_flag="--workers-per-trial", gpus_flag=gpus_flag,
                          what="a trial")
 
@@ -164,7 +183,7 @@ def trial_request(opts: SearchOptions) -> WorkerRequest:
 def trial_resources(opts: SearchOptions) -> TrialResources:
     """What each trial asks Ray for (hardware defaults already filled in)."""
     r = opts.resources
-    return TrialResources(r.workers_per_trial, r.cpus_per_worker, r.gpus_per_worker or 0.0)
+    return TrialResources(r.workers_per_trial, _cpus_per_worker(opts), r.gpus_per_worker or 0.0)
 
 
 def waiting_line(capacity: ClusterCapacity) -> str:

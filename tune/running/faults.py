@@ -53,6 +53,8 @@ class Interruption:
     stepped: bool = False            # Tune's loop has begun a step (`InterruptWatch`): trials to name
     tuner_ended: bool = False        # `Tuner.fit()` returned: no graceful stop to ask Tune for
     late_signal: str | None = None   # a signal while the summary was written, after the Tuner
+    # why a trial failed on a full disk (tune/running/disk_full.py), which stopped it
+    disk_full: str | None = None
 
     @property
     def interrupted(self) -> bool:

@@ -21,6 +21,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from vidtune.datasets.index import VideoIndex
 from vidtune.trainer.cluster.build_trainer import build_torch_trainer
 from vidtune.trainer.cluster.lease import LEAD, LeaseSettings
+from vidtune.trainer.cluster.node_setup import NodeSetup
 from vidtune.trainer.training.config import TrainConfig
 from vidtune.trainer.training.report_keys import Key
 from vidtune.tune.config import searched
@@ -137,7 +138,8 @@ def trial_config(base: TrainConfig, sampled: dict[str, Any]) -> TrainConfig:
 def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_storage: str,
                       registry_name: str | None = None, lease_name: str | None = None,
                       index: VideoIndex | None = None, trainer_factory: Callable[..., Any] | None = None,
-                      score_metric: str = Key.VAL_ACC.value) -> Callable[[dict], None]:
+                      score_metric: str = Key.VAL_ACC.value,
+                      node_setup: NodeSetup | None = None) -> Callable[[dict], None]:
     """The Tune function of one trial.
 
     `train_storage`: where the trial's Train run keeps its checkpoints (a subfolder named after
@@ -152,6 +154,8 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
     `trainer_factory`: defaults to `trainer.cluster.build_trainer.build_torch_trainer`; tests pass one that
     builds a `TorchTrainer` around a scripted worker loop (same signature).
     `score_metric`: what ranks the trial's checkpoints (`tune.outputs.results.objective_key`).
+    `node_setup`: what the search prepared on every node at its start; a trial's workers on a node
+    that joined later prepare it first (`trainer.cluster.node_setup`). None: nothing to check.
     """
     base_dict = base.to_dict()
 
@@ -185,6 +189,7 @@ def make_trial_driver(base: TrainConfig, resources: TrialResources, *, train_sto
             cfg, num_workers=resources.workers, use_gpu=resources.use_gpu,
             resources_per_worker=resources.per_worker(role), name=trial_name,
             storage_path=train_storage, callbacks=callbacks, device_lease=lease, index=index,
+            node_setup=node_setup,
         )
         try:
             trainer.fit()

@@ -50,6 +50,7 @@ from vidtune.tune.outputs.results import (
     objective_key,
 )
 from vidtune.tune.outputs.status import Status, word_of
+from vidtune.tune.running.disk_full import stopped_by_full_disk
 from vidtune.tune.running.faults import error_text, one_line, read_error_file
 from vidtune.tune.running.trial import short_name
 from vidtune.tune.tracking import store
@@ -219,6 +220,8 @@ class MLflowTracker(RunWriter, Callback):
 
     @_guarded
     def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        if stopped_by_full_disk(trial.trial_id):   # KILLED at the end, continued by --resume
+            return
         path = getattr(trial, "error_file", None)
         text = read_error_file(path) or f"trial errored; see {path or 'the Ray logs'}"
         run_id = self.child_runs.get(trial.trial_id)
