@@ -270,6 +270,18 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(autouse=True)
+def interruption_state_is_per_test():
+    """A search's interruption state (`tune.running.faults.STATE`: interrupted, the unfinished
+    trials, a full disk) is the process's: a test that ran a search in this process, or stopped
+    one, leaves it set, and a later test's trials would read as UNFINISHED. Reset after each test
+    that could have set it (the module loaded), as `tune.runner.execute` does for each search."""
+    yield
+    faults = sys.modules.get("vidtune.tune.running.faults")
+    if faults is not None:
+        faults.reset()
+
+
+@pytest.fixture(autouse=True)
 def shared_ray_settles(request):
     """After each test that used the session's Ray, the next one finds every CPU free: a test
     that failed in this process (`ray_session`) has its connection renewed, which ends the actors
